@@ -1,0 +1,907 @@
+//! The versioned wire messages of the push protocol and their binary codec.
+//!
+//! Every message travels as one *frame*: an 8-byte header followed by the payload.
+//!
+//! | bytes | field | value |
+//! |---|---|---|
+//! | 0..2 | magic | `b"KX"` |
+//! | 2 | version | [`PROTOCOL_VERSION`] |
+//! | 3 | kind | [`MessageKind`] code |
+//! | 4..8 | payload length | `u32`, little endian, at most [`MAX_PAYLOAD`] |
+//!
+//! Integers are little endian; a list is a `u32` count then its items; a string is a `u32` byte
+//! length then UTF-8. Decoding never panics: truncated, oversized, malformed and wrong-version input
+//! gives a [`DecodeError`]. The field tables are in `docs/wire-protocol.md`.
+
+use thiserror::Error;
+
+use crate::ids::{Attempt, BlockId, EngineId, Incarnation, Rank, RequestId, TransferId};
+use crate::layout::{Arrangement, Dtype, LayoutSpec, MemoryOrder};
+use crate::memory::{MemoryKind, RegionDesc};
+
+/// The protocol version this build speaks.
+pub const PROTOCOL_VERSION: u8 = 1;
+/// The frame magic.
+pub const MAGIC: [u8; 2] = *b"KX";
+/// Bytes in a frame header.
+pub const HEADER_LEN: usize = 8;
+/// Largest payload accepted or produced: 16 MiB (a 1M-block registration fits).
+pub const MAX_PAYLOAD: u32 = 16 << 20;
+/// Longest string field (reasons, transport names).
+pub const MAX_STRING: usize = 4096;
+/// Longest opaque transport address.
+pub const MAX_TRANSPORT_ADDR: usize = 64 << 10;
+
+/// The message kinds and their wire codes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+#[non_exhaustive]
+pub enum MessageKind {
+    /// [`Hello`].
+    Hello = 1,
+    /// [`Registration`].
+    Registration = 2,
+    /// [`Completion`].
+    Completion = 3,
+    /// [`FailureNotice`].
+    Failure = 4,
+    /// [`Abort`].
+    Abort = 5,
+    /// [`Heartbeat`].
+    Heartbeat = 6,
+}
+
+impl MessageKind {
+    fn from_code(code: u8) -> Option<Self> {
+        Some(match code {
+            1 => Self::Hello,
+            2 => Self::Registration,
+            3 => Self::Completion,
+            4 => Self::Failure,
+            5 => Self::Abort,
+            6 => Self::Heartbeat,
+            _ => return None,
+        })
+    }
+}
+
+/// Which side of the disaggregated pair an engine is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Role {
+    /// Produces KV (prefill).
+    Producer,
+    /// Consumes KV (decode).
+    Consumer,
+}
+
+/// The first message on a control connection: who the sender is, what its cache looks like and
+/// how to reach its memory.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Hello {
+    /// Hash of what must match between peers (model shape, dtype); see
+    /// [`LayoutSpec::compat_hash`].
+    pub compat_hash: u64,
+    /// The sending engine.
+    pub engine: EngineId,
+    /// The sender's incarnation: a new value after every restart.
+    pub incarnation: Incarnation,
+    /// Producer or consumer.
+    pub role: Role,
+    /// The sending rank's cache layout.
+    pub layout: LayoutSpec,
+    /// The sending rank's registered regions.
+    pub regions: Vec<RegionDesc>,
+    /// Transport name (`"libfabric:shm"`, `"nixl:ucx"`, `"loopback"`, ...).
+    pub transport: String,
+    /// Opaque transport endpoint address.
+    pub transport_addr: Vec<u8>,
+}
+
+/// Decode tells prefill where one request's KV must land on one decode rank.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Registration {
+    /// The router's transfer id.
+    pub transfer: TransferId,
+    /// The attempt; higher supersedes lower.
+    pub attempt: Attempt,
+    /// Decode's own request id (for its logs).
+    pub request: RequestId,
+    /// The registering decode engine.
+    pub consumer: EngineId,
+    /// Its incarnation.
+    pub consumer_incarnation: Incarnation,
+    /// The decode rank these blocks belong to.
+    pub consumer_rank: Rank,
+    /// Prompt tokens whose KV is wanted.
+    pub num_tokens: u32,
+    /// Leading tokens decode already has (prefix cache hit); they are not written.
+    pub skip_tokens: u32,
+    /// How long prefill may hold this registration unmatched, in milliseconds.
+    pub lease_ms: u32,
+    /// Destination blocks, in token order, covering tokens from 0.
+    pub blocks: Vec<BlockId>,
+}
+
+/// Prefill tells decode that one producer rank has written everything it will write for a
+/// transfer. Sent only after the data is visible at the destination.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Completion {
+    /// The transfer.
+    pub transfer: TransferId,
+    /// The attempt that was written.
+    pub attempt: Attempt,
+    /// The producing engine.
+    pub producer: EngineId,
+    /// The producer rank that finished.
+    pub producer_rank: Rank,
+    /// Bytes written by this rank.
+    pub bytes: u64,
+}
+
+/// Why a transfer failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u16)]
+#[non_exhaustive]
+pub enum FailureReason {
+    /// A lease ran out before the other half arrived.
+    LeaseExpired = 1,
+    /// The peer could not be reached.
+    PeerUnreachable = 2,
+    /// Posting or completing the writes failed.
+    TransferFailed = 3,
+    /// The request was aborted.
+    Aborted = 4,
+    /// The registration was refused (capacity, stale attempt, bad blocks).
+    Rejected = 5,
+    /// The layouts of the two sides cannot be planned together.
+    IncompatibleLayout = 6,
+    /// The request was preempted.
+    Preempted = 7,
+}
+
+impl FailureReason {
+    fn from_code(code: u16) -> Option<Self> {
+        Some(match code {
+            1 => Self::LeaseExpired,
+            2 => Self::PeerUnreachable,
+            3 => Self::TransferFailed,
+            4 => Self::Aborted,
+            5 => Self::Rejected,
+            6 => Self::IncompatibleLayout,
+            7 => Self::Preempted,
+            _ => return None,
+        })
+    }
+}
+
+/// Either side tells the other that a transfer attempt failed and will not complete.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FailureNotice {
+    /// The transfer.
+    pub transfer: TransferId,
+    /// The failed attempt.
+    pub attempt: Attempt,
+    /// The rank reporting the failure.
+    pub rank: Rank,
+    /// Why.
+    pub reason: FailureReason,
+    /// Human-readable detail.
+    pub detail: String,
+}
+
+/// Cancel one attempt, or every attempt, of a transfer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Abort {
+    /// The transfer.
+    pub transfer: TransferId,
+    /// One attempt, or `None` for every attempt.
+    pub attempt: Option<Attempt>,
+    /// Human-readable reason.
+    pub reason: String,
+}
+
+/// Keeps leases alive for the listed transfers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Heartbeat {
+    /// The sender.
+    pub engine: EngineId,
+    /// Its incarnation.
+    pub incarnation: Incarnation,
+    /// Transfers still wanted.
+    pub transfers: Vec<TransferId>,
+}
+
+/// Every message of the protocol.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Message {
+    /// See [`Hello`].
+    Hello(Hello),
+    /// See [`Registration`].
+    Registration(Registration),
+    /// See [`Completion`].
+    Completion(Completion),
+    /// See [`FailureNotice`].
+    Failure(FailureNotice),
+    /// See [`Abort`].
+    Abort(Abort),
+    /// See [`Heartbeat`].
+    Heartbeat(Heartbeat),
+}
+
+/// Why bytes could not be decoded.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+#[non_exhaustive]
+pub enum DecodeError {
+    /// The input ends early; `needed` bytes are required in all.
+    #[error("truncated input: need {needed} bytes, have {available}")]
+    Truncated {
+        /// Bytes needed.
+        needed: usize,
+        /// Bytes present.
+        available: usize,
+    },
+    /// The frame does not start with the magic.
+    #[error("bad magic {0:02x?}: not a kvx frame")]
+    BadMagic([u8; 2]),
+    /// The peer speaks another protocol version.
+    #[error("unsupported protocol version {got} (this build speaks {supported})")]
+    UnsupportedVersion {
+        /// Version in the frame.
+        got: u8,
+        /// Version this build speaks.
+        supported: u8,
+    },
+    /// Unknown message kind code.
+    #[error("unknown message kind {0}")]
+    UnknownKind(u8),
+    /// The payload is longer than [`MAX_PAYLOAD`].
+    #[error("payload of {len} bytes exceeds the limit of {max}")]
+    Oversized {
+        /// Declared length.
+        len: u64,
+        /// The limit.
+        max: u64,
+    },
+    /// The payload has bytes after its last field.
+    #[error("{extra} unexpected bytes after the message")]
+    TrailingBytes {
+        /// How many.
+        extra: usize,
+    },
+    /// A field holds a value outside its domain.
+    #[error("invalid value {value} for field `{field}`")]
+    InvalidField {
+        /// Field name.
+        field: &'static str,
+        /// The value found.
+        value: u64,
+    },
+    /// A string field is not UTF-8.
+    #[error("field `{field}` is not valid UTF-8")]
+    InvalidUtf8 {
+        /// Field name.
+        field: &'static str,
+    },
+    /// A string, byte or list field is longer than allowed or than the payload.
+    #[error("field `{field}` has length {len}, more than the limit of {max}")]
+    FieldTooLong {
+        /// Field name.
+        field: &'static str,
+        /// Declared length.
+        len: u64,
+        /// The limit.
+        max: u64,
+    },
+}
+
+/// Why a message could not be encoded.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+#[non_exhaustive]
+pub enum EncodeError {
+    /// The encoded payload would exceed [`MAX_PAYLOAD`].
+    #[error("encoded payload of {len} bytes exceeds the limit of {max}")]
+    TooLarge {
+        /// Payload length.
+        len: usize,
+        /// The limit.
+        max: u32,
+    },
+    /// A string or byte field is longer than its limit.
+    #[error("field `{field}` has length {len}, more than the limit of {max}")]
+    FieldTooLong {
+        /// Field name.
+        field: &'static str,
+        /// Its length.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+}
+
+/// A parsed frame header.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FrameHeader {
+    /// The message kind.
+    pub kind: MessageKind,
+    /// Payload bytes that follow the header.
+    pub payload_len: u32,
+}
+
+impl FrameHeader {
+    /// Parses and checks a header (magic, version, kind, length limit). Stream readers call this
+    /// on the first [`HEADER_LEN`] bytes to learn how many more to read.
+    pub fn parse(bytes: &[u8]) -> Result<Self, DecodeError> {
+        let header: &[u8; HEADER_LEN] = bytes
+            .get(..HEADER_LEN)
+            .and_then(|h| h.try_into().ok())
+            .ok_or(DecodeError::Truncated {
+                needed: HEADER_LEN,
+                available: bytes.len(),
+            })?;
+        let magic = [header[0], header[1]];
+        if magic != MAGIC {
+            return Err(DecodeError::BadMagic(magic));
+        }
+        if header[2] != PROTOCOL_VERSION {
+            return Err(DecodeError::UnsupportedVersion {
+                got: header[2],
+                supported: PROTOCOL_VERSION,
+            });
+        }
+        let kind = MessageKind::from_code(header[3]).ok_or(DecodeError::UnknownKind(header[3]))?;
+        let payload_len = u32::from_le_bytes([header[4], header[5], header[6], header[7]]);
+        if payload_len > MAX_PAYLOAD {
+            return Err(DecodeError::Oversized {
+                len: u64::from(payload_len),
+                max: u64::from(MAX_PAYLOAD),
+            });
+        }
+        Ok(Self { kind, payload_len })
+    }
+}
+
+impl Message {
+    /// The kind of this message.
+    #[must_use]
+    pub fn kind(&self) -> MessageKind {
+        match self {
+            Self::Hello(_) => MessageKind::Hello,
+            Self::Registration(_) => MessageKind::Registration,
+            Self::Completion(_) => MessageKind::Completion,
+            Self::Failure(_) => MessageKind::Failure,
+            Self::Abort(_) => MessageKind::Abort,
+            Self::Heartbeat(_) => MessageKind::Heartbeat,
+        }
+    }
+
+    /// Appends this message as one frame to `out`. On error `out` is left as it was.
+    pub fn encode(&self, out: &mut Vec<u8>) -> Result<(), EncodeError> {
+        let start = out.len();
+        out.extend_from_slice(&MAGIC);
+        out.push(PROTOCOL_VERSION);
+        out.push(self.kind() as u8);
+        out.extend_from_slice(&[0; 4]);
+        let mut w = Writer { out };
+        let result = match self {
+            Self::Hello(m) => w.hello(m),
+            Self::Registration(m) => {
+                w.registration(m);
+                Ok(())
+            }
+            Self::Completion(m) => {
+                w.completion(m);
+                Ok(())
+            }
+            Self::Failure(m) => w.failure(m),
+            Self::Abort(m) => w.abort(m),
+            Self::Heartbeat(m) => {
+                w.heartbeat(m);
+                Ok(())
+            }
+        };
+        let payload_len = out.len() - start - HEADER_LEN;
+        let outcome = result.and_then(|()| {
+            u32::try_from(payload_len)
+                .ok()
+                .filter(|&len| len <= MAX_PAYLOAD)
+                .ok_or(EncodeError::TooLarge {
+                    len: payload_len,
+                    max: MAX_PAYLOAD,
+                })
+        });
+        match outcome {
+            Ok(len) => {
+                out[start + 4..start + HEADER_LEN].copy_from_slice(&len.to_le_bytes());
+                Ok(())
+            }
+            Err(e) => {
+                out.truncate(start);
+                Err(e)
+            }
+        }
+    }
+
+    /// Encodes into a fresh buffer.
+    pub fn to_bytes(&self) -> Result<Vec<u8>, EncodeError> {
+        let mut out = Vec::new();
+        self.encode(&mut out)?;
+        Ok(out)
+    }
+
+    /// Decodes the frame at the start of `bytes`; returns the message and the bytes it used.
+    pub fn decode(bytes: &[u8]) -> Result<(Self, usize), DecodeError> {
+        let header = FrameHeader::parse(bytes)?;
+        let total = HEADER_LEN + header.payload_len as usize;
+        let payload = bytes
+            .get(HEADER_LEN..total)
+            .ok_or(DecodeError::Truncated {
+                needed: total,
+                available: bytes.len(),
+            })?;
+        Ok((Self::decode_payload(header.kind, payload)?, total))
+    }
+
+    /// Decodes a buffer that holds exactly one frame.
+    pub fn decode_exact(bytes: &[u8]) -> Result<Self, DecodeError> {
+        let (message, used) = Self::decode(bytes)?;
+        if used != bytes.len() {
+            return Err(DecodeError::TrailingBytes {
+                extra: bytes.len() - used,
+            });
+        }
+        Ok(message)
+    }
+
+    /// Decodes a payload whose header has already been parsed.
+    pub fn decode_payload(kind: MessageKind, payload: &[u8]) -> Result<Self, DecodeError> {
+        let mut r = Reader { buf: payload, pos: 0 };
+        let message = match kind {
+            MessageKind::Hello => Self::Hello(r.hello()?),
+            MessageKind::Registration => Self::Registration(r.registration()?),
+            MessageKind::Completion => Self::Completion(r.completion()?),
+            MessageKind::Failure => Self::Failure(r.failure()?),
+            MessageKind::Abort => Self::Abort(r.abort()?),
+            MessageKind::Heartbeat => Self::Heartbeat(r.heartbeat()?),
+        };
+        let extra = payload.len() - r.pos;
+        if extra != 0 {
+            return Err(DecodeError::TrailingBytes { extra });
+        }
+        Ok(message)
+    }
+}
+
+struct Writer<'a> {
+    out: &'a mut Vec<u8>,
+}
+
+impl Writer<'_> {
+    fn u8(&mut self, v: u8) {
+        self.out.push(v);
+    }
+    fn u16(&mut self, v: u16) {
+        self.out.extend_from_slice(&v.to_le_bytes());
+    }
+    fn u32(&mut self, v: u32) {
+        self.out.extend_from_slice(&v.to_le_bytes());
+    }
+    fn u64(&mut self, v: u64) {
+        self.out.extend_from_slice(&v.to_le_bytes());
+    }
+    fn u128(&mut self, v: u128) {
+        self.out.extend_from_slice(&v.to_le_bytes());
+    }
+    fn count(&mut self, len: usize) -> Result<(), EncodeError> {
+        let len32 = u32::try_from(len).map_err(|_| EncodeError::TooLarge {
+            len,
+            max: MAX_PAYLOAD,
+        })?;
+        self.u32(len32);
+        Ok(())
+    }
+    fn bytes(&mut self, field: &'static str, v: &[u8], max: usize) -> Result<(), EncodeError> {
+        if v.len() > max {
+            return Err(EncodeError::FieldTooLong {
+                field,
+                len: v.len(),
+                max,
+            });
+        }
+        self.count(v.len())?;
+        self.out.extend_from_slice(v);
+        Ok(())
+    }
+    fn string(&mut self, field: &'static str, v: &str) -> Result<(), EncodeError> {
+        self.bytes(field, v.as_bytes(), MAX_STRING)
+    }
+    fn layout(&mut self, l: &LayoutSpec) {
+        self.u32(l.num_layers);
+        self.u32(l.total_kv_heads);
+        self.u32(l.head_dim);
+        self.u8(dtype_code(l.dtype));
+        self.u8(u8::from(l.mla));
+        self.u32(l.block_tokens);
+        self.u32(l.num_blocks);
+        self.u32(l.tp_size);
+        self.u32(l.tp_rank);
+        self.u8(match l.order {
+            MemoryOrder::Nhd => 0,
+            MemoryOrder::Hnd => 1,
+        });
+        self.u8(match l.arrangement {
+            Arrangement::PerLayerSplit => 0,
+            Arrangement::PerLayerKvHalves => 1,
+            Arrangement::PerLayerKvInBlock => 2,
+            Arrangement::CrossLayer => 3,
+        });
+    }
+    fn region(&mut self, r: &RegionDesc) {
+        self.u32(r.index);
+        let (kind, device) = match r.kind {
+            MemoryKind::Host => (0, 0),
+            MemoryKind::Cuda { device } => (1, device),
+            MemoryKind::Neuron { device } => (2, device),
+        };
+        self.u8(kind);
+        self.u32(device);
+        self.u64(r.addr);
+        self.u64(r.len);
+        self.u64(r.key);
+    }
+    fn hello(&mut self, m: &Hello) -> Result<(), EncodeError> {
+        self.u64(m.compat_hash);
+        self.u64(m.engine.0);
+        self.u64(m.incarnation.0);
+        self.u8(match m.role {
+            Role::Producer => 0,
+            Role::Consumer => 1,
+        });
+        self.layout(&m.layout);
+        self.count(m.regions.len())?;
+        for r in &m.regions {
+            self.region(r);
+        }
+        self.string("transport", &m.transport)?;
+        self.bytes("transport_addr", &m.transport_addr, MAX_TRANSPORT_ADDR)
+    }
+    fn registration(&mut self, m: &Registration) {
+        self.u128(m.transfer.0);
+        self.u32(m.attempt.0);
+        self.u64(m.request.0);
+        self.u64(m.consumer.0);
+        self.u64(m.consumer_incarnation.0);
+        self.u32(m.consumer_rank.0);
+        self.u32(m.num_tokens);
+        self.u32(m.skip_tokens);
+        self.u32(m.lease_ms);
+        // A list longer than u32::MAX items cannot fit MAX_PAYLOAD; the length check in `encode`
+        // rejects it, so a saturated count here is never sent.
+        self.u32(u32::try_from(m.blocks.len()).unwrap_or(u32::MAX));
+        for b in &m.blocks {
+            self.u32(b.0);
+        }
+    }
+    fn completion(&mut self, m: &Completion) {
+        self.u128(m.transfer.0);
+        self.u32(m.attempt.0);
+        self.u64(m.producer.0);
+        self.u32(m.producer_rank.0);
+        self.u64(m.bytes);
+    }
+    fn failure(&mut self, m: &FailureNotice) -> Result<(), EncodeError> {
+        self.u128(m.transfer.0);
+        self.u32(m.attempt.0);
+        self.u32(m.rank.0);
+        self.u16(m.reason as u16);
+        self.string("detail", &m.detail)
+    }
+    fn abort(&mut self, m: &Abort) -> Result<(), EncodeError> {
+        self.u128(m.transfer.0);
+        match m.attempt {
+            None => self.u8(0),
+            Some(a) => {
+                self.u8(1);
+                self.u32(a.0);
+            }
+        }
+        self.string("reason", &m.reason)
+    }
+    fn heartbeat(&mut self, m: &Heartbeat) {
+        self.u64(m.engine.0);
+        self.u64(m.incarnation.0);
+        self.u32(u32::try_from(m.transfers.len()).unwrap_or(u32::MAX));
+        for t in &m.transfers {
+            self.u128(t.0);
+        }
+    }
+}
+
+fn dtype_code(d: Dtype) -> u8 {
+    match d {
+        Dtype::F32 => 0,
+        Dtype::F16 => 1,
+        Dtype::Bf16 => 2,
+        Dtype::Fp8E4m3 => 3,
+        Dtype::Fp8E5m2 => 4,
+        Dtype::Int8 => 5,
+    }
+}
+
+struct Reader<'a> {
+    buf: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
+        let end = self.pos.checked_add(n).filter(|&e| e <= self.buf.len());
+        let end = end.ok_or(DecodeError::Truncated {
+            needed: HEADER_LEN + self.pos.saturating_add(n),
+            available: HEADER_LEN + self.buf.len(),
+        })?;
+        let bytes = &self.buf[self.pos..end];
+        self.pos = end;
+        Ok(bytes)
+    }
+    fn array<const N: usize>(&mut self) -> Result<[u8; N], DecodeError> {
+        let bytes = self.take(N)?;
+        let mut out = [0; N];
+        out.copy_from_slice(bytes);
+        Ok(out)
+    }
+    fn u8(&mut self) -> Result<u8, DecodeError> {
+        Ok(self.array::<1>()?[0])
+    }
+    fn u16(&mut self) -> Result<u16, DecodeError> {
+        Ok(u16::from_le_bytes(self.array()?))
+    }
+    fn u32(&mut self) -> Result<u32, DecodeError> {
+        Ok(u32::from_le_bytes(self.array()?))
+    }
+    fn u64(&mut self) -> Result<u64, DecodeError> {
+        Ok(u64::from_le_bytes(self.array()?))
+    }
+    fn u128(&mut self) -> Result<u128, DecodeError> {
+        Ok(u128::from_le_bytes(self.array()?))
+    }
+    /// A list count, checked against what the rest of the payload can hold so that a hostile
+    /// count never drives a large allocation.
+    fn count(&mut self, field: &'static str, item_size: usize) -> Result<usize, DecodeError> {
+        let n = self.u32()? as usize;
+        let room = (self.buf.len() - self.pos) / item_size;
+        if n > room {
+            return Err(DecodeError::FieldTooLong {
+                field,
+                len: n as u64,
+                max: room as u64,
+            });
+        }
+        Ok(n)
+    }
+    fn bytes(&mut self, field: &'static str, max: usize) -> Result<&'a [u8], DecodeError> {
+        let n = self.u32()? as usize;
+        if n > max {
+            return Err(DecodeError::FieldTooLong {
+                field,
+                len: n as u64,
+                max: max as u64,
+            });
+        }
+        self.take(n)
+    }
+    fn string(&mut self, field: &'static str) -> Result<String, DecodeError> {
+        let bytes = self.bytes(field, MAX_STRING)?;
+        std::str::from_utf8(bytes)
+            .map(str::to_owned)
+            .map_err(|_| DecodeError::InvalidUtf8 { field })
+    }
+    fn flag(&mut self, field: &'static str) -> Result<bool, DecodeError> {
+        match self.u8()? {
+            0 => Ok(false),
+            1 => Ok(true),
+            v => Err(DecodeError::InvalidField {
+                field,
+                value: u64::from(v),
+            }),
+        }
+    }
+    fn layout(&mut self) -> Result<LayoutSpec, DecodeError> {
+        let num_layers = self.u32()?;
+        let total_kv_heads = self.u32()?;
+        let head_dim = self.u32()?;
+        let dtype_code = self.u8()?;
+        let dtype = Dtype::ALL
+            .get(usize::from(dtype_code))
+            .copied()
+            .ok_or(DecodeError::InvalidField {
+                field: "layout.dtype",
+                value: u64::from(dtype_code),
+            })?;
+        let mla = self.flag("layout.mla")?;
+        let block_tokens = self.u32()?;
+        let num_blocks = self.u32()?;
+        let tp_size = self.u32()?;
+        let tp_rank = self.u32()?;
+        let order = match self.u8()? {
+            0 => MemoryOrder::Nhd,
+            1 => MemoryOrder::Hnd,
+            v => {
+                return Err(DecodeError::InvalidField {
+                    field: "layout.order",
+                    value: u64::from(v),
+                })
+            }
+        };
+        let arrangement = match self.u8()? {
+            0 => Arrangement::PerLayerSplit,
+            1 => Arrangement::PerLayerKvHalves,
+            2 => Arrangement::PerLayerKvInBlock,
+            3 => Arrangement::CrossLayer,
+            v => {
+                return Err(DecodeError::InvalidField {
+                    field: "layout.arrangement",
+                    value: u64::from(v),
+                })
+            }
+        };
+        Ok(LayoutSpec {
+            num_layers,
+            total_kv_heads,
+            head_dim,
+            dtype,
+            mla,
+            block_tokens,
+            num_blocks,
+            tp_size,
+            tp_rank,
+            order,
+            arrangement,
+        })
+    }
+    fn region(&mut self) -> Result<RegionDesc, DecodeError> {
+        let index = self.u32()?;
+        let kind_code = self.u8()?;
+        let device = self.u32()?;
+        let kind = match kind_code {
+            0 if device == 0 => MemoryKind::Host,
+            1 => MemoryKind::Cuda { device },
+            2 => MemoryKind::Neuron { device },
+            _ => {
+                return Err(DecodeError::InvalidField {
+                    field: "region.kind",
+                    value: u64::from(kind_code),
+                })
+            }
+        };
+        Ok(RegionDesc {
+            index,
+            kind,
+            addr: self.u64()?,
+            len: self.u64()?,
+            key: self.u64()?,
+        })
+    }
+    fn hello(&mut self) -> Result<Hello, DecodeError> {
+        let compat_hash = self.u64()?;
+        let engine = EngineId(self.u64()?);
+        let incarnation = Incarnation(self.u64()?);
+        let role = match self.u8()? {
+            0 => Role::Producer,
+            1 => Role::Consumer,
+            v => {
+                return Err(DecodeError::InvalidField {
+                    field: "role",
+                    value: u64::from(v),
+                })
+            }
+        };
+        let layout = self.layout()?;
+        let n = self.count("regions", REGION_WIRE_LEN)?;
+        let regions = (0..n).map(|_| self.region()).collect::<Result<_, _>>()?;
+        let transport = self.string("transport")?;
+        let transport_addr = self
+            .bytes("transport_addr", MAX_TRANSPORT_ADDR)?
+            .to_vec();
+        Ok(Hello {
+            compat_hash,
+            engine,
+            incarnation,
+            role,
+            layout,
+            regions,
+            transport,
+            transport_addr,
+        })
+    }
+    fn registration(&mut self) -> Result<Registration, DecodeError> {
+        let transfer = TransferId(self.u128()?);
+        let attempt = Attempt(self.u32()?);
+        let request = RequestId(self.u64()?);
+        let consumer = EngineId(self.u64()?);
+        let consumer_incarnation = Incarnation(self.u64()?);
+        let consumer_rank = Rank(self.u32()?);
+        let num_tokens = self.u32()?;
+        let skip_tokens = self.u32()?;
+        if skip_tokens > num_tokens {
+            return Err(DecodeError::InvalidField {
+                field: "skip_tokens",
+                value: u64::from(skip_tokens),
+            });
+        }
+        let lease_ms = self.u32()?;
+        let n = self.count("blocks", 4)?;
+        let blocks = (0..n)
+            .map(|_| self.u32().map(BlockId))
+            .collect::<Result<_, _>>()?;
+        Ok(Registration {
+            transfer,
+            attempt,
+            request,
+            consumer,
+            consumer_incarnation,
+            consumer_rank,
+            num_tokens,
+            skip_tokens,
+            lease_ms,
+            blocks,
+        })
+    }
+    fn completion(&mut self) -> Result<Completion, DecodeError> {
+        Ok(Completion {
+            transfer: TransferId(self.u128()?),
+            attempt: Attempt(self.u32()?),
+            producer: EngineId(self.u64()?),
+            producer_rank: Rank(self.u32()?),
+            bytes: self.u64()?,
+        })
+    }
+    fn failure(&mut self) -> Result<FailureNotice, DecodeError> {
+        let transfer = TransferId(self.u128()?);
+        let attempt = Attempt(self.u32()?);
+        let rank = Rank(self.u32()?);
+        let code = self.u16()?;
+        let reason = FailureReason::from_code(code).ok_or(DecodeError::InvalidField {
+            field: "reason",
+            value: u64::from(code),
+        })?;
+        let detail = self.string("detail")?;
+        Ok(FailureNotice {
+            transfer,
+            attempt,
+            rank,
+            reason,
+            detail,
+        })
+    }
+    fn abort(&mut self) -> Result<Abort, DecodeError> {
+        let transfer = TransferId(self.u128()?);
+        let attempt = if self.flag("attempt.present")? {
+            Some(Attempt(self.u32()?))
+        } else {
+            None
+        };
+        let reason = self.string("reason")?;
+        Ok(Abort {
+            transfer,
+            attempt,
+            reason,
+        })
+    }
+    fn heartbeat(&mut self) -> Result<Heartbeat, DecodeError> {
+        let engine = EngineId(self.u64()?);
+        let incarnation = Incarnation(self.u64()?);
+        let n = self.count("transfers", 16)?;
+        let transfers = (0..n)
+            .map(|_| self.u128().map(TransferId))
+            .collect::<Result<_, _>>()?;
+        Ok(Heartbeat {
+            engine,
+            incarnation,
+            transfers,
+        })
+    }
+}
+
+const REGION_WIRE_LEN: usize = 4 + 1 + 4 + 8 + 8 + 8;

@@ -1,0 +1,4 @@
+//! kvx-layout (work in progress)
+#![forbid(unsafe_code)]
+pub mod plan;
+pub use plan::{CopyOp, Permute};
