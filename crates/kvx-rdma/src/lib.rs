@@ -1,0 +1,2 @@
+//! kvx-rdma: being written.
+pub mod topology;

@@ -1,0 +1,1 @@
+//! PCIe topology: being written.

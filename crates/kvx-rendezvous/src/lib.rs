@@ -1,0 +1,2 @@
+//! kvx-rendezvous: being written.
+#![forbid(unsafe_code)]
