@@ -76,3 +76,40 @@ pub struct Permute {
     /// Bytes per head vector.
     pub head_bytes: u64,
 }
+
+impl Permute {
+    /// Offset of (`slot`, `head`) inside the chunk in `order`.
+    fn at(&self, order: MemoryOrder, slot: u64, head: u64) -> usize {
+        let index = match order {
+            MemoryOrder::Nhd => slot * u64::from(self.heads) + head,
+            MemoryOrder::Hnd => head * u64::from(self.block_tokens) + slot,
+        };
+        (index * self.head_bytes) as usize
+    }
+
+    /// Bytes of the chunk this permute rewrites.
+    #[must_use]
+    pub fn chunk_bytes(&self) -> u64 {
+        u64::from(self.block_tokens) * u64::from(self.heads) * self.head_bytes
+    }
+
+    /// Applies the permute to `chunk` (the chunk's bytes, starting at `offset` of the region): the
+    /// CPU reference the device kernels are checked against. `scratch` is reused between calls.
+    ///
+    /// # Panics
+    /// If `chunk` is shorter than [`Permute::chunk_bytes`].
+    pub fn apply(&self, chunk: &mut [u8], scratch: &mut Vec<u8>) {
+        let len = self.chunk_bytes() as usize;
+        let chunk = &mut chunk[..len];
+        scratch.clear();
+        scratch.extend_from_slice(chunk);
+        let hb = self.head_bytes as usize;
+        for slot in u64::from(self.first_slot)..u64::from(self.first_slot + self.slots) {
+            for head in 0..u64::from(self.heads) {
+                let src = self.at(self.from, slot, head);
+                let dst = self.at(self.to, slot, head);
+                chunk[dst..dst + hb].copy_from_slice(&scratch[src..src + hb]);
+            }
+        }
+    }
+}

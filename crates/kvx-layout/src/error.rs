@@ -1,0 +1,125 @@
+//! Errors of layout validation and planning.
+
+use kvx_core::{BlockId, Rank};
+use thiserror::Error;
+
+/// A [`LayoutSpec`](kvx_core::LayoutSpec) that cannot describe a real cache.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+#[non_exhaustive]
+pub enum LayoutError {
+    /// A dimension that must be positive is zero.
+    #[error("layout field `{0}` must be positive")]
+    Zero(&'static str),
+    /// The rank is not below the TP size.
+    #[error("tp_rank {rank} is not below tp_size {size}")]
+    RankOutOfRange {
+        /// The rank.
+        rank: u32,
+        /// The TP size.
+        size: u32,
+    },
+    /// Neither the KV heads divide among the ranks nor the ranks among the heads.
+    #[error("{heads} KV heads cannot be split over TP {tp}: one must divide the other")]
+    HeadsNotDivisible {
+        /// Model KV heads.
+        heads: u32,
+        /// TP size.
+        tp: u32,
+    },
+    /// The cache would exceed the address space.
+    #[error("layout sizes overflow 64 bits")]
+    TooLarge,
+}
+
+/// Which side of a plan a problem is on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Side {
+    /// The prefill (writing) side.
+    Producer,
+    /// The decode (receiving) side.
+    Consumer,
+}
+
+impl std::fmt::Display for Side {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Producer => "producer",
+            Self::Consumer => "consumer",
+        })
+    }
+}
+
+/// Why no plan could be made.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+#[non_exhaustive]
+pub enum PlanError {
+    /// Producer and consumer disagree on the model's shape.
+    #[error("model mismatch on `{field}`: producer {producer}, consumer {consumer}")]
+    ModelMismatch {
+        /// The field.
+        field: &'static str,
+        /// Producer's value.
+        producer: String,
+        /// Consumer's value.
+        consumer: String,
+    },
+    /// The producer ranks' layouts differ in more than their rank.
+    #[error("producer rank {rank} has a layout inconsistent with rank {reference}: `{field}` differs")]
+    ProducersInconsistent {
+        /// The odd rank.
+        rank: Rank,
+        /// The rank it was compared with.
+        reference: Rank,
+        /// The first differing field.
+        field: &'static str,
+    },
+    /// No producer layouts were given.
+    #[error("no producer layouts given")]
+    NoProducers,
+    /// A producer rank the plan needs was not given (or given twice).
+    #[error("producer rank {0} is needed but its layout was not given exactly once")]
+    MissingProducer(Rank),
+    /// Fewer blocks than the tokens need.
+    #[error("{side} has {given} blocks but {needed} are needed for the tokens")]
+    NotEnoughBlocks {
+        /// Which side.
+        side: Side,
+        /// Blocks needed.
+        needed: usize,
+        /// Blocks given.
+        given: usize,
+    },
+    /// A block id beyond the cache.
+    #[error("{side} block {block} is out of range (cache has {num_blocks} blocks)")]
+    BlockOutOfRange {
+        /// Which side.
+        side: Side,
+        /// The id.
+        block: BlockId,
+        /// Blocks in that side's cache.
+        num_blocks: u32,
+    },
+    /// The consumer lists one destination block twice.
+    #[error("consumer block {0} appears twice among the destination blocks")]
+    DuplicateConsumerBlock(BlockId),
+    /// More tokens skipped than requested.
+    #[error("skip_tokens {skip} exceeds num_tokens {tokens}")]
+    SkipBeyondTokens {
+        /// Skipped tokens.
+        skip: u64,
+        /// Requested tokens.
+        tokens: u64,
+    },
+    /// With differing memory orders the receiver permutes whole blocks, so a prefix hit must end
+    /// on a consumer block boundary.
+    #[error(
+        "skip_tokens {skip} is not a multiple of the consumer block size {block_tokens}, \
+         which a re-layout between memory orders needs"
+    )]
+    UnalignedSkip {
+        /// Skipped tokens.
+        skip: u64,
+        /// Consumer block size.
+        block_tokens: u32,
+    },
+}

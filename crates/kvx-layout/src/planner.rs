@@ -1,0 +1,624 @@
+//! The planner: from producer and consumer layouts, a request's tokens and block ids, the copy
+//! operations that move exactly that request's KV.
+//!
+//! The work is split in two so that planning costs O(fragments), not O(layers × blocks):
+//!
+//! 1. A *template* in chunk space: for every group of consecutive consumer heads served by one
+//!    producer rank, walk the request's tokens in *segments* (maximal runs that stay inside one
+//!    block on both sides), turn each segment into a (possibly strided) piece, and merge pieces
+//!    that continue each other. Offsets are relative to block 0's chunk of a (layer, K/V) family,
+//!    which works because every arrangement places a family's chunks at one fixed stride.
+//! 2. *Instantiation*: the template is repeated for every (layer, K/V) with that family's region
+//!    and base offset on both sides.
+
+use std::ops::Range;
+
+use kvx_core::{BlockId, MemoryOrder, Rank};
+
+use crate::error::{PlanError, Side};
+use crate::geometry::Layout;
+use crate::plan::{CopyOp, Permute};
+
+/// What to plan: one consumer rank's share of one request.
+#[derive(Clone, Copy, Debug)]
+pub struct PlanRequest<'a> {
+    /// Layouts of the producer ranks (any order; every rank the plan needs must be present).
+    pub producers: &'a [Layout],
+    /// The consumer rank's layout.
+    pub consumer: &'a Layout,
+    /// Tokens of the request whose KV exists on the producer.
+    pub num_tokens: u64,
+    /// Leading tokens the consumer already has; they are not written.
+    pub skip_tokens: u64,
+    /// The request's blocks on the producer (the same ids on every producer rank), in token
+    /// order from token 0.
+    pub producer_blocks: &'a [BlockId],
+    /// The request's blocks on the consumer rank, in token order from token 0.
+    pub consumer_blocks: &'a [BlockId],
+    /// Plan only the operations of this producer rank (a producer rank plans its own share).
+    pub only_producer: Option<Rank>,
+}
+
+/// The receiver's in-place re-layouts, needed when the two sides use different memory orders.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PermutePlan {
+    /// Every destination chunk to re-lay-out once all notices have arrived.
+    pub chunks: Vec<Permute>,
+}
+
+/// The result of planning.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Plan {
+    ops: Vec<CopyOp>,
+    writers: Vec<(Rank, Range<usize>)>,
+    permute: Option<PermutePlan>,
+    bytes: u64,
+}
+
+impl Plan {
+    /// All copy operations, grouped by producer rank (ascending), then layer, then K/V.
+    #[must_use]
+    pub fn ops(&self) -> &[CopyOp] {
+        &self.ops
+    }
+
+    /// The producer ranks that write to this consumer rank: the consumer waits for one
+    /// completion notice from each.
+    pub fn writers(&self) -> impl ExactSizeIterator<Item = Rank> + '_ {
+        self.writers.iter().map(|(rank, _)| *rank)
+    }
+
+    /// The operations one producer rank performs.
+    #[must_use]
+    pub fn ops_for(&self, rank: Rank) -> &[CopyOp] {
+        self.writers
+            .iter()
+            .find(|(r, _)| *r == rank)
+            .map_or(&[], |(_, range)| &self.ops[range.clone()])
+    }
+
+    /// Bytes moved in all.
+    #[must_use]
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// The re-layout the consumer must apply, if the memory orders differ.
+    #[must_use]
+    pub fn permute(&self) -> Option<&PermutePlan> {
+        self.permute.as_ref()
+    }
+
+    /// Consumes the plan, giving its operations.
+    #[must_use]
+    pub fn into_ops(self) -> Vec<CopyOp> {
+        self.ops
+    }
+}
+
+/// A run of consumer heads served by one producer rank, contiguous on both sides.
+#[derive(Clone, Copy, Debug)]
+struct HeadGroup {
+    producer: Rank,
+    /// Index into `PlanRequest::producers`.
+    producer_index: usize,
+    consumer_head: u32,
+    producer_head: u32,
+    heads: u32,
+}
+
+/// A template operation in chunk space (offsets relative to a family's block-0 chunk).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Piece {
+    src: u64,
+    dst: u64,
+    len: u64,
+    count: u64,
+    src_stride: u64,
+    dst_stride: u64,
+}
+
+impl Piece {
+    fn strided(src: u64, dst: u64, len: u64, count: u64, src_stride: u64, dst_stride: u64) -> Self {
+        if count == 1 || (src_stride == len && dst_stride == len) {
+            Self {
+                src,
+                dst,
+                len: len * count,
+                count: 1,
+                src_stride: 0,
+                dst_stride: 0,
+            }
+        } else {
+            Self {
+                src,
+                dst,
+                len,
+                count,
+                src_stride,
+                dst_stride,
+            }
+        }
+    }
+
+    /// Absorbs `next` if it continues this piece; returns whether it did.
+    fn absorb(&mut self, next: &Self) -> bool {
+        match (self.count, next.count) {
+            (1, 1) => {
+                if next.src == self.src + self.len && next.dst == self.dst + self.len {
+                    self.len += next.len;
+                    return true;
+                }
+                if next.len == self.len
+                    && next.src >= self.src + self.len
+                    && next.dst >= self.dst + self.len
+                {
+                    self.count = 2;
+                    self.src_stride = next.src - self.src;
+                    self.dst_stride = next.dst - self.dst;
+                    return true;
+                }
+                false
+            }
+            (_, 1) => {
+                if next.len == self.len
+                    && next.src == self.src + self.count * self.src_stride
+                    && next.dst == self.dst + self.count * self.dst_stride
+                {
+                    self.count += 1;
+                    return true;
+                }
+                false
+            }
+            (1, _) => {
+                if next.len == self.len
+                    && next.src == self.src + next.src_stride
+                    && next.dst == self.dst + next.dst_stride
+                {
+                    self.count = next.count + 1;
+                    self.src_stride = next.src_stride;
+                    self.dst_stride = next.dst_stride;
+                    return true;
+                }
+                false
+            }
+            (_, _) => {
+                if next.len == self.len
+                    && next.src_stride == self.src_stride
+                    && next.dst_stride == self.dst_stride
+                    && next.src == self.src + self.count * self.src_stride
+                    && next.dst == self.dst + self.count * self.dst_stride
+                {
+                    self.count += next.count;
+                    return true;
+                }
+                false
+            }
+        }
+    }
+}
+
+/// Two-stage merging: contiguous pieces first grow into runs; finished runs then merge into
+/// strided operations. Doing it in this order lets a run that will grow (several segments inside
+/// one consumer block) reach its final length before it is compared with the previous run.
+#[derive(Clone, Copy, Debug, Default)]
+struct Merger {
+    run: Option<Piece>,
+    strided: Option<Piece>,
+}
+
+impl Merger {
+    fn push(&mut self, piece: Piece, out: &mut Vec<Piece>) {
+        if piece.count == 1 {
+            if let Some(run) = &mut self.run {
+                if piece.src == run.src + run.len && piece.dst == run.dst + run.len {
+                    run.len += piece.len;
+                    return;
+                }
+            }
+            if let Some(run) = self.run.replace(piece) {
+                self.stage_two(run, out);
+            }
+        } else {
+            if let Some(run) = self.run.take() {
+                self.stage_two(run, out);
+            }
+            self.stage_two(piece, out);
+        }
+    }
+
+    fn stage_two(&mut self, piece: Piece, out: &mut Vec<Piece>) {
+        let absorbed = self.strided.as_mut().is_some_and(|s| s.absorb(&piece));
+        if !absorbed {
+            out.extend(self.strided.replace(piece));
+        }
+    }
+
+    fn finish(mut self, out: &mut Vec<Piece>) {
+        if let Some(run) = self.run.take() {
+            self.stage_two(run, out);
+        }
+        out.extend(self.strided);
+    }
+}
+
+fn check_model(p: &Layout, c: &Layout) -> Result<(), PlanError> {
+    let (ps, cs) = (p.spec(), c.spec());
+    let mismatch = |field: &'static str, a: String, b: String| {
+        Err(PlanError::ModelMismatch {
+            field,
+            producer: a,
+            consumer: b,
+        })
+    };
+    if ps.mla != cs.mla {
+        return mismatch("mla", ps.mla.to_string(), cs.mla.to_string());
+    }
+    if ps.num_layers != cs.num_layers {
+        return mismatch("num_layers", ps.num_layers.to_string(), cs.num_layers.to_string());
+    }
+    if p.model_heads() != c.model_heads() {
+        return mismatch(
+            "total_kv_heads",
+            p.model_heads().to_string(),
+            c.model_heads().to_string(),
+        );
+    }
+    if ps.head_dim != cs.head_dim {
+        return mismatch("head_dim", ps.head_dim.to_string(), cs.head_dim.to_string());
+    }
+    if ps.dtype != cs.dtype {
+        return mismatch("dtype", ps.dtype.to_string(), cs.dtype.to_string());
+    }
+    Ok(())
+}
+
+fn check_producers(producers: &[Layout]) -> Result<Vec<Option<usize>>, PlanError> {
+    let reference = producers.first().ok_or(PlanError::NoProducers)?;
+    let rs = reference.spec();
+    let mut by_rank = vec![None; rs.tp_size as usize];
+    for (index, layout) in producers.iter().enumerate() {
+        let s = layout.spec();
+        let differs = [
+            ("num_layers", s.num_layers != rs.num_layers),
+            ("total_kv_heads", s.total_kv_heads != rs.total_kv_heads),
+            ("head_dim", s.head_dim != rs.head_dim),
+            ("dtype", s.dtype != rs.dtype),
+            ("mla", s.mla != rs.mla),
+            ("block_tokens", s.block_tokens != rs.block_tokens),
+            ("num_blocks", s.num_blocks != rs.num_blocks),
+            ("tp_size", s.tp_size != rs.tp_size),
+            ("order", s.order != rs.order),
+            ("arrangement", s.arrangement != rs.arrangement),
+        ]
+        .into_iter()
+        .find(|(_, d)| *d);
+        if let Some((field, _)) = differs {
+            return Err(PlanError::ProducersInconsistent {
+                rank: layout.rank(),
+                reference: reference.rank(),
+                field,
+            });
+        }
+        let slot = &mut by_rank[s.tp_rank as usize];
+        if slot.is_some() {
+            return Err(PlanError::MissingProducer(layout.rank()));
+        }
+        *slot = Some(index);
+    }
+    Ok(by_rank)
+}
+
+fn check_blocks(
+    side: Side,
+    layout: &Layout,
+    blocks: &[BlockId],
+    used: Range<usize>,
+) -> Result<(), PlanError> {
+    if blocks.len() < used.end {
+        return Err(PlanError::NotEnoughBlocks {
+            side,
+            needed: used.end,
+            given: blocks.len(),
+        });
+    }
+    let num_blocks = layout.spec().num_blocks;
+    for &block in &blocks[used.clone()] {
+        if block.0 >= num_blocks {
+            return Err(PlanError::BlockOutOfRange {
+                side,
+                block,
+                num_blocks,
+            });
+        }
+    }
+    if side == Side::Consumer {
+        let used = &blocks[used];
+        // Strictly increasing ids (the common case) cannot repeat; otherwise sort a copy.
+        if used.windows(2).any(|w| w[0] >= w[1]) {
+            let mut sorted = used.to_vec();
+            sorted.sort_unstable();
+            if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+                return Err(PlanError::DuplicateConsumerBlock(w[0]));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The order a layout's chunks are effectively in: `None` where both orders coincide (one head
+/// per rank, or one token per block).
+fn effective_order(layout: &Layout) -> Option<MemoryOrder> {
+    (layout.local_heads() > 1 && layout.spec().block_tokens > 1).then_some(layout.spec().order)
+}
+
+fn head_groups(
+    req: &PlanRequest<'_>,
+    by_rank: &[Option<usize>],
+) -> Result<Vec<HeadGroup>, PlanError> {
+    let consumer = req.consumer;
+    let tp_p = by_rank.len() as u32;
+    let c_rank = consumer.spec().tp_rank;
+    let mut groups: Vec<HeadGroup> = Vec::new();
+    for j in 0..consumer.local_heads() {
+        let head = consumer.first_head() + j;
+        let rank = if consumer.spec().mla {
+            c_rank % tp_p
+        } else {
+            let heads = consumer.model_heads();
+            if tp_p <= heads {
+                head / (heads / tp_p)
+            } else {
+                let replicas = tp_p / heads;
+                head * replicas + c_rank % replicas
+            }
+        };
+        if req.only_producer.is_some_and(|only| only.0 != rank) {
+            continue;
+        }
+        let producer_index =
+            by_rank[rank as usize].ok_or(PlanError::MissingProducer(Rank(rank)))?;
+        let producer = &req.producers[producer_index];
+        let producer_head = if consumer.spec().mla {
+            0
+        } else {
+            head - producer.first_head()
+        };
+        match groups.last_mut() {
+            Some(g)
+                if g.producer.0 == rank
+                    && g.consumer_head + g.heads == j
+                    && g.producer_head + g.heads == producer_head =>
+            {
+                g.heads += 1;
+            }
+            _ => groups.push(HeadGroup {
+                producer: Rank(rank),
+                producer_index,
+                consumer_head: j,
+                producer_head,
+                heads: 1,
+            }),
+        }
+    }
+    Ok(groups)
+}
+
+/// Plans the copy operations of one request for one consumer rank.
+pub fn plan(req: &PlanRequest<'_>) -> Result<Plan, PlanError> {
+    let consumer = req.consumer;
+    let by_rank = check_producers(req.producers)?;
+    let reference = &req.producers[0];
+    check_model(reference, consumer)?;
+    let (n, skip) = (req.num_tokens, req.skip_tokens);
+    if skip > n {
+        return Err(PlanError::SkipBeyondTokens { skip, tokens: n });
+    }
+    let bp = u64::from(reference.spec().block_tokens);
+    let bc = u64::from(consumer.spec().block_tokens);
+    let used = |b: u64| (skip / b) as usize..n.div_ceil(b) as usize;
+    check_blocks(Side::Producer, reference, req.producer_blocks, used(bp))?;
+    check_blocks(Side::Consumer, consumer, req.consumer_blocks, used(bc))?;
+
+    let (p_order, c_order) = (effective_order(reference), effective_order(consumer));
+    let needs_permute = matches!((p_order, c_order), (Some(p), Some(c)) if p != c);
+    if needs_permute && skip % bc != 0 {
+        return Err(PlanError::UnalignedSkip {
+            skip,
+            block_tokens: consumer.spec().block_tokens,
+        });
+    }
+    // Bytes travel in the producer's order; the consumer re-lays-out afterwards if needed.
+    let order = p_order.or(c_order).unwrap_or(MemoryOrder::Nhd);
+
+    let groups = head_groups(req, &by_rank)?;
+    let templates = build_templates(req, &groups, order, bp, bc);
+
+    let mut ops = Vec::new();
+    let mut writers: Vec<(Rank, Range<usize>)> = Vec::new();
+    let mut ranks: Vec<(Rank, usize)> = groups.iter().map(|g| (g.producer, g.producer_index)).collect();
+    ranks.sort_unstable();
+    ranks.dedup();
+    let layers = consumer.spec().num_layers;
+    let parts = consumer.kv_parts();
+    let template_ops: usize = templates.iter().map(Vec::len).sum();
+    ops.reserve(template_ops * (layers * parts) as usize);
+    for (rank, producer_index) in ranks {
+        let producer = &req.producers[producer_index];
+        let start = ops.len();
+        for layer in 0..layers {
+            for kv in 0..parts {
+                let src = producer.chunk_place(layer, kv);
+                let dst = consumer.chunk_place(layer, kv);
+                for (group, template) in groups.iter().zip(&templates) {
+                    if group.producer != rank {
+                        continue;
+                    }
+                    ops.extend(template.iter().map(|piece| CopyOp {
+                        producer: rank,
+                        src_region: src.region,
+                        src_offset: src.base + piece.src,
+                        dst_region: dst.region,
+                        dst_offset: dst.base + piece.dst,
+                        len: piece.len,
+                        count: piece.count,
+                        src_stride: piece.src_stride,
+                        dst_stride: piece.dst_stride,
+                    }));
+                }
+            }
+        }
+        if ops.len() > start {
+            writers.push((rank, start..ops.len()));
+        }
+    }
+    let bytes = ops.iter().map(CopyOp::bytes).sum();
+    let permute = (needs_permute && req.only_producer.is_none() && n > skip)
+        .then(|| permute_plan(req, order, bc));
+    Ok(Plan {
+        ops,
+        writers,
+        permute,
+        bytes,
+    })
+}
+
+fn build_templates(
+    req: &PlanRequest<'_>,
+    groups: &[HeadGroup],
+    order: MemoryOrder,
+    bp: u64,
+    bc: u64,
+) -> Vec<Vec<Piece>> {
+    let consumer = req.consumer;
+    let mut templates: Vec<Vec<Piece>> = vec![Vec::new(); groups.len()];
+    let mut mergers: Vec<Merger> = vec![Merger::default(); groups.len()];
+    let head_bytes = consumer.head_bytes();
+    let hc = u64::from(consumer.local_heads());
+    let c_stride = consumer.block_stride();
+    let mut t = req.skip_tokens;
+    while t < req.num_tokens {
+        let (pbi, ps) = (t / bp, t % bp);
+        let (cbi, cs) = (t / bc, t % bc);
+        let len = (bp - ps).min(bc - cs).min(req.num_tokens - t);
+        let c_chunk = u64::from(req.consumer_blocks[cbi as usize].0) * c_stride;
+        for (gi, group) in groups.iter().enumerate() {
+            let producer = &req.producers[group.producer_index];
+            let hp = u64::from(producer.local_heads());
+            let p_chunk = u64::from(req.producer_blocks[pbi as usize].0) * producer.block_stride();
+            let (jp, jc, nh) = (
+                u64::from(group.producer_head),
+                u64::from(group.consumer_head),
+                u64::from(group.heads),
+            );
+            let piece = match order {
+                // One piece per token: the group's heads of that token.
+                MemoryOrder::Nhd => Piece::strided(
+                    p_chunk + (ps * hp + jp) * head_bytes,
+                    c_chunk + (cs * hc + jc) * head_bytes,
+                    nh * head_bytes,
+                    len,
+                    hp * head_bytes,
+                    hc * head_bytes,
+                ),
+                // One piece per head: the segment's tokens of that head.
+                MemoryOrder::Hnd => Piece::strided(
+                    p_chunk + (jp * bp + ps) * head_bytes,
+                    c_chunk + (jc * bc + cs) * head_bytes,
+                    len * head_bytes,
+                    nh,
+                    bp * head_bytes,
+                    bc * head_bytes,
+                ),
+            };
+            mergers[gi].push(piece, &mut templates[gi]);
+        }
+        t += len;
+    }
+    for (template, merger) in templates.iter_mut().zip(mergers) {
+        merger.finish(template);
+    }
+    templates
+}
+
+fn permute_plan(req: &PlanRequest<'_>, from: MemoryOrder, bc: u64) -> PermutePlan {
+    let consumer = req.consumer;
+    let spec = consumer.spec();
+    let (n, skip) = (req.num_tokens, req.skip_tokens);
+    let first_block = skip / bc;
+    let last_block = n.div_ceil(bc);
+    let mut chunks = Vec::new();
+    for layer in 0..spec.num_layers {
+        for kv in 0..consumer.kv_parts() {
+            let place = consumer.chunk_place(layer, kv);
+            for bi in first_block..last_block {
+                let block_start = bi * bc;
+                let first_slot = skip.saturating_sub(block_start).min(bc);
+                let end = (n - block_start).min(bc);
+                chunks.push(Permute {
+                    region: place.region,
+                    offset: place.base
+                        + u64::from(req.consumer_blocks[bi as usize].0) * consumer.block_stride(),
+                    from,
+                    to: spec.order,
+                    block_tokens: spec.block_tokens,
+                    first_slot: first_slot as u32,
+                    slots: (end - first_slot) as u32,
+                    heads: consumer.local_heads(),
+                    head_bytes: consumer.head_bytes(),
+                });
+            }
+        }
+    }
+    PermutePlan { chunks }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn p(src: u64, dst: u64, len: u64) -> Piece {
+        Piece::strided(src, dst, len, 1, 0, 0)
+    }
+
+    #[test]
+    fn adjacent_pieces_extend() {
+        let mut a = p(0, 100, 10);
+        assert!(a.absorb(&p(10, 110, 10)));
+        assert_eq!(a, p(0, 100, 20));
+    }
+
+    #[test]
+    fn equal_pieces_at_fixed_spacing_become_strided() {
+        let mut a = p(0, 0, 4);
+        assert!(a.absorb(&p(4, 8, 4)));
+        assert!(a.absorb(&p(8, 16, 4)));
+        assert_eq!(
+            a,
+            Piece {
+                src: 0,
+                dst: 0,
+                len: 4,
+                count: 3,
+                src_stride: 4,
+                dst_stride: 8
+            }
+        );
+        assert!(!a.absorb(&p(12, 20, 4)), "wrong spacing must not merge");
+        let mut b = a;
+        assert!(b.absorb(&Piece::strided(12, 24, 4, 2, 4, 8)));
+        assert_eq!(b.count, 5);
+    }
+
+    #[test]
+    fn backwards_or_overlapping_pieces_do_not_merge() {
+        let mut a = p(100, 100, 4);
+        assert!(!a.absorb(&p(0, 200, 4)));
+        assert!(!a.absorb(&p(102, 300, 4)));
+    }
+
+    #[test]
+    fn full_width_strides_collapse_to_runs() {
+        assert_eq!(Piece::strided(0, 0, 8, 4, 8, 8), p(0, 0, 32));
+    }
+}
