@@ -1,2 +1,120 @@
-//! `cargo xtask`: placeholder replaced below.
-fn main() {}
+//! `cargo xtask`: the project's tasks. Each installs what it needs first and says what it does.
+//!
+//! - `cargo xtask setup`: install the system packages the build needs (Debian);
+//! - `cargo xtask test`: set up, then format check, clippy, every test in the workspace, and a
+//!   build of the fuzz targets;
+//! - `cargo xtask bench [NAME…]`: run benchmarks; results as JSON under `target/kvx-bench/`;
+//! - `cargo xtask fuzz TARGET [SECONDS]`: run a fuzz target with cargo-fuzz.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{bail, Context as _};
+use clap::{Parser, Subcommand};
+
+mod bench;
+mod setup;
+
+#[derive(Parser)]
+#[command(name = "cargo xtask", about = "kvx developer tasks")]
+struct Cli {
+    #[command(subcommand)]
+    task: Task,
+}
+
+#[derive(Subcommand)]
+enum Task {
+    /// Install the system packages the build needs.
+    Setup,
+    /// Run every check and test of the workspace (what CI runs).
+    Test {
+        /// Skip rustfmt and clippy.
+        #[arg(long)]
+        no_lint: bool,
+    },
+    /// Run benchmarks and write results under target/kvx-bench/.
+    Bench {
+        /// Which benchmarks (default: all). Known: plan, codec, rendezvous, transfer.
+        names: Vec<String>,
+        /// Shorter measurement (for a quick look; figures are noisier).
+        #[arg(long)]
+        quick: bool,
+    },
+    /// Run a fuzz target with cargo-fuzz (installed on first use).
+    Fuzz {
+        /// wire_decode or rendezvous_events.
+        target: String,
+        /// How long to fuzz.
+        #[arg(default_value_t = 60)]
+        seconds: u64,
+    },
+}
+
+/// The repository root.
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives one level below the root")
+        .to_path_buf()
+}
+
+/// Prints a step header.
+fn step(what: &str) {
+    println!("\n==> {what}");
+}
+
+/// Runs a command at the root, failing with its name if it fails.
+fn run(cmd: &mut Command) -> anyhow::Result<()> {
+    let shown = format!("{cmd:?}");
+    println!("    $ {}", shown.replace('"', ""));
+    let status = cmd
+        .current_dir(root())
+        .status()
+        .with_context(|| format!("cannot start {shown}"))?;
+    if !status.success() {
+        bail!("{shown} failed with {status}");
+    }
+    Ok(())
+}
+
+fn cargo() -> Command {
+    Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+}
+
+fn test(no_lint: bool) -> anyhow::Result<()> {
+    setup::ensure_packages()?;
+    if !no_lint {
+        step("rustfmt check");
+        run(cargo().args(["fmt", "--all", "--", "--check"]))?;
+        step("clippy (all targets, warnings are errors)");
+        run(cargo().args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
+    }
+    step("tests: every crate of the workspace (unit, property, integration, doc)");
+    run(cargo().args(["test", "--workspace", "--no-fail-fast"]))?;
+    step("fuzz targets build (cargo xtask fuzz runs them)");
+    run(cargo().args(["build", "--manifest-path", "fuzz/Cargo.toml", "--bins"]))?;
+    println!("\nall checks and tests passed");
+    Ok(())
+}
+
+fn fuzz(target: &str, seconds: u64) -> anyhow::Result<()> {
+    let installed = Command::new("cargo-fuzz").arg("--version").output().is_ok();
+    if !installed {
+        step("installing cargo-fuzz (first use)");
+        run(cargo().args(["install", "cargo-fuzz", "--locked"]))?;
+    }
+    step(&format!("fuzzing {target} for {seconds} s"));
+    // cargo-fuzz needs nightly flags; RUSTC_BOOTSTRAP lets the pinned stable toolchain take them.
+    run(cargo()
+        .env("RUSTC_BOOTSTRAP", "1")
+        .args(["fuzz", "run", target, "--", &format!("-max_total_time={seconds}")]))
+}
+
+fn main() -> anyhow::Result<()> {
+    match Cli::parse().task {
+        Task::Setup => setup::ensure_packages(),
+        Task::Test { no_lint } => test(no_lint),
+        Task::Bench { names, quick } => bench::run(&names, quick),
+        Task::Fuzz { target, seconds } => fuzz(&target, seconds),
+    }
+}

@@ -1,0 +1,82 @@
+//! Benchmarks: criterion benches by name, their estimates gathered into
+//! `target/kvx-bench/<name>.json` (mean, median and bounds in nanoseconds per iteration).
+
+use std::fs;
+use std::path::Path;
+
+use anyhow::{bail, Context as _};
+
+use crate::{cargo, root, step};
+
+/// (name, package, bench target, criterion group prefix)
+const BENCHES: &[(&str, &str, &str, &str)] = &[
+    ("plan", "kvx-layout", "plan", "plan_qwen3_32b_16k"),
+    ("codec", "kvx-core", "codec", "codec"),
+    ("rendezvous", "kvx-rendezvous", "matcher", "rendezvous"),
+    ("transfer", "kvx-rdma", "transfer", "transfer"),
+];
+
+/// Runs the named benchmarks (all when `names` is empty).
+pub(crate) fn run(names: &[String], quick: bool) -> anyhow::Result<()> {
+    crate::setup::ensure_packages()?;
+    for name in names {
+        if !BENCHES.iter().any(|(n, ..)| n == name) {
+            let known: Vec<&str> = BENCHES.iter().map(|(n, ..)| *n).collect();
+            bail!("unknown benchmark `{name}` (known: {})", known.join(", "));
+        }
+    }
+    let out_dir = root().join("target/kvx-bench");
+    fs::create_dir_all(&out_dir).with_context(|| format!("cannot create {}", out_dir.display()))?;
+    for (name, package, target, group) in BENCHES {
+        if !names.is_empty() && !names.iter().any(|n| n == name) {
+            continue;
+        }
+        if !root().join(format!("crates/{package}/benches/{target}.rs")).exists() {
+            println!("\n==> {name}: not built in this checkout, skipped");
+            continue;
+        }
+        step(&format!("benchmark {name} ({package})"));
+        let mut cmd = cargo();
+        cmd.env("KVX_BENCH_OUT", &out_dir)
+            .args(["bench", "-p", package, "--bench", target, "--"]);
+        if quick {
+            cmd.args(["--warm-up-time", "0.5", "--measurement-time", "1"]);
+        }
+        crate::run(&mut cmd)?;
+        let summary = collect(&root().join("target/criterion"), group)?;
+        let path = out_dir.join(format!("{name}.json"));
+        fs::write(&path, summary).with_context(|| format!("cannot write {}", path.display()))?;
+        println!("    results: {}", path.display());
+    }
+    Ok(())
+}
+
+/// Gathers criterion's `new/estimates.json` of every benchmark under `<criterion>/<group>`.
+fn collect(criterion: &Path, group: &str) -> anyhow::Result<String> {
+    let mut rows = Vec::new();
+    let base = criterion.join(group);
+    let mut stack = vec![base.clone()];
+    while let Some(dir) = stack.pop() {
+        let Ok(entries) = fs::read_dir(&dir) else { continue };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                if path.file_name().is_some_and(|n| n == "new") {
+                    let estimates = path.join("estimates.json");
+                    if let Ok(text) = fs::read_to_string(&estimates) {
+                        let id = dir
+                            .strip_prefix(criterion)
+                            .unwrap_or(&dir)
+                            .display()
+                            .to_string();
+                        rows.push(format!("  {{\"id\":\"{id}\",\"estimates\":{}}}", text.trim()));
+                    }
+                } else if path.file_name().is_some_and(|n| n != "base" && n != "report") {
+                    stack.push(path);
+                }
+            }
+        }
+    }
+    rows.sort();
+    Ok(format!("[\n{}\n]\n", rows.join(",\n")))
+}
