@@ -275,7 +275,12 @@ pub(crate) fn render(args: &PlanArgs) -> anyhow::Result<String> {
     Ok(table(args, &planned, &writers, permute.as_ref()))
 }
 
-fn table(args: &PlanArgs, planned: &Plan, writers: &[JsonWriter], permute: Option<&JsonPermute>) -> String {
+fn table(
+    args: &PlanArgs,
+    planned: &Plan,
+    writers: &[JsonWriter],
+    permute: Option<&JsonPermute>,
+) -> String {
     let mut out = String::new();
     let pieces: u64 = planned.ops().iter().map(|op| op.count).sum();
     let _ = writeln!(
@@ -290,7 +295,11 @@ fn table(args: &PlanArgs, planned: &Plan, writers: &[JsonWriter], permute: Optio
         pieces
     );
     for w in writers {
-        let _ = writeln!(out, "  producer {:<8} {:>7} ops {:>14} bytes", w.rank, w.ops, w.bytes);
+        let _ = writeln!(
+            out,
+            "  producer {:<8} {:>7} ops {:>14} bytes",
+            w.rank, w.ops, w.bytes
+        );
     }
     match permute {
         Some(p) => {
@@ -307,7 +316,15 @@ fn table(args: &PlanArgs, planned: &Plan, writers: &[JsonWriter], permute: Optio
     let _ = writeln!(
         out,
         "\n{:<9} {:>6} {:>14} {:>6} {:>14} {:>12} {:>7} {:>12} {:>12}",
-        "producer", "src", "src_offset", "dst", "dst_offset", "len", "count", "src_stride", "dst_stride"
+        "producer",
+        "src",
+        "src_offset",
+        "dst",
+        "dst_offset",
+        "len",
+        "count",
+        "src_stride",
+        "dst_stride"
     );
     for op in planned.ops().iter().take(args.max_rows) {
         let _ = writeln!(
@@ -360,7 +377,13 @@ mod tests {
     #[test]
     fn json_reports_ops_writers_and_bytes() {
         let out = render_with(&[
-            "--producer", "tp=8", "--consumer", "tp=4", "--tokens", "16384", "--json",
+            "--producer",
+            "tp=8",
+            "--consumer",
+            "tp=4",
+            "--tokens",
+            "16384",
+            "--json",
         ])
         .unwrap();
         let v: serde_json::Value = serde_json::from_str(&out).unwrap();
@@ -375,8 +398,16 @@ mod tests {
     #[test]
     fn table_shows_a_summary_and_limits_rows() {
         let out = render_with(&[
-            "--layers", "2", "--producer", "tp=2,order=nhd", "--consumer", "tp=1,order=hnd,block=32",
-            "--tokens", "100", "--max-rows", "3",
+            "--layers",
+            "2",
+            "--producer",
+            "tp=2,order=nhd",
+            "--consumer",
+            "tp=1,order=hnd,block=32",
+            "--tokens",
+            "100",
+            "--max-rows",
+            "3",
         ])
         .unwrap();
         assert!(out.contains("100 tokens (0 skipped)"), "{out}");

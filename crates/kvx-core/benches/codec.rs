@@ -1,4 +1,5 @@
 //! Encode and decode cost of the hot-path messages.
+#![allow(missing_docs)] // criterion_group! generates an undocumented function
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use kvx_core::wire::{Completion, Message, Registration};

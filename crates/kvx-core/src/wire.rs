@@ -434,12 +434,10 @@ impl Message {
     pub fn decode(bytes: &[u8]) -> Result<(Self, usize), DecodeError> {
         let header = FrameHeader::parse(bytes)?;
         let total = HEADER_LEN + header.payload_len as usize;
-        let payload = bytes
-            .get(HEADER_LEN..total)
-            .ok_or(DecodeError::Truncated {
-                needed: total,
-                available: bytes.len(),
-            })?;
+        let payload = bytes.get(HEADER_LEN..total).ok_or(DecodeError::Truncated {
+            needed: total,
+            available: bytes.len(),
+        })?;
         Ok((Self::decode_payload(header.kind, payload)?, total))
     }
 
@@ -456,7 +454,10 @@ impl Message {
 
     /// Decodes a payload whose header has already been parsed.
     pub fn decode_payload(kind: MessageKind, payload: &[u8]) -> Result<Self, DecodeError> {
-        let mut r = Reader { buf: payload, pos: 0 };
+        let mut r = Reader {
+            buf: payload,
+            pos: 0,
+        };
         let message = match kind {
             MessageKind::Hello => Self::Hello(r.hello()?),
             MessageKind::Registration => Self::Registration(r.registration()?),
@@ -712,13 +713,14 @@ impl<'a> Reader<'a> {
         let total_kv_heads = self.u32()?;
         let head_dim = self.u32()?;
         let dtype_code = self.u8()?;
-        let dtype = Dtype::ALL
-            .get(usize::from(dtype_code))
-            .copied()
-            .ok_or(DecodeError::InvalidField {
-                field: "layout.dtype",
-                value: u64::from(dtype_code),
-            })?;
+        let dtype =
+            Dtype::ALL
+                .get(usize::from(dtype_code))
+                .copied()
+                .ok_or(DecodeError::InvalidField {
+                    field: "layout.dtype",
+                    value: u64::from(dtype_code),
+                })?;
         let mla = self.flag("layout.mla")?;
         let block_tokens = self.u32()?;
         let num_blocks = self.u32()?;
@@ -801,9 +803,7 @@ impl<'a> Reader<'a> {
         let n = self.count("regions", REGION_WIRE_LEN)?;
         let regions = (0..n).map(|_| self.region()).collect::<Result<_, _>>()?;
         let transport = self.string("transport")?;
-        let transport_addr = self
-            .bytes("transport_addr", MAX_TRANSPORT_ADDR)?
-            .to_vec();
+        let transport_addr = self.bytes("transport_addr", MAX_TRANSPORT_ADDR)?.to_vec();
         Ok(Hello {
             compat_hash,
             engine,

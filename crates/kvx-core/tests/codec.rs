@@ -12,8 +12,19 @@ use proptest::prelude::*;
 
 fn layout() -> impl Strategy<Value = LayoutSpec> {
     (
-        (any::<u32>(), any::<u32>(), any::<u32>(), 0..Dtype::ALL.len()),
-        (any::<bool>(), any::<u32>(), any::<u32>(), any::<u32>(), any::<u32>()),
+        (
+            any::<u32>(),
+            any::<u32>(),
+            any::<u32>(),
+            0..Dtype::ALL.len(),
+        ),
+        (
+            any::<bool>(),
+            any::<u32>(),
+            any::<u32>(),
+            any::<u32>(),
+            any::<u32>(),
+        ),
         (any::<bool>(), 0..4u8),
     )
         .prop_map(
@@ -27,7 +38,11 @@ fn layout() -> impl Strategy<Value = LayoutSpec> {
                 num_blocks: nb,
                 tp_size: tp,
                 tp_rank: rank,
-                order: if hnd { MemoryOrder::Hnd } else { MemoryOrder::Nhd },
+                order: if hnd {
+                    MemoryOrder::Hnd
+                } else {
+                    MemoryOrder::Nhd
+                },
                 arrangement: [
                     Arrangement::PerLayerSplit,
                     Arrangement::PerLayerKvHalves,
@@ -47,15 +62,20 @@ fn memory_kind() -> impl Strategy<Value = MemoryKind> {
 }
 
 fn region() -> impl Strategy<Value = RegionDesc> {
-    (any::<u32>(), memory_kind(), any::<u64>(), any::<u64>(), any::<u64>()).prop_map(
-        |(index, kind, addr, len, key)| RegionDesc {
+    (
+        any::<u32>(),
+        memory_kind(),
+        any::<u64>(),
+        any::<u64>(),
+        any::<u64>(),
+    )
+        .prop_map(|(index, kind, addr, len, key)| RegionDesc {
             index,
             kind,
             addr,
             len,
             key,
-        },
-    )
+        })
 }
 
 fn reason() -> impl Strategy<Value = FailureReason> {
@@ -78,20 +98,32 @@ fn message() -> impl Strategy<Value = Message> {
         ".{0,40}",
         prop::collection::vec(any::<u8>(), 0..64),
     )
-        .prop_map(|((hash, engine, inc, producer), layout, regions, transport, addr)| {
-            Message::Hello(Hello {
-                compat_hash: hash,
-                engine: EngineId(engine),
-                incarnation: Incarnation(inc),
-                role: if producer { Role::Producer } else { Role::Consumer },
-                layout,
-                regions,
-                transport,
-                transport_addr: addr,
-            })
-        });
+        .prop_map(
+            |((hash, engine, inc, producer), layout, regions, transport, addr)| {
+                Message::Hello(Hello {
+                    compat_hash: hash,
+                    engine: EngineId(engine),
+                    incarnation: Incarnation(inc),
+                    role: if producer {
+                        Role::Producer
+                    } else {
+                        Role::Consumer
+                    },
+                    layout,
+                    regions,
+                    transport,
+                    transport_addr: addr,
+                })
+            },
+        );
     let registration = (
-        (any::<u128>(), any::<u32>(), any::<u64>(), any::<u64>(), any::<u64>()),
+        (
+            any::<u128>(),
+            any::<u32>(),
+            any::<u64>(),
+            any::<u64>(),
+            any::<u64>(),
+        ),
         (any::<u32>(), any::<u32>(), any::<u32>(), any::<u32>()),
         prop::collection::vec(any::<u32>(), 0..100),
     )
@@ -125,8 +157,14 @@ fn message() -> impl Strategy<Value = Message> {
                 bytes: b,
             })
         });
-    let failure = (any::<u128>(), any::<u32>(), any::<u32>(), reason(), ".{0,80}").prop_map(
-        |(t, a, r, reason, detail)| {
+    let failure = (
+        any::<u128>(),
+        any::<u32>(),
+        any::<u32>(),
+        reason(),
+        ".{0,80}",
+    )
+        .prop_map(|(t, a, r, reason, detail)| {
             Message::Failure(FailureNotice {
                 transfer: TransferId(t),
                 attempt: Attempt(a),
@@ -134,8 +172,7 @@ fn message() -> impl Strategy<Value = Message> {
                 reason,
                 detail,
             })
-        },
-    );
+        });
     let abort = (any::<u128>(), any::<Option<u32>>(), ".{0,80}").prop_map(|(t, a, reason)| {
         Message::Abort(Abort {
             transfer: TransferId(t),

@@ -1,6 +1,7 @@
 //! Planning cost for a Qwen3-32B-like request: 64 layers, 8 KV heads, head dim 128, bf16, 16k
 //! tokens, separate K/V regions per layer, HND. Prints (and writes as JSON under
 //! `target/kvx-bench/plan-ops.json`) the op count of every case; criterion times the planning.
+#![allow(missing_docs)] // criterion_group! generates an undocumented function
 
 use std::hint::black_box;
 use std::io::Write as _;
@@ -61,14 +62,43 @@ struct Case {
 }
 
 const CASES: [Case; 4] = [
-    Case { name: "tp8-to-tp8", p_tp: 8, c_tp: 8, p_bt: 16, c_bt: 16 },
-    Case { name: "tp8-to-tp4", p_tp: 8, c_tp: 4, p_bt: 16, c_bt: 16 },
-    Case { name: "tp4-to-tp8", p_tp: 4, c_tp: 8, p_bt: 16, c_bt: 16 },
-    Case { name: "block16-to-block64", p_tp: 8, c_tp: 8, p_bt: 16, c_bt: 64 },
+    Case {
+        name: "tp8-to-tp8",
+        p_tp: 8,
+        c_tp: 8,
+        p_bt: 16,
+        c_bt: 16,
+    },
+    Case {
+        name: "tp8-to-tp4",
+        p_tp: 8,
+        c_tp: 4,
+        p_bt: 16,
+        c_bt: 16,
+    },
+    Case {
+        name: "tp4-to-tp8",
+        p_tp: 4,
+        c_tp: 8,
+        p_bt: 16,
+        c_bt: 16,
+    },
+    Case {
+        name: "block16-to-block64",
+        p_tp: 8,
+        c_tp: 8,
+        p_bt: 16,
+        c_bt: 64,
+    },
 ];
 
 /// Run lengths in blocks: contiguous (one run), then ever more fragments.
-const RUNS: [(u32, &str); 4] = [(u32::MAX, "contiguous"), (64, "runs-of-64"), (8, "runs-of-8"), (1, "scattered")];
+const RUNS: [(u32, &str); 4] = [
+    (u32::MAX, "contiguous"),
+    (64, "runs-of-64"),
+    (8, "runs-of-8"),
+    (1, "scattered"),
+];
 
 fn bench(c: &mut Criterion) {
     let mut report = Vec::new();

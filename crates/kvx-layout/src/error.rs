@@ -64,7 +64,9 @@ pub enum PlanError {
         consumer: String,
     },
     /// The producer ranks' layouts differ in more than their rank.
-    #[error("producer rank {rank} has a layout inconsistent with rank {reference}: `{field}` differs")]
+    #[error(
+        "producer rank {rank} has a layout inconsistent with rank {reference}: `{field}` differs"
+    )]
     ProducersInconsistent {
         /// The odd rank.
         rank: Rank,

@@ -57,13 +57,13 @@ impl Layout {
             }
             let tp = spec.tp_size;
             if tp <= heads {
-                if heads % tp != 0 {
+                if !heads.is_multiple_of(tp) {
                     return Err(LayoutError::HeadsNotDivisible { heads, tp });
                 }
                 let local = heads / tp;
                 (2, heads, local, spec.tp_rank * local)
             } else {
-                if tp % heads != 0 {
+                if !tp.is_multiple_of(heads) {
                     return Err(LayoutError::HeadsNotDivisible { heads, tp });
                 }
                 (2, heads, 1, spec.tp_rank / (tp / heads))
@@ -216,7 +216,14 @@ impl Layout {
     /// Region and byte offset of one head vector: layer, K/V part, block id, token slot within
     /// the block, local head.
     #[must_use]
-    pub fn head_vector(&self, layer: u32, kv: u32, block: BlockId, slot: u32, head: u32) -> (u32, u64) {
+    pub fn head_vector(
+        &self,
+        layer: u32,
+        kv: u32,
+        block: BlockId,
+        slot: u32,
+        head: u32,
+    ) -> (u32, u64) {
         let place = self.chunk_place(layer, kv);
         (
             place.region,

@@ -255,7 +255,11 @@ fn check_model(p: &Layout, c: &Layout) -> Result<(), PlanError> {
         return mismatch("mla", ps.mla.to_string(), cs.mla.to_string());
     }
     if ps.num_layers != cs.num_layers {
-        return mismatch("num_layers", ps.num_layers.to_string(), cs.num_layers.to_string());
+        return mismatch(
+            "num_layers",
+            ps.num_layers.to_string(),
+            cs.num_layers.to_string(),
+        );
     }
     if p.model_heads() != c.model_heads() {
         return mismatch(
@@ -436,7 +440,10 @@ pub fn plan(req: &PlanRequest<'_>) -> Result<Plan, PlanError> {
 
     let mut ops = Vec::new();
     let mut writers: Vec<(Rank, Range<usize>)> = Vec::new();
-    let mut ranks: Vec<(Rank, usize)> = groups.iter().map(|g| (g.producer, g.producer_index)).collect();
+    let mut ranks: Vec<(Rank, usize)> = groups
+        .iter()
+        .map(|g| (g.producer, g.producer_index))
+        .collect();
     ranks.sort_unstable();
     ranks.dedup();
     let layers = consumer.spec().num_layers;

@@ -55,7 +55,14 @@ fn for_each_vector(
             for kv in 0..layout.kv_parts() {
                 for local in 0..layout.local_heads() {
                     let (region, offset) = layout.head_vector(layer, kv, block, slot, local);
-                    if !f(layer, kv, token, layout.first_head() + local, region, offset) {
+                    if !f(
+                        layer,
+                        kv,
+                        token,
+                        layout.first_head() + local,
+                        region,
+                        offset,
+                    ) {
                         return;
                     }
                 }
@@ -77,11 +84,23 @@ pub fn fill_request(
     seed: u64,
 ) {
     let hb = layout.head_bytes() as usize;
-    for_each_vector(layout, blocks, 0..num_tokens, |layer, kv, token, head, region, offset| {
-        let at = offset as usize;
-        head_vector(seed, layer, kv, token, head, &mut regions[region as usize][at..at + hb]);
-        true
-    });
+    for_each_vector(
+        layout,
+        blocks,
+        0..num_tokens,
+        |layer, kv, token, head, region, offset| {
+            let at = offset as usize;
+            head_vector(
+                seed,
+                layer,
+                kv,
+                token,
+                head,
+                &mut regions[region as usize][at..at + hb],
+            );
+            true
+        },
+    );
 }
 
 /// Checks that this rank holds the pattern for tokens `skip_tokens..num_tokens` of the request.
@@ -99,21 +118,26 @@ pub fn verify_request(
     let hb = layout.head_bytes() as usize;
     let mut expected = vec![0u8; hb];
     let mut found = None;
-    for_each_vector(layout, blocks, skip_tokens..num_tokens, |layer, kv, token, head, region, offset| {
-        head_vector(seed, layer, kv, token, head, &mut expected);
-        let at = offset as usize;
-        if regions[region as usize][at..at + hb] != expected[..] {
-            found = Some(Mismatch {
-                layer,
-                kv,
-                token,
-                head,
-                region,
-                offset,
-            });
-            return false;
-        }
-        true
-    });
+    for_each_vector(
+        layout,
+        blocks,
+        skip_tokens..num_tokens,
+        |layer, kv, token, head, region, offset| {
+            head_vector(seed, layer, kv, token, head, &mut expected);
+            let at = offset as usize;
+            if regions[region as usize][at..at + hb] != expected[..] {
+                found = Some(Mismatch {
+                    layer,
+                    kv,
+                    token,
+                    head,
+                    region,
+                    offset,
+                });
+                return false;
+            }
+            true
+        },
+    );
     found.map_or(Ok(()), Err)
 }

@@ -44,7 +44,9 @@ struct Case {
 fn tp_for(heads: u32, mla: bool) -> impl Strategy<Value = u32> {
     let options: Vec<u32> = [1u32, 2, 3, 4, 6, 8, 12, 16]
         .into_iter()
-        .filter(|&tp| mla && tp <= 4 || !mla && (heads % tp == 0 || tp % heads == 0))
+        .filter(|&tp| {
+            mla && tp <= 4 || !mla && (heads.is_multiple_of(tp) || tp.is_multiple_of(heads))
+        })
         .collect();
     prop::sample::select(options)
 }
@@ -59,33 +61,48 @@ fn side(heads: u32, mla: bool) -> impl Strategy<Value = SideParams> {
         any::<bool>(),
         0u32..5,
     )
-        .prop_map(|(tp, block_tokens, hnd, arr, extra_blocks, fragmented, first_block)| SideParams {
-            tp,
-            block_tokens,
-            order: if hnd { MemoryOrder::Hnd } else { MemoryOrder::Nhd },
-            arrangement: ARRANGEMENTS[arr],
-            extra_blocks,
-            fragmented,
-            first_block,
-        })
+        .prop_map(
+            |(tp, block_tokens, hnd, arr, extra_blocks, fragmented, first_block)| SideParams {
+                tp,
+                block_tokens,
+                order: if hnd {
+                    MemoryOrder::Hnd
+                } else {
+                    MemoryOrder::Nhd
+                },
+                arrangement: ARRANGEMENTS[arr],
+                extra_blocks,
+                fragmented,
+                first_block,
+            },
+        )
 }
 
 fn case() -> impl Strategy<Value = Case> {
-    (
-        prop::sample::select(vec![1u32, 2, 3, 4, 8]),
-        any::<bool>(),
-    )
-        .prop_flat_map(|(heads, mla)| {
+    (prop::sample::select(vec![1u32, 2, 3, 4, 8]), any::<bool>()).prop_flat_map(|(heads, mla)| {
+        (
             (
-                (1u32..=3, 1u32..=3, prop::sample::select(vec![Dtype::Int8, Dtype::Bf16, Dtype::F32])),
-                side(heads, mla),
-                side(heads, mla),
-                any::<prop::sample::Index>(),
-                0u64..=40,
-                any::<prop::sample::Index>(),
-                any::<u64>(),
-            )
-                .prop_map(move |((layers, head_dim, dtype), producer, consumer, rank, tokens, skip, shuffle_seed)| Case {
+                1u32..=3,
+                1u32..=3,
+                prop::sample::select(vec![Dtype::Int8, Dtype::Bf16, Dtype::F32]),
+            ),
+            side(heads, mla),
+            side(heads, mla),
+            any::<prop::sample::Index>(),
+            0u64..=40,
+            any::<prop::sample::Index>(),
+            any::<u64>(),
+        )
+            .prop_map(
+                move |(
+                    (layers, head_dim, dtype),
+                    producer,
+                    consumer,
+                    rank,
+                    tokens,
+                    skip,
+                    shuffle_seed,
+                )| Case {
                     layers,
                     heads,
                     head_dim,
@@ -97,8 +114,9 @@ fn case() -> impl Strategy<Value = Case> {
                     tokens,
                     skip: skip.index(tokens as usize + 1) as u64,
                     shuffle_seed,
-                })
-        })
+                },
+            )
+    })
 }
 
 fn spec(case: &Case, side: &SideParams, rank: u32, num_blocks: u32) -> LayoutSpec {
@@ -121,7 +139,12 @@ fn spec(case: &Case, side: &SideParams, rank: u32, num_blocks: u32) -> LayoutSpe
 fn block_ids(side: &SideParams, needed: u32, seed: u64) -> (Vec<BlockId>, u32) {
     let num_blocks = (side.first_block + needed + side.extra_blocks).max(1);
     if !side.fragmented {
-        return ((side.first_block..side.first_block + needed).map(BlockId).collect(), num_blocks);
+        return (
+            (side.first_block..side.first_block + needed)
+                .map(BlockId)
+                .collect(),
+            num_blocks,
+        );
     }
     let mut ids: Vec<u32> = (0..num_blocks).collect();
     let mut state = seed | 1;
@@ -131,7 +154,14 @@ fn block_ids(side: &SideParams, needed: u32, seed: u64) -> (Vec<BlockId>, u32) {
         state ^= state << 17;
         ids.swap(i, (state % (i as u64 + 1)) as usize);
     }
-    (ids[..needed as usize].iter().copied().map(BlockId).collect(), num_blocks)
+    (
+        ids[..needed as usize]
+            .iter()
+            .copied()
+            .map(BlockId)
+            .collect(),
+        num_blocks,
+    )
 }
 
 fn noise(len: u64, seed: u64) -> Vec<u8> {
@@ -144,8 +174,16 @@ fn noise(len: u64, seed: u64) -> Vec<u8> {
 fn simulate(case: &Case) -> Result<usize, TestCaseError> {
     let pb = u64::from(case.producer.block_tokens);
     let cb = u64::from(case.consumer.block_tokens);
-    let (p_blocks, p_num) = block_ids(&case.producer, case.tokens.div_ceil(pb) as u32, case.shuffle_seed);
-    let (c_blocks, c_num) = block_ids(&case.consumer, case.tokens.div_ceil(cb) as u32, !case.shuffle_seed);
+    let (p_blocks, p_num) = block_ids(
+        &case.producer,
+        case.tokens.div_ceil(pb) as u32,
+        case.shuffle_seed,
+    );
+    let (c_blocks, c_num) = block_ids(
+        &case.consumer,
+        case.tokens.div_ceil(cb) as u32,
+        !case.shuffle_seed,
+    );
     let producers: Vec<Layout> = (0..case.producer.tp)
         .map(|r| Layout::new(spec(case, &case.producer, r, p_num)).unwrap())
         .collect();
@@ -164,7 +202,9 @@ fn simulate(case: &Case) -> Result<usize, TestCaseError> {
     };
     let planned = match plan(&request(skip)) {
         Err(PlanError::UnalignedSkip { .. }) => {
-            prop_assert!(skip % cb != 0 && consumer.spec().order != producers[0].spec().order);
+            prop_assert!(
+                !skip.is_multiple_of(cb) && consumer.spec().order != producers[0].spec().order
+            );
             skip -= skip % cb;
             plan(&request(skip)).unwrap()
         }
@@ -174,7 +214,11 @@ fn simulate(case: &Case) -> Result<usize, TestCaseError> {
     // Producer memory with the pattern.
     let mut p_mem: Vec<Vec<Vec<u8>>> = producers
         .iter()
-        .map(|l| (0..l.region_count()).map(|i| noise(l.region_len(), u64::from(i) + 1000)).collect())
+        .map(|l| {
+            (0..l.region_count())
+                .map(|i| noise(l.region_len(), u64::from(i) + 1000))
+                .collect()
+        })
         .collect();
     for (layout, mem) in producers.iter().zip(&mut p_mem) {
         let mut slices: Vec<&mut [u8]> = mem.iter_mut().map(Vec::as_mut_slice).collect();
@@ -191,13 +235,25 @@ fn simulate(case: &Case) -> Result<usize, TestCaseError> {
         let src_region = &p_mem[op.producer.0 as usize][op.src_region as usize];
         for (src, dst, len) in op.pieces() {
             let (src, dst, len) = (src as usize, dst as usize, len as usize);
-            prop_assert!(src + len <= src_region.len(), "source out of bounds: {:?}", op);
+            prop_assert!(
+                src + len <= src_region.len(),
+                "source out of bounds: {:?}",
+                op
+            );
             let dst_region = &mut c_mem[op.dst_region as usize];
-            prop_assert!(dst + len <= dst_region.len(), "destination out of bounds: {:?}", op);
+            prop_assert!(
+                dst + len <= dst_region.len(),
+                "destination out of bounds: {:?}",
+                op
+            );
             dst_region[dst..dst + len].copy_from_slice(&src_region[src..src + len]);
             for count in &mut writes[op.dst_region as usize][dst..dst + len] {
                 *count += 1;
-                prop_assert!(*count == 1, "a destination byte was written twice by {:?}", op);
+                prop_assert!(
+                    *count == 1,
+                    "a destination byte was written twice by {:?}",
+                    op
+                );
             }
         }
     }
@@ -258,7 +314,11 @@ fn simulate(case: &Case) -> Result<usize, TestCaseError> {
 
     // Every writer has operations, and each producer's own plan is its slice of the whole.
     for rank in planned.writers() {
-        let own = plan(&PlanRequest { only_producer: Some(rank), ..request(skip) }).unwrap();
+        let own = plan(&PlanRequest {
+            only_producer: Some(rank),
+            ..request(skip)
+        })
+        .unwrap();
         prop_assert_eq!(own.ops(), planned.ops_for(rank));
         prop_assert!(!own.ops().is_empty());
         prop_assert!(own.ops().iter().all(|op| op.producer == rank));
@@ -308,10 +368,10 @@ fn every_named_combination_simulates() {
         (2, 2, 4, false),
         (4, 2, 4, false),
         (2, 4, 4, false),
-        (8, 2, 2, false),  // producer TP > heads
-        (1, 8, 2, false),  // consumer TP > heads
-        (8, 4, 2, false),  // both above heads
-        (2, 3, 1, true),   // MLA
+        (8, 2, 2, false), // producer TP > heads
+        (1, 8, 2, false), // consumer TP > heads
+        (8, 4, 2, false), // both above heads
+        (2, 3, 1, true),  // MLA
     ] {
         for (p_bt, c_bt) in [(4, 4), (2, 8), (8, 2), (3, 5)] {
             for p_order in [MemoryOrder::Nhd, MemoryOrder::Hnd] {
@@ -354,7 +414,10 @@ fn contiguous_requests_need_ops_independent_of_length() {
             for (p_bt, c_bt) in [(4, 4), (2, 8), (8, 2)] {
                 let mut short = base_case();
                 short.tokens = 64;
-                for (side, tp, bt) in [(&mut short.producer, p_tp, p_bt), (&mut short.consumer, c_tp, c_bt)] {
+                for (side, tp, bt) in [
+                    (&mut short.producer, p_tp, p_bt),
+                    (&mut short.consumer, c_tp, c_bt),
+                ] {
                     side.tp = tp;
                     side.block_tokens = bt;
                     side.order = order;
@@ -364,7 +427,11 @@ fn contiguous_requests_need_ops_independent_of_length() {
                 // three levels (head, consumer block, producer block): one strided op per head
                 // run per larger block. See docs/planner.md.
                 let heads_each = |tp: u32| short.heads / tp.min(short.heads);
-                if order == MemoryOrder::Hnd && p_bt != c_bt && heads_each(p_tp) > 1 && heads_each(c_tp) > 1 {
+                if order == MemoryOrder::Hnd
+                    && p_bt != c_bt
+                    && heads_each(p_tp) > 1
+                    && heads_each(c_tp) > 1
+                {
                     continue;
                 }
                 let mut long = short.clone();
@@ -379,8 +446,16 @@ fn contiguous_requests_need_ops_independent_of_length() {
 #[test]
 fn same_geometry_needs_one_op_per_layer_and_kv() {
     let case = base_case();
-    let ops = simulate(&Case { tokens: 40, ..case.clone() }).unwrap();
-    assert_eq!(ops, 2 * 2, "one op per (layer, K/V) from the one producer that serves rank 1");
+    let ops = simulate(&Case {
+        tokens: 40,
+        ..case.clone()
+    })
+    .unwrap();
+    assert_eq!(
+        ops,
+        2 * 2,
+        "one op per (layer, K/V) from the one producer that serves rank 1"
+    );
     // Rank 1 of TP 2 with 4 heads and a TP-2 producer: the whole request is one run per family.
     let _ = Rank(0);
 }
