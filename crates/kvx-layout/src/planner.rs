@@ -362,21 +362,10 @@ fn head_groups(
 ) -> Result<Vec<HeadGroup>, PlanError> {
     let consumer = req.consumer;
     let tp_p = by_rank.len() as u32;
-    let c_rank = consumer.spec().tp_rank;
     let mut groups: Vec<HeadGroup> = Vec::new();
     for j in 0..consumer.local_heads() {
         let head = consumer.first_head() + j;
-        let rank = if consumer.spec().mla {
-            c_rank % tp_p
-        } else {
-            let heads = consumer.model_heads();
-            if tp_p <= heads {
-                head / (heads / tp_p)
-            } else {
-                let replicas = tp_p / heads;
-                head * replicas + c_rank % replicas
-            }
-        };
+        let rank = producer_for_head(consumer, tp_p, head);
         if req.only_producer.is_some_and(|only| only.0 != rank) {
             continue;
         }
@@ -406,6 +395,55 @@ fn head_groups(
         }
     }
     Ok(groups)
+}
+
+/// The producer rank (of a producer with TP size `producer_tp`) that serves global head `head`
+/// of `consumer`. Where the producer replicates heads (TP above the head count, or MLA), consumer
+/// ranks are spread over the replicas by `consumer_rank mod replicas`.
+fn producer_for_head(consumer: &Layout, producer_tp: u32, head: u32) -> u32 {
+    let c_rank = consumer.spec().tp_rank;
+    if consumer.spec().mla {
+        return c_rank % producer_tp;
+    }
+    let heads = consumer.model_heads();
+    if producer_tp <= heads {
+        head / (heads / producer_tp)
+    } else {
+        let replicas = producer_tp / heads;
+        head * replicas + c_rank % replicas
+    }
+}
+
+/// The producer ranks that write to `consumer` when the producer runs with TP size
+/// `producer_tp` (ascending): the consumer registers with each and waits for one completion
+/// notice from each. Agrees with [`Plan::writers`] for any request with at least one token.
+///
+/// # Errors
+/// [`PlanError::ModelMismatch`] when the producer's TP size cannot split the model's heads.
+pub fn writers_for(consumer: &Layout, producer_tp: u32) -> Result<Vec<Rank>, PlanError> {
+    let heads = consumer.model_heads();
+    if producer_tp == 0
+        || !(consumer.spec().mla
+            || heads.is_multiple_of(producer_tp)
+            || producer_tp.is_multiple_of(heads))
+    {
+        return Err(PlanError::ModelMismatch {
+            field: "tp_size",
+            producer: producer_tp.to_string(),
+            consumer: format!("{heads} KV heads"),
+        });
+    }
+    let mut ranks: Vec<Rank> = (0..consumer.local_heads())
+        .map(|j| {
+            Rank(producer_for_head(
+                consumer,
+                producer_tp,
+                consumer.first_head() + j,
+            ))
+        })
+        .collect();
+    ranks.dedup();
+    Ok(ranks)
 }
 
 /// Plans the copy operations of one request for one consumer rank.

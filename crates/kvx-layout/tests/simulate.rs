@@ -312,6 +312,14 @@ fn simulate(case: &Case) -> Result<usize, TestCaseError> {
         }
     }
 
+    // The consumer can tell its writers from the producer's TP size alone.
+    if case.tokens > skip {
+        let writers: Vec<Rank> = planned.writers().collect();
+        prop_assert_eq!(
+            kvx_layout::writers_for(&consumer, case.producer.tp).unwrap(),
+            writers
+        );
+    }
     // Every writer has operations, and each producer's own plan is its slice of the whole.
     for rank in planned.writers() {
         let own = plan(&PlanRequest {
