@@ -16,6 +16,7 @@ fn registration(blocks: u32) -> Message {
         num_tokens: blocks * 16,
         skip_tokens: 0,
         lease_ms: 30_000,
+        notice: 0,
         blocks: (0..blocks).map(BlockId).collect(),
     })
 }

@@ -19,6 +19,7 @@
 //!     num_tokens: 40,
 //!     skip_tokens: 0,
 //!     lease_ms: 30_000,
+//!     notice: 7,
 //!     blocks: vec![BlockId(3), BlockId(4), BlockId(9)],
 //! });
 //! let bytes = registration.to_bytes()?;

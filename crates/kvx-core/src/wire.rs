@@ -119,6 +119,10 @@ pub struct Registration {
     pub skip_tokens: u32,
     /// How long prefill may hold this registration unmatched, in milliseconds.
     pub lease_ms: u32,
+    /// The transport notice value the producer rank attaches to its writes: chosen by the
+    /// consumer, distinct for every (registration, producer rank), so that the arriving notice
+    /// names both.
+    pub notice: u64,
     /// Destination blocks, in token order, covering tokens from 0.
     pub blocks: Vec<BlockId>,
 }
@@ -577,6 +581,7 @@ impl Writer<'_> {
         self.u32(m.num_tokens);
         self.u32(m.skip_tokens);
         self.u32(m.lease_ms);
+        self.u64(m.notice);
         // A list longer than u32::MAX items cannot fit MAX_PAYLOAD; the length check in `encode`
         // rejects it, so a saturated count here is never sent.
         self.u32(u32::try_from(m.blocks.len()).unwrap_or(u32::MAX));
@@ -831,6 +836,7 @@ impl<'a> Reader<'a> {
             });
         }
         let lease_ms = self.u32()?;
+        let notice = self.u64()?;
         let n = self.count("blocks", 4)?;
         let blocks = (0..n)
             .map(|_| self.u32().map(BlockId))
@@ -845,6 +851,7 @@ impl<'a> Reader<'a> {
             num_tokens,
             skip_tokens,
             lease_ms,
+            notice,
             blocks,
         })
     }

@@ -138,6 +138,7 @@ fn message() -> impl Strategy<Value = Message> {
                 num_tokens: n,
                 skip_tokens: skip.min(n),
                 lease_ms: lease,
+                notice: (t as u64).rotate_left(7) ^ u64::from(lease),
                 blocks: blocks.into_iter().map(BlockId).collect(),
             })
         });
@@ -380,6 +381,7 @@ fn skip_beyond_tokens_is_rejected() {
         num_tokens: 4,
         skip_tokens: 4,
         lease_ms: 0,
+        notice: 0,
         blocks: vec![],
     };
     let mut bytes = Message::Registration(reg).to_bytes().unwrap();
