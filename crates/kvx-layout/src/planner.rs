@@ -519,7 +519,7 @@ pub fn plan(req: &PlanRequest<'_>) -> Result<Plan, PlanError> {
     }
     let bytes = ops.iter().map(CopyOp::bytes).sum();
     let permute = (needs_permute && req.only_producer.is_none() && n > skip)
-        .then(|| permute_plan(req, order, bc));
+        .then(|| permute_plan(consumer, req.consumer_blocks, n, skip, order));
     Ok(Plan {
         ops,
         writers,
@@ -586,10 +586,16 @@ fn build_templates(
     templates
 }
 
-fn permute_plan(req: &PlanRequest<'_>, from: MemoryOrder, bc: u64) -> PermutePlan {
-    let consumer = req.consumer;
+fn permute_plan(
+    consumer: &Layout,
+    consumer_blocks: &[BlockId],
+    num_tokens: u64,
+    skip_tokens: u64,
+    from: MemoryOrder,
+) -> PermutePlan {
     let spec = consumer.spec();
-    let (n, skip) = (req.num_tokens, req.skip_tokens);
+    let bc = u64::from(spec.block_tokens);
+    let (n, skip) = (num_tokens, skip_tokens);
     let first_block = skip / bc;
     let last_block = n.div_ceil(bc);
     let mut chunks = Vec::new();
@@ -603,7 +609,7 @@ fn permute_plan(req: &PlanRequest<'_>, from: MemoryOrder, bc: u64) -> PermutePla
                 chunks.push(Permute {
                     region: place.region,
                     offset: place.base
-                        + u64::from(req.consumer_blocks[bi as usize].0) * consumer.block_stride(),
+                        + u64::from(consumer_blocks[bi as usize].0) * consumer.block_stride(),
                     from,
                     to: spec.order,
                     block_tokens: spec.block_tokens,
@@ -616,6 +622,42 @@ fn permute_plan(req: &PlanRequest<'_>, from: MemoryOrder, bc: u64) -> PermutePla
         }
     }
     PermutePlan { chunks }
+}
+
+/// The re-layout a consumer must apply after a transfer from `producer` (any producer rank's
+/// layout) into `consumer_blocks`, computed on the consumer side alone (push mode, where the
+/// producer's block ids are never seen by the consumer). `None` when the memory orders agree.
+///
+/// # Errors
+/// [`PlanError::UnalignedSkip`], [`PlanError::SkipBeyondTokens`] and block errors, as [`plan`].
+pub fn permute_for(
+    producer: &Layout,
+    consumer: &Layout,
+    num_tokens: u64,
+    skip_tokens: u64,
+    consumer_blocks: &[BlockId],
+) -> Result<Option<PermutePlan>, PlanError> {
+    if skip_tokens > num_tokens {
+        return Err(PlanError::SkipBeyondTokens {
+            skip: skip_tokens,
+            tokens: num_tokens,
+        });
+    }
+    let (p, c) = (effective_order(producer), effective_order(consumer));
+    let Some(from) = p.filter(|p| c.is_some_and(|c| c != *p)) else {
+        return Ok(None);
+    };
+    let bc = u64::from(consumer.spec().block_tokens);
+    if !skip_tokens.is_multiple_of(bc) {
+        return Err(PlanError::UnalignedSkip {
+            skip: skip_tokens,
+            block_tokens: consumer.spec().block_tokens,
+        });
+    }
+    let used = (skip_tokens / bc) as usize..num_tokens.div_ceil(bc) as usize;
+    check_blocks(Side::Consumer, consumer, consumer_blocks, used)?;
+    Ok((num_tokens > skip_tokens)
+        .then(|| permute_plan(consumer, consumer_blocks, num_tokens, skip_tokens, from)))
 }
 
 #[cfg(test)]

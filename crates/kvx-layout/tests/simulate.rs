@@ -312,6 +312,10 @@ fn simulate(case: &Case) -> Result<usize, TestCaseError> {
         }
     }
 
+    // The consumer computes the same re-layout without the producer's block ids.
+    let alone =
+        kvx_layout::permute_for(&producers[0], &consumer, case.tokens, skip, &c_blocks).unwrap();
+    prop_assert_eq!(alone.as_ref(), planned.permute());
     // The consumer can tell its writers from the producer's TP size alone.
     if case.tokens > skip {
         let writers: Vec<Rank> = planned.writers().collect();
