@@ -1,0 +1,166 @@
+//! Pieces both sides share: the clock, the cache a side registers, the driver's wait loop.
+
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::time::{Duration, Instant};
+
+use kvx_core::wire::{FailureReason, Hello, Role};
+use kvx_core::{LayoutSpec, Rank};
+use kvx_layout::Layout;
+use kvx_rdma::desc::EndpointDesc;
+use kvx_rdma::region::LocalRegion;
+use kvx_rdma::transport::{Event, Transport};
+use kvx_rendezvous::{Reason, Timestamp};
+
+use crate::config::ConnectorConfig;
+use crate::error::StartError;
+
+/// One rank's KV cache, handed to the connector at start: its layout and the memory of each of
+/// the layout's regions (index `i` of `regions` is region `i`).
+#[derive(Debug)]
+pub struct KvCache {
+    /// The layout.
+    pub layout: LayoutSpec,
+    /// The regions, in layout order.
+    pub regions: Vec<LocalRegion>,
+}
+
+/// Validates the cache and registers its regions with the transport.
+pub(crate) fn register_cache(
+    transport: &mut dyn Transport,
+    cache: KvCache,
+) -> Result<(Layout, Vec<LocalRegion>), StartError> {
+    let layout = Layout::new(cache.layout)?;
+    if cache.regions.len() != layout.region_count() as usize {
+        return Err(StartError::RegionCount {
+            expected: layout.region_count(),
+            given: cache.regions.len(),
+        });
+    }
+    let mut kept = Vec::with_capacity(cache.regions.len());
+    for (index, region) in cache.regions.into_iter().enumerate() {
+        if region.len() < layout.region_len() {
+            return Err(StartError::RegionTooSmall {
+                index: index as u32,
+                len: region.len(),
+                needed: layout.region_len(),
+            });
+        }
+        if region.index() != index as u32 {
+            return Err(StartError::RegionIndex {
+                position: index,
+                index: region.index(),
+            });
+        }
+        transport.register(region.clone())?;
+        kept.push(region);
+    }
+    Ok((layout, kept))
+}
+
+/// Monotonic time since the side started, as the state machines want it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Clock(Instant);
+
+impl Clock {
+    pub(crate) fn new() -> Self {
+        Self(Instant::now())
+    }
+
+    pub(crate) fn now(self) -> Timestamp {
+        Timestamp::from_nanos(u64::try_from(self.0.elapsed().as_nanos()).unwrap_or(u64::MAX))
+    }
+
+    /// How long from now until `at` (zero if past).
+    pub(crate) fn until(self, at: Timestamp) -> Duration {
+        at.saturating_duration_since(self.now())
+    }
+}
+
+/// The hello this side sends.
+pub(crate) fn hello(
+    config: &ConnectorConfig,
+    role: Role,
+    layout: &Layout,
+    desc: &EndpointDesc,
+) -> Hello {
+    Hello {
+        compat_hash: layout.spec().compat_hash(),
+        engine: config.engine,
+        incarnation: config.incarnation,
+        role,
+        layout: layout.spec().clone(),
+        regions: desc.regions.clone(),
+        transport: desc.backend.clone(),
+        transport_addr: desc.to_bytes(),
+    }
+}
+
+/// The peer's endpoint description from its hello.
+pub(crate) fn peer_desc(hello: &Hello) -> Option<EndpointDesc> {
+    EndpointDesc::from_bytes(&hello.transport_addr).ok()
+}
+
+/// How long a driver waits on the transport when operations are in flight, before it looks at
+/// its command queue again. The wait blocks on the transport's wait object (a completion-queue
+/// wait), so an idle driver with work in flight wakes at most this often; without work in flight
+/// it blocks on its queue alone.
+pub(crate) const TRANSPORT_SLICE: Duration = Duration::from_millis(1);
+
+/// One turn of a driver's loop: wait for commands or transport events, whichever comes, until
+/// `deadline` at the latest. Returns the commands received (transport events go to `events`).
+pub(crate) fn wait_turn<C>(
+    rx: &Receiver<C>,
+    transport: &mut dyn Transport,
+    transport_busy: bool,
+    clock: Clock,
+    deadline: Option<Timestamp>,
+    events: &mut Vec<Event>,
+    commands: &mut Vec<C>,
+) -> Result<(), kvx_rdma::error::PollError> {
+    let limit = deadline.map_or(Duration::from_secs(3600), |d| clock.until(d));
+    // Whatever is already queued first, without blocking.
+    while let Ok(c) = rx.try_recv() {
+        commands.push(c);
+    }
+    if !commands.is_empty() {
+        transport.poll(events)?;
+        return Ok(());
+    }
+    if transport_busy {
+        transport.wait(events, limit.min(TRANSPORT_SLICE))?;
+        while let Ok(c) = rx.try_recv() {
+            commands.push(c);
+        }
+    } else {
+        match rx.recv_timeout(limit) {
+            Ok(c) => commands.push(c),
+            Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => {}
+        }
+        // Notices may arrive while nothing is in flight on this side (the consumer's case).
+        transport.poll(events)?;
+    }
+    Ok(())
+}
+
+/// The wire's failure reason for a state-machine reason.
+pub(crate) fn wire_reason(reason: Reason) -> FailureReason {
+    FailureReason::from(reason)
+}
+
+/// A state-machine reason for a failure reported by the peer.
+pub(crate) fn local_reason(reason: FailureReason) -> Reason {
+    match reason {
+        FailureReason::LeaseExpired => Reason::LeaseExpired,
+        FailureReason::Aborted => Reason::Aborted,
+        FailureReason::Preempted => Reason::Preempted,
+        FailureReason::Rejected => Reason::Capacity,
+        _ => Reason::PeerFailed,
+    }
+}
+
+/// The control address of rank `rank` of an instance whose rank 0 listens at `base`.
+pub(crate) fn rank_addr(base: std::net::SocketAddr, rank: Rank) -> std::net::SocketAddr {
+    let mut addr = base;
+    addr.set_port(base.port().wrapping_add(rank.0 as u16));
+    addr
+}

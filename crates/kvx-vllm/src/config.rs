@@ -1,0 +1,59 @@
+//! Connector configuration, with defaults that work on one machine.
+
+use std::hash::{BuildHasher, Hasher};
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use kvx_core::{EngineId, Incarnation};
+
+/// Settings shared by both sides of the connector.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct ConnectorConfig {
+    /// This engine instance.
+    pub engine: EngineId,
+    /// This process's incarnation (random by default): peers recognise a restart by it.
+    pub incarnation: Incarnation,
+    /// Producer: this rank's control address (decode connects here). Port 0 picks a free port.
+    pub listen: SocketAddr,
+    /// Consumer: how long a request may wait for its KV, from registration; a hard bound (the
+    /// consumer's heartbeats keep the producer's copy of the registration alive meanwhile).
+    pub registration_lease: Duration,
+    /// Producer: how long finished blocks wait for a registration (push) or a read (pull).
+    pub producer_lease: Duration,
+    /// How often the consumer sends heartbeats for the transfers it waits for.
+    pub heartbeat_interval: Duration,
+    /// Bound on connecting to a peer's control address.
+    pub connect_timeout: Duration,
+    /// Producer: how long a started transfer may run.
+    pub transfer_timeout: Duration,
+    /// Most requests held or in flight on one side.
+    pub max_entries: usize,
+}
+
+impl ConnectorConfig {
+    /// Defaults for `engine`: control on 127.0.0.1 (free port), 120 s for a request to arrive,
+    /// 30 s for finished blocks to be claimed, 5 s heartbeats.
+    #[must_use]
+    pub fn new(engine: EngineId) -> Self {
+        Self {
+            engine,
+            incarnation: random_incarnation(),
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            registration_lease: Duration::from_secs(120),
+            producer_lease: Duration::from_secs(30),
+            heartbeat_interval: Duration::from_secs(5),
+            connect_timeout: Duration::from_secs(5),
+            transfer_timeout: Duration::from_secs(60),
+            max_entries: 65_536,
+        }
+    }
+}
+
+/// A random incarnation, from the standard library's per-process random hash keys.
+#[must_use]
+pub fn random_incarnation() -> Incarnation {
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u32(std::process::id());
+    Incarnation(hasher.finish())
+}

@@ -1,0 +1,756 @@
+//! The decode side: registers destinations with the producer ranks that will write here (push),
+//! or reads the blocks itself (pull); counts completion notices and reports each request ready
+//! or failed.
+
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread::{self, JoinHandle};
+use std::time::Duration;
+
+use kvx_core::wire::{Abort, Completion, Heartbeat, Hello, Message, Registration, Role};
+use kvx_core::{Attempt, BlockId, Rank, RequestId, TransferId};
+use kvx_layout::{permute_for, plan, writers_for, Layout, PermutePlan, PlanRequest};
+use kvx_rdma::region::LocalRegion;
+use kvx_rdma::transport::{Event, OpId, PeerId, Transport};
+use kvx_rendezvous::{AttemptKey, Reason, Timestamp, Waiter, WaiterAction, WaiterConfig};
+use tracing::{debug, info, warn};
+
+use crate::common::{self, Clock, KvCache};
+use crate::config::ConnectorConfig;
+use crate::control::{self, ControlSender};
+use crate::error::{Closed, StartError};
+use crate::stats::{Stats, StatsSnapshot};
+
+/// A remotely prefilled request whose blocks decode has allocated (push mode).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PushRequest {
+    /// The router's transfer id and the attempt.
+    pub key: AttemptKey,
+    /// Decode's request id.
+    pub request: RequestId,
+    /// The prefill instance's control address (its rank 0; rank r listens on port + r).
+    pub prefill: SocketAddr,
+    /// Prompt tokens whose KV is wanted.
+    pub num_tokens: u64,
+    /// Leading tokens decode already has (prefix-cache hit, a whole number of blocks).
+    pub skip_tokens: u64,
+    /// Decode's blocks for the request, in token order from token 0.
+    pub blocks: Vec<BlockId>,
+}
+
+/// A prefilled request to read from the prefill instance (pull mode).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PullRequest {
+    /// The request as in push mode.
+    pub push: PushRequest,
+    /// The prefill's block ids for the request, relayed by the router.
+    pub producer_blocks: Vec<BlockId>,
+}
+
+/// What became of a request the consumer waited for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RecvEvent {
+    /// Every producer rank's KV is in decode's blocks: the request may decode.
+    Ready {
+        /// The attempt.
+        key: AttemptKey,
+        /// Decode's request.
+        request: RequestId,
+    },
+    /// The KV will not arrive: never decode this request on its blocks.
+    Failed {
+        /// The attempt.
+        key: AttemptKey,
+        /// Decode's request.
+        request: RequestId,
+        /// Why.
+        reason: Reason,
+        /// Detail for logs.
+        detail: String,
+    },
+}
+
+enum Command {
+    Push(PushRequest),
+    Pull(PullRequest),
+    Cancel {
+        transfer: TransferId,
+        attempt: Option<Attempt>,
+    },
+    Peer(SocketAddr, Message),
+    PeerClosed(SocketAddr, String),
+    Shutdown,
+}
+
+#[derive(Debug)]
+struct Waiting {
+    request: RequestId,
+    instance: SocketAddr,
+    writers: Vec<Rank>,
+    notices: Vec<u64>,
+    permute: Option<PermutePlan>,
+    pull: bool,
+}
+
+struct RankConn {
+    sender: ControlSender,
+    hello: Hello,
+    layout: Layout,
+    peer: Option<PeerId>,
+}
+
+struct Instance {
+    ranks: HashMap<Rank, RankConn>,
+    waiting: HashSet<AttemptKey>,
+}
+
+/// The decode side of the connector for one engine rank.
+///
+/// ```no_run
+/// # fn demo(consumer: &kvx_vllm::Consumer) -> Result<(), kvx_vllm::Closed> {
+/// use kvx_core::{Attempt, BlockId, RequestId, TransferId};
+/// use kvx_rendezvous::AttemptKey;
+/// use kvx_vllm::{PushRequest, RecvEvent};
+///
+/// consumer.request_allocated(PushRequest {
+///     key: AttemptKey::new(TransferId(7), Attempt::FIRST),
+///     request: RequestId(1),
+///     prefill: "127.0.0.1:7100".parse().unwrap(),
+///     num_tokens: 20,
+///     skip_tokens: 0,
+///     blocks: vec![BlockId(10), BlockId(11)],
+/// })?;
+/// // Each engine step:
+/// for event in consumer.take_events() {
+///     match event {
+///         RecvEvent::Ready { request, .. } => println!("{request} may decode"),
+///         RecvEvent::Failed { request, reason, .. } => println!("{request} failed: {reason}"),
+///     }
+/// }
+/// # Ok(()) }
+/// ```
+pub struct Consumer {
+    tx: Sender<Command>,
+    events: Arc<Mutex<Vec<RecvEvent>>>,
+    stats: Arc<Stats>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Consumer {
+    /// Registers the cache with the transport and starts the driver thread.
+    ///
+    /// # Errors
+    /// [`StartError`] when the cache is invalid or registration fails.
+    pub fn start(
+        config: ConnectorConfig,
+        cache: KvCache,
+        mut transport: Box<dyn Transport>,
+    ) -> Result<Self, StartError> {
+        let (layout, regions) = common::register_cache(transport.as_mut(), cache)?;
+        let mut waiter_config = WaiterConfig::default();
+        waiter_config.max_waiting = config.max_entries;
+        waiter_config.max_lease = config.registration_lease.max(Duration::from_millis(1));
+        let waiter = Waiter::new(waiter_config).map_err(|e| {
+            StartError::Thread(std::io::Error::new(std::io::ErrorKind::InvalidInput, e))
+        })?;
+        let (tx, rx) = mpsc::channel();
+        let events = Arc::new(Mutex::new(Vec::new()));
+        let stats = Arc::new(Stats::default());
+        let hello = common::hello(&config, Role::Consumer, &layout, &transport.local_desc());
+        let rank = layout.rank();
+        let driver = Driver {
+            clock: Clock::new(),
+            layout,
+            regions,
+            transport,
+            waiter,
+            hello,
+            instances: HashMap::new(),
+            notices: HashMap::new(),
+            reads: HashMap::new(),
+            next_notice: 1,
+            next_heartbeat: None,
+            tx: tx.clone(),
+            events: Arc::clone(&events),
+            stats: Arc::clone(&stats),
+            config,
+        };
+        let thread = thread::Builder::new()
+            .name(format!("kvx-decode-{}", rank.0))
+            .spawn(move || driver.run(rx))
+            .map_err(StartError::Thread)?;
+        info!(%rank, "kvx consumer started");
+        Ok(Self {
+            tx,
+            events,
+            stats,
+            stop: Arc::new(AtomicBool::new(false)),
+            thread: Some(thread),
+        })
+    }
+
+    /// Decode allocated blocks for a remotely prefilled request (push): register them with the
+    /// producer ranks that will write here. Never blocks the caller.
+    ///
+    /// # Errors
+    /// [`Closed`] after shutdown.
+    pub fn request_allocated(&self, request: PushRequest) -> Result<(), Closed> {
+        self.send(Command::Push(request))
+    }
+
+    /// Reads a prefilled request's KV (pull mode), then tells prefill to free its blocks.
+    ///
+    /// # Errors
+    /// [`Closed`] after shutdown.
+    pub fn pull(&self, request: PullRequest) -> Result<(), Closed> {
+        self.send(Command::Pull(request))
+    }
+
+    /// Gives up on a transfer (abort or preemption): the request is reported failed and the
+    /// producer ranks are told.
+    ///
+    /// # Errors
+    /// [`Closed`] after shutdown.
+    pub fn cancel(&self, transfer: TransferId, attempt: Option<Attempt>) -> Result<(), Closed> {
+        self.send(Command::Cancel { transfer, attempt })
+    }
+
+    /// What happened since the last call.
+    #[must_use]
+    pub fn take_events(&self) -> Vec<RecvEvent> {
+        std::mem::take(&mut *self.events.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    /// Counters, including requests waiting now.
+    #[must_use]
+    pub fn stats(&self) -> StatsSnapshot {
+        self.stats.snapshot()
+    }
+
+    fn send(&self, command: Command) -> Result<(), Closed> {
+        self.tx.send(command).map_err(|_| Closed)
+    }
+
+    /// Stops the driver; every waiting request is reported failed.
+    pub fn shutdown(&mut self) {
+        if self.stop.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let _ = self.tx.send(Command::Shutdown);
+        if let Some(handle) = self.thread.take() {
+            let _ = handle.join();
+        }
+    }
+}
+
+impl Drop for Consumer {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+struct Driver {
+    config: ConnectorConfig,
+    clock: Clock,
+    layout: Layout,
+    regions: Vec<LocalRegion>,
+    transport: Box<dyn Transport>,
+    waiter: Waiter<Waiting>,
+    hello: Hello,
+    instances: HashMap<SocketAddr, Instance>,
+    notices: HashMap<u64, (AttemptKey, Rank)>,
+    reads: HashMap<OpId, (AttemptKey, Rank)>,
+    next_notice: u64,
+    next_heartbeat: Option<Timestamp>,
+    tx: Sender<Command>,
+    events: Arc<Mutex<Vec<RecvEvent>>>,
+    stats: Arc<Stats>,
+}
+
+impl Driver {
+    fn run(mut self, rx: Receiver<Command>) {
+        let mut events = Vec::new();
+        let mut commands = Vec::new();
+        'outer: loop {
+            let deadline = [self.waiter.poll_timeout(), self.next_heartbeat]
+                .into_iter()
+                .flatten()
+                .min();
+            if let Err(e) = common::wait_turn(
+                &rx,
+                self.transport.as_mut(),
+                !self.waiter.is_empty(),
+                self.clock,
+                deadline,
+                &mut events,
+                &mut commands,
+            ) {
+                warn!(error = %e, "transport poll failed");
+            }
+            for command in commands.drain(..) {
+                if matches!(command, Command::Shutdown) {
+                    break 'outer;
+                }
+                self.command(command);
+            }
+            for event in events.drain(..) {
+                self.transport_event(event);
+            }
+            let now = self.clock.now();
+            self.waiter.handle_timeout(now);
+            self.heartbeats(now);
+            self.actions();
+        }
+        let now = self.clock.now();
+        self.waiter.shutdown(now);
+        self.actions();
+        for instance in self.instances.values() {
+            for conn in instance.ranks.values() {
+                conn.sender.close();
+            }
+        }
+    }
+
+    fn command(&mut self, command: Command) {
+        match command {
+            Command::Push(request) => self.start(request, None),
+            Command::Pull(request) => self.start(request.push, Some(request.producer_blocks)),
+            Command::Cancel { transfer, attempt } => {
+                let now = self.clock.now();
+                self.waiter.cancel(now, transfer, attempt, Reason::Aborted);
+            }
+            Command::Peer(addr, message) => self.peer_message(addr, message),
+            Command::PeerClosed(addr, why) => self.instance_lost(&addr, &why),
+            Command::Shutdown => {}
+        }
+    }
+
+    /// Connects to every rank of `instance` that `writers` names (and to rank 0 to learn the
+    /// instance's TP size), handshaking once per rank.
+    fn connect_rank(&mut self, instance: SocketAddr, rank: Rank) -> Result<(), String> {
+        let entry = self.instances.entry(instance).or_insert_with(|| Instance {
+            ranks: HashMap::new(),
+            waiting: HashSet::new(),
+        });
+        if entry.ranks.contains_key(&rank) {
+            return Ok(());
+        }
+        let addr = common::rank_addr(instance, rank);
+        let mut stream =
+            control::connect(addr, self.config.connect_timeout).map_err(|e| e.to_string())?;
+        // Handshake synchronously (once per peer rank): our hello, then theirs.
+        stream
+            .set_read_timeout(Some(self.config.connect_timeout))
+            .map_err(|e| e.to_string())?;
+        let mut writer = stream.try_clone().map_err(|e| e.to_string())?;
+        use std::io::Write as _;
+        writer
+            .write_all(
+                &Message::Hello(self.hello.clone())
+                    .to_bytes()
+                    .map_err(|e| e.to_string())?,
+            )
+            .map_err(|e| format!("cannot send hello to {addr}: {e}"))?;
+        let hello = match control::read_message(&mut stream) {
+            Ok(Message::Hello(h)) => h,
+            Ok(_) => return Err(format!("{addr} did not answer with a hello")),
+            Err(e) => return Err(format!("no hello from {addr}: {e}")),
+        };
+        stream.set_read_timeout(None).map_err(|e| e.to_string())?;
+        if hello.role != Role::Producer {
+            return Err(format!("{addr} is not a producer"));
+        }
+        if hello.compat_hash != self.layout.spec().compat_hash() {
+            return Err(format!(
+                "{addr} serves an incompatible model: {:?} vs {:?}",
+                hello.layout,
+                self.layout.spec()
+            ));
+        }
+        if hello.layout.tp_rank != rank.0 {
+            return Err(format!(
+                "{addr} says it is rank {}, expected {rank}",
+                hello.layout.tp_rank
+            ));
+        }
+        let layout = Layout::new(hello.layout.clone()).map_err(|e| e.to_string())?;
+        // A restarted rank closes its connection (the instance is then dropped and reconnected
+        // with the new incarnation's hello), so a live connection's metadata is current.
+        let entry = self.instances.get_mut(&instance).expect("inserted above");
+        let tx = self.tx.clone();
+        let sender = control::start(stream, format!("kvx-ctl-{addr}"), move |result| {
+            let command = match result {
+                Ok(m) => Command::Peer(instance, m),
+                Err(e) => Command::PeerClosed(instance, e.to_string()),
+            };
+            tx.send(command).is_ok()
+        })
+        .map_err(|e| e.to_string())?;
+        entry.ranks.insert(
+            rank,
+            RankConn {
+                sender,
+                hello,
+                layout,
+                peer: None,
+            },
+        );
+        Ok(())
+    }
+
+    fn writers(&mut self, instance: SocketAddr) -> Result<Vec<Rank>, String> {
+        self.connect_rank(instance, Rank(0))?;
+        let tp = self.instances[&instance].ranks[&Rank(0)]
+            .layout
+            .spec()
+            .tp_size;
+        let writers = writers_for(&self.layout, tp).map_err(|e| e.to_string())?;
+        for &rank in &writers {
+            self.connect_rank(instance, rank)?;
+        }
+        Ok(writers)
+    }
+
+    fn start(&mut self, request: PushRequest, producer_blocks: Option<Vec<BlockId>>) {
+        let key = request.key;
+        match self.try_start(&request, producer_blocks) {
+            Ok(()) => {}
+            Err(detail) => {
+                warn!(%key, detail, "request cannot be served");
+                self.push_event(RecvEvent::Failed {
+                    key,
+                    request: request.request,
+                    reason: Reason::PeerFailed,
+                    detail,
+                });
+            }
+        }
+    }
+
+    fn try_start(
+        &mut self,
+        request: &PushRequest,
+        producer_blocks: Option<Vec<BlockId>>,
+    ) -> Result<(), String> {
+        let now = self.clock.now();
+        let key = request.key;
+        let instance = request.prefill;
+        let writers = self.writers(instance)?;
+        let any_producer = self.instances[&instance].ranks[&writers[0]].layout.clone();
+        let permute = permute_for(
+            &any_producer,
+            &self.layout,
+            request.num_tokens,
+            request.skip_tokens,
+            &request.blocks,
+        )
+        .map_err(|e| e.to_string())?;
+        if permute.is_some()
+            && self
+                .regions
+                .iter()
+                .any(|r| r.kind() != kvx_core::MemoryKind::Host)
+        {
+            return Err(
+                "a memory-order re-layout is needed but the cache is not in host memory".into(),
+            );
+        }
+        let pull = producer_blocks.is_some();
+        let mut waiting = Waiting {
+            request: request.request,
+            instance,
+            writers: writers.clone(),
+            notices: Vec::new(),
+            permute,
+            pull,
+        };
+        let lease = self.config.registration_lease;
+        if let Some(producer_blocks) = producer_blocks {
+            self.post_reads(request, &producer_blocks, &writers)?;
+        } else {
+            for &rank in &writers {
+                let notice = self.next_notice;
+                self.next_notice = self.next_notice % u64::from(u32::MAX) + 1;
+                self.notices.insert(notice, (key, rank));
+                waiting.notices.push(notice);
+                let registration = Message::Registration(Registration {
+                    transfer: key.transfer,
+                    attempt: key.attempt,
+                    request: request.request,
+                    consumer: self.config.engine,
+                    consumer_incarnation: self.config.incarnation,
+                    consumer_rank: self.layout.rank(),
+                    num_tokens: u32::try_from(request.num_tokens).map_err(|_| "too many tokens")?,
+                    skip_tokens: u32::try_from(request.skip_tokens)
+                        .map_err(|_| "too many tokens")?,
+                    lease_ms: u32::try_from(lease.as_millis()).unwrap_or(u32::MAX),
+                    notice,
+                    blocks: request.blocks.clone(),
+                });
+                let conn = &self.instances[&instance].ranks[&rank];
+                if let Err(e) = conn.sender.send(&registration) {
+                    for n in &waiting.notices {
+                        self.notices.remove(n);
+                    }
+                    return Err(format!("cannot register with {rank}: {e}"));
+                }
+            }
+        }
+        self.instances
+            .get_mut(&instance)
+            .expect("connected")
+            .waiting
+            .insert(key);
+        self.stats.held.fetch_add(1, Ordering::Relaxed);
+        self.waiter.expect(now, key, writers, lease, waiting);
+        if self.next_heartbeat.is_none() {
+            self.next_heartbeat = Some(now + self.config.heartbeat_interval);
+        }
+        Ok(())
+    }
+
+    fn post_reads(
+        &mut self,
+        request: &PushRequest,
+        producer_blocks: &[BlockId],
+        writers: &[Rank],
+    ) -> Result<(), String> {
+        let instance = request.prefill;
+        let mut layouts = Vec::new();
+        for &rank in writers {
+            let transport = self.transport.as_mut();
+            let conn = self
+                .instances
+                .get_mut(&instance)
+                .and_then(|i| i.ranks.get_mut(&rank))
+                .ok_or("not connected")?;
+            if conn.peer.is_none() {
+                let desc =
+                    common::peer_desc(&conn.hello).ok_or("unreadable endpoint description")?;
+                conn.peer = Some(transport.connect(&desc).map_err(|e| e.to_string())?);
+            }
+            layouts.push(conn.layout.clone());
+        }
+        let planned = plan(&PlanRequest {
+            producers: &layouts,
+            consumer: &self.layout,
+            num_tokens: request.num_tokens,
+            skip_tokens: request.skip_tokens,
+            producer_blocks,
+            consumer_blocks: &request.blocks,
+            only_producer: None,
+        })
+        .map_err(|e| e.to_string())?;
+        for &rank in writers {
+            let peer = self.instances[&instance].ranks[&rank]
+                .peer
+                .expect("connected above");
+            let op = self
+                .transport
+                .read(peer, planned.ops_for(rank))
+                .map_err(|e| format!("cannot post reads from {rank}: {e}"))?;
+            self.reads.insert(op, (request.key, rank));
+            self.stats.bytes_written.fetch_add(
+                planned
+                    .ops_for(rank)
+                    .iter()
+                    .map(kvx_layout::CopyOp::bytes)
+                    .sum(),
+                Ordering::Relaxed,
+            );
+        }
+        Ok(())
+    }
+
+    fn peer_message(&mut self, instance: SocketAddr, message: Message) {
+        let now = self.clock.now();
+        match message {
+            Message::Failure(f) => {
+                let key = AttemptKey::new(f.transfer, f.attempt);
+                debug!(%key, reason = ?f.reason, detail = f.detail, "producer reported failure");
+                self.waiter
+                    .failure(now, key, common::local_reason(f.reason));
+            }
+            Message::Hello(_) | Message::Heartbeat(_) => {}
+            _ => warn!(%instance, "unexpected message from a producer"),
+        }
+    }
+
+    fn instance_lost(&mut self, instance: &SocketAddr, why: &str) {
+        let Some(lost) = self.instances.remove(instance) else {
+            return;
+        };
+        warn!(%instance, why, "prefill instance lost");
+        let now = self.clock.now();
+        for key in lost.waiting {
+            self.waiter.failure(now, key, Reason::PeerFailed);
+        }
+        for conn in lost.ranks.values() {
+            conn.sender.close();
+        }
+    }
+
+    fn transport_event(&mut self, event: Event) {
+        let now = self.clock.now();
+        match event {
+            Event::Notice(notice) => {
+                if let Some((key, rank)) = self.notices.remove(&notice.0) {
+                    self.waiter.completion(now, key, rank);
+                } else {
+                    debug!(
+                        notice = notice.0,
+                        "notice for nothing waited (late or stale)"
+                    );
+                }
+            }
+            Event::ReadDone { op, .. } => {
+                if let Some((key, rank)) = self.reads.remove(&op) {
+                    self.waiter.completion(now, key, rank);
+                }
+            }
+            Event::Failed { op, error, .. } => {
+                if let Some((key, _)) = self.reads.remove(&op) {
+                    warn!(%key, %error, "read failed");
+                    self.waiter.failure(now, key, Reason::TransferFailed);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn heartbeats(&mut self, now: Timestamp) {
+        let Some(at) = self.next_heartbeat else {
+            return;
+        };
+        if now < at {
+            return;
+        }
+        for instance in self.instances.values() {
+            if instance.waiting.is_empty() {
+                continue;
+            }
+            let message = Message::Heartbeat(Heartbeat {
+                engine: self.config.engine,
+                incarnation: self.config.incarnation,
+                transfers: instance.waiting.iter().map(|k| k.transfer).collect(),
+            });
+            for conn in instance.ranks.values() {
+                let _ = conn.sender.send(&message);
+            }
+        }
+        self.next_heartbeat =
+            (!self.waiter.is_empty()).then(|| now + self.config.heartbeat_interval);
+    }
+
+    fn actions(&mut self) {
+        let actions: Vec<WaiterAction<Waiting>> = self.waiter.drain_actions().collect();
+        for action in actions {
+            match action {
+                WaiterAction::Ready { key, payload } => {
+                    self.finish(key, &payload);
+                    if let Some(permute) = &payload.permute {
+                        self.apply_permute(permute);
+                    }
+                    if payload.pull {
+                        self.tell_producers(key, &payload, true);
+                    }
+                    self.stats.transfers_ok.fetch_add(1, Ordering::Relaxed);
+                    self.push_event(RecvEvent::Ready {
+                        key,
+                        request: payload.request,
+                    });
+                }
+                WaiterAction::Failed {
+                    key,
+                    payload,
+                    reason,
+                } => {
+                    self.finish(key, &payload);
+                    // The producer must stop (push) or free its blocks (pull).
+                    self.tell_producers(key, &payload, false);
+                    self.stats.transfers_failed.fetch_add(1, Ordering::Relaxed);
+                    self.push_event(RecvEvent::Failed {
+                        key,
+                        request: payload.request,
+                        reason,
+                        detail: String::new(),
+                    });
+                }
+            }
+        }
+    }
+
+    fn finish(&mut self, key: AttemptKey, payload: &Waiting) {
+        for n in &payload.notices {
+            self.notices.remove(n);
+        }
+        self.reads.retain(|_, (k, _)| *k != key);
+        if let Some(instance) = self.instances.get_mut(&payload.instance) {
+            instance.waiting.remove(&key);
+        }
+        self.stats.held.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    fn tell_producers(&self, key: AttemptKey, payload: &Waiting, done: bool) {
+        let Some(instance) = self.instances.get(&payload.instance) else {
+            return;
+        };
+        for rank in &payload.writers {
+            let Some(conn) = instance.ranks.get(rank) else {
+                continue;
+            };
+            let message = if done {
+                Message::Completion(Completion {
+                    transfer: key.transfer,
+                    attempt: key.attempt,
+                    producer: self.config.engine,
+                    producer_rank: *rank,
+                    bytes: 0,
+                })
+            } else {
+                Message::Abort(Abort {
+                    transfer: key.transfer,
+                    attempt: Some(key.attempt),
+                    reason: "consumer gave up".into(),
+                })
+            };
+            let _ = conn.sender.send(&message);
+        }
+    }
+
+    fn apply_permute(&self, permute: &PermutePlan) {
+        let mut scratch = Vec::new();
+        for p in &permute.chunks {
+            let Some(region) = self.regions.get(p.region as usize) else {
+                continue;
+            };
+            let len = p.chunk_bytes();
+            if p.offset + len > region.len() {
+                continue;
+            }
+            // SAFETY: the region was registered from memory valid for reads and writes while the
+            // connector runs (`LocalRegion`'s contract), it is host memory (checked when the
+            // request started), and this chunk belongs to a request whose every writer has
+            // finished: no transport writes it and the engine does not read it until the request
+            // is reported ready, after this returns. The slice covers only this chunk.
+            let chunk = unsafe {
+                std::slice::from_raw_parts_mut(
+                    (region.addr() + p.offset as usize) as *mut u8,
+                    len as usize,
+                )
+            };
+            p.apply(chunk, &mut scratch);
+        }
+    }
+
+    fn push_event(&self, event: RecvEvent) {
+        self.events
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(event);
+    }
+}

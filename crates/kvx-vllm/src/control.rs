@@ -1,0 +1,104 @@
+//! The control channel: kvx wire frames over TCP, one connection per (decode rank, prefill rank).
+//! Reads block on the socket in a reader thread per connection (never a busy poll); writes go
+//! through a shared, locked stream so any thread can send.
+
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::sync::{Arc, Mutex};
+use std::thread;
+use std::time::Duration;
+
+use kvx_core::wire::{DecodeError, EncodeError, FrameHeader, Message, HEADER_LEN};
+
+/// Why a control connection failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ControlError {
+    /// Connecting to the peer failed.
+    #[error("cannot connect to {addr}: {source}")]
+    Connect {
+        /// The peer's control address.
+        addr: SocketAddr,
+        /// The socket error.
+        source: io::Error,
+    },
+    /// Reading from the peer failed or the peer closed the connection.
+    #[error("control read failed: {0}")]
+    Read(#[source] io::Error),
+    /// Writing to the peer failed.
+    #[error("control write failed: {0}")]
+    Write(#[source] io::Error),
+    /// The peer sent bytes that are not a valid frame.
+    #[error("malformed control frame: {0}")]
+    Decode(#[from] DecodeError),
+    /// A message could not be encoded.
+    #[error("cannot encode control message: {0}")]
+    Encode(#[from] EncodeError),
+}
+
+/// Reads one frame (blocking).
+pub(crate) fn read_message(stream: &mut impl Read) -> Result<Message, ControlError> {
+    let mut header = [0u8; HEADER_LEN];
+    stream.read_exact(&mut header).map_err(ControlError::Read)?;
+    let parsed = FrameHeader::parse(&header)?;
+    let mut payload = vec![0u8; parsed.payload_len as usize];
+    stream
+        .read_exact(&mut payload)
+        .map_err(ControlError::Read)?;
+    Ok(Message::decode_payload(parsed.kind, &payload)?)
+}
+
+/// The sending half of a control connection, shareable between threads.
+#[derive(Clone, Debug)]
+pub(crate) struct ControlSender {
+    stream: Arc<Mutex<TcpStream>>,
+}
+
+impl ControlSender {
+    /// Sends one message.
+    pub(crate) fn send(&self, message: &Message) -> Result<(), ControlError> {
+        let bytes = message.to_bytes()?;
+        let mut stream = self
+            .stream
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        stream.write_all(&bytes).map_err(ControlError::Write)
+    }
+
+    /// Closes both directions; the reader thread then ends.
+    pub(crate) fn close(&self) {
+        let stream = self
+            .stream
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let _ = stream.shutdown(Shutdown::Both);
+    }
+}
+
+/// Splits an established stream into a sender and a reader thread that hands every message (and
+/// finally the error that ended the connection) to `deliver`.
+pub(crate) fn start(
+    stream: TcpStream,
+    name: String,
+    mut deliver: impl FnMut(Result<Message, ControlError>) -> bool + Send + 'static,
+) -> io::Result<ControlSender> {
+    stream.set_nodelay(true)?;
+    let mut reader = stream.try_clone()?;
+    thread::Builder::new().name(name).spawn(move || loop {
+        let result = read_message(&mut reader);
+        let failed = result.is_err();
+        if !deliver(result) || failed {
+            let _ = reader.shutdown(Shutdown::Both);
+            return;
+        }
+    })?;
+    Ok(ControlSender {
+        stream: Arc::new(Mutex::new(stream)),
+    })
+}
+
+/// Connects with a bounded wait.
+pub(crate) fn connect(addr: SocketAddr, timeout: Duration) -> Result<TcpStream, ControlError> {
+    TcpStream::connect_timeout(&addr, timeout)
+        .map_err(|source| ControlError::Connect { addr, source })
+}

@@ -1,0 +1,788 @@
+//! The prefill side: a control listener for registrations, the rendezvous matcher, and a driver
+//! thread that plans and posts the writes off the engine loop.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, HashSet};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread::{self, JoinHandle};
+use std::time::Duration;
+
+use kvx_core::wire::{FailureNotice, Hello, Message, Registration, Role};
+use kvx_core::{Attempt, BlockId, Rank, RequestId, TransferId};
+use kvx_layout::{plan, Layout, PlanRequest};
+use kvx_rdma::transport::{Event, Notice, OpId, PeerId, Transport};
+use kvx_rendezvous::{
+    Action, AttemptKey, Config, ConsumerId, Matcher, Reason, Timestamp, TransferOutcome,
+};
+use tracing::{debug, info, warn};
+
+use crate::common::{self, Clock, KvCache};
+use crate::config::ConnectorConfig;
+use crate::control::{self, ControlSender};
+use crate::error::{Closed, StartError};
+use crate::stats::{Stats, StatsSnapshot};
+
+/// What became of a finished request's blocks: the engine may free them now.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FinishedSending {
+    /// The engine's request.
+    pub request: RequestId,
+    /// The attempt.
+    pub key: AttemptKey,
+    /// Whether the KV was delivered.
+    pub outcome: SendOutcome,
+}
+
+/// Whether a request's KV reached its consumer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SendOutcome {
+    /// Written, and the completion notice delivered (push), or read by the consumer (pull).
+    Sent,
+    /// Not delivered, and why (the consumer has been told where it needs to be).
+    NotSent(Reason),
+}
+
+type ConnId = u64;
+
+enum Command {
+    Finished {
+        key: AttemptKey,
+        held: Held,
+        pull: bool,
+    },
+    Abort {
+        transfer: TransferId,
+        attempt: Option<Attempt>,
+    },
+    Preempted(AttemptKey),
+    Accepted(ConnId, ControlSender),
+    Peer(ConnId, Message),
+    PeerClosed(ConnId, String),
+    Shutdown,
+}
+
+#[derive(Debug)]
+struct Held {
+    request: RequestId,
+    blocks: Vec<BlockId>,
+    num_tokens: u64,
+}
+
+#[derive(Debug)]
+struct Dest {
+    conn: ConnId,
+    blocks: Vec<BlockId>,
+    num_tokens: u64,
+    skip_tokens: u64,
+    notice: u64,
+}
+
+struct Consumer {
+    id: ConsumerId,
+    layout: Layout,
+    peer: PeerId,
+}
+
+struct Conn {
+    sender: ControlSender,
+    consumer: Option<Consumer>,
+    keys: HashSet<AttemptKey>,
+}
+
+struct Flight {
+    key: AttemptKey,
+    held: Held,
+    conn: ConnId,
+    cancelled: Option<Reason>,
+}
+
+/// The prefill side of the connector for one engine rank.
+///
+/// Engine-facing calls never block on the network: they queue a command for the driver thread.
+/// ```no_run
+/// # fn demo(producer: &kvx_vllm::Producer) -> Result<(), kvx_vllm::Closed> {
+/// use kvx_core::{Attempt, BlockId, RequestId, TransferId};
+/// use kvx_rendezvous::AttemptKey;
+///
+/// let key = AttemptKey::new(TransferId(7), Attempt::FIRST);
+/// producer.request_finished(key, RequestId(1), vec![BlockId(3), BlockId(4)], 20)?;
+/// // Later, each engine step: free what is done.
+/// for done in producer.take_finished() {
+///     println!("free the blocks of {} ({:?})", done.request, done.outcome);
+/// }
+/// # Ok(()) }
+/// ```
+pub struct Producer {
+    tx: Sender<Command>,
+    finished: Arc<Mutex<Vec<FinishedSending>>>,
+    stats: Arc<Stats>,
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl Producer {
+    /// Registers the cache with the transport, listens on `config.listen` and starts the
+    /// acceptor and driver threads.
+    ///
+    /// # Errors
+    /// [`StartError`] when the cache is invalid, registration fails or the address is taken.
+    pub fn start(
+        config: ConnectorConfig,
+        cache: KvCache,
+        mut transport: Box<dyn Transport>,
+    ) -> Result<Self, StartError> {
+        let (layout, _regions) = common::register_cache(transport.as_mut(), cache)?;
+        let mut matcher_config = Config::default();
+        matcher_config.max_entries = config.max_entries;
+        matcher_config.producer_lease = config.producer_lease;
+        matcher_config.transfer_timeout = config.transfer_timeout;
+        let matcher = Matcher::new(matcher_config)?;
+        let listener = TcpListener::bind(config.listen).map_err(StartError::Listen)?;
+        let addr = listener.local_addr().map_err(StartError::Listen)?;
+        let (tx, rx) = mpsc::channel();
+        let finished = Arc::new(Mutex::new(Vec::new()));
+        let stats = Arc::new(Stats::default());
+        let stop = Arc::new(AtomicBool::new(false));
+        let rank = layout.rank();
+        let hello = common::hello(&config, Role::Producer, &layout, &transport.local_desc());
+        let driver = Driver {
+            clock: Clock::new(),
+            rank,
+            layout,
+            transport,
+            matcher,
+            hello,
+            conns: HashMap::new(),
+            flights: HashMap::new(),
+            pull_held: HashMap::new(),
+            pull_expiry: BinaryHeap::new(),
+            producer_lease: config.producer_lease,
+            finished: Arc::clone(&finished),
+            stats: Arc::clone(&stats),
+        };
+        let mut threads = Vec::new();
+        threads.push(
+            thread::Builder::new()
+                .name(format!("kvx-prefill-{}", rank.0))
+                .spawn(move || driver.run(rx))
+                .map_err(StartError::Thread)?,
+        );
+        let accept_tx = tx.clone();
+        let accept_stop = Arc::clone(&stop);
+        threads.push(
+            thread::Builder::new()
+                .name(format!("kvx-accept-{}", rank.0))
+                .spawn(move || accept_loop(listener, accept_tx, accept_stop))
+                .map_err(StartError::Thread)?,
+        );
+        info!(%addr, %rank, "kvx producer listening");
+        Ok(Self {
+            tx,
+            finished,
+            stats,
+            addr,
+            stop,
+            threads,
+        })
+    }
+
+    /// This rank's control address (what decode connects to).
+    #[must_use]
+    pub fn control_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Prefill finished `key` (push): hold `blocks` until the registration arrives (or has
+    /// arrived), then write them. The blocks come back through [`Producer::take_finished`].
+    ///
+    /// # Errors
+    /// [`Closed`] after shutdown.
+    pub fn request_finished(
+        &self,
+        key: AttemptKey,
+        request: RequestId,
+        blocks: Vec<BlockId>,
+        num_tokens: u64,
+    ) -> Result<(), Closed> {
+        self.send(Command::Finished {
+            key,
+            held: Held {
+                request,
+                blocks,
+                num_tokens,
+            },
+            pull: false,
+        })
+    }
+
+    /// Prefill finished `key` in pull mode: hold `blocks` until the consumer has read them and
+    /// says so, or the producer lease runs out.
+    ///
+    /// # Errors
+    /// [`Closed`] after shutdown.
+    pub fn request_finished_pull(
+        &self,
+        key: AttemptKey,
+        request: RequestId,
+        blocks: Vec<BlockId>,
+        num_tokens: u64,
+    ) -> Result<(), Closed> {
+        self.send(Command::Finished {
+            key,
+            held: Held {
+                request,
+                blocks,
+                num_tokens,
+            },
+            pull: true,
+        })
+    }
+
+    /// Aborts one attempt, or every attempt, of a transfer.
+    ///
+    /// # Errors
+    /// [`Closed`] after shutdown.
+    pub fn abort(&self, transfer: TransferId, attempt: Option<Attempt>) -> Result<(), Closed> {
+        self.send(Command::Abort { transfer, attempt })
+    }
+
+    /// The engine preempted the request at this attempt.
+    ///
+    /// # Errors
+    /// [`Closed`] after shutdown.
+    pub fn preempted(&self, key: AttemptKey) -> Result<(), Closed> {
+        self.send(Command::Preempted(key))
+    }
+
+    /// Requests whose blocks the engine may free now (sent, or given up).
+    #[must_use]
+    pub fn take_finished(&self) -> Vec<FinishedSending> {
+        std::mem::take(&mut *self.finished.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    /// Counters, including blocks held now.
+    #[must_use]
+    pub fn stats(&self) -> StatsSnapshot {
+        self.stats.snapshot()
+    }
+
+    fn send(&self, command: Command) -> Result<(), Closed> {
+        self.tx.send(command).map_err(|_| Closed)
+    }
+
+    /// Stops the threads; every held block is reported through [`Producer::take_finished`].
+    pub fn shutdown(&mut self) {
+        if self.stop.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let _ = self.tx.send(Command::Shutdown);
+        // Wake the acceptor.
+        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(200));
+        for handle in self.threads.drain(..) {
+            let _ = handle.join();
+        }
+    }
+}
+
+impl Drop for Producer {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn accept_loop(listener: TcpListener, tx: Sender<Command>, stop: Arc<AtomicBool>) {
+    let next = AtomicU64::new(1);
+    for stream in listener.incoming() {
+        if stop.load(Ordering::SeqCst) {
+            return;
+        }
+        let stream = match stream {
+            Ok(s) => s,
+            Err(e) => {
+                warn!(error = %e, "accept failed");
+                continue;
+            }
+        };
+        let conn = next.fetch_add(1, Ordering::Relaxed);
+        let reader_tx = tx.clone();
+        let started = control::start(stream, format!("kvx-ctl-{conn}"), move |result| {
+            let command = match result {
+                Ok(message) => Command::Peer(conn, message),
+                Err(e) => Command::PeerClosed(conn, e.to_string()),
+            };
+            reader_tx.send(command).is_ok()
+        });
+        match started {
+            Ok(sender) => {
+                if tx.send(Command::Accepted(conn, sender)).is_err() {
+                    return;
+                }
+            }
+            Err(e) => warn!(error = %e, "cannot start control connection"),
+        }
+    }
+}
+
+struct Driver {
+    clock: Clock,
+    rank: Rank,
+    layout: Layout,
+    transport: Box<dyn Transport>,
+    matcher: Matcher<Held, Dest>,
+    hello: Hello,
+    conns: HashMap<ConnId, Conn>,
+    flights: HashMap<OpId, Flight>,
+    pull_held: HashMap<AttemptKey, (Held, Timestamp)>,
+    pull_expiry: BinaryHeap<Reverse<(Timestamp, AttemptKey)>>,
+    producer_lease: Duration,
+    finished: Arc<Mutex<Vec<FinishedSending>>>,
+    stats: Arc<Stats>,
+}
+
+impl Driver {
+    fn run(mut self, rx: Receiver<Command>) {
+        let mut events = Vec::new();
+        let mut commands = Vec::new();
+        'outer: loop {
+            let deadline = [
+                self.matcher.poll_timeout(),
+                self.pull_expiry.peek().map(|Reverse((at, _))| *at),
+            ]
+            .into_iter()
+            .flatten()
+            .min();
+            if let Err(e) = common::wait_turn(
+                &rx,
+                self.transport.as_mut(),
+                !self.flights.is_empty(),
+                self.clock,
+                deadline,
+                &mut events,
+                &mut commands,
+            ) {
+                warn!(error = %e, "transport poll failed");
+            }
+            for command in commands.drain(..) {
+                if matches!(command, Command::Shutdown) {
+                    break 'outer;
+                }
+                self.command(command);
+            }
+            for event in events.drain(..) {
+                self.transport_event(event);
+            }
+            let now = self.clock.now();
+            self.matcher.handle_timeout(now);
+            self.expire_pull(now);
+            self.actions();
+        }
+        self.shutdown();
+    }
+
+    fn command(&mut self, command: Command) {
+        let now = self.clock.now();
+        match command {
+            Command::Finished { key, held, pull } => {
+                if pull {
+                    let deadline = now + self.producer_lease;
+                    self.stats.held.fetch_add(1, Ordering::Relaxed);
+                    if let Some((old, _)) = self.pull_held.insert(key, (held, deadline)) {
+                        self.release(key, old, SendOutcome::NotSent(Reason::Duplicate));
+                    }
+                    self.pull_expiry.push(Reverse((deadline, key)));
+                } else {
+                    self.stats.held.fetch_add(1, Ordering::Relaxed);
+                    self.matcher.prefill_done(now, key, held);
+                }
+            }
+            Command::Abort { transfer, attempt } => {
+                self.matcher.abort(now, transfer, attempt, Reason::Aborted);
+                let keys: Vec<AttemptKey> = self
+                    .pull_held
+                    .keys()
+                    .filter(|k| k.transfer == transfer && attempt.is_none_or(|a| a == k.attempt))
+                    .copied()
+                    .collect();
+                for key in keys {
+                    if let Some((held, _)) = self.pull_held.remove(&key) {
+                        self.release(key, held, SendOutcome::NotSent(Reason::Aborted));
+                    }
+                }
+            }
+            Command::Preempted(key) => self.matcher.preempt(now, key),
+            Command::Accepted(conn, sender) => {
+                self.conns.insert(
+                    conn,
+                    Conn {
+                        sender,
+                        consumer: None,
+                        keys: HashSet::new(),
+                    },
+                );
+            }
+            Command::Peer(conn, message) => self.peer_message(conn, message),
+            Command::PeerClosed(conn, why) => {
+                if let Some(c) = self.conns.remove(&conn) {
+                    debug!(conn, why, "consumer connection closed");
+                    // The consumer is gone: its registrations will never be served.
+                    for key in c.keys {
+                        self.matcher
+                            .abort(now, key.transfer, Some(key.attempt), Reason::Aborted);
+                    }
+                }
+            }
+            Command::Shutdown => {}
+        }
+    }
+
+    fn peer_message(&mut self, conn: ConnId, message: Message) {
+        let now = self.clock.now();
+        let Some(c) = self.conns.get_mut(&conn) else {
+            return;
+        };
+        match message {
+            Message::Hello(hello) => {
+                let _ = c.sender.send(&Message::Hello(self.hello.clone()));
+                match accept_consumer(&self.layout, &hello, self.transport.as_mut()) {
+                    Ok(consumer) => c.consumer = Some(consumer),
+                    Err(why) => {
+                        warn!(why, "refusing consumer");
+                        c.sender.close();
+                    }
+                }
+            }
+            Message::Registration(reg) => self.registration(conn, now, reg),
+            Message::Heartbeat(hb) => {
+                if let Some(consumer) = &c.consumer {
+                    self.matcher.heartbeat(now, consumer.id, hb.transfers);
+                }
+            }
+            Message::Abort(abort) => {
+                self.matcher
+                    .abort(now, abort.transfer, abort.attempt, Reason::Aborted);
+                if let Some(attempt) = abort.attempt {
+                    c.keys.remove(&AttemptKey::new(abort.transfer, attempt));
+                }
+            }
+            Message::Failure(f) => {
+                self.matcher
+                    .abort(now, f.transfer, Some(f.attempt), Reason::PeerFailed);
+            }
+            Message::Completion(done) => {
+                // Pull mode: the consumer has read the blocks.
+                let key = AttemptKey::new(done.transfer, done.attempt);
+                if let Some((held, _)) = self.pull_held.remove(&key) {
+                    self.stats.transfers_ok.fetch_add(1, Ordering::Relaxed);
+                    self.release(key, held, SendOutcome::Sent);
+                }
+            }
+            _ => warn!(conn, "unexpected message from a consumer"),
+        }
+    }
+
+    fn registration(&mut self, conn: ConnId, now: Timestamp, reg: Registration) {
+        let Some(c) = self.conns.get_mut(&conn) else {
+            return;
+        };
+        let key = AttemptKey::new(reg.transfer, reg.attempt);
+        let Some(consumer) = &c.consumer else {
+            let _ = c.sender.send(&failure(
+                key,
+                self.rank,
+                Reason::Conflict,
+                "registration before hello",
+            ));
+            return;
+        };
+        if let Err(why) = check_destination(&consumer.layout, &reg) {
+            let _ = c
+                .sender
+                .send(&failure(key, self.rank, Reason::Conflict, &why));
+            return;
+        }
+        c.keys.insert(key);
+        let lease = Duration::from_millis(u64::from(reg.lease_ms));
+        let id = consumer.id;
+        self.matcher.register(
+            now,
+            key,
+            id,
+            lease,
+            Dest {
+                conn,
+                blocks: reg.blocks,
+                num_tokens: u64::from(reg.num_tokens),
+                skip_tokens: u64::from(reg.skip_tokens),
+                notice: reg.notice,
+            },
+        );
+    }
+
+    fn actions(&mut self) {
+        while let Some(action) = self.matcher.poll_action() {
+            match action {
+                Action::StartTransfer {
+                    key,
+                    blocks,
+                    destination,
+                    ..
+                } => self.start_transfer(key, blocks, destination),
+                Action::ReleaseProducer {
+                    key,
+                    blocks,
+                    reason,
+                } => {
+                    if reason == Reason::Duplicate {
+                        // A second copy of blocks handed in before: not freed twice.
+                        self.stats.held.fetch_sub(1, Ordering::Relaxed);
+                        continue;
+                    }
+                    self.release(key, blocks, SendOutcome::NotSent(reason));
+                }
+                Action::FailConsumer {
+                    key,
+                    destination,
+                    reason,
+                    ..
+                }
+                | Action::RejectRegistration {
+                    key,
+                    destination,
+                    reason,
+                    ..
+                } => {
+                    self.tell_consumer(destination.conn, key, reason, "");
+                }
+                Action::CancelTransfer { key, reason, .. } => {
+                    for flight in self.flights.values_mut() {
+                        if flight.key == key {
+                            flight.cancelled = Some(reason);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn start_transfer(&mut self, key: AttemptKey, held: Held, dest: Dest) {
+        let now = self.clock.now();
+        let result = self.post(key, &held, &dest);
+        match result {
+            Ok(op) => {
+                self.stats.transfers_started.fetch_add(1, Ordering::Relaxed);
+                self.flights.insert(
+                    op,
+                    Flight {
+                        key,
+                        held,
+                        conn: dest.conn,
+                        cancelled: None,
+                    },
+                );
+            }
+            Err(why) => {
+                warn!(%key, why, "transfer could not start");
+                self.tell_consumer(dest.conn, key, Reason::TransferFailed, &why);
+                self.matcher
+                    .transfer_finished(now, key, TransferOutcome::Failed);
+                self.stats.transfers_failed.fetch_add(1, Ordering::Relaxed);
+                self.release(key, held, SendOutcome::NotSent(Reason::TransferFailed));
+            }
+        }
+    }
+
+    fn post(&mut self, key: AttemptKey, held: &Held, dest: &Dest) -> Result<OpId, String> {
+        let c = self
+            .conns
+            .get(&dest.conn)
+            .ok_or("the consumer's connection is gone")?;
+        let consumer = c.consumer.as_ref().ok_or("no hello from the consumer")?;
+        let tokens = held.num_tokens.min(dest.num_tokens);
+        let planned = plan(&PlanRequest {
+            producers: std::slice::from_ref(&self.layout),
+            consumer: &consumer.layout,
+            num_tokens: tokens,
+            skip_tokens: dest.skip_tokens.min(tokens),
+            producer_blocks: &held.blocks,
+            consumer_blocks: &dest.blocks,
+            only_producer: Some(self.rank),
+        })
+        .map_err(|e| format!("cannot plan {key}: {e}"))?;
+        let ops = planned.ops_for(self.rank);
+        self.stats
+            .bytes_written
+            .fetch_add(planned.bytes(), Ordering::Relaxed);
+        self.transport
+            .write(consumer.peer, ops, Some(Notice(dest.notice)))
+            .map_err(|e| format!("cannot post the writes of {key}: {e}"))
+    }
+
+    fn transport_event(&mut self, event: Event) {
+        let now = self.clock.now();
+        match event {
+            Event::WriteDone { op, .. } => {
+                let Some(flight) = self.flights.remove(&op) else {
+                    return;
+                };
+                match flight.cancelled {
+                    None => {
+                        self.matcher
+                            .transfer_finished(now, flight.key, TransferOutcome::Succeeded);
+                        self.stats.transfers_ok.fetch_add(1, Ordering::Relaxed);
+                        self.release(flight.key, flight.held, SendOutcome::Sent);
+                    }
+                    Some(reason) => {
+                        self.tell_consumer(flight.conn, flight.key, reason, "cancelled");
+                        self.matcher
+                            .transfer_finished(now, flight.key, TransferOutcome::Failed);
+                        self.release(flight.key, flight.held, SendOutcome::NotSent(reason));
+                    }
+                }
+            }
+            Event::Failed { op, error, .. } => {
+                let Some(flight) = self.flights.remove(&op) else {
+                    return;
+                };
+                warn!(key = %flight.key, %error, "transfer failed");
+                self.tell_consumer(
+                    flight.conn,
+                    flight.key,
+                    Reason::TransferFailed,
+                    &error.to_string(),
+                );
+                self.matcher
+                    .transfer_finished(now, flight.key, TransferOutcome::Failed);
+                self.stats.transfers_failed.fetch_add(1, Ordering::Relaxed);
+                self.release(
+                    flight.key,
+                    flight.held,
+                    SendOutcome::NotSent(Reason::TransferFailed),
+                );
+            }
+            _ => {}
+        }
+    }
+
+    fn tell_consumer(&self, conn: ConnId, key: AttemptKey, reason: Reason, detail: &str) {
+        if let Some(c) = self.conns.get(&conn) {
+            if let Err(e) = c.sender.send(&failure(key, self.rank, reason, detail)) {
+                debug!(%key, error = %e, "cannot send failure notice");
+            }
+        }
+    }
+
+    fn release(&self, key: AttemptKey, held: Held, outcome: SendOutcome) {
+        self.stats.held.fetch_sub(1, Ordering::Relaxed);
+        self.finished
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(FinishedSending {
+                request: held.request,
+                key,
+                outcome,
+            });
+    }
+
+    fn expire_pull(&mut self, now: Timestamp) {
+        while let Some(Reverse((at, key))) = self.pull_expiry.peek().copied() {
+            if at > now {
+                break;
+            }
+            self.pull_expiry.pop();
+            // Only the entry with this deadline expires (a re-held key has a later one).
+            if self.pull_held.get(&key).is_some_and(|(_, d)| *d == at) {
+                if let Some((held, _)) = self.pull_held.remove(&key) {
+                    self.release(key, held, SendOutcome::NotSent(Reason::LeaseExpired));
+                }
+            }
+        }
+    }
+
+    fn shutdown(mut self) {
+        let now = self.clock.now();
+        self.matcher.shutdown(now);
+        self.actions();
+        for (_, flight) in std::mem::take(&mut self.flights) {
+            self.tell_consumer(flight.conn, flight.key, Reason::Shutdown, "");
+            self.release(
+                flight.key,
+                flight.held,
+                SendOutcome::NotSent(Reason::Shutdown),
+            );
+        }
+        for (key, (held, _)) in std::mem::take(&mut self.pull_held) {
+            self.release(key, held, SendOutcome::NotSent(Reason::Shutdown));
+        }
+        for c in self.conns.values() {
+            c.sender.close();
+        }
+    }
+}
+
+fn failure(key: AttemptKey, rank: Rank, reason: Reason, detail: &str) -> Message {
+    Message::Failure(FailureNotice {
+        transfer: key.transfer,
+        attempt: key.attempt,
+        rank,
+        reason: common::wire_reason(reason),
+        detail: detail.chars().take(1024).collect(),
+    })
+}
+
+fn accept_consumer(
+    own: &Layout,
+    hello: &Hello,
+    transport: &mut dyn Transport,
+) -> Result<Consumer, String> {
+    if hello.role != Role::Consumer {
+        return Err("peer is not a consumer".into());
+    }
+    if hello.compat_hash != own.spec().compat_hash() {
+        return Err(format!(
+            "incompatible model: consumer layout {:?}, producer layout {:?}",
+            hello.layout,
+            own.spec()
+        ));
+    }
+    let layout = Layout::new(hello.layout.clone()).map_err(|e| e.to_string())?;
+    let desc = common::peer_desc(hello).ok_or("unreadable endpoint description")?;
+    let peer = transport.connect(&desc).map_err(|e| e.to_string())?;
+    Ok(Consumer {
+        id: ConsumerId {
+            engine: hello.engine,
+            incarnation: hello.incarnation,
+        },
+        layout,
+        peer,
+    })
+}
+
+/// Checks a registration's destination against the consumer's layout before holding it.
+fn check_destination(layout: &Layout, reg: &Registration) -> Result<(), String> {
+    if reg.consumer_rank != layout.rank() {
+        return Err(format!(
+            "registration for {} on the connection of {}",
+            reg.consumer_rank,
+            layout.rank()
+        ));
+    }
+    let needed = u64::from(reg.num_tokens).div_ceil(u64::from(layout.spec().block_tokens));
+    if (reg.blocks.len() as u64) < needed {
+        return Err(format!(
+            "{} blocks cannot hold {} tokens",
+            reg.blocks.len(),
+            reg.num_tokens
+        ));
+    }
+    if let Some(bad) = reg.blocks.iter().find(|b| b.0 >= layout.spec().num_blocks) {
+        return Err(format!(
+            "block {bad} is outside the consumer's {} blocks",
+            layout.spec().num_blocks
+        ));
+    }
+    Ok(())
+}

@@ -1,0 +1,41 @@
+//! Counters a side keeps, readable at any time.
+
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+
+/// Live counters.
+#[derive(Debug, Default)]
+pub(crate) struct Stats {
+    pub(crate) held: AtomicI64,
+    pub(crate) transfers_started: AtomicU64,
+    pub(crate) transfers_ok: AtomicU64,
+    pub(crate) transfers_failed: AtomicU64,
+    pub(crate) bytes_written: AtomicU64,
+}
+
+/// A copy of a side's counters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct StatsSnapshot {
+    /// Requests whose blocks (producer) or registrations (consumer) are held right now.
+    pub held: i64,
+    /// Transfers started.
+    pub transfers_started: u64,
+    /// Transfers that delivered.
+    pub transfers_ok: u64,
+    /// Transfers that failed.
+    pub transfers_failed: u64,
+    /// Bytes posted.
+    pub bytes_written: u64,
+}
+
+impl Stats {
+    pub(crate) fn snapshot(&self) -> StatsSnapshot {
+        StatsSnapshot {
+            held: self.held.load(Ordering::Relaxed),
+            transfers_started: self.transfers_started.load(Ordering::Relaxed),
+            transfers_ok: self.transfers_ok.load(Ordering::Relaxed),
+            transfers_failed: self.transfers_failed.load(Ordering::Relaxed),
+            bytes_written: self.bytes_written.load(Ordering::Relaxed),
+        }
+    }
+}

@@ -1,0 +1,650 @@
+//! The connector end to end over the in-process loopback transport: both orders, TP and block
+//! ratios, memory-order re-layout, pull mode, and the failure paths (leases, aborts, cancels, a
+//! dead prefill, bad blocks, an unreachable peer). Every delivered byte is verified.
+
+use std::net::{SocketAddr, TcpListener};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvx_core::{
+    Arrangement, Attempt, BlockId, Dtype, EngineId, LayoutSpec, MemoryOrder, RequestId, TransferId,
+};
+use kvx_layout::synth::{fill_request, verify_request};
+use kvx_layout::Layout;
+use kvx_rdma::loopback::LoopbackFabric;
+use kvx_rdma::region::{HostBuffer, LocalRegion};
+use kvx_rendezvous::{AttemptKey, Reason};
+use kvx_vllm::{
+    ConnectorConfig, Consumer, FinishedSending, KvCache, Producer, PullRequest, PushRequest,
+    RecvEvent, SendOutcome,
+};
+
+const SEED: u64 = 0x5eed;
+
+fn spec(
+    tp: u32,
+    rank: u32,
+    block_tokens: u32,
+    order: MemoryOrder,
+    arrangement: Arrangement,
+) -> LayoutSpec {
+    LayoutSpec {
+        num_layers: 3,
+        total_kv_heads: 4,
+        head_dim: 8,
+        dtype: Dtype::Bf16,
+        mla: false,
+        block_tokens,
+        num_blocks: 64,
+        tp_size: tp,
+        tp_rank: rank,
+        order,
+        arrangement,
+    }
+}
+
+struct Side {
+    layout: Layout,
+    buffers: Vec<Arc<HostBuffer>>,
+}
+
+impl Side {
+    fn new(spec: LayoutSpec) -> (Self, KvCache) {
+        let layout = Layout::new(spec.clone()).unwrap();
+        let buffers: Vec<Arc<HostBuffer>> = (0..layout.region_count())
+            .map(|_| {
+                let b = Arc::new(HostBuffer::new(layout.region_len() as usize).unwrap());
+                b.fill_with(|i| (i * 31 % 251) as u8);
+                b
+            })
+            .collect();
+        let regions = buffers
+            .iter()
+            .enumerate()
+            .map(|(i, b)| LocalRegion::host(i as u32, Arc::clone(b)))
+            .collect();
+        (
+            Self { layout, buffers },
+            KvCache {
+                layout: spec,
+                regions,
+            },
+        )
+    }
+
+    fn fill(&self, blocks: &[BlockId], tokens: u64) {
+        let mut mem: Vec<Vec<u8>> = self.buffers.iter().map(|b| b.to_vec()).collect();
+        let mut slices: Vec<&mut [u8]> = mem.iter_mut().map(Vec::as_mut_slice).collect();
+        fill_request(&self.layout, &mut slices, blocks, tokens, SEED);
+        for (b, m) in self.buffers.iter().zip(&mem) {
+            b.write_at(0, m).unwrap();
+        }
+    }
+
+    fn verify(&self, blocks: &[BlockId], skip: u64, tokens: u64) {
+        let mem: Vec<Vec<u8>> = self.buffers.iter().map(|b| b.to_vec()).collect();
+        let views: Vec<&[u8]> = mem.iter().map(Vec::as_slice).collect();
+        verify_request(&self.layout, &views, blocks, skip, tokens, SEED).unwrap();
+    }
+}
+
+/// A base port such that `count` consecutive ports are free.
+fn free_ports(count: u16) -> SocketAddr {
+    for _ in 0..200 {
+        let probe = TcpListener::bind("127.0.0.1:0").unwrap();
+        let base = probe.local_addr().unwrap();
+        drop(probe);
+        if base.port() > 65_000 {
+            continue;
+        }
+        let held: Vec<_> = (0..count)
+            .map_while(|i| {
+                TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], base.port() + i))).ok()
+            })
+            .collect();
+        if held.len() == count as usize {
+            return base;
+        }
+    }
+    panic!("no {count} consecutive free ports");
+}
+
+fn config(engine: u64) -> ConnectorConfig {
+    let mut c = ConnectorConfig::new(EngineId(engine));
+    c.heartbeat_interval = Duration::from_millis(50);
+    c
+}
+
+struct Prefill {
+    sides: Vec<Side>,
+    producers: Vec<Producer>,
+    base: SocketAddr,
+}
+
+fn prefill(
+    fabric: &LoopbackFabric,
+    tp: u32,
+    bt: u32,
+    order: MemoryOrder,
+    arr: Arrangement,
+    lease: Duration,
+) -> Prefill {
+    let base = free_ports(tp as u16);
+    let mut sides = Vec::new();
+    let mut producers = Vec::new();
+    for rank in 0..tp {
+        let (side, cache) = Side::new(spec(tp, rank, bt, order, arr));
+        let mut c = config(1);
+        c.listen = SocketAddr::from(([127, 0, 0, 1], base.port() + rank as u16));
+        c.producer_lease = lease;
+        producers.push(Producer::start(c, cache, Box::new(fabric.endpoint())).unwrap());
+        sides.push(side);
+    }
+    Prefill {
+        sides,
+        producers,
+        base,
+    }
+}
+
+fn decode(fabric: &LoopbackFabric, spec: LayoutSpec, lease: Duration) -> (Side, Consumer) {
+    let (side, cache) = Side::new(spec);
+    let mut c = config(2);
+    c.registration_lease = lease;
+    (
+        side,
+        Consumer::start(c, cache, Box::new(fabric.endpoint())).unwrap(),
+    )
+}
+
+fn wait_events(consumer: &Consumer, n: usize) -> Vec<RecvEvent> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut events = Vec::new();
+    while events.len() < n {
+        events.extend(consumer.take_events());
+        assert!(
+            Instant::now() < deadline,
+            "waited too long; have {events:?}"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    events
+}
+
+fn wait_finished(producer: &Producer, n: usize) -> Vec<FinishedSending> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut done = Vec::new();
+    while done.len() < n {
+        done.extend(producer.take_finished());
+        assert!(
+            Instant::now() < deadline,
+            "producer released too little: {done:?}"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    done
+}
+
+fn key(t: u128, a: u32) -> AttemptKey {
+    AttemptKey::new(TransferId(t), Attempt(a))
+}
+
+fn ids(range: std::ops::Range<u32>) -> Vec<BlockId> {
+    range.map(BlockId).collect()
+}
+
+const LONG: Duration = Duration::from_secs(30);
+
+fn push_roundtrip(
+    p_tp: u32,
+    p_bt: u32,
+    p_order: MemoryOrder,
+    c_spec: LayoutSpec,
+    tokens: u64,
+    registration_first: bool,
+) {
+    let fabric = LoopbackFabric::new();
+    let pre = prefill(
+        &fabric,
+        p_tp,
+        p_bt,
+        p_order,
+        Arrangement::PerLayerSplit,
+        LONG,
+    );
+    let (dec, consumer) = decode(&fabric, c_spec.clone(), LONG);
+    let p_blocks = ids(10..10 + tokens.div_ceil(u64::from(p_bt)) as u32);
+    let c_blocks: Vec<BlockId> = (0..tokens.div_ceil(u64::from(c_spec.block_tokens)) as u32)
+        .map(|i| BlockId(40 - i))
+        .collect();
+    for side in &pre.sides {
+        side.fill(&p_blocks, tokens);
+    }
+    let k = key(77, 0);
+    let register = || {
+        consumer
+            .request_allocated(PushRequest {
+                key: k,
+                request: RequestId(5),
+                prefill: pre.base,
+                num_tokens: tokens,
+                skip_tokens: 0,
+                blocks: c_blocks.clone(),
+            })
+            .unwrap();
+    };
+    if registration_first {
+        register();
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for p in &pre.producers {
+        p.request_finished(k, RequestId(9), p_blocks.clone(), tokens)
+            .unwrap();
+    }
+    if !registration_first {
+        std::thread::sleep(Duration::from_millis(20));
+        register();
+    }
+    let events = wait_events(&consumer, 1);
+    assert_eq!(
+        events,
+        vec![RecvEvent::Ready {
+            key: k,
+            request: RequestId(5)
+        }]
+    );
+    dec.verify(&c_blocks, 0, tokens);
+    // Every producer rank that wrote released its blocks as sent.
+    let writers = kvx_layout::writers_for(&dec.layout, p_tp).unwrap();
+    for rank in writers {
+        let done = wait_finished(&pre.producers[rank.0 as usize], 1);
+        assert_eq!(done[0].outcome, SendOutcome::Sent);
+        assert_eq!(done[0].request, RequestId(9));
+    }
+}
+
+#[test]
+fn push_registration_first() {
+    push_roundtrip(
+        1,
+        4,
+        MemoryOrder::Nhd,
+        spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit),
+        37,
+        true,
+    );
+}
+
+#[test]
+fn push_prefill_first() {
+    push_roundtrip(
+        1,
+        4,
+        MemoryOrder::Nhd,
+        spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::CrossLayer),
+        37,
+        false,
+    );
+}
+
+#[test]
+fn push_tp2_into_tp1_with_other_block_size_and_order() {
+    push_roundtrip(
+        2,
+        4,
+        MemoryOrder::Hnd,
+        spec(1, 0, 8, MemoryOrder::Nhd, Arrangement::PerLayerKvHalves),
+        50,
+        true,
+    );
+}
+
+#[test]
+fn push_tp1_into_rank_1_of_tp2() {
+    push_roundtrip(
+        1,
+        8,
+        MemoryOrder::Nhd,
+        spec(2, 1, 4, MemoryOrder::Hnd, Arrangement::PerLayerKvInBlock),
+        29,
+        false,
+    );
+}
+
+#[test]
+fn pull_reads_then_frees_the_producer_blocks() {
+    let fabric = LoopbackFabric::new();
+    let pre = prefill(
+        &fabric,
+        2,
+        4,
+        MemoryOrder::Hnd,
+        Arrangement::PerLayerSplit,
+        LONG,
+    );
+    let (dec, consumer) = decode(
+        &fabric,
+        spec(1, 0, 4, MemoryOrder::Hnd, Arrangement::PerLayerSplit),
+        LONG,
+    );
+    let tokens = 33;
+    let p_blocks = ids(3..12);
+    let c_blocks = ids(20..29);
+    for (side, p) in pre.sides.iter().zip(&pre.producers) {
+        side.fill(&p_blocks, tokens);
+        p.request_finished_pull(key(5, 0), RequestId(1), p_blocks.clone(), tokens)
+            .unwrap();
+    }
+    consumer
+        .pull(PullRequest {
+            push: PushRequest {
+                key: key(5, 0),
+                request: RequestId(2),
+                prefill: pre.base,
+                num_tokens: tokens,
+                skip_tokens: 0,
+                blocks: c_blocks.clone(),
+            },
+            producer_blocks: p_blocks.clone(),
+        })
+        .unwrap();
+    assert_eq!(
+        wait_events(&consumer, 1),
+        vec![RecvEvent::Ready {
+            key: key(5, 0),
+            request: RequestId(2)
+        }]
+    );
+    dec.verify(&c_blocks, 0, tokens);
+    for p in &pre.producers {
+        assert_eq!(wait_finished(p, 1)[0].outcome, SendOutcome::Sent);
+        assert_eq!(p.stats().held, 0);
+    }
+}
+
+#[test]
+fn registration_without_prefill_fails_after_its_lease() {
+    let fabric = LoopbackFabric::new();
+    let pre = prefill(
+        &fabric,
+        1,
+        4,
+        MemoryOrder::Nhd,
+        Arrangement::PerLayerSplit,
+        LONG,
+    );
+    let (_dec, consumer) = decode(
+        &fabric,
+        spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit),
+        Duration::from_millis(300),
+    );
+    consumer
+        .request_allocated(PushRequest {
+            key: key(1, 0),
+            request: RequestId(1),
+            prefill: pre.base,
+            num_tokens: 8,
+            skip_tokens: 0,
+            blocks: ids(0..2),
+        })
+        .unwrap();
+    let events = wait_events(&consumer, 1);
+    assert!(
+        matches!(
+            events[0],
+            RecvEvent::Failed {
+                reason: Reason::LeaseExpired,
+                ..
+            }
+        ),
+        "{events:?}"
+    );
+    assert_eq!(consumer.stats().held, 0);
+    // A late prefill for the expired attempt is released at once, not held for a lease.
+    pre.producers[0]
+        .request_finished(key(1, 0), RequestId(3), ids(0..2), 8)
+        .unwrap();
+    let done = wait_finished(&pre.producers[0], 1);
+    assert!(
+        matches!(done[0].outcome, SendOutcome::NotSent(_)),
+        "{done:?}"
+    );
+}
+
+#[test]
+fn prefill_without_registration_is_released_after_the_producer_lease() {
+    let fabric = LoopbackFabric::new();
+    let pre = prefill(
+        &fabric,
+        1,
+        4,
+        MemoryOrder::Nhd,
+        Arrangement::PerLayerSplit,
+        Duration::from_millis(200),
+    );
+    pre.producers[0]
+        .request_finished(key(2, 0), RequestId(3), ids(0..2), 8)
+        .unwrap();
+    let done = wait_finished(&pre.producers[0], 1);
+    assert_eq!(done[0].outcome, SendOutcome::NotSent(Reason::LeaseExpired));
+    assert_eq!(pre.producers[0].stats().held, 0);
+}
+
+#[test]
+fn producer_abort_fails_the_waiting_consumer() {
+    let fabric = LoopbackFabric::new();
+    let pre = prefill(
+        &fabric,
+        1,
+        4,
+        MemoryOrder::Nhd,
+        Arrangement::PerLayerSplit,
+        LONG,
+    );
+    let (_dec, consumer) = decode(
+        &fabric,
+        spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit),
+        LONG,
+    );
+    consumer
+        .request_allocated(PushRequest {
+            key: key(3, 0),
+            request: RequestId(1),
+            prefill: pre.base,
+            num_tokens: 8,
+            skip_tokens: 0,
+            blocks: ids(0..2),
+        })
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    pre.producers[0].abort(TransferId(3), None).unwrap();
+    let events = wait_events(&consumer, 1);
+    assert!(
+        matches!(
+            events[0],
+            RecvEvent::Failed {
+                reason: Reason::Aborted,
+                ..
+            }
+        ),
+        "{events:?}"
+    );
+}
+
+#[test]
+fn consumer_cancel_makes_prefill_release_its_blocks() {
+    let fabric = LoopbackFabric::new();
+    let pre = prefill(
+        &fabric,
+        1,
+        4,
+        MemoryOrder::Nhd,
+        Arrangement::PerLayerSplit,
+        LONG,
+    );
+    let (_dec, consumer) = decode(
+        &fabric,
+        spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit),
+        LONG,
+    );
+    consumer
+        .request_allocated(PushRequest {
+            key: key(4, 0),
+            request: RequestId(1),
+            prefill: pre.base,
+            num_tokens: 8,
+            skip_tokens: 0,
+            blocks: ids(0..2),
+        })
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    consumer.cancel(TransferId(4), None).unwrap();
+    let events = wait_events(&consumer, 1);
+    assert!(
+        matches!(
+            events[0],
+            RecvEvent::Failed {
+                reason: Reason::Aborted,
+                ..
+            }
+        ),
+        "{events:?}"
+    );
+    std::thread::sleep(Duration::from_millis(50));
+    pre.producers[0]
+        .request_finished(key(4, 0), RequestId(7), ids(0..2), 8)
+        .unwrap();
+    let done = wait_finished(&pre.producers[0], 1);
+    assert_eq!(done[0].outcome, SendOutcome::NotSent(Reason::Aborted));
+}
+
+#[test]
+fn preempted_request_reregisters_with_a_new_attempt() {
+    let fabric = LoopbackFabric::new();
+    let pre = prefill(
+        &fabric,
+        1,
+        4,
+        MemoryOrder::Nhd,
+        Arrangement::PerLayerSplit,
+        LONG,
+    );
+    let (dec, consumer) = decode(
+        &fabric,
+        spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit),
+        LONG,
+    );
+    let tokens = 12;
+    pre.sides[0].fill(&ids(0..3), tokens);
+    let request = |attempt, blocks: Vec<BlockId>| PushRequest {
+        key: key(6, attempt),
+        request: RequestId(1),
+        prefill: pre.base,
+        num_tokens: tokens,
+        skip_tokens: 0,
+        blocks,
+    };
+    consumer.request_allocated(request(0, ids(10..13))).unwrap();
+    std::thread::sleep(Duration::from_millis(30));
+    consumer.request_allocated(request(1, ids(20..23))).unwrap();
+    let first = wait_events(&consumer, 1);
+    assert!(
+        matches!(first[0], RecvEvent::Failed { key: k, reason: Reason::Superseded, .. } if k == key(6, 0)),
+        "{first:?}"
+    );
+    pre.producers[0]
+        .request_finished(key(6, 1), RequestId(8), ids(0..3), tokens)
+        .unwrap();
+    let second = wait_events(&consumer, 1);
+    assert_eq!(
+        second,
+        vec![RecvEvent::Ready {
+            key: key(6, 1),
+            request: RequestId(1)
+        }]
+    );
+    dec.verify(&ids(20..23), 0, tokens);
+}
+
+#[test]
+fn killed_prefill_fails_waiting_requests_at_once() {
+    let fabric = LoopbackFabric::new();
+    let mut pre = prefill(
+        &fabric,
+        1,
+        4,
+        MemoryOrder::Nhd,
+        Arrangement::PerLayerSplit,
+        LONG,
+    );
+    let (_dec, consumer) = decode(
+        &fabric,
+        spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit),
+        LONG,
+    );
+    consumer
+        .request_allocated(PushRequest {
+            key: key(8, 0),
+            request: RequestId(1),
+            prefill: pre.base,
+            num_tokens: 8,
+            skip_tokens: 0,
+            blocks: ids(0..2),
+        })
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    let started = Instant::now();
+    pre.producers[0].shutdown();
+    let events = wait_events(&consumer, 1);
+    assert!(matches!(events[0], RecvEvent::Failed { .. }), "{events:?}");
+    assert!(started.elapsed() < LONG, "failed only after the lease");
+}
+
+#[test]
+fn bad_blocks_and_unreachable_prefill_fail_cleanly() {
+    let fabric = LoopbackFabric::new();
+    let pre = prefill(
+        &fabric,
+        1,
+        4,
+        MemoryOrder::Nhd,
+        Arrangement::PerLayerSplit,
+        LONG,
+    );
+    let (_dec, consumer) = decode(
+        &fabric,
+        spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit),
+        LONG,
+    );
+    // Block 999 is outside decode's 64 blocks: prefill refuses the registration.
+    consumer
+        .request_allocated(PushRequest {
+            key: key(9, 0),
+            request: RequestId(1),
+            prefill: pre.base,
+            num_tokens: 8,
+            skip_tokens: 0,
+            blocks: vec![BlockId(1), BlockId(999)],
+        })
+        .unwrap();
+    let events = wait_events(&consumer, 1);
+    assert!(matches!(events[0], RecvEvent::Failed { .. }), "{events:?}");
+    // Nothing listens here.
+    let dead = free_ports(1);
+    consumer
+        .request_allocated(PushRequest {
+            key: key(10, 0),
+            request: RequestId(2),
+            prefill: dead,
+            num_tokens: 8,
+            skip_tokens: 0,
+            blocks: ids(0..2),
+        })
+        .unwrap();
+    let events = wait_events(&consumer, 1);
+    assert!(
+        matches!(&events[0], RecvEvent::Failed { request: RequestId(2), detail, .. } if detail.contains("connect")),
+        "{events:?}"
+    );
+    assert_eq!(consumer.stats().held, 0);
+}
