@@ -1,10 +1,12 @@
 //! `kvx`: the command-line tool of kvx.
 //!
 //! - `kvx plan`: print the transfer plan between a producer and a consumer layout;
-//! - `kvx topo`: print each accelerator's PCIe placement and RDMA rails.
+//! - `kvx topo`: print each accelerator's PCIe placement and RDMA rails;
+//! - `kvx pd prefill|decode`: a prefill/decode pair with a synthetic engine.
 
 use clap::{Parser, Subcommand};
 
+mod pd;
 mod plan_cmd;
 mod topo;
 
@@ -22,12 +24,23 @@ enum Command {
     Plan(plan_cmd::PlanArgs),
     /// Print each accelerator's PCI address, NUMA node and the RDMA NICs (rails) it uses.
     Topo(topo::TopoArgs),
+    /// A prefill/decode pair with a synthetic engine over a real transport.
+    Pd(pd::PdArgs),
 }
 
 fn main() -> anyhow::Result<()> {
+    // Logs go to stderr, filtered by RUST_LOG (default: warnings).
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
     let cli = Cli::parse();
     match &cli.command {
         Command::Plan(args) => plan_cmd::run(args),
         Command::Topo(args) => topo::run(args),
+        Command::Pd(args) => pd::run(args),
     }
 }

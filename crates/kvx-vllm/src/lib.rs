@@ -59,6 +59,7 @@ mod control;
 pub mod error;
 pub mod producer;
 mod stats;
+pub mod transport;
 
 pub use common::KvCache;
 pub use config::ConnectorConfig;
@@ -67,3 +68,4 @@ pub use control::ControlError;
 pub use error::{Closed, StartError};
 pub use producer::{FinishedSending, Producer, SendOutcome};
 pub use stats::StatsSnapshot;
+pub use transport::{TransportError, TransportSpec};

@@ -1,0 +1,444 @@
+//! `kvx pd decode`: the decode instance of the pair, and the request stream (the router).
+
+use std::collections::{HashMap, VecDeque};
+use std::io::{BufRead, BufReader, Write};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context as _};
+use kvx_core::{Attempt, BlockId, EngineId, RequestId, TransferId};
+use kvx_rendezvous::AttemptKey;
+use kvx_vllm::{ConnectorConfig, Consumer, PullRequest, PushRequest, RecvEvent, TransportSpec};
+use serde_json::json;
+
+use super::prefill::{connect_router, kv_seed, RankMemory};
+use super::{unix_micros, BlockPool, ModelArgs};
+
+/// Arguments of `kvx pd decode`.
+#[derive(clap::Args, Debug)]
+pub(crate) struct DecodeArgs {
+    /// The prefill instance's kvx control address (rank 0).
+    #[arg(long, default_value = "127.0.0.1:7100")]
+    prefill: SocketAddr,
+    /// The prefill instance's side channel.
+    #[arg(long, default_value = "127.0.0.1:7200")]
+    prefill_bench: SocketAddr,
+    /// push or pull.
+    #[arg(long, default_value = "push")]
+    mode: String,
+    /// Mean request rate (Poisson arrivals), requests per second.
+    #[arg(long, default_value_t = 2.0)]
+    rate: f64,
+    /// Requests to send.
+    #[arg(long, default_value_t = 20)]
+    requests: usize,
+    /// Prompt lengths, used in turn.
+    #[arg(long, value_delimiter = ',', default_value = "1024")]
+    input_tokens: Vec<u64>,
+    /// Tokens generated per request.
+    #[arg(long, default_value_t = 16)]
+    output_tokens: u32,
+    /// Duration of one simulated decode step.
+    #[arg(long, default_value_t = 5.0)]
+    step_ms: f64,
+    /// Seconds a request may wait for its KV.
+    #[arg(long, default_value_t = 60)]
+    lease_s: u64,
+    /// Random seed of the arrival process.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Write the results as JSON here.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    #[command(flatten)]
+    model: ModelArgs,
+}
+
+struct Request {
+    key: AttemptKey,
+    tokens: u64,
+    blocks: Vec<BlockId>,
+    arrival: Instant,
+    arrival_us: u64,
+    prefill_done_us: Option<u64>,
+    ready: Option<Instant>,
+    ready_us: Option<u64>,
+    ranks_ready: u32,
+    first_token: Option<Instant>,
+    last_token: Option<Instant>,
+    emitted: u32,
+    failed: Option<String>,
+    verified: Option<Result<u64, String>>,
+}
+
+impl Request {
+    fn resolved(&self, output_tokens: u32) -> bool {
+        self.failed.is_some() || (self.emitted >= output_tokens && self.verified.is_some())
+    }
+}
+
+/// Exponential inter-arrival gaps from a xorshift generator.
+fn arrivals(n: usize, rate: f64, seed: u64) -> Vec<Duration> {
+    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut t = 0.0;
+    (0..n)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let u = ((state >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+            let at = t;
+            t += -u.ln() / rate;
+            Duration::from_secs_f64(at)
+        })
+        .collect()
+}
+
+fn stats(mut v: Vec<f64>) -> serde_json::Value {
+    if v.is_empty() {
+        return json!(null);
+    }
+    v.sort_by(f64::total_cmp);
+    let pick = |q: f64| v[((v.len() - 1) as f64 * q).round() as usize];
+    json!({
+        "mean": v.iter().sum::<f64>() / v.len() as f64,
+        "p50": pick(0.5),
+        "p99": pick(0.99),
+        "max": v[v.len() - 1],
+        "n": v.len(),
+    })
+}
+
+/// Runs decode and the request stream; prints a summary and writes JSON.
+#[allow(clippy::too_many_lines)]
+pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
+    let pull = match args.mode.as_str() {
+        "push" => false,
+        "pull" => true,
+        m => bail!("unknown mode `{m}` (push, pull)"),
+    };
+    if args.input_tokens.is_empty() || args.rate <= 0.0 {
+        bail!("need at least one input length and a positive rate");
+    }
+    let spec: TransportSpec = args.model.transport.parse()?;
+    let mut memories = Vec::new();
+    let mut consumers = Vec::new();
+    for rank in 0..args.model.tp {
+        let (memory, cache) = RankMemory::new(args.model.layout(rank)?)?;
+        let mut config = ConnectorConfig::new(EngineId(2));
+        config.registration_lease = Duration::from_secs(args.lease_s);
+        consumers.push(
+            Consumer::start(config, cache, spec.open()?).context("cannot start the consumer")?,
+        );
+        memories.push(memory);
+    }
+    let memories = Arc::new(memories);
+    let stream = connect_router(args.prefill_bench, Duration::from_secs(60))?;
+    let mut router = stream.try_clone()?;
+    let (line_tx, line_rx) = mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stream).lines().map_while(Result::ok) {
+            if line_tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    // Verification off the engine loop: every received byte is checked.
+    let (verify_tx, verify_rx) = mpsc::channel::<(AttemptKey, Vec<BlockId>, u64)>();
+    let (verified_tx, verified_rx) = mpsc::channel::<(AttemptKey, Result<u64, String>)>();
+    let verifier_memories = Arc::clone(&memories);
+    std::thread::spawn(move || {
+        for (key, blocks, tokens) in verify_rx {
+            let result = verifier_memories
+                .iter()
+                .try_fold(0u64, |acc, m| {
+                    m.verify(&blocks, tokens, kv_seed(key.transfer))
+                        .map(|b| acc + b)
+                })
+                .map_err(|e| e.to_string());
+            if verified_tx.send((key, result)).is_err() {
+                return;
+            }
+        }
+    });
+
+    let schedule = arrivals(args.requests, args.rate, args.seed);
+    let start = Instant::now();
+    let mut pending: VecDeque<(usize, Duration)> = schedule.iter().copied().enumerate().collect();
+    let mut requests: Vec<Request> = Vec::new();
+    let mut by_key: HashMap<AttemptKey, usize> = HashMap::new();
+    let mut pool = BlockPool::new(args.model.blocks);
+    let mut running: Vec<usize> = Vec::new();
+    let mut loop_work: Vec<f64> = Vec::new();
+    let step = Duration::from_secs_f64(args.step_ms / 1e3);
+    let timeout = Duration::from_secs(args.lease_s + 120);
+    let base_transfer = (u128::from(std::process::id()) << 64) | (unix_micros() as u128) << 16;
+
+    loop {
+        let now = Instant::now();
+        if now.duration_since(start) > timeout {
+            bail!("the run did not finish within {timeout:?}");
+        }
+        let mut transfer_work = Duration::ZERO;
+        // Arrivals that are due.
+        while let Some(&(i, at)) = pending.front() {
+            if start + at > now {
+                break;
+            }
+            let tokens = args.input_tokens[i % args.input_tokens.len()];
+            let needed = tokens.div_ceil(u64::from(args.model.block_tokens)) as usize;
+            let Some(blocks) = pool.alloc(needed) else {
+                if running.is_empty()
+                    && by_key
+                        .values()
+                        .all(|&r| requests[r].resolved(args.output_tokens))
+                {
+                    bail!("a {tokens}-token request needs more blocks than the decode cache has");
+                }
+                break; // wait for blocks
+            };
+            pending.pop_front();
+            let key = AttemptKey::new(TransferId(base_transfer + i as u128), Attempt::FIRST);
+            writeln!(
+                router,
+                "P {:x} {} {} {}",
+                key.transfer.0, key.attempt.0, tokens, args.mode
+            )?;
+            let index = requests.len();
+            requests.push(Request {
+                key,
+                tokens,
+                blocks: blocks.clone(),
+                arrival: start + at,
+                arrival_us: unix_micros() - now.duration_since(start + at).as_micros() as u64,
+                prefill_done_us: None,
+                ready: None,
+                ready_us: None,
+                ranks_ready: 0,
+                first_token: None,
+                last_token: None,
+                emitted: 0,
+                failed: None,
+                verified: None,
+            });
+            by_key.insert(key, index);
+            if !pull {
+                let t = Instant::now();
+                for consumer in &consumers {
+                    consumer.request_allocated(PushRequest {
+                        key,
+                        request: RequestId(i as u64),
+                        prefill: args.prefill,
+                        num_tokens: tokens,
+                        skip_tokens: 0,
+                        blocks: blocks.clone(),
+                    })?;
+                }
+                transfer_work += t.elapsed();
+            }
+        }
+        // The router relays prefill completions (and, in pull mode, the prefill's blocks).
+        let idle = running.is_empty();
+        let first = if idle {
+            line_rx.recv_timeout(Duration::from_micros(500)).ok()
+        } else {
+            line_rx.try_recv().ok()
+        };
+        for line in first
+            .into_iter()
+            .chain(std::iter::from_fn(|| line_rx.try_recv().ok()))
+        {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            let ["D", transfer, attempt, done_us, ids] = f.as_slice() else {
+                bail!("malformed line from prefill: {line}");
+            };
+            let key = AttemptKey::new(
+                TransferId(u128::from_str_radix(transfer, 16)?),
+                Attempt(attempt.parse()?),
+            );
+            let Some(&index) = by_key.get(&key) else {
+                continue;
+            };
+            requests[index].prefill_done_us = Some(done_us.parse()?);
+            if pull {
+                let producer_blocks = ids
+                    .split(',')
+                    .map(|b| b.parse().map(BlockId))
+                    .collect::<Result<Vec<_>, _>>()?;
+                let r = &requests[index];
+                let t = Instant::now();
+                for consumer in &consumers {
+                    consumer.pull(PullRequest {
+                        push: PushRequest {
+                            key,
+                            request: RequestId(index as u64),
+                            prefill: args.prefill,
+                            num_tokens: r.tokens,
+                            skip_tokens: 0,
+                            blocks: r.blocks.clone(),
+                        },
+                        producer_blocks: producer_blocks.clone(),
+                    })?;
+                }
+                transfer_work += t.elapsed();
+            }
+        }
+        // Completions.
+        let t = Instant::now();
+        let events: Vec<RecvEvent> = consumers.iter().flat_map(Consumer::take_events).collect();
+        transfer_work += t.elapsed();
+        for event in events {
+            match event {
+                RecvEvent::Ready { key, .. } => {
+                    let Some(&index) = by_key.get(&key) else {
+                        continue;
+                    };
+                    let r = &mut requests[index];
+                    r.ranks_ready += 1;
+                    if r.ranks_ready == args.model.tp && r.failed.is_none() {
+                        r.ready = Some(Instant::now());
+                        r.ready_us = Some(unix_micros());
+                        verify_tx.send((key, r.blocks.clone(), r.tokens))?;
+                        running.push(index);
+                    }
+                }
+                RecvEvent::Failed {
+                    key,
+                    reason,
+                    detail,
+                    ..
+                } => {
+                    let Some(&index) = by_key.get(&key) else {
+                        continue;
+                    };
+                    let r = &mut requests[index];
+                    if r.failed.is_none() {
+                        r.failed = Some(format!("{reason} {detail}"));
+                        running.retain(|&x| x != index);
+                    }
+                }
+            }
+        }
+        while let Ok((key, result)) = verified_rx.try_recv() {
+            if let Some(&index) = by_key.get(&key) {
+                requests[index].verified = Some(result);
+            }
+        }
+        // One decode step for the running batch.
+        if !running.is_empty() {
+            loop_work.push(transfer_work.as_secs_f64() * 1e6);
+            std::thread::sleep(step);
+            let now = Instant::now();
+            for &index in &running {
+                let r = &mut requests[index];
+                r.emitted += 1;
+                r.first_token.get_or_insert(now);
+                r.last_token = Some(now);
+            }
+            running.retain(|&index| requests[index].emitted < args.output_tokens);
+        }
+        // Free the blocks of resolved requests.
+        for r in &mut requests {
+            if r.resolved(args.output_tokens)
+                && !r.blocks.is_empty()
+                && !running.contains(&by_key[&r.key])
+            {
+                pool.free(std::mem::take(&mut r.blocks));
+            }
+        }
+        if pending.is_empty() && requests.iter().all(|r| r.resolved(args.output_tokens)) {
+            break;
+        }
+    }
+    drop(router);
+    for mut c in consumers {
+        c.shutdown();
+    }
+
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    let mut rows = Vec::new();
+    let (mut ttft, mut critical, mut tpot) = (Vec::new(), Vec::new(), Vec::new());
+    let mut by_len: HashMap<u64, (Vec<f64>, Vec<f64>)> = HashMap::new();
+    let (mut failed, mut bad, mut verified_bytes) = (0, 0, 0u64);
+    for r in &requests {
+        let t = r.first_token.map(|f| ms(f - r.arrival));
+        let c = match (r.ready_us, r.prefill_done_us) {
+            (Some(ready), Some(done)) => Some(ready.saturating_sub(done) as f64 / 1e3),
+            _ => None,
+        };
+        let p = match (r.first_token, r.last_token) {
+            (Some(f), Some(l)) if r.emitted > 1 => Some(ms(l - f) / f64::from(r.emitted - 1)),
+            _ => None,
+        };
+        if r.failed.is_some() {
+            failed += 1;
+        }
+        match &r.verified {
+            Some(Ok(b)) => verified_bytes += b,
+            Some(Err(e)) => {
+                bad += 1;
+                eprintln!("verification failed for {}: {e}", r.key);
+            }
+            None => {}
+        }
+        ttft.extend(t);
+        critical.extend(c);
+        tpot.extend(p);
+        let entry = by_len.entry(r.tokens).or_default();
+        entry.0.extend(t);
+        entry.1.extend(c);
+        rows.push(json!({
+            "tokens": r.tokens,
+            "arrival_us": r.arrival_us,
+            "ttft_ms": t,
+            "critical_path_ms": c,
+            "tpot_ms": p,
+            "failed": r.failed,
+        }));
+    }
+    let mut per_len: Vec<_> = by_len.into_iter().collect();
+    per_len.sort_by_key(|(l, _)| *l);
+    let bytes_per_token = args.model.bytes_per_token()?;
+    let summary = json!({
+        "completed": requests.len() - failed,
+        "failed": failed,
+        "verification_failures": bad,
+        "verified_bytes": verified_bytes,
+        "ttft_ms": stats(ttft),
+        "critical_path_ms": stats(critical),
+        "tpot_ms": stats(tpot),
+        "loop_transfer_us_per_step": stats(loop_work),
+        "by_input_tokens": per_len.into_iter().map(|(len, (t, c))| json!({
+            "input_tokens": len,
+            "kv_bytes": len * bytes_per_token,
+            "ttft_ms": stats(t),
+            "critical_path_ms": stats(c),
+        })).collect::<Vec<_>>(),
+    });
+    let report = json!({
+        "mode": args.mode,
+        "transport": spec.to_string(),
+        "model": args.model.model,
+        "kv_bytes_per_token": bytes_per_token,
+        "prefill_tp": null,
+        "decode_tp": args.model.tp,
+        "rate": args.rate,
+        "requests": args.requests,
+        "input_tokens": args.input_tokens,
+        "output_tokens": args.output_tokens,
+        "step_ms": args.step_ms,
+        "summary": summary,
+        "per_request": rows,
+    });
+    println!("{}", serde_json::to_string_pretty(&report["summary"])?);
+    if let Some(path) = &args.out {
+        std::fs::write(path, serde_json::to_string_pretty(&report)?)
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    if failed > 0 || bad > 0 {
+        bail!("{failed} request(s) failed, {bad} verification failure(s)");
+    }
+    Ok(())
+}

@@ -1,0 +1,147 @@
+//! `kvx pd`: a prefill and a decode process with a synthetic engine, over a real transport.
+//!
+//! The synthetic engine stands in for the model: prefill "computes" a request by writing a
+//! deterministic KV pattern (`kvx_layout::synth`) into its blocks and taking time proportional to
+//! the prompt; decode runs a step loop that emits one token per running request per step. The
+//! decode process is also the load generator and router: it sends each request to prefill over a
+//! side channel and (push) registers its blocks at once, or (pull) reads them after prefill
+//! reports its block ids. Decode verifies every received byte.
+
+use std::net::SocketAddr;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::bail;
+use kvx_core::{Arrangement, Dtype, LayoutSpec, MemoryOrder};
+
+pub(crate) mod decode;
+pub(crate) mod prefill;
+
+/// Arguments of `kvx pd`.
+#[derive(clap::Args, Debug)]
+pub(crate) struct PdArgs {
+    #[command(subcommand)]
+    role: PdRole,
+}
+
+#[derive(clap::Subcommand, Debug)]
+enum PdRole {
+    /// Run the prefill instance (serves until decode disconnects).
+    Prefill(prefill::PrefillArgs),
+    /// Run the decode instance and the request stream; prints and writes the results.
+    Decode(decode::DecodeArgs),
+}
+
+/// Runs `kvx pd`.
+pub(crate) fn run(args: &PdArgs) -> anyhow::Result<()> {
+    match &args.role {
+        PdRole::Prefill(a) => prefill::run(a),
+        PdRole::Decode(a) => decode::run(a),
+    }
+}
+
+/// The synthetic model's KV shape, shared by both processes' flags.
+#[derive(clap::Args, Debug, Clone)]
+pub(crate) struct ModelArgs {
+    /// KV shape: `qwen2.5-0.5b` (24 layers, 2 KV heads, head dim 64, bf16: 12 KiB per token) or
+    /// `tiny` (2 layers, 4 KV heads, head dim 16, f32: 1 KiB per token).
+    #[arg(long, default_value = "qwen2.5-0.5b")]
+    pub(crate) model: String,
+    /// Tensor-parallel size of this instance (ranks run as threads of one process).
+    #[arg(long, default_value_t = 1)]
+    pub(crate) tp: u32,
+    /// Tokens per block.
+    #[arg(long, default_value_t = 16)]
+    pub(crate) block_tokens: u32,
+    /// Blocks in each rank's cache.
+    #[arg(long, default_value_t = 4096)]
+    pub(crate) blocks: u32,
+    /// Memory order: nhd or hnd.
+    #[arg(long, default_value = "hnd")]
+    pub(crate) order: String,
+    /// Transport: libfabric:shm, libfabric:tcp, libfabric:auto, loopback.
+    #[arg(long, default_value = "libfabric:shm")]
+    pub(crate) transport: String,
+}
+
+impl ModelArgs {
+    /// The layout of rank `rank`.
+    pub(crate) fn layout(&self, rank: u32) -> anyhow::Result<LayoutSpec> {
+        let (num_layers, total_kv_heads, head_dim, dtype) = match self.model.as_str() {
+            "qwen2.5-0.5b" => (24, 2, 64, Dtype::Bf16),
+            "tiny" => (2, 4, 16, Dtype::F32),
+            other => bail!("unknown model `{other}` (qwen2.5-0.5b, tiny)"),
+        };
+        let order = match self.order.as_str() {
+            "nhd" => MemoryOrder::Nhd,
+            "hnd" => MemoryOrder::Hnd,
+            other => bail!("unknown order `{other}` (nhd, hnd)"),
+        };
+        Ok(LayoutSpec {
+            num_layers,
+            total_kv_heads,
+            head_dim,
+            dtype,
+            mla: false,
+            block_tokens: self.block_tokens,
+            num_blocks: self.blocks,
+            tp_size: self.tp,
+            tp_rank: rank,
+            order,
+            arrangement: Arrangement::PerLayerSplit,
+        })
+    }
+
+    /// KV bytes per token of the whole model.
+    pub(crate) fn bytes_per_token(&self) -> anyhow::Result<u64> {
+        let l = self.layout(0)?;
+        Ok(u64::from(l.num_layers)
+            * 2
+            * u64::from(l.total_kv_heads)
+            * u64::from(l.head_dim)
+            * u64::from(l.dtype.size()))
+    }
+}
+
+/// Microseconds since the Unix epoch: comparable between the two processes of one machine.
+pub(crate) fn unix_micros() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or(Duration::ZERO)
+        .as_micros() as u64
+}
+
+/// The control address of rank `rank` of an instance whose rank 0 is `base`.
+pub(crate) fn rank_addr(base: SocketAddr, rank: u32) -> SocketAddr {
+    let mut a = base;
+    a.set_port(base.port() + rank as u16);
+    a
+}
+
+/// A fixed-capacity block allocator (ids 0..n), the same ids on every rank of an instance.
+#[derive(Debug)]
+pub(crate) struct BlockPool {
+    free: Vec<kvx_core::BlockId>,
+}
+
+impl BlockPool {
+    pub(crate) fn new(blocks: u32) -> Self {
+        Self {
+            free: (0..blocks).rev().map(kvx_core::BlockId).collect(),
+        }
+    }
+
+    /// `n` blocks, contiguous where the free list allows, or `None` if too few are free.
+    pub(crate) fn alloc(&mut self, n: usize) -> Option<Vec<kvx_core::BlockId>> {
+        (self.free.len() >= n).then(|| {
+            self.free
+                .split_off(self.free.len() - n)
+                .into_iter()
+                .rev()
+                .collect()
+        })
+    }
+
+    pub(crate) fn free(&mut self, blocks: Vec<kvx_core::BlockId>) {
+        self.free.extend(blocks.into_iter().rev());
+    }
+}

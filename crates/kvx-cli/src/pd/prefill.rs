@@ -1,0 +1,299 @@
+//! `kvx pd prefill`: the prefill instance of the pair.
+
+use std::collections::{HashMap, VecDeque};
+use std::io::{BufRead, BufReader, Write as _};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context as _};
+use kvx_core::{Attempt, BlockId, EngineId, RequestId, TransferId};
+use kvx_layout::synth::head_vector;
+use kvx_layout::Layout;
+use kvx_rdma::region::{HostBuffer, LocalRegion};
+use kvx_rendezvous::AttemptKey;
+use kvx_vllm::{ConnectorConfig, KvCache, Producer, TransportSpec};
+
+use super::{rank_addr, unix_micros, BlockPool, ModelArgs};
+
+/// Arguments of `kvx pd prefill`.
+#[derive(clap::Args, Debug)]
+pub(crate) struct PrefillArgs {
+    /// kvx control address of rank 0 (rank r listens on port + r).
+    #[arg(long, default_value = "127.0.0.1:7100")]
+    pub(crate) listen: SocketAddr,
+    /// Side channel for the request stream (the router's connection).
+    #[arg(long, default_value = "127.0.0.1:7200")]
+    pub(crate) bench_listen: SocketAddr,
+    /// Simulated prefill compute per prompt token, in microseconds.
+    #[arg(long, default_value_t = 20.0)]
+    pub(crate) per_token_us: f64,
+    /// Seconds finished blocks wait for their registration (push) or read (pull).
+    #[arg(long, default_value_t = 30)]
+    pub(crate) lease_s: u64,
+    #[command(flatten)]
+    pub(crate) model: ModelArgs,
+}
+
+/// A rank's cache memory, kept for the synthetic engine to write into.
+pub(crate) struct RankMemory {
+    pub(crate) layout: Layout,
+    pub(crate) buffers: Vec<Arc<HostBuffer>>,
+}
+
+impl RankMemory {
+    pub(crate) fn new(spec: kvx_core::LayoutSpec) -> anyhow::Result<(Self, KvCache)> {
+        let layout = Layout::new(spec.clone()).context("invalid layout")?;
+        let buffers = (0..layout.region_count())
+            .map(|_| HostBuffer::new(layout.region_len() as usize).map(Arc::new))
+            .collect::<Result<Vec<_>, _>>()
+            .context("cannot allocate the KV cache")?;
+        let regions = buffers
+            .iter()
+            .enumerate()
+            .map(|(i, b)| LocalRegion::host(i as u32, Arc::clone(b)))
+            .collect();
+        Ok((
+            Self { layout, buffers },
+            KvCache {
+                layout: spec,
+                regions,
+            },
+        ))
+    }
+
+    /// Writes the synthetic KV of `tokens` tokens into `blocks` (this rank's heads).
+    pub(crate) fn fill(&self, blocks: &[BlockId], tokens: u64, seed: u64) -> anyhow::Result<()> {
+        let hb = self.layout.head_bytes() as usize;
+        let mut vector = vec![0u8; hb];
+        let bt = u64::from(self.layout.spec().block_tokens);
+        for token in 0..tokens {
+            let block = blocks[(token / bt) as usize];
+            let slot = (token % bt) as u32;
+            for layer in 0..self.layout.spec().num_layers {
+                for kv in 0..self.layout.kv_parts() {
+                    for local in 0..self.layout.local_heads() {
+                        let (region, offset) =
+                            self.layout.head_vector(layer, kv, block, slot, local);
+                        head_vector(
+                            seed,
+                            layer,
+                            kv,
+                            token,
+                            self.layout.first_head() + local,
+                            &mut vector,
+                        );
+                        self.buffers[region as usize].write_at(offset as usize, &vector)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks the synthetic KV of tokens `skip..tokens` in `blocks`; the first wrong head vector.
+    pub(crate) fn verify(&self, blocks: &[BlockId], tokens: u64, seed: u64) -> anyhow::Result<u64> {
+        let hb = self.layout.head_bytes() as usize;
+        let (mut expected, mut found) = (vec![0u8; hb], vec![0u8; hb]);
+        let bt = u64::from(self.layout.spec().block_tokens);
+        let mut bytes = 0;
+        for token in 0..tokens {
+            let block = blocks[(token / bt) as usize];
+            let slot = (token % bt) as u32;
+            for layer in 0..self.layout.spec().num_layers {
+                for kv in 0..self.layout.kv_parts() {
+                    for local in 0..self.layout.local_heads() {
+                        let (region, offset) =
+                            self.layout.head_vector(layer, kv, block, slot, local);
+                        let head = self.layout.first_head() + local;
+                        head_vector(seed, layer, kv, token, head, &mut expected);
+                        self.buffers[region as usize].read_at(offset as usize, &mut found)?;
+                        if found != expected {
+                            bail!("wrong KV at layer {layer} kv {kv} token {token} head {head} (block {block})");
+                        }
+                        bytes += hb as u64;
+                    }
+                }
+            }
+        }
+        Ok(bytes)
+    }
+}
+
+/// The seed of a transfer's synthetic KV.
+pub(crate) fn kv_seed(transfer: TransferId) -> u64 {
+    (transfer.0 as u64) ^ ((transfer.0 >> 64) as u64)
+}
+
+struct Job {
+    key: AttemptKey,
+    tokens: u64,
+    pull: bool,
+}
+
+fn parse_job(line: &str) -> anyhow::Result<Job> {
+    let f: Vec<&str> = line.split_whitespace().collect();
+    match f.as_slice() {
+        ["P", transfer, attempt, tokens, mode] => Ok(Job {
+            key: AttemptKey::new(
+                TransferId(u128::from_str_radix(transfer, 16)?),
+                Attempt(attempt.parse()?),
+            ),
+            tokens: tokens.parse()?,
+            pull: match *mode {
+                "push" => false,
+                "pull" => true,
+                m => bail!("unknown mode {m}"),
+            },
+        }),
+        _ => bail!("malformed request line `{line}`"),
+    }
+}
+
+/// Runs the prefill instance until the router disconnects.
+pub(crate) fn run(args: &PrefillArgs) -> anyhow::Result<()> {
+    let spec: TransportSpec = args.model.transport.parse()?;
+    let mut memories = Vec::new();
+    let mut producers = Vec::new();
+    for rank in 0..args.model.tp {
+        let (memory, cache) = RankMemory::new(args.model.layout(rank)?)?;
+        let mut config = ConnectorConfig::new(EngineId(1));
+        config.listen = rank_addr(args.listen, rank);
+        config.producer_lease = Duration::from_secs(args.lease_s);
+        let transport = spec.open()?;
+        producers
+            .push(Producer::start(config, cache, transport).context("cannot start the producer")?);
+        memories.push(memory);
+    }
+    let listener = TcpListener::bind(args.bench_listen)
+        .with_context(|| format!("cannot listen on {}", args.bench_listen))?;
+    eprintln!(
+        "kvx pd prefill: {} rank(s) on {} ({}), waiting for the router on {}",
+        args.model.tp, args.listen, spec, args.bench_listen
+    );
+    let (stream, _) = listener.accept()?;
+    stream.set_nodelay(true)?;
+    let mut reply = stream.try_clone()?;
+    let (tx, rx) = mpsc::channel::<Option<String>>();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stream).lines() {
+            match line {
+                Ok(l) => {
+                    if tx.send(Some(l)).is_err() {
+                        return;
+                    }
+                }
+                Err(_) => break,
+            }
+        }
+        let _ = tx.send(None);
+    });
+
+    let mut pool = BlockPool::new(args.model.blocks);
+    let mut queue: VecDeque<Job> = VecDeque::new();
+    // Blocks of finished requests, freed when every rank has let go of them.
+    let mut outstanding: HashMap<AttemptKey, (Vec<BlockId>, u32)> = HashMap::new();
+    let mut router_open = true;
+    let (mut served, mut sent, mut not_sent) = (0u64, 0u64, 0u64);
+    while router_open || !queue.is_empty() || !outstanding.is_empty() {
+        for producer in &producers {
+            for done in producer.take_finished() {
+                match done.outcome {
+                    kvx_vllm::SendOutcome::Sent => sent += 1,
+                    kvx_vllm::SendOutcome::NotSent(_) => not_sent += 1,
+                }
+                if let Some(entry) = outstanding.get_mut(&done.key) {
+                    entry.1 -= 1;
+                    if entry.1 == 0 {
+                        let (blocks, _) = outstanding.remove(&done.key).expect("present");
+                        pool.free(blocks);
+                    }
+                }
+            }
+        }
+        let wait = if queue.is_empty() {
+            Duration::from_millis(2)
+        } else {
+            Duration::ZERO
+        };
+        if !router_open {
+            std::thread::sleep(wait);
+        }
+        match rx.recv_timeout(wait) {
+            Ok(Some(line)) => queue.push_back(parse_job(&line)?),
+            Ok(None) => router_open = false,
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => router_open = false,
+        }
+        let Some(job) = queue.front() else { continue };
+        let needed = job.tokens.div_ceil(u64::from(args.model.block_tokens)) as usize;
+        let Some(blocks) = pool.alloc(needed) else {
+            if outstanding.is_empty() {
+                bail!(
+                    "a {}-token request needs more blocks than the cache has",
+                    job.tokens
+                );
+            }
+            continue; // wait for frees
+        };
+        let job = queue.pop_front().expect("front exists");
+        let started = Instant::now();
+        for memory in &memories {
+            memory.fill(&blocks, job.tokens, kv_seed(job.key.transfer))?;
+        }
+        let compute = Duration::from_secs_f64(job.tokens as f64 * args.per_token_us / 1e6);
+        if let Some(rest) = compute.checked_sub(started.elapsed()) {
+            std::thread::sleep(rest);
+        }
+        let done_at = unix_micros();
+        for producer in &producers {
+            let request = RequestId(job.key.transfer.0 as u64);
+            if job.pull {
+                producer.request_finished_pull(job.key, request, blocks.clone(), job.tokens)?;
+            } else {
+                producer.request_finished(job.key, request, blocks.clone(), job.tokens)?;
+            }
+        }
+        let ids: Vec<String> = blocks.iter().map(|b| b.0.to_string()).collect();
+        let line = format!(
+            "D {:x} {} {} {}\n",
+            job.key.transfer.0,
+            job.key.attempt.0,
+            done_at,
+            ids.join(",")
+        );
+        if reply.write_all(line.as_bytes()).is_err() {
+            // The router is gone: stop taking work, let what is held drain or expire.
+            router_open = false;
+            queue.clear();
+        }
+        outstanding.insert(job.key, (blocks, args.model.tp));
+        served += 1;
+    }
+    eprintln!("kvx pd prefill: served {served} requests; per-rank releases: {sent} sent, {not_sent} not sent");
+    for mut p in producers {
+        p.shutdown();
+    }
+    Ok(())
+}
+
+/// Connects to the prefill's side channel, retrying until `timeout`.
+pub(crate) fn connect_router(addr: SocketAddr, timeout: Duration) -> anyhow::Result<TcpStream> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        match TcpStream::connect(addr) {
+            Ok(s) => {
+                s.set_nodelay(true)?;
+                return Ok(s);
+            }
+            Err(e) if Instant::now() < deadline => {
+                let _ = e;
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) => {
+                return Err(e).with_context(|| format!("prefill side channel {addr} not reachable"))
+            }
+        }
+    }
+}

@@ -1,0 +1,178 @@
+//! Choosing and opening a transport by name: `libfabric:shm` (the default: one machine),
+//! `libfabric:tcp` (loopback or a named interface), `libfabric:auto` (EFA where present, else
+//! TCP), `libfabric:<provider>`, or `loopback` (in-process only, for tests and demos).
+
+use std::fmt;
+use std::str::FromStr;
+use std::sync::OnceLock;
+
+use kvx_rdma::loopback::LoopbackFabric;
+use kvx_rdma::transport::Transport;
+
+/// A transport choice.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum TransportSpec {
+    /// In-process loopback (one process-wide fabric).
+    Loopback,
+    /// libfabric with this provider (`shm`, `tcp;ofi_rxm`, `efa`, or `auto`) and optional
+    /// domain (interface).
+    Libfabric {
+        /// Provider name, or `auto`.
+        provider: String,
+        /// Domain, e.g. `lo`.
+        domain: Option<String>,
+    },
+}
+
+impl Default for TransportSpec {
+    fn default() -> Self {
+        Self::Libfabric {
+            provider: "shm".into(),
+            domain: None,
+        }
+    }
+}
+
+impl fmt::Display for TransportSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Loopback => f.write_str("loopback"),
+            Self::Libfabric { provider, domain } => {
+                let short = if provider == "tcp;ofi_rxm" {
+                    "tcp"
+                } else {
+                    provider
+                };
+                match domain {
+                    Some(d) => write!(f, "libfabric:{short}@{d}"),
+                    None => write!(f, "libfabric:{short}"),
+                }
+            }
+        }
+    }
+}
+
+/// A transport name that is not understood, or a transport that could not be opened.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TransportError {
+    /// Unknown name.
+    #[error("unknown transport `{0}` (loopback, libfabric:shm, libfabric:tcp[@IFACE], libfabric:auto, libfabric:PROVIDER)")]
+    Unknown(String),
+    /// This build has no libfabric.
+    #[error("this build has no libfabric support (feature `libfabric`)")]
+    NoLibfabric,
+    /// Opening the endpoint failed.
+    #[error("cannot open the {spec} transport: {source}")]
+    Open {
+        /// What was asked for.
+        spec: String,
+        /// Why it failed.
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+}
+
+impl FromStr for TransportSpec {
+    type Err = TransportError;
+
+    fn from_str(s: &str) -> Result<Self, TransportError> {
+        if s == "loopback" {
+            return Ok(Self::Loopback);
+        }
+        let rest = s.strip_prefix("libfabric:").unwrap_or(s);
+        let (provider, domain) = match rest.split_once('@') {
+            Some((p, d)) => (p, Some(d.to_owned())),
+            None => (rest, None),
+        };
+        let provider = match provider {
+            "shm" => "shm",
+            "tcp" | "tcp;ofi_rxm" => "tcp;ofi_rxm",
+            "efa" => "efa",
+            "auto" => "auto",
+            "" => return Err(TransportError::Unknown(s.into())),
+            other if s.starts_with("libfabric:") => other,
+            _ => return Err(TransportError::Unknown(s.into())),
+        };
+        let domain = match (provider, domain) {
+            ("tcp;ofi_rxm", None) => Some("lo".to_owned()),
+            (_, d) => d,
+        };
+        Ok(Self::Libfabric {
+            provider: provider.into(),
+            domain,
+        })
+    }
+}
+
+/// The process-wide loopback fabric.
+pub fn loopback_fabric() -> &'static LoopbackFabric {
+    static FABRIC: OnceLock<LoopbackFabric> = OnceLock::new();
+    FABRIC.get_or_init(LoopbackFabric::new)
+}
+
+impl TransportSpec {
+    /// Opens an endpoint.
+    ///
+    /// # Errors
+    /// [`TransportError`] when the backend is missing or the endpoint cannot be opened.
+    pub fn open(&self) -> Result<Box<dyn Transport>, TransportError> {
+        match self {
+            Self::Loopback => Ok(Box::new(loopback_fabric().endpoint())),
+            #[cfg(feature = "libfabric")]
+            Self::Libfabric { provider, domain } => {
+                use kvx_rdma::libfabric::{LibfabricConfig, LibfabricTransport};
+                let mut config = if provider == "auto" {
+                    LibfabricConfig::auto()
+                } else {
+                    LibfabricConfig::new(provider.clone())
+                };
+                if domain.is_some() {
+                    config.domain.clone_from(domain);
+                }
+                LibfabricTransport::open(&config)
+                    .map(|t| Box::new(t) as Box<dyn Transport>)
+                    .map_err(|e| TransportError::Open {
+                        spec: self.to_string(),
+                        source: Box::new(e),
+                    })
+            }
+            #[cfg(not(feature = "libfabric"))]
+            Self::Libfabric { .. } => Err(TransportError::NoLibfabric),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_parse() {
+        assert_eq!(
+            "loopback".parse::<TransportSpec>().unwrap(),
+            TransportSpec::Loopback
+        );
+        assert_eq!(
+            "libfabric:tcp".parse::<TransportSpec>().unwrap(),
+            TransportSpec::Libfabric {
+                provider: "tcp;ofi_rxm".into(),
+                domain: Some("lo".into())
+            }
+        );
+        assert_eq!(
+            "shm".parse::<TransportSpec>().unwrap().to_string(),
+            "libfabric:shm"
+        );
+        assert!("carrier-pigeon".parse::<TransportSpec>().is_err());
+        assert!("libfabric:".parse::<TransportSpec>().is_err());
+    }
+
+    #[test]
+    fn loopback_opens() {
+        assert_eq!(
+            TransportSpec::Loopback.open().unwrap().backend(),
+            "loopback"
+        );
+    }
+}
