@@ -31,7 +31,10 @@ pub(crate) fn run(names: &[String], quick: bool) -> anyhow::Result<()> {
         if !names.is_empty() && !names.iter().any(|n| n == name) {
             continue;
         }
-        if !root().join(format!("crates/{package}/benches/{target}.rs")).exists() {
+        if !root()
+            .join(format!("crates/{package}/benches/{target}.rs"))
+            .exists()
+        {
             println!("\n==> {name}: not built in this checkout, skipped");
             continue;
         }
@@ -57,7 +60,9 @@ fn collect(criterion: &Path, group: &str) -> anyhow::Result<String> {
     let base = criterion.join(group);
     let mut stack = vec![base.clone()];
     while let Some(dir) = stack.pop() {
-        let Ok(entries) = fs::read_dir(&dir) else { continue };
+        let Ok(entries) = fs::read_dir(&dir) else {
+            continue;
+        };
         for entry in entries.flatten() {
             let path = entry.path();
             if path.is_dir() {
@@ -69,9 +74,15 @@ fn collect(criterion: &Path, group: &str) -> anyhow::Result<String> {
                             .unwrap_or(&dir)
                             .display()
                             .to_string();
-                        rows.push(format!("  {{\"id\":\"{id}\",\"estimates\":{}}}", text.trim()));
+                        rows.push(format!(
+                            "  {{\"id\":\"{id}\",\"estimates\":{}}}",
+                            text.trim()
+                        ));
                     }
-                } else if path.file_name().is_some_and(|n| n != "base" && n != "report") {
+                } else if path
+                    .file_name()
+                    .is_some_and(|n| n != "base" && n != "report")
+                {
                     stack.push(path);
                 }
             }

@@ -87,7 +87,14 @@ fn test(no_lint: bool) -> anyhow::Result<()> {
         step("rustfmt check");
         run(cargo().args(["fmt", "--all", "--", "--check"]))?;
         step("clippy (all targets, warnings are errors)");
-        run(cargo().args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
+        run(cargo().args([
+            "clippy",
+            "--workspace",
+            "--all-targets",
+            "--",
+            "-D",
+            "warnings",
+        ]))?;
     }
     step("tests: every crate of the workspace (unit, property, integration, doc)");
     run(cargo().args(["test", "--workspace", "--no-fail-fast"]))?;
@@ -105,9 +112,13 @@ fn fuzz(target: &str, seconds: u64) -> anyhow::Result<()> {
     }
     step(&format!("fuzzing {target} for {seconds} s"));
     // cargo-fuzz needs nightly flags; RUSTC_BOOTSTRAP lets the pinned stable toolchain take them.
-    run(cargo()
-        .env("RUSTC_BOOTSTRAP", "1")
-        .args(["fuzz", "run", target, "--", &format!("-max_total_time={seconds}")]))
+    run(cargo().env("RUSTC_BOOTSTRAP", "1").args([
+        "fuzz",
+        "run",
+        target,
+        "--",
+        &format!("-max_total_time={seconds}"),
+    ]))
 }
 
 fn main() -> anyhow::Result<()> {
