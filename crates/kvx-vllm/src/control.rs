@@ -75,26 +75,41 @@ impl ControlSender {
     }
 }
 
-/// Splits an established stream into a sender and a reader thread that hands every message (and
-/// finally the error that ended the connection) to `deliver`.
-pub(crate) fn start(
-    stream: TcpStream,
-    name: String,
-    mut deliver: impl FnMut(Result<Message, ControlError>) -> bool + Send + 'static,
-) -> io::Result<ControlSender> {
+/// A sender over a clone of `stream`.
+pub(crate) fn sender(stream: &TcpStream) -> io::Result<ControlSender> {
     stream.set_nodelay(true)?;
-    let mut reader = stream.try_clone()?;
-    thread::Builder::new().name(name).spawn(move || loop {
+    Ok(ControlSender {
+        stream: Arc::new(Mutex::new(stream.try_clone()?)),
+    })
+}
+
+/// Reads messages until the connection fails, handing each (and finally the error that ended
+/// the connection) to `deliver`; stops early when `deliver` returns false.
+pub(crate) fn read_loop(
+    mut reader: TcpStream,
+    mut deliver: impl FnMut(Result<Message, ControlError>) -> bool,
+) {
+    loop {
         let result = read_message(&mut reader);
         let failed = result.is_err();
         if !deliver(result) || failed {
             let _ = reader.shutdown(Shutdown::Both);
             return;
         }
-    })?;
-    Ok(ControlSender {
-        stream: Arc::new(Mutex::new(stream)),
-    })
+    }
+}
+
+/// Splits an established stream into a sender and a reader thread running [`read_loop`].
+pub(crate) fn start(
+    stream: TcpStream,
+    name: String,
+    deliver: impl FnMut(Result<Message, ControlError>) -> bool + Send + 'static,
+) -> io::Result<ControlSender> {
+    let sender = sender(&stream)?;
+    thread::Builder::new()
+        .name(name)
+        .spawn(move || read_loop(stream, deliver))?;
+    Ok(sender)
 }
 
 /// Connects with a bounded wait.

@@ -58,7 +58,7 @@ enum Command {
         attempt: Option<Attempt>,
     },
     Preempted(AttemptKey),
-    Accepted(ConnId, ControlSender),
+    Accepted(ConnId, ControlSender, Box<Hello>),
     Peer(ConnId, Message),
     PeerClosed(ConnId, String),
     Shutdown,
@@ -149,13 +149,13 @@ impl Producer {
         let stop = Arc::new(AtomicBool::new(false));
         let rank = layout.rank();
         let hello = common::hello(&config, Role::Producer, &layout, &transport.local_desc());
+        let connect_timeout = config.connect_timeout;
         let driver = Driver {
             clock: Clock::new(),
             rank,
             layout,
             transport,
             matcher,
-            hello,
             conns: HashMap::new(),
             flights: HashMap::new(),
             pull_held: HashMap::new(),
@@ -173,10 +173,19 @@ impl Producer {
         );
         let accept_tx = tx.clone();
         let accept_stop = Arc::clone(&stop);
+        let handshake_timeout = connect_timeout;
         threads.push(
             thread::Builder::new()
                 .name(format!("kvx-accept-{}", rank.0))
-                .spawn(move || accept_loop(listener, accept_tx, accept_stop))
+                .spawn(move || {
+                    accept_loop(
+                        listener,
+                        accept_tx,
+                        accept_stop,
+                        Message::Hello(hello),
+                        handshake_timeout,
+                    );
+                })
                 .map_err(StartError::Thread)?,
         );
         info!(%addr, %rank, "kvx producer listening");
@@ -294,7 +303,13 @@ impl Drop for Producer {
     }
 }
 
-fn accept_loop(listener: TcpListener, tx: Sender<Command>, stop: Arc<AtomicBool>) {
+fn accept_loop(
+    listener: TcpListener,
+    tx: Sender<Command>,
+    stop: Arc<AtomicBool>,
+    hello: Message,
+    handshake_timeout: Duration,
+) {
     let next = AtomicU64::new(1);
     for stream in listener.incoming() {
         if stop.load(Ordering::SeqCst) {
@@ -308,23 +323,61 @@ fn accept_loop(listener: TcpListener, tx: Sender<Command>, stop: Arc<AtomicBool>
             }
         };
         let conn = next.fetch_add(1, Ordering::Relaxed);
-        let reader_tx = tx.clone();
-        let started = control::start(stream, format!("kvx-ctl-{conn}"), move |result| {
-            let command = match result {
-                Ok(message) => Command::Peer(conn, message),
-                Err(e) => Command::PeerClosed(conn, e.to_string()),
-            };
-            reader_tx.send(command).is_ok()
-        });
-        match started {
-            Ok(sender) => {
-                if tx.send(Command::Accepted(conn, sender)).is_err() {
-                    return;
-                }
-            }
-            Err(e) => warn!(error = %e, "cannot start control connection"),
+        let tx = tx.clone();
+        let hello = hello.clone();
+        let spawned = thread::Builder::new()
+            .name(format!("kvx-ctl-{conn}"))
+            .spawn(move || serve_connection(conn, stream, &tx, &hello, handshake_timeout));
+        if let Err(e) = spawned {
+            warn!(error = %e, "cannot start a control connection thread");
         }
     }
+}
+
+/// Answers the consumer's hello on the connection's own thread (so a busy driver never delays a
+/// handshake), then forwards every later message to the driver.
+fn serve_connection(
+    conn: ConnId,
+    mut stream: TcpStream,
+    tx: &Sender<Command>,
+    hello: &Message,
+    handshake_timeout: Duration,
+) {
+    let handshake = (|| -> Result<(ControlSender, Hello), String> {
+        stream
+            .set_read_timeout(Some(handshake_timeout))
+            .map_err(|e| e.to_string())?;
+        let theirs = match control::read_message(&mut stream) {
+            Ok(Message::Hello(h)) => h,
+            Ok(_) => return Err("the first message was not a hello".into()),
+            Err(e) => return Err(e.to_string()),
+        };
+        let sender = control::sender(&stream).map_err(|e| e.to_string())?;
+        sender.send(hello).map_err(|e| e.to_string())?;
+        stream.set_read_timeout(None).map_err(|e| e.to_string())?;
+        Ok((sender, theirs))
+    })();
+    let (sender, theirs) = match handshake {
+        Ok(h) => h,
+        Err(why) => {
+            debug!(conn, why, "handshake failed");
+            let _ = stream.shutdown(std::net::Shutdown::Both);
+            return;
+        }
+    };
+    if tx
+        .send(Command::Accepted(conn, sender, Box::new(theirs)))
+        .is_err()
+    {
+        return;
+    }
+    control::read_loop(stream, |result| {
+        let command = match result {
+            Ok(message) => Command::Peer(conn, message),
+            Err(e) => Command::PeerClosed(conn, e.to_string()),
+        };
+        tx.send(command).is_ok()
+    });
 }
 
 struct Driver {
@@ -333,7 +386,6 @@ struct Driver {
     layout: Layout,
     transport: Box<dyn Transport>,
     matcher: Matcher<Held, Dest>,
-    hello: Hello,
     conns: HashMap<ConnId, Conn>,
     flights: HashMap<OpId, Flight>,
     pull_held: HashMap<AttemptKey, (Held, Timestamp)>,
@@ -414,12 +466,21 @@ impl Driver {
                 }
             }
             Command::Preempted(key) => self.matcher.preempt(now, key),
-            Command::Accepted(conn, sender) => {
+            Command::Accepted(conn, sender, hello) => {
+                let consumer = match accept_consumer(&self.layout, &hello, self.transport.as_mut())
+                {
+                    Ok(consumer) => Some(consumer),
+                    Err(why) => {
+                        warn!(why, "refusing consumer");
+                        sender.close();
+                        None
+                    }
+                };
                 self.conns.insert(
                     conn,
                     Conn {
                         sender,
-                        consumer: None,
+                        consumer,
                         keys: HashSet::new(),
                     },
                 );
@@ -445,16 +506,7 @@ impl Driver {
             return;
         };
         match message {
-            Message::Hello(hello) => {
-                let _ = c.sender.send(&Message::Hello(self.hello.clone()));
-                match accept_consumer(&self.layout, &hello, self.transport.as_mut()) {
-                    Ok(consumer) => c.consumer = Some(consumer),
-                    Err(why) => {
-                        warn!(why, "refusing consumer");
-                        c.sender.close();
-                    }
-                }
-            }
+            Message::Hello(_) => warn!(conn, "second hello on a control connection ignored"),
             Message::Registration(reg) => self.registration(conn, now, reg),
             Message::Heartbeat(hb) => {
                 if let Some(consumer) = &c.consumer {

@@ -1,0 +1,311 @@
+//! `kvx pd` across two real processes over libfabric (shm and tcp): push and pull, heterogeneous
+//! TP, block size and memory order; decode verifies every byte. And a decode killed mid-stream:
+//! prefill releases every block it held and exits on its own.
+
+use std::net::{SocketAddr, TcpListener};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const KVX: &str = env!("CARGO_BIN_EXE_kvx");
+
+/// `count` consecutive free loopback ports.
+fn free_ports(count: u16) -> SocketAddr {
+    for _ in 0..200 {
+        let probe = TcpListener::bind("127.0.0.1:0").unwrap();
+        let base = probe.local_addr().unwrap();
+        drop(probe);
+        if base.port() > 65_000 {
+            continue;
+        }
+        let held: Vec<_> = (0..count)
+            .map_while(|i| {
+                TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], base.port() + i))).ok()
+            })
+            .collect();
+        if held.len() == count as usize {
+            return base;
+        }
+    }
+    panic!("no free ports");
+}
+
+struct Killer(Child);
+
+impl Drop for Killer {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn wait_with_deadline(child: &mut Child, limit: Duration) -> std::process::ExitStatus {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "process did not exit within {limit:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+struct Run<'a> {
+    transport: &'a str,
+    mode: &'a str,
+    prefill: &'a [&'a str],
+    decode: &'a [&'a str],
+    requests: u32,
+    tokens: &'a str,
+}
+
+fn run_pair(run: &Run<'_>) -> (serde_json::Value, Output) {
+    let kvx = free_ports(4);
+    let bench = free_ports(1);
+    let out =
+        std::env::temp_dir().join(format!("kvx-pd-{}-{}.json", std::process::id(), kvx.port()));
+    let prefill = Command::new(KVX)
+        .args([
+            "pd",
+            "prefill",
+            "--model",
+            "tiny",
+            "--blocks",
+            "256",
+            "--transport",
+            run.transport,
+        ])
+        .args([
+            "--listen",
+            &kvx.to_string(),
+            "--bench-listen",
+            &bench.to_string(),
+        ])
+        .args(["--per-token-us", "5"])
+        .args(run.prefill)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut prefill = Killer(prefill);
+    let decode = Command::new(KVX)
+        .args([
+            "pd",
+            "decode",
+            "--model",
+            "tiny",
+            "--blocks",
+            "256",
+            "--transport",
+            run.transport,
+        ])
+        .args([
+            "--prefill",
+            &kvx.to_string(),
+            "--prefill-bench",
+            &bench.to_string(),
+        ])
+        .args([
+            "--mode",
+            run.mode,
+            "--rate",
+            "40",
+            "--output-tokens",
+            "4",
+            "--step-ms",
+            "1",
+        ])
+        .args([
+            "--requests",
+            &run.requests.to_string(),
+            "--input-tokens",
+            run.tokens,
+        ])
+        .arg("--out")
+        .arg(&out)
+        .args(run.decode)
+        .output()
+        .unwrap();
+    assert!(
+        decode.status.success(),
+        "decode failed: {}\n{}",
+        String::from_utf8_lossy(&decode.stdout),
+        String::from_utf8_lossy(&decode.stderr)
+    );
+    let status = wait_with_deadline(&mut prefill.0, Duration::from_secs(30));
+    assert!(status.success(), "prefill exited with {status}");
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    let _ = std::fs::remove_file(&out);
+    (report, decode)
+}
+
+fn check(report: &serde_json::Value, requests: u64, tokens_total: u64) {
+    let s = &report["summary"];
+    assert_eq!(s["completed"], requests, "{s}");
+    assert_eq!(s["failed"], 0, "{s}");
+    assert_eq!(s["verification_failures"], 0, "{s}");
+    let per_token = report["kv_bytes_per_token"].as_u64().unwrap();
+    assert_eq!(
+        s["verified_bytes"].as_u64().unwrap(),
+        tokens_total * per_token,
+        "{s}"
+    );
+}
+
+#[test]
+fn push_over_shm_verifies_every_byte() {
+    let (report, _) = run_pair(&Run {
+        transport: "libfabric:shm",
+        mode: "push",
+        prefill: &[],
+        decode: &[],
+        requests: 8,
+        tokens: "40,200",
+    });
+    check(&report, 8, 4 * 40 + 4 * 200);
+}
+
+#[test]
+fn pull_over_shm_verifies_every_byte() {
+    let (report, _) = run_pair(&Run {
+        transport: "libfabric:shm",
+        mode: "pull",
+        prefill: &[],
+        decode: &[],
+        requests: 8,
+        tokens: "40,200",
+    });
+    check(&report, 8, 4 * 40 + 4 * 200);
+}
+
+#[test]
+fn push_over_tcp_verifies_every_byte() {
+    let (report, _) = run_pair(&Run {
+        transport: "libfabric:tcp",
+        mode: "push",
+        prefill: &[],
+        decode: &[],
+        requests: 6,
+        tokens: "100",
+    });
+    check(&report, 6, 600);
+}
+
+#[test]
+fn heterogeneous_tp_block_size_and_order() {
+    // Prefill TP 2, block 16, HND; decode TP 1, block 32, NHD (a receiver re-layout).
+    let (report, _) = run_pair(&Run {
+        transport: "libfabric:shm",
+        mode: "push",
+        prefill: &["--tp", "2"],
+        decode: &["--block-tokens", "32", "--order", "nhd"],
+        requests: 6,
+        tokens: "70",
+    });
+    check(&report, 6, 420);
+    // And the reverse: TP 1 into two decode ranks.
+    let (report, _) = run_pair(&Run {
+        transport: "libfabric:shm",
+        mode: "pull",
+        prefill: &["--block-tokens", "32"],
+        decode: &["--tp", "2"],
+        requests: 4,
+        tokens: "70",
+    });
+    check(&report, 4, 280);
+}
+
+#[test]
+fn killed_decode_leaves_nothing_held_on_prefill() {
+    let kvx = free_ports(1);
+    let bench = free_ports(1);
+    let prefill = Command::new(KVX)
+        .args([
+            "pd",
+            "prefill",
+            "--model",
+            "tiny",
+            "--blocks",
+            "4096",
+            "--lease-s",
+            "2",
+        ])
+        .args([
+            "--listen",
+            &kvx.to_string(),
+            "--bench-listen",
+            &bench.to_string(),
+        ])
+        .args(["--per-token-us", "50"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut prefill = Killer(prefill);
+    let decode = Command::new(KVX)
+        .args([
+            "pd",
+            "decode",
+            "--model",
+            "tiny",
+            "--blocks",
+            "4096",
+            "--rate",
+            "200",
+            "--requests",
+            "400",
+        ])
+        .args([
+            "--input-tokens",
+            "2000",
+            "--prefill",
+            &kvx.to_string(),
+            "--prefill-bench",
+            &bench.to_string(),
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut decode = Killer(decode);
+    std::thread::sleep(Duration::from_millis(1500));
+    decode.0.kill().unwrap();
+    let _ = decode.0.wait();
+    let status = wait_with_deadline(&mut prefill.0, Duration::from_secs(30));
+    let out = prefill.0.wait_with_output_after_exit();
+    assert!(status.success(), "prefill exited with {status}: {out}");
+    // "served N requests; per-rank releases: S sent, U not sent" with S + U == N.
+    let line = out
+        .lines()
+        .find(|l| l.contains("served"))
+        .unwrap_or_else(|| panic!("no summary in {out}"));
+    let numbers: Vec<u64> = line
+        .split(|c: char| !c.is_ascii_digit())
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    let (served, sent, not_sent) = (numbers[0], numbers[1], numbers[2]);
+    assert!(served > 0, "{line}");
+    assert_eq!(
+        sent + not_sent,
+        served,
+        "every held request released exactly once: {line}"
+    );
+}
+
+trait OutputAfterExit {
+    fn wait_with_output_after_exit(&mut self) -> String;
+}
+
+impl OutputAfterExit for Child {
+    fn wait_with_output_after_exit(&mut self) -> String {
+        use std::io::Read as _;
+        let mut s = String::new();
+        if let Some(mut e) = self.stderr.take() {
+            let _ = e.read_to_string(&mut s);
+        }
+        s
+    }
+}
