@@ -20,9 +20,12 @@ const BENCHES: &[(&str, &str, &str, &str)] = &[
 pub(crate) fn run(names: &[String], quick: bool) -> anyhow::Result<()> {
     crate::setup::ensure_packages()?;
     for name in names {
-        if !BENCHES.iter().any(|(n, ..)| n == name) {
+        if name != "pd" && !BENCHES.iter().any(|(n, ..)| n == name) {
             let known: Vec<&str> = BENCHES.iter().map(|(n, ..)| *n).collect();
-            bail!("unknown benchmark `{name}` (known: {})", known.join(", "));
+            bail!(
+                "unknown benchmark `{name}` (known: pd, {})",
+                known.join(", ")
+            );
         }
     }
     let out_dir = root().join("target/kvx-bench");
@@ -50,6 +53,9 @@ pub(crate) fn run(names: &[String], quick: bool) -> anyhow::Result<()> {
         let path = out_dir.join(format!("{name}.json"));
         fs::write(&path, summary).with_context(|| format!("cannot write {}", path.display()))?;
         println!("    results: {}", path.display());
+    }
+    if names.is_empty() || names.iter().any(|n| n == "pd") {
+        crate::pd::run_sweep(quick)?;
     }
     Ok(())
 }

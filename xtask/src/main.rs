@@ -13,6 +13,7 @@ use anyhow::{bail, Context as _};
 use clap::{Parser, Subcommand};
 
 mod bench;
+mod pd;
 mod setup;
 
 #[derive(Parser)]
@@ -34,7 +35,7 @@ enum Task {
     },
     /// Run benchmarks and write results under target/kvx-bench/.
     Bench {
-        /// Which benchmarks (default: all). Known: plan, codec, rendezvous, transfer.
+        /// Which benchmarks (default: all). Known: pd (push vs pull), plan, codec, rendezvous, transfer.
         names: Vec<String>,
         /// Shorter measurement (for a quick look; figures are noisier).
         #[arg(long)]

@@ -1,0 +1,278 @@
+//! `cargo xtask bench pd`: push against pull through the `kvx pd` pair, side by side in one run.
+//!
+//! For every input length and request rate, a prefill and a decode process run a Poisson request
+//! stream over libfabric shm, once in push mode and once in pull mode. Results (TTFT, the
+//! post-prefill critical path, TPOT, and the decode engine loop's time on transfer work per
+//! step) go to `target/kvx-bench/pd.json`, with plots shaped like the seed's figures (TTFT and
+//! TPOT against the request rate, one line per mode and input length) in `pd-ttft.svg` and
+//! `pd-tpot.svg`.
+
+use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context as _};
+use plotters::prelude::*;
+use serde_json::{json, Value};
+
+use crate::{cargo, root, run, step};
+
+/// The sweep: prompt lengths, request rates, requests per point.
+struct Sweep {
+    lengths: Vec<u64>,
+    rates: Vec<f64>,
+    requests: u32,
+}
+
+fn free_port() -> anyhow::Result<SocketAddr> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?)
+}
+
+struct Guard(Child);
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn point(
+    kvx: &Path,
+    mode: &str,
+    length: u64,
+    rate: f64,
+    requests: u32,
+    out: &Path,
+) -> anyhow::Result<Value> {
+    let control = free_port()?;
+    let side = free_port()?;
+    let model = [
+        "--model",
+        "qwen2.5-0.5b",
+        "--blocks",
+        "8192",
+        "--transport",
+        "libfabric:shm",
+    ];
+    let prefill = Command::new(kvx)
+        .args(["pd", "prefill"])
+        .args(model)
+        .args([
+            "--listen",
+            &control.to_string(),
+            "--bench-listen",
+            &side.to_string(),
+        ])
+        .args(["--per-token-us", "10"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("cannot start kvx pd prefill")?;
+    let mut prefill = Guard(prefill);
+    let status = Command::new(kvx)
+        .args(["pd", "decode"])
+        .args(model)
+        .args([
+            "--prefill",
+            &control.to_string(),
+            "--prefill-bench",
+            &side.to_string(),
+        ])
+        .args([
+            "--mode",
+            mode,
+            "--rate",
+            &rate.to_string(),
+            "--requests",
+            &requests.to_string(),
+        ])
+        .args([
+            "--input-tokens",
+            &length.to_string(),
+            "--output-tokens",
+            "32",
+            "--step-ms",
+            "5",
+        ])
+        .arg("--out")
+        .arg(out)
+        .stdout(Stdio::null())
+        .status()
+        .context("cannot run kvx pd decode")?;
+    if !status.success() {
+        bail!("kvx pd decode failed ({mode}, {length} tokens, {rate}/s)");
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while prefill.0.try_wait()?.is_none() {
+        if Instant::now() > deadline {
+            bail!("kvx pd prefill did not exit");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let text =
+        std::fs::read_to_string(out).with_context(|| format!("no results in {}", out.display()))?;
+    Ok(serde_json::from_str(&text)?)
+}
+
+fn get(v: &Value, path: &[&str]) -> f64 {
+    path.iter()
+        .fold(v, |v, k| &v[*k])
+        .as_f64()
+        .unwrap_or(f64::NAN)
+}
+
+/// Runs the sweep.
+pub(crate) fn run_sweep(quick: bool) -> anyhow::Result<()> {
+    let sweep = if quick {
+        Sweep {
+            lengths: vec![1024, 4096],
+            rates: vec![1.0, 4.0],
+            requests: 8,
+        }
+    } else {
+        Sweep {
+            lengths: vec![1024, 4096, 8192],
+            rates: vec![1.0, 2.0, 4.0, 8.0],
+            requests: 24,
+        }
+    };
+    step("benchmark pd: building kvx (release)");
+    run(cargo().args(["build", "--release", "-p", "kvx-cli"]))?;
+    let kvx = root().join("target/release/kvx");
+    let out_dir = root().join("target/kvx-bench");
+    std::fs::create_dir_all(&out_dir)?;
+    let scratch = out_dir.join("pd-point.json");
+    let mut points = Vec::new();
+    println!(
+        "\n{:>7} {:>5} | {:>21} | {:>21} | {:>17} | {:>15} | {:>17}",
+        "tokens",
+        "req/s",
+        "TTFT p50/p99 push ms",
+        "TTFT p50/p99 pull ms",
+        "crit. path p50 ms",
+        "TPOT p50 ms",
+        "loop work us/step"
+    );
+    for &length in &sweep.lengths {
+        for &rate in &sweep.rates {
+            let push = point(&kvx, "push", length, rate, sweep.requests, &scratch)?;
+            let pull = point(&kvx, "pull", length, rate, sweep.requests, &scratch)?;
+            let s = |v: &Value, k: &str, q: &str| get(v, &["summary", k, q]);
+            println!(
+                "{length:>7} {rate:>5} | {:>9.1} / {:>9.1} | {:>9.1} / {:>9.1} | {:>7.2} / {:>7.2} | {:>6.2} / {:>6.2} | {:>7.1} / {:>7.1}",
+                s(&push, "ttft_ms", "p50"),
+                s(&push, "ttft_ms", "p99"),
+                s(&pull, "ttft_ms", "p50"),
+                s(&pull, "ttft_ms", "p99"),
+                s(&push, "critical_path_ms", "p50"),
+                s(&pull, "critical_path_ms", "p50"),
+                s(&push, "tpot_ms", "p50"),
+                s(&pull, "tpot_ms", "p50"),
+                s(&push, "loop_transfer_us_per_step", "mean"),
+                s(&pull, "loop_transfer_us_per_step", "mean"),
+            );
+            points.push(json!({ "input_tokens": length, "rate": rate, "push": push["summary"], "pull": pull["summary"] }));
+        }
+    }
+    let _ = std::fs::remove_file(&scratch);
+    let report = json!({
+        "what": "kvx pd pair, push vs pull, side by side in one run",
+        "model_kv": "Qwen2.5-0.5B shape: 24 layers, 2 KV heads, head dim 64, bf16 (12 KiB per token)",
+        "transport": "libfabric:shm",
+        "prefill_compute_us_per_token": 10,
+        "decode_step_ms": 5,
+        "output_tokens": 32,
+        "requests_per_point": sweep.requests,
+        "points": points,
+    });
+    let json_path = out_dir.join("pd.json");
+    std::fs::write(&json_path, serde_json::to_string_pretty(&report)?)?;
+    plot(
+        &report,
+        &out_dir.join("pd-ttft.svg"),
+        "ttft_ms",
+        "TTFT p50 (ms)",
+    )?;
+    plot(
+        &report,
+        &out_dir.join("pd-tpot.svg"),
+        "tpot_ms",
+        "TPOT p50 (ms)",
+    )?;
+    println!(
+        "    results: {}, pd-ttft.svg, pd-tpot.svg",
+        json_path.display()
+    );
+    Ok(())
+}
+
+fn plot(report: &Value, path: &PathBuf, metric: &str, label: &str) -> anyhow::Result<()> {
+    let points = report["points"].as_array().cloned().unwrap_or_default();
+    let mut lengths: Vec<u64> = points
+        .iter()
+        .filter_map(|p| p["input_tokens"].as_u64())
+        .collect();
+    lengths.dedup();
+    let rates: Vec<f64> = points.iter().filter_map(|p| p["rate"].as_f64()).collect();
+    let max_rate = rates.iter().copied().fold(1.0, f64::max);
+    let values: Vec<f64> = points
+        .iter()
+        .flat_map(|p| ["push", "pull"].map(|m| get(p, &[m, metric, "p50"])))
+        .filter(|v| v.is_finite())
+        .collect();
+    let max_y = values.iter().copied().fold(1.0, f64::max) * 1.1;
+    let root_area = SVGBackend::new(path, (900, 560)).into_drawing_area();
+    root_area.fill(&WHITE)?;
+    let mut chart = ChartBuilder::on(&root_area)
+        .caption(format!("kvx push vs pull: {label}"), ("sans-serif", 22))
+        .margin(15)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d(0.0..max_rate * 1.05, 0.0..max_y)?;
+    chart
+        .configure_mesh()
+        .x_desc("request rate (requests/s)")
+        .y_desc(label)
+        .draw()?;
+    let palette = [BLUE, RED, GREEN, MAGENTA, CYAN, BLACK];
+    for (i, length) in lengths.iter().enumerate() {
+        let color = palette[i % palette.len()];
+        for (mode, dashed) in [("push", false), ("pull", true)] {
+            let series: Vec<(f64, f64)> = points
+                .iter()
+                .filter(|p| p["input_tokens"].as_u64() == Some(*length))
+                .map(|p| {
+                    (
+                        p["rate"].as_f64().unwrap_or(0.0),
+                        get(p, &[mode, metric, "p50"]),
+                    )
+                })
+                .filter(|(_, y)| y.is_finite())
+                .collect();
+            let style = if dashed {
+                color.mix(0.5).stroke_width(2)
+            } else {
+                color.stroke_width(3)
+            };
+            chart
+                .draw_series(LineSeries::new(series.clone(), style))?
+                .label(format!("{mode} {length} tokens"))
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], style));
+            chart.draw_series(
+                series
+                    .into_iter()
+                    .map(|(x, y)| Circle::new((x, y), 3, color.filled())),
+            )?;
+        }
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::UpperLeft)
+        .draw()?;
+    root_area.present()?;
+    Ok(())
+}
