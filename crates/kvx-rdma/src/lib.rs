@@ -1,2 +1,77 @@
-//! kvx-rdma: being written.
+//! # kvx-rdma
+//!
+//! The transports of kvx behind one trait, [`Transport`]: register memory regions, export the
+//! endpoint's description ([`EndpointDesc`]: address and region table with keys), connect to a
+//! peer from its description, write a list of [`CopyOp`](kvx_layout::CopyOp)s to a peer with a
+//! completion [`Notice`] that the peer sees only after the data is visible, read (pull mode),
+//! send small control messages, and poll or wait for completions and received notices.
+//!
+//! Backends:
+//! - [`loopback`]: in-process, for the unit tests of the layers above;
+//! - `libfabric` (feature `libfabric`, on by default): one-sided RMA over the system libfabric
+//!   (`shm`, `tcp;ofi_rxm`, `efa`), through the own bindgen crate `libfabric-sys`.
+//!
+//! Also here: the PCIe [`topology`] and rail selection.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use std::time::Duration;
+//!
+//! use kvx_core::Rank;
+//! use kvx_layout::CopyOp;
+//! use kvx_rdma::loopback::LoopbackFabric;
+//! use kvx_rdma::{Event, HostBuffer, LocalRegion, Notice, Transport};
+//!
+//! let fabric = LoopbackFabric::new();
+//! let (mut producer, mut consumer) = (fabric.endpoint(), fabric.endpoint());
+//!
+//! let src = Arc::new(HostBuffer::new(4096)?);
+//! src.fill_with(|i| i as u8);
+//! producer.register(LocalRegion::host(0, Arc::clone(&src)))?;
+//! let dst = Arc::new(HostBuffer::new(4096)?);
+//! consumer.register(LocalRegion::host(0, Arc::clone(&dst)))?;
+//!
+//! // The consumer's description travels to the producer (in kvx: inside the registration).
+//! let peer = producer.connect(&consumer.local_desc())?;
+//! let op = CopyOp {
+//!     producer: Rank(0),
+//!     src_region: 0,
+//!     src_offset: 0,
+//!     dst_region: 0,
+//!     dst_offset: 1024,
+//!     len: 1024,
+//!     count: 1,
+//!     src_stride: 0,
+//!     dst_stride: 0,
+//! };
+//! producer.write(peer, &[op], Some(Notice(42)))?;
+//!
+//! // The consumer sees the notice only once the bytes are there.
+//! let mut events = Vec::new();
+//! consumer.wait(&mut events, Duration::from_secs(5))?;
+//! assert!(matches!(events[..], [Event::Notice(Notice(42))]));
+//! assert_eq!(dst.to_vec()[1024..2048], src.to_vec()[..1024]);
+//!
+//! // An operation outside the registered memory is refused before anything moves.
+//! let too_far = CopyOp { dst_offset: 4000, ..op };
+//! assert!(producer.write(peer, &[too_far], None).is_err());
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+pub mod desc;
+pub mod error;
+#[cfg(feature = "libfabric")]
+pub mod libfabric;
+pub mod loopback;
+pub mod region;
 pub mod topology;
+pub mod transport;
+pub mod validate;
+
+pub use desc::{DescError, EndpointDesc, NoticeSlot};
+pub use error::{
+    BackendError, ConnectError, DeregisterError, OpError, PlanError, PollError, ReadError,
+    RegisterError, SendError, Side, WriteError,
+};
+pub use region::{BufferError, HostBuffer, LocalRegion};
+pub use transport::{Capabilities, Event, Notice, OpId, OpKind, PeerId, Transport};

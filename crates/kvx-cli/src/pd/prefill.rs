@@ -49,6 +49,11 @@ impl RankMemory {
             .map(|_| HostBuffer::new(layout.region_len() as usize).map(Arc::new))
             .collect::<Result<Vec<_>, _>>()
             .context("cannot allocate the KV cache")?;
+        // Touch every page now, as an engine that zeroes its cache does, so that page faults
+        // never land on a transfer's critical path.
+        for b in &buffers {
+            b.fill_with(|_| 0);
+        }
         let regions = buffers
             .iter()
             .enumerate()

@@ -1,0 +1,410 @@
+//! Transfer throughput of each backend beside a single-thread memcpy of the same bytes.
+//!
+//! `cargo bench -p kvx-rdma --bench transfer [-- --quick] [-- --backend NAME]` (what
+//! `cargo xtask bench transfer` runs). For op sizes from 4 KiB to 64 MiB it moves 64 MiB per
+//! iteration as a list of equal operations, and it moves a 16k-token request plan; each time from
+//! `write` to the consumer seeing the notice, with the consumer endpoint on its own thread; both
+//! sides block in `wait` (as the connector's threads do), so wake-up latency counts. The
+//! memcpy baseline copies the same bytes in the same pieces on one thread, in the same run.
+//! Results go to `target/kvx-bench/transfer.json` and `transfer.md` (or `$KVX_BENCH_OUT`).
+//!
+//! A benchmark reports; it asserts nothing about time.
+#![allow(missing_docs)]
+
+use std::fmt::Write as _;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use kvx_core::Rank;
+use kvx_layout::CopyOp;
+use kvx_rdma::loopback::LoopbackFabric;
+use kvx_rdma::{Event, HostBuffer, LocalRegion, Notice, Transport};
+
+const KIB: u64 = 1024;
+const MIB: u64 = 1024 * KIB;
+/// Bytes moved per iteration of the size sweep.
+const SWEEP_BYTES: u64 = 64 * MIB;
+
+/// The 16k-token request: 16 layers (one region per layer holding K and V), 2 KV heads of 128
+/// dims in bf16 on this rank, 16-token blocks: 8 KiB per block per K/V, 1024 blocks. The producer's
+/// blocks are contiguous (freshly prefilled); the consumer's come in runs of 8 at scattered places,
+/// so the plan is 16 x 2 x 128 operations of 64 KiB (256 MiB).
+const PLAN_LAYERS: u32 = 16;
+const PLAN_BLOCKS: u64 = 1024;
+const PLAN_CHUNK: u64 = 8 * KIB;
+const PLAN_RUN: u64 = 8;
+
+struct Row {
+    backend: String,
+    case: String,
+    op_bytes: u64,
+    ops: usize,
+    bytes: u64,
+    seconds: f64,
+    memcpy_seconds: f64,
+}
+
+impl Row {
+    fn gbps(&self) -> f64 {
+        self.bytes as f64 / self.seconds / 1e9
+    }
+    fn memcpy_gbps(&self) -> f64 {
+        self.bytes as f64 / self.memcpy_seconds / 1e9
+    }
+    fn per_op_us(&self) -> f64 {
+        self.seconds * 1e6 / self.ops as f64
+    }
+}
+
+fn op(src: (u32, u64), dst: (u32, u64), len: u64) -> CopyOp {
+    CopyOp {
+        producer: Rank(0),
+        src_region: src.0,
+        src_offset: src.1,
+        dst_region: dst.0,
+        dst_offset: dst.1,
+        len,
+        count: 1,
+        src_stride: 0,
+        dst_stride: 0,
+    }
+}
+
+fn sweep_plan(op_bytes: u64) -> Vec<CopyOp> {
+    (0..SWEEP_BYTES / op_bytes)
+        .map(|i| op((0, i * op_bytes), (0, i * op_bytes), op_bytes))
+        .collect()
+}
+
+fn request_plan() -> Vec<CopyOp> {
+    let runs = PLAN_BLOCKS / PLAN_RUN;
+    // A fixed scatter of the consumer's runs (a multiplicative permutation of 0..runs).
+    let place = |run: u64| (run * 37 + 11) % runs;
+    let mut ops = Vec::new();
+    for layer in 0..PLAN_LAYERS {
+        for kv in 0..2 {
+            let base = kv * PLAN_BLOCKS * PLAN_CHUNK;
+            for run in 0..runs {
+                ops.push(op(
+                    (layer, base + run * PLAN_RUN * PLAN_CHUNK),
+                    (layer, base + place(run) * PLAN_RUN * PLAN_CHUNK),
+                    PLAN_RUN * PLAN_CHUNK,
+                ));
+            }
+        }
+    }
+    ops
+}
+
+/// One producer/consumer pair with `regions` regions of `region_len` bytes on each side.
+struct Pair {
+    producer: Box<dyn Transport>,
+    consumer_thread: Option<thread::JoinHandle<()>>,
+    notices: mpsc::Receiver<Instant>,
+    stop: Arc<AtomicBool>,
+    peer: kvx_rdma::PeerId,
+    _buffers: Vec<Arc<HostBuffer>>,
+}
+
+impl Pair {
+    fn new(
+        mut producer: Box<dyn Transport>,
+        mut consumer: Box<dyn Transport>,
+        regions: u32,
+        region_len: usize,
+    ) -> Self {
+        let mut buffers = Vec::new();
+        for index in 0..regions {
+            for side in [&mut producer, &mut consumer] {
+                let buffer = Arc::new(HostBuffer::new(region_len).expect("bench buffer"));
+                buffer.fill_with(|i| i as u8);
+                side.register(LocalRegion::host(index, Arc::clone(&buffer)))
+                    .expect("register");
+                buffers.push(buffer);
+            }
+        }
+        let peer = producer.connect(&consumer.local_desc()).expect("connect");
+        let (tx, notices) = mpsc::channel();
+        let stop = Arc::new(AtomicBool::new(false));
+        let stop_consumer = Arc::clone(&stop);
+        let consumer_thread = thread::spawn(move || {
+            let mut events = Vec::new();
+            while !stop_consumer.load(Ordering::Relaxed) {
+                events.clear();
+                if consumer
+                    .wait(&mut events, Duration::from_millis(20))
+                    .is_err()
+                {
+                    return;
+                }
+                for event in &events {
+                    if let Event::Notice(_) = event {
+                        let _ = tx.send(Instant::now());
+                    }
+                }
+            }
+        });
+        Self {
+            producer,
+            consumer_thread: Some(consumer_thread),
+            notices,
+            stop,
+            peer,
+            _buffers: buffers,
+        }
+    }
+
+    /// Seconds from `write` until the consumer saw the notice (and the producer its completion).
+    fn transfer(&mut self, plan: &[CopyOp]) -> Option<f64> {
+        let start = Instant::now();
+        self.producer
+            .write(self.peer, plan, Some(Notice(1)))
+            .expect("write");
+        let mut events = Vec::new();
+        let mut done = false;
+        let mut seen = None;
+        let deadline = start + Duration::from_secs(120);
+        while !(done && seen.is_some()) {
+            if Instant::now() > deadline {
+                eprintln!("transfer did not finish in time");
+                return None;
+            }
+            events.clear();
+            self.producer
+                .wait(
+                    &mut events,
+                    Duration::from_millis(if done { 1 } else { 20 }),
+                )
+                .expect("wait");
+            for event in &events {
+                match event {
+                    Event::WriteDone { .. } => done = true,
+                    Event::Failed { error, .. } => {
+                        eprintln!("transfer failed: {error}");
+                        return None;
+                    }
+                    _ => {}
+                }
+            }
+            if seen.is_none() {
+                seen = self.notices.try_recv().ok();
+            }
+        }
+        seen.map(|at| at.duration_since(start).as_secs_f64())
+    }
+}
+
+impl Drop for Pair {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(handle) = self.consumer_thread.take() {
+            let _ = handle.join();
+        }
+    }
+}
+
+/// Best of `reps` single-thread memcpys of the plan's pieces between two plain buffers.
+fn memcpy_seconds(plan: &[CopyOp], regions: usize, region_len: usize, reps: usize) -> f64 {
+    let src: Vec<Vec<u8>> = (0..regions).map(|_| vec![1_u8; region_len]).collect();
+    let mut dst: Vec<Vec<u8>> = (0..regions).map(|_| vec![0_u8; region_len]).collect();
+    let mut best = f64::INFINITY;
+    for _ in 0..reps {
+        let start = Instant::now();
+        for op in plan {
+            for (s, d, len) in op.pieces() {
+                let (s, d, len) = (s as usize, d as usize, len as usize);
+                dst[op.dst_region as usize][d..d + len]
+                    .copy_from_slice(&src[op.src_region as usize][s..s + len]);
+            }
+        }
+        best = best.min(start.elapsed().as_secs_f64());
+        std::hint::black_box(&mut dst);
+    }
+    best
+}
+
+type Factory = Box<dyn Fn() -> Option<(Box<dyn Transport>, Box<dyn Transport>)>>;
+
+fn backends() -> Vec<(&'static str, Factory)> {
+    #[cfg_attr(not(feature = "libfabric"), allow(unused_mut))]
+    let mut out: Vec<(&'static str, Factory)> = vec![(
+        "loopback",
+        Box::new(|| {
+            let fabric = LoopbackFabric::new();
+            Some((
+                Box::new(fabric.endpoint()) as Box<dyn Transport>,
+                Box::new(fabric.endpoint()) as Box<dyn Transport>,
+            ))
+        }),
+    )];
+    #[cfg(feature = "libfabric")]
+    {
+        use kvx_rdma::libfabric::{LibfabricConfig, LibfabricTransport};
+        fn open(config: LibfabricConfig) -> Option<(Box<dyn Transport>, Box<dyn Transport>)> {
+            let a = LibfabricTransport::open(&config)
+                .map_err(|e| eprintln!("{e}"))
+                .ok()?;
+            let b = LibfabricTransport::open(&config)
+                .map_err(|e| eprintln!("{e}"))
+                .ok()?;
+            Some((Box::new(a), Box::new(b)))
+        }
+        out.push(("libfabric-shm", Box::new(|| open(LibfabricConfig::shm()))));
+        out.push((
+            "libfabric-tcp",
+            Box::new(|| open(LibfabricConfig::tcp(Some("lo")))),
+        ));
+    }
+    out
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    let only = args
+        .windows(2)
+        .find(|w| w[0] == "--backend")
+        .map(|w| w[1].clone());
+    let reps = if quick { 2 } else { 5 };
+    let sizes: Vec<u64> = if quick {
+        vec![4 * KIB, 64 * KIB, MIB, 16 * MIB, 64 * MIB]
+    } else {
+        vec![
+            4 * KIB,
+            16 * KIB,
+            64 * KIB,
+            256 * KIB,
+            MIB,
+            4 * MIB,
+            16 * MIB,
+            64 * MIB,
+        ]
+    };
+
+    let mut rows = Vec::new();
+    for (name, factory) in backends() {
+        if only.as_deref().is_some_and(|o| o != name) {
+            continue;
+        }
+        let Some((producer, consumer)) = factory() else {
+            eprintln!("{name}: not available, skipped");
+            continue;
+        };
+        let mut pair = Pair::new(producer, consumer, 1, SWEEP_BYTES as usize);
+        for &size in &sizes {
+            let plan = sweep_plan(size);
+            let _ = pair.transfer(&plan); // warm-up
+            let best = (0..reps)
+                .filter_map(|_| pair.transfer(&plan))
+                .fold(f64::INFINITY, f64::min);
+            if best.is_finite() {
+                rows.push(Row {
+                    backend: name.into(),
+                    case: "sweep".into(),
+                    op_bytes: size,
+                    ops: plan.len(),
+                    bytes: SWEEP_BYTES,
+                    seconds: best,
+                    memcpy_seconds: memcpy_seconds(&plan, 1, SWEEP_BYTES as usize, reps),
+                });
+                eprintln!(
+                    "{name} {size} B: {:.2} GB/s",
+                    SWEEP_BYTES as f64 / best / 1e9
+                );
+            }
+        }
+        drop(pair);
+
+        let Some((producer, consumer)) = factory() else {
+            continue;
+        };
+        let region_len = (2 * PLAN_BLOCKS * PLAN_CHUNK) as usize;
+        let mut pair = Pair::new(producer, consumer, PLAN_LAYERS, region_len);
+        let plan = request_plan();
+        let bytes: u64 = plan.iter().map(CopyOp::bytes).sum();
+        let _ = pair.transfer(&plan);
+        let best = (0..reps.min(3))
+            .filter_map(|_| pair.transfer(&plan))
+            .fold(f64::INFINITY, f64::min);
+        if best.is_finite() {
+            rows.push(Row {
+                backend: name.into(),
+                case: "request-16k".into(),
+                op_bytes: PLAN_RUN * PLAN_CHUNK,
+                ops: plan.len(),
+                bytes,
+                seconds: best,
+                memcpy_seconds: memcpy_seconds(&plan, PLAN_LAYERS as usize, region_len, 3),
+            });
+        }
+    }
+    report(&rows);
+}
+
+fn report(rows: &[Row]) {
+    let mut md = String::from(
+        "| backend | case | op size | ops | bytes | time (ms) | GB/s | memcpy GB/s | % of memcpy | per op (µs) |\n\
+         |---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    let mut json = String::from("[\n");
+    for (i, r) in rows.iter().enumerate() {
+        let _ = writeln!(
+            md,
+            "| {} | {} | {} | {} | {} | {:.2} | {:.2} | {:.2} | {:.0}% | {:.2} |",
+            r.backend,
+            r.case,
+            human(r.op_bytes),
+            r.ops,
+            human(r.bytes),
+            r.seconds * 1e3,
+            r.gbps(),
+            r.memcpy_gbps(),
+            100.0 * r.gbps() / r.memcpy_gbps(),
+            r.per_op_us(),
+        );
+        let _ = writeln!(
+            json,
+            "  {{\"backend\": \"{}\", \"case\": \"{}\", \"op_bytes\": {}, \"ops\": {}, \"bytes\": {}, \
+             \"seconds\": {:.6}, \"gbps\": {:.3}, \"memcpy_seconds\": {:.6}, \"memcpy_gbps\": {:.3}, \
+             \"per_op_us\": {:.3}}}{}",
+            r.backend,
+            r.case,
+            r.op_bytes,
+            r.ops,
+            r.bytes,
+            r.seconds,
+            r.gbps(),
+            r.memcpy_seconds,
+            r.memcpy_gbps(),
+            r.per_op_us(),
+            if i + 1 < rows.len() { "," } else { "" }
+        );
+    }
+    json.push_str("]\n");
+    println!("{md}");
+    let dir = std::env::var_os("KVX_BENCH_OUT").map_or_else(
+        || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/kvx-bench"),
+        PathBuf::from,
+    );
+    if let Err(e) = std::fs::create_dir_all(&dir)
+        .and_then(|()| std::fs::write(dir.join("transfer.md"), &md))
+        .and_then(|()| std::fs::write(dir.join("transfer.json"), &json))
+    {
+        eprintln!("could not write results to {}: {e}", dir.display());
+    } else {
+        eprintln!("results in {}", dir.display());
+    }
+}
+
+fn human(bytes: u64) -> String {
+    if bytes >= MIB && bytes.is_multiple_of(MIB) {
+        format!("{} MiB", bytes / MIB)
+    } else if bytes >= KIB && bytes.is_multiple_of(KIB) {
+        format!("{} KiB", bytes / KIB)
+    } else {
+        format!("{bytes} B")
+    }
+}

@@ -1,0 +1,723 @@
+//! The in-process loopback backend: endpoints of one [`LoopbackFabric`] move bytes between each
+//! other's registered memory with plain copies, for the unit tests of the layers above.
+//!
+//! It keeps the contract of the real backends: bounds are checked against the peer's
+//! *description* before anything moves; a write's bytes are copied before its notice is queued
+//! at the peer (under one lock, so the peer can never see the notice first); an operation on a
+//! peer that has gone away (dropped endpoint) fails asynchronously with
+//! [`OpError::PeerUnreachable`], and one on a region the peer has deregistered since with
+//! [`OpError::RemoteAccess`]. [`Transport::wait`] blocks on a condition variable.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use kvx_core::{MemoryKind, RegionDesc};
+use kvx_layout::CopyOp;
+
+use crate::desc::EndpointDesc;
+use crate::error::{
+    ConnectError, DeregisterError, OpError, PollError, ReadError, RegisterError, SendError,
+    WriteError,
+};
+use crate::region::LocalRegion;
+use crate::transport::{Capabilities, Event, Notice, OpId, OpKind, PeerId, Transport};
+use crate::validate::check_ops;
+
+/// Backend name of loopback endpoints.
+pub const BACKEND: &str = "loopback";
+/// Longest control message a loopback endpoint carries.
+pub const MAX_MESSAGE_LEN: usize = 64 * 1024;
+
+/// An operation failed inside the loopback fabric.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum LoopbackError {
+    /// The peer endpoint no longer exists.
+    #[error("loopback endpoint {0} is gone")]
+    EndpointGone(u64),
+    /// The peer no longer has the region (or registered it again under a new key).
+    #[error("loopback endpoint {endpoint} has no region {region} with key {key}")]
+    StaleKey {
+        /// Peer endpoint.
+        endpoint: u64,
+        /// Region index.
+        region: u32,
+        /// Key used.
+        key: u64,
+    },
+}
+
+/// An in-process fabric: a namespace of loopback endpoints that can reach each other. Cheap to
+/// clone (all clones are the same fabric).
+#[derive(Clone, Debug, Default)]
+pub struct LoopbackFabric {
+    shared: Arc<Shared>,
+}
+
+#[derive(Debug, Default)]
+struct Shared {
+    state: Mutex<State>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    /// A fabric-wide id so that endpoints of different fabrics never collide by accident.
+    fabric_id: u64,
+    next_endpoint: u64,
+    next_key: u64,
+    endpoints: HashMap<u64, EndpointState>,
+}
+
+#[derive(Debug)]
+struct EndpointState {
+    regions: HashMap<u32, (LocalRegion, u64)>,
+    inbox: VecDeque<Event>,
+    wake: Arc<Condvar>,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock cannot leave the maps half-updated in a way that breaks
+        // memory safety (copies finish before any map changes), so recover the guard.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl LoopbackFabric {
+    /// A new, empty fabric.
+    #[must_use]
+    pub fn new() -> Self {
+        let fabric = Self::default();
+        // Distinguish fabrics by the address of their shared state.
+        fabric.shared.lock().fabric_id = Arc::as_ptr(&fabric.shared) as u64;
+        fabric
+    }
+
+    /// A new endpoint on this fabric.
+    #[must_use]
+    pub fn endpoint(&self) -> LoopbackEndpoint {
+        let wake = Arc::new(Condvar::new());
+        let mut state = self.shared.lock();
+        state.next_endpoint += 1;
+        let id = state.next_endpoint;
+        let fabric_id = state.fabric_id;
+        state.endpoints.insert(
+            id,
+            EndpointState {
+                regions: HashMap::new(),
+                inbox: VecDeque::new(),
+                wake: Arc::clone(&wake),
+            },
+        );
+        LoopbackEndpoint {
+            shared: Arc::clone(&self.shared),
+            id,
+            fabric_id,
+            wake,
+            peers: Vec::new(),
+            next_op: 0,
+        }
+    }
+}
+
+/// One endpoint of a [`LoopbackFabric`]. Dropping it removes it (and its registrations) from the
+/// fabric; peers' later operations on it fail with [`OpError::PeerUnreachable`].
+#[derive(Debug)]
+pub struct LoopbackEndpoint {
+    shared: Arc<Shared>,
+    id: u64,
+    fabric_id: u64,
+    wake: Arc<Condvar>,
+    peers: Vec<Peer>,
+    next_op: u64,
+}
+
+#[derive(Debug)]
+struct Peer {
+    endpoint: u64,
+    desc: EndpointDesc,
+}
+
+fn encode_address(fabric_id: u64, endpoint: u64) -> Vec<u8> {
+    let mut address = fabric_id.to_le_bytes().to_vec();
+    address.extend_from_slice(&endpoint.to_le_bytes());
+    address
+}
+
+/// Copies `len` bytes between two registered regions.
+///
+/// # Safety
+/// Both ranges must lie inside live registrations (guaranteed by the bounds checks and by holding
+/// the fabric lock, which every deregistration takes).
+unsafe fn copy_bytes(src: usize, dst: usize, len: u64) {
+    // SAFETY: per the function contract both ranges are valid for `len` bytes; `ptr::copy`
+    // tolerates overlap (an endpoint may write into its own memory).
+    unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, len as usize) }
+}
+
+impl LoopbackEndpoint {
+    fn new_op(&mut self) -> OpId {
+        self.next_op += 1;
+        OpId(self.next_op)
+    }
+
+    fn peer(&self, peer: PeerId) -> Option<&Peer> {
+        self.peers.get(peer.0 as usize)
+    }
+
+    /// Runs the copies of `ops` from `from`'s memory into `to`'s, under the fabric lock.
+    /// `remote_is_dst` says which side the remote table (the peer's description) describes.
+    fn copy(
+        state: &State,
+        local: u64,
+        peer: &Peer,
+        ops: &[CopyOp],
+        remote_is_dst: bool,
+    ) -> Result<(), OpError> {
+        let gone = || OpError::PeerUnreachable {
+            source: Box::new(LoopbackError::EndpointGone(peer.endpoint)),
+        };
+        let me = state.endpoints.get(&local).ok_or_else(gone)?;
+        let them = state.endpoints.get(&peer.endpoint).ok_or_else(gone)?;
+        // Resolve every region first, so that a stale key fails the whole operation before any
+        // byte moves.
+        let mut resolved = Vec::with_capacity(ops.len());
+        for op in ops {
+            let (local_index, remote_index) = if remote_is_dst {
+                (op.src_region, op.dst_region)
+            } else {
+                (op.dst_region, op.src_region)
+            };
+            let local_addr = me
+                .regions
+                .get(&local_index)
+                .map(|(r, _)| r.addr())
+                .ok_or_else(|| OpError::Backend {
+                    source: format!("local region {local_index} was deregistered").into(),
+                })?;
+            let advertised = peer.desc.region(remote_index).map_or(0, |r| r.key);
+            let remote_addr = match them.regions.get(&remote_index) {
+                Some((region, key)) if *key == advertised => region.addr(),
+                _ => {
+                    return Err(OpError::RemoteAccess {
+                        source: Box::new(LoopbackError::StaleKey {
+                            endpoint: peer.endpoint,
+                            region: remote_index,
+                            key: advertised,
+                        }),
+                    })
+                }
+            };
+            resolved.push((local_addr, remote_addr));
+        }
+        for (op, (local_addr, remote_addr)) in ops.iter().zip(resolved) {
+            let (src_base, dst_base) = if remote_is_dst {
+                (local_addr, remote_addr)
+            } else {
+                (remote_addr, local_addr)
+            };
+            for (src, dst, len) in op.pieces() {
+                // SAFETY: every piece was checked against the advertised region lengths, and the
+                // key check above proves the live registration is the advertised one (same
+                // length); the fabric lock is held, so neither side can deregister meanwhile.
+                unsafe { copy_bytes(src_base + src as usize, dst_base + dst as usize, len) };
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for LoopbackEndpoint {
+    fn drop(&mut self) {
+        self.shared.lock().endpoints.remove(&self.id);
+    }
+}
+
+impl Transport for LoopbackEndpoint {
+    fn backend(&self) -> &'static str {
+        BACKEND
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            notice_bits: 64,
+            max_message_len: MAX_MESSAGE_LEN,
+            memory_kinds: vec![MemoryKind::Host],
+        }
+    }
+
+    fn register(&mut self, region: LocalRegion) -> Result<RegionDesc, RegisterError> {
+        let index = region.index();
+        if region.is_empty() {
+            return Err(RegisterError::Empty(index));
+        }
+        if region.kind() != MemoryKind::Host {
+            return Err(RegisterError::UnsupportedKind {
+                index,
+                kind: region.kind(),
+                backend: BACKEND,
+            });
+        }
+        let mut state = self.shared.lock();
+        state.next_key += 1;
+        let key = state.next_key;
+        let me = state
+            .endpoints
+            .get_mut(&self.id)
+            .ok_or_else(|| RegisterError::Backend {
+                index,
+                source: Box::new(LoopbackError::EndpointGone(self.id)),
+            })?;
+        if me.regions.contains_key(&index) {
+            return Err(RegisterError::Duplicate(index));
+        }
+        let desc = RegionDesc {
+            index,
+            kind: region.kind(),
+            addr: region.addr() as u64,
+            len: region.len(),
+            key,
+        };
+        me.regions.insert(index, (region, key));
+        Ok(desc)
+    }
+
+    fn deregister(&mut self, index: u32) -> Result<(), DeregisterError> {
+        // Loopback operations finish inside the call that posts them: nothing is ever in flight.
+        let mut state = self.shared.lock();
+        let removed = state
+            .endpoints
+            .get_mut(&self.id)
+            .and_then(|me| me.regions.remove(&index));
+        drop(state);
+        removed.map(drop).ok_or(DeregisterError::Unknown(index))
+    }
+
+    fn local_desc(&self) -> EndpointDesc {
+        let state = self.shared.lock();
+        let mut regions: Vec<RegionDesc> = state
+            .endpoints
+            .get(&self.id)
+            .map(|me| {
+                me.regions
+                    .values()
+                    .map(|(r, key)| RegionDesc {
+                        index: r.index(),
+                        kind: r.kind(),
+                        addr: r.addr() as u64,
+                        len: r.len(),
+                        key: *key,
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        regions.sort_by_key(|r| r.index);
+        EndpointDesc {
+            backend: BACKEND.into(),
+            provider: String::new(),
+            address: encode_address(self.fabric_id, self.id),
+            notice_slot: None,
+            regions,
+        }
+    }
+
+    fn connect(&mut self, peer: &EndpointDesc) -> Result<PeerId, ConnectError> {
+        peer.validate().map_err(ConnectError::BadDescription)?;
+        if peer.backend != BACKEND {
+            return Err(ConnectError::Mismatch {
+                expected: BACKEND.into(),
+                found: format!("{}/{}", peer.backend, peer.provider),
+            });
+        }
+        let Ok(bytes) = <[u8; 16]>::try_from(peer.address.as_slice()) else {
+            return Err(ConnectError::BadAddress {
+                source: format!("loopback address has {} bytes, not 16", peer.address.len()).into(),
+            });
+        };
+        let (fabric, endpoint) = bytes.split_at(8);
+        let fabric = u64::from_le_bytes(fabric.try_into().unwrap_or_default());
+        let endpoint = u64::from_le_bytes(endpoint.try_into().unwrap_or_default());
+        if fabric != self.fabric_id {
+            return Err(ConnectError::Unreachable {
+                source: "the peer is on another loopback fabric".into(),
+            });
+        }
+        if let Some(i) = self.peers.iter().position(|p| p.endpoint == endpoint) {
+            self.peers[i].desc = peer.clone();
+            return Ok(PeerId(i as u32));
+        }
+        self.peers.push(Peer {
+            endpoint,
+            desc: peer.clone(),
+        });
+        Ok(PeerId((self.peers.len() - 1) as u32))
+    }
+
+    fn write(
+        &mut self,
+        peer_id: PeerId,
+        ops: &[CopyOp],
+        notice: Option<Notice>,
+    ) -> Result<OpId, WriteError> {
+        let peer = self.peer(peer_id).ok_or(WriteError::UnknownPeer(peer_id))?;
+        let state = self.shared.lock();
+        let me = state.endpoints.get(&self.id);
+        let bytes = check_ops(
+            ops,
+            |i| me.and_then(|m| m.regions.get(&i)).map(|(r, _)| r.len()),
+            |i| peer.desc.region(i).map(|r| r.len),
+        )?;
+        let result = Self::copy(&state, self.id, peer, ops, true);
+        let target = peer.endpoint;
+        drop(state);
+        let op = self.new_op();
+        let mut state = self.shared.lock();
+        let event = match result {
+            Ok(()) => {
+                if let Some(notice) = notice {
+                    if let Some(them) = state.endpoints.get_mut(&target) {
+                        them.inbox.push_back(Event::Notice(notice));
+                        them.wake.notify_all();
+                    }
+                }
+                Event::WriteDone {
+                    op,
+                    peer: peer_id,
+                    bytes,
+                }
+            }
+            Err(error) => Event::Failed {
+                op,
+                kind: OpKind::Write,
+                peer: peer_id,
+                error,
+            },
+        };
+        if let Some(me) = state.endpoints.get_mut(&self.id) {
+            me.inbox.push_back(event);
+        }
+        self.wake.notify_all();
+        Ok(op)
+    }
+
+    fn read(&mut self, peer_id: PeerId, ops: &[CopyOp]) -> Result<OpId, ReadError> {
+        let peer = self.peer(peer_id).ok_or(ReadError::UnknownPeer(peer_id))?;
+        let state = self.shared.lock();
+        let me = state.endpoints.get(&self.id);
+        let bytes = check_ops(
+            ops,
+            |i| peer.desc.region(i).map(|r| r.len),
+            |i| me.and_then(|m| m.regions.get(&i)).map(|(r, _)| r.len()),
+        )?;
+        let result = Self::copy(&state, self.id, peer, ops, false);
+        drop(state);
+        let op = self.new_op();
+        let event = match result {
+            Ok(()) => Event::ReadDone {
+                op,
+                peer: peer_id,
+                bytes,
+            },
+            Err(error) => Event::Failed {
+                op,
+                kind: OpKind::Read,
+                peer: peer_id,
+                error,
+            },
+        };
+        let mut state = self.shared.lock();
+        if let Some(me) = state.endpoints.get_mut(&self.id) {
+            me.inbox.push_back(event);
+        }
+        self.wake.notify_all();
+        Ok(op)
+    }
+
+    fn send(&mut self, peer_id: PeerId, message: &[u8]) -> Result<OpId, SendError> {
+        let target = self
+            .peer(peer_id)
+            .ok_or(SendError::UnknownPeer(peer_id))?
+            .endpoint;
+        if message.len() > MAX_MESSAGE_LEN {
+            return Err(SendError::TooLarge {
+                len: message.len(),
+                max: MAX_MESSAGE_LEN,
+            });
+        }
+        let op = self.new_op();
+        let mut state = self.shared.lock();
+        let event = match state.endpoints.get_mut(&target) {
+            Some(them) => {
+                them.inbox.push_back(Event::Message(message.to_vec()));
+                them.wake.notify_all();
+                Event::SendDone { op, peer: peer_id }
+            }
+            None => Event::Failed {
+                op,
+                kind: OpKind::Send,
+                peer: peer_id,
+                error: OpError::PeerUnreachable {
+                    source: Box::new(LoopbackError::EndpointGone(target)),
+                },
+            },
+        };
+        if let Some(me) = state.endpoints.get_mut(&self.id) {
+            me.inbox.push_back(event);
+        }
+        self.wake.notify_all();
+        Ok(op)
+    }
+
+    fn poll(&mut self, events: &mut Vec<Event>) -> Result<usize, PollError> {
+        let mut state = self.shared.lock();
+        let Some(me) = state.endpoints.get_mut(&self.id) else {
+            return Ok(0);
+        };
+        let n = me.inbox.len();
+        events.extend(me.inbox.drain(..));
+        Ok(n)
+    }
+
+    fn wait(&mut self, events: &mut Vec<Event>, timeout: Duration) -> Result<usize, PollError> {
+        let deadline = Instant::now() + timeout;
+        let mut state = self.shared.lock();
+        loop {
+            let Some(me) = state.endpoints.get_mut(&self.id) else {
+                return Ok(0);
+            };
+            if !me.inbox.is_empty() {
+                let n = me.inbox.len();
+                events.extend(me.inbox.drain(..));
+                return Ok(n);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Ok(0);
+            }
+            state = self
+                .wake
+                .wait_timeout(state, deadline - now)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::region::HostBuffer;
+    use kvx_core::Rank;
+
+    fn region(index: u32, len: usize, seed: u8) -> (Arc<HostBuffer>, LocalRegion) {
+        let buffer = Arc::new(HostBuffer::new(len).unwrap());
+        buffer.fill_with(|i| (i as u8).wrapping_mul(31).wrapping_add(seed));
+        (Arc::clone(&buffer), LocalRegion::host(index, buffer))
+    }
+
+    fn op(src_region: u32, src_offset: u64, dst_region: u32, dst_offset: u64, len: u64) -> CopyOp {
+        CopyOp {
+            producer: Rank(0),
+            src_region,
+            src_offset,
+            dst_region,
+            dst_offset,
+            len,
+            count: 1,
+            src_stride: 0,
+            dst_stride: 0,
+        }
+    }
+
+    #[test]
+    fn write_moves_bytes_then_notifies() {
+        let fabric = LoopbackFabric::new();
+        let mut producer = fabric.endpoint();
+        let mut consumer = fabric.endpoint();
+        let (src, r) = region(0, 8192, 1);
+        producer.register(r).unwrap();
+        let (dst, r) = region(4, 8192, 0);
+        dst.fill_with(|_| 0);
+        consumer.register(r).unwrap();
+
+        let peer = producer.connect(&consumer.local_desc()).unwrap();
+        let mut strided = op(0, 100, 4, 0, 10);
+        strided.count = 3;
+        strided.src_stride = 1000;
+        strided.dst_stride = 20;
+        let ops = [op(0, 0, 4, 4096, 4096), strided];
+        let id = producer.write(peer, &ops, Some(Notice(0xabc))).unwrap();
+
+        let mut events = Vec::new();
+        assert_eq!(
+            producer.wait(&mut events, Duration::from_secs(5)).unwrap(),
+            1
+        );
+        assert!(matches!(events[0], Event::WriteDone { op, bytes: 4126, .. } if op == id));
+
+        let mut events = Vec::new();
+        consumer.wait(&mut events, Duration::from_secs(5)).unwrap();
+        assert!(matches!(events[..], [Event::Notice(Notice(0xabc))]));
+        let (s, d) = (src.to_vec(), dst.to_vec());
+        assert_eq!(d[4096..], s[..4096]);
+        for i in 0..3 {
+            assert_eq!(d[i * 20..i * 20 + 10], s[100 + i * 1000..110 + i * 1000]);
+            assert!(d[i * 20 + 10..i * 20 + 20].iter().all(|&b| b == 0));
+        }
+        assert!(d[60..4096].iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn out_of_bounds_and_unknown_regions_move_nothing() {
+        let fabric = LoopbackFabric::new();
+        let mut a = fabric.endpoint();
+        let mut b = fabric.endpoint();
+        let (_src, r) = region(0, 4096, 1);
+        a.register(r).unwrap();
+        let (dst, r) = region(0, 4096, 0);
+        dst.fill_with(|_| 0);
+        b.register(r).unwrap();
+        let peer = a.connect(&b.local_desc()).unwrap();
+        let ops = [op(0, 0, 0, 0, 100), op(0, 0, 0, 4000, 97)];
+        let err = a.write(peer, &ops, Some(Notice(1))).unwrap_err();
+        assert!(matches!(
+            err,
+            WriteError::Plan(crate::PlanError::OutOfBounds { op: 1, .. })
+        ));
+        let err = a.write(peer, &[op(0, 0, 9, 0, 1)], None).unwrap_err();
+        assert!(matches!(
+            err,
+            WriteError::Plan(crate::PlanError::Unregistered { op: 0, .. })
+        ));
+        assert!(matches!(
+            a.write(PeerId(9), &ops, None),
+            Err(WriteError::UnknownPeer(PeerId(9)))
+        ));
+        let mut events = Vec::new();
+        assert_eq!(b.poll(&mut events).unwrap(), 0);
+        assert!(dst.to_vec().iter().all(|&x| x == 0));
+    }
+
+    #[test]
+    fn dropped_peer_fails_asynchronously_without_notice() {
+        let fabric = LoopbackFabric::new();
+        let mut a = fabric.endpoint();
+        let mut b = fabric.endpoint();
+        let (_s, r) = region(0, 64, 1);
+        a.register(r).unwrap();
+        let (_d, r) = region(0, 64, 0);
+        b.register(r).unwrap();
+        let peer = a.connect(&b.local_desc()).unwrap();
+        drop(b);
+        a.write(peer, &[op(0, 0, 0, 0, 64)], Some(Notice(5)))
+            .unwrap();
+        a.send(peer, b"hi").unwrap();
+        let mut events = Vec::new();
+        a.poll(&mut events).unwrap();
+        assert_eq!(events.len(), 2);
+        for event in &events {
+            assert!(matches!(
+                event,
+                Event::Failed {
+                    error: OpError::PeerUnreachable { .. },
+                    ..
+                }
+            ));
+        }
+    }
+
+    #[test]
+    fn deregistered_remote_region_is_a_remote_access_error() {
+        let fabric = LoopbackFabric::new();
+        let mut a = fabric.endpoint();
+        let mut b = fabric.endpoint();
+        let (_s, r) = region(0, 64, 1);
+        a.register(r).unwrap();
+        let (_d, r) = region(0, 64, 0);
+        b.register(r.clone()).unwrap();
+        let peer = a.connect(&b.local_desc()).unwrap();
+        b.deregister(0).unwrap();
+        b.register(r).unwrap();
+        a.write(peer, &[op(0, 0, 0, 0, 64)], Some(Notice(5)))
+            .unwrap();
+        let mut events = Vec::new();
+        a.poll(&mut events).unwrap();
+        assert!(matches!(
+            events[..],
+            [Event::Failed {
+                error: OpError::RemoteAccess { .. },
+                kind: OpKind::Write,
+                ..
+            }]
+        ));
+        let mut events = Vec::new();
+        assert_eq!(
+            b.poll(&mut events).unwrap(),
+            0,
+            "no notice for a failed write"
+        );
+    }
+
+    #[test]
+    fn read_send_and_registration_errors() {
+        let fabric = LoopbackFabric::new();
+        let mut a = fabric.endpoint();
+        let mut b = fabric.endpoint();
+        let (remote, r) = region(2, 256, 7);
+        b.register(r).unwrap();
+        let (local, r) = region(1, 256, 0);
+        local.fill_with(|_| 0);
+        a.register(r.clone()).unwrap();
+        assert!(matches!(a.register(r), Err(RegisterError::Duplicate(1))));
+        let peer = a.connect(&b.local_desc()).unwrap();
+        assert_eq!(a.connect(&b.local_desc()).unwrap(), peer);
+        a.read(peer, &[op(2, 16, 1, 0, 32)]).unwrap();
+        a.send(peer, b"hello").unwrap();
+        let mut events = Vec::new();
+        a.poll(&mut events).unwrap();
+        assert!(matches!(events[0], Event::ReadDone { bytes: 32, .. }));
+        assert!(matches!(events[1], Event::SendDone { .. }));
+        assert_eq!(local.to_vec()[..32], remote.to_vec()[16..48]);
+        let mut events = Vec::new();
+        b.poll(&mut events).unwrap();
+        assert!(matches!(&events[..], [Event::Message(m)] if m == b"hello"));
+        assert!(matches!(
+            a.send(peer, &vec![0; MAX_MESSAGE_LEN + 1]),
+            Err(SendError::TooLarge { .. })
+        ));
+        assert!(matches!(a.deregister(9), Err(DeregisterError::Unknown(9))));
+    }
+
+    #[test]
+    fn connect_refuses_foreign_descriptions() {
+        let fabric = LoopbackFabric::new();
+        let other = LoopbackFabric::new();
+        let mut a = fabric.endpoint();
+        let b = other.endpoint();
+        assert!(matches!(
+            a.connect(&b.local_desc()),
+            Err(ConnectError::Unreachable { .. })
+        ));
+        let mut desc = b.local_desc();
+        desc.backend = "libfabric".into();
+        assert!(matches!(
+            a.connect(&desc),
+            Err(ConnectError::Mismatch { .. })
+        ));
+        desc.address.clear();
+        assert!(matches!(
+            a.connect(&desc),
+            Err(ConnectError::BadDescription(_))
+        ));
+    }
+
+    #[test]
+    fn wait_times_out_empty() {
+        let fabric = LoopbackFabric::new();
+        let mut a = fabric.endpoint();
+        let mut events = Vec::new();
+        assert_eq!(a.wait(&mut events, Duration::from_millis(10)).unwrap(), 0);
+        assert!(events.is_empty());
+    }
+}

@@ -1,0 +1,187 @@
+//! The transport trait: what the connector needs from a data mover, and nothing engine-specific.
+
+use std::time::Duration;
+
+use kvx_core::{MemoryKind, RegionDesc};
+use kvx_layout::CopyOp;
+
+use crate::desc::EndpointDesc;
+use crate::error::{
+    ConnectError, DeregisterError, OpError, PollError, ReadError, RegisterError, SendError,
+    WriteError,
+};
+use crate::region::LocalRegion;
+
+/// A connected peer, as numbered by one endpoint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct PeerId(pub u32);
+
+/// One accepted operation (a write, read or send), as numbered by one endpoint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct OpId(pub u64);
+
+/// The completion notice a write carries: a value the *consumer* chose (typically a token it put
+/// in its registration), delivered to the consumer only after every byte of the write is visible
+/// in its memory. Backends carry at most [`Capabilities::notice_bits`] bits of it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Notice(pub u64);
+
+/// What kind of operation an [`OpId`] names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum OpKind {
+    /// A [`Transport::write`].
+    Write,
+    /// A [`Transport::read`].
+    Read,
+    /// A [`Transport::send`].
+    Send,
+}
+
+/// Something that happened on an endpoint, returned by [`Transport::poll`] and
+/// [`Transport::wait`].
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Event {
+    /// Every byte of a write is visible at the peer, and its notice (if any) was delivered.
+    WriteDone {
+        /// The write.
+        op: OpId,
+        /// Its peer.
+        peer: PeerId,
+        /// Bytes written (without the notice).
+        bytes: u64,
+    },
+    /// Every byte of a read has landed in local memory.
+    ReadDone {
+        /// The read.
+        op: OpId,
+        /// Its peer.
+        peer: PeerId,
+        /// Bytes read.
+        bytes: u64,
+    },
+    /// A message was handed to the peer.
+    SendDone {
+        /// The send.
+        op: OpId,
+        /// Its peer.
+        peer: PeerId,
+    },
+    /// An accepted operation failed. A failed write never delivers its notice.
+    Failed {
+        /// The operation.
+        op: OpId,
+        /// What it was.
+        kind: OpKind,
+        /// Its peer.
+        peer: PeerId,
+        /// Why.
+        error: OpError,
+    },
+    /// A peer's write finished and announced itself: its data is visible in local memory.
+    Notice(Notice),
+    /// A peer sent a control message.
+    Message(Vec<u8>),
+}
+
+/// Limits and abilities of one endpoint.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Capabilities {
+    /// Bits of a [`Notice`] that reach the peer (64 for most, 32 on EFA).
+    pub notice_bits: u32,
+    /// Longest control message [`Transport::send`] carries.
+    pub max_message_len: usize,
+    /// Memory kinds [`Transport::register`] accepts.
+    pub memory_kinds: Vec<MemoryKind>,
+}
+
+/// A data mover between engine instances: registers local memory, describes itself, connects to
+/// peers from their descriptions, and moves bytes by one-sided writes (push) or reads (pull), with
+/// completion notices and small control messages.
+///
+/// Every call is non-blocking except [`Transport::wait`]. Operations complete asynchronously and
+/// are reported as [`Event`]s by [`Transport::poll`] (for an engine loop) or [`Transport::wait`]
+/// (for a background thread, which blocks on the backend's wait object and never spins). Calling
+/// either also makes progress on backends that need the caller to drive it, so a caller with
+/// operations in flight must keep calling one of them.
+///
+/// Region indices are the layout's region indices: a [`CopyOp`]'s `src_region` and `dst_region`
+/// name regions in the producer's and the consumer's tables. Every piece of every operation is
+/// checked against the registered bounds before anything is posted.
+pub trait Transport: Send {
+    /// Backend name, as in [`EndpointDesc::backend`].
+    fn backend(&self) -> &'static str;
+
+    /// Limits and abilities of this endpoint.
+    fn capabilities(&self) -> Capabilities;
+
+    /// Registers a region of local memory under its layout index, and returns how peers see it.
+    ///
+    /// # Errors
+    /// A [`RegisterError`]: duplicate index, empty region, unsupported memory kind, backend
+    /// failure.
+    fn register(&mut self, region: LocalRegion) -> Result<RegionDesc, RegisterError>;
+
+    /// Releases a registration (peers that still use its key fail with
+    /// [`OpError::RemoteAccess`]).
+    ///
+    /// # Errors
+    /// A [`DeregisterError`]: unknown index, region in use by operations in flight, backend
+    /// failure.
+    fn deregister(&mut self, index: u32) -> Result<(), DeregisterError>;
+
+    /// This endpoint's description, with the regions registered now.
+    fn local_desc(&self) -> EndpointDesc;
+
+    /// Connects to a peer from its description (or refreshes the region table of a peer already
+    /// connected at the same address, returning its id). Backends that connect lazily report an
+    /// unreachable peer on the first operation, as [`OpError::PeerUnreachable`].
+    ///
+    /// # Errors
+    /// A [`ConnectError`]: bad description, other backend or provider, unusable address,
+    /// unreachable peer.
+    fn connect(&mut self, peer: &EndpointDesc) -> Result<PeerId, ConnectError>;
+
+    /// Writes local `src` ranges into the peer's `dst` ranges, then delivers `notice` (if any) to
+    /// the peer, only after all the data is visible there. Reported by [`Event::WriteDone`] or
+    /// [`Event::Failed`]; a failed write delivers no notice.
+    ///
+    /// # Errors
+    /// A [`WriteError`] when the operations cannot be accepted (unknown peer, operation outside
+    /// a registered region, notice too wide, backend failure); nothing was posted then.
+    fn write(
+        &mut self,
+        peer: PeerId,
+        ops: &[CopyOp],
+        notice: Option<Notice>,
+    ) -> Result<OpId, WriteError>;
+
+    /// Reads the peer's `src` ranges into local `dst` ranges (pull mode). Reported by
+    /// [`Event::ReadDone`] or [`Event::Failed`].
+    ///
+    /// # Errors
+    /// A [`ReadError`] when the operations cannot be accepted; nothing was posted then.
+    fn read(&mut self, peer: PeerId, ops: &[CopyOp]) -> Result<OpId, ReadError>;
+
+    /// Sends a small control message (at most [`Capabilities::max_message_len`] bytes); the peer
+    /// receives it as [`Event::Message`].
+    ///
+    /// # Errors
+    /// A [`SendError`] when the message cannot be accepted.
+    fn send(&mut self, peer: PeerId, message: &[u8]) -> Result<OpId, SendError>;
+
+    /// Appends what happened since the last call to `events` without blocking, and returns how
+    /// many events it appended.
+    ///
+    /// # Errors
+    /// [`PollError`] when the endpoint itself is broken.
+    fn poll(&mut self, events: &mut Vec<Event>) -> Result<usize, PollError>;
+
+    /// Like [`Transport::poll`], but blocks on the backend's wait object until at least one event
+    /// arrives or `timeout` passes (then it returns 0).
+    ///
+    /// # Errors
+    /// [`PollError`] when the endpoint itself is broken.
+    fn wait(&mut self, events: &mut Vec<Event>, timeout: Duration) -> Result<usize, PollError>;
+}

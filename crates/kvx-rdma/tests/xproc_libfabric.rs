@@ -1,0 +1,424 @@
+//! Cross-process tests of the libfabric backend: the test binary re-executes itself as the
+//! consumer (`child_role`, selected by `KVX_XPROC_ROLE`), the two processes exchange endpoint
+//! descriptions over the child's stdout, the producer posts a multi-region plan, and the consumer
+//! verifies every byte of its memory when the notice arrives. Failure cases: a peer killed
+//! mid-transfer, bad descriptions, out-of-bounds operations: each a typed error, never a hang
+//! (every wait has a deadline and the child is killed on drop).
+#![cfg(feature = "libfabric")]
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc::{self, Receiver};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvx_core::Rank;
+use kvx_layout::CopyOp;
+use kvx_rdma::libfabric::{LibfabricConfig, LibfabricTransport};
+use kvx_rdma::{
+    ConnectError, EndpointDesc, Event, HostBuffer, LocalRegion, Notice, OpError, PlanError, Side,
+    Transport, WriteError,
+};
+
+const ROLE_ENV: &str = "KVX_XPROC_ROLE";
+const PROVIDER_ENV: &str = "KVX_XPROC_PROVIDER";
+const NOTICE: u64 = 0x5eed_0000_0000_0042;
+const DEADLINE: Duration = Duration::from_secs(60);
+
+/// Consumer regions (index, length): three regions of different sizes.
+const CONSUMER_REGIONS: [(u32, usize); 3] = [(0, 4 << 20), (1, 1 << 20), (2, 3 << 20)];
+/// Producer regions (index, length).
+const PRODUCER_REGIONS: [(u32, usize); 2] = [(0, 6 << 20), (1, 2 << 20)];
+
+fn config(provider: &str) -> LibfabricConfig {
+    let mut config = if provider == "shm" {
+        LibfabricConfig::shm()
+    } else {
+        LibfabricConfig::tcp(Some("lo"))
+    };
+    config.op_timeout = Duration::from_secs(5);
+    config
+}
+
+/// The byte the producer holds at `offset` of its region `region`.
+fn pattern(region: u32, offset: u64) -> u8 {
+    let x = offset
+        .wrapping_mul(0x9e37_79b9)
+        .wrapping_add(u64::from(region) * 0x85eb_ca6b)
+        ^ (offset >> 13);
+    (x ^ (x >> 8) ^ (x >> 19)) as u8
+}
+
+fn op(src: (u32, u64), dst: (u32, u64), len: u64, count: u64, strides: (u64, u64)) -> CopyOp {
+    CopyOp {
+        producer: Rank(0),
+        src_region: src.0,
+        src_offset: src.1,
+        dst_region: dst.0,
+        dst_offset: dst.1,
+        len,
+        count,
+        src_stride: strides.0,
+        dst_stride: strides.1,
+    }
+}
+
+/// A multi-region plan in the shape the planner produces (merged contiguous runs, strided
+/// per-head pieces, runs that end exactly at a region's end), built by hand.
+fn sample_plan() -> Vec<CopyOp> {
+    vec![
+        // A merged 2 MiB run.
+        op((0, 0), (0, 1 << 20), 2 << 20, 1, (0, 0)),
+        // 64 strided pieces of 8 KiB (one head of each of 64 blocks).
+        op((0, 3 << 20), (1, 0), 8192, 64, (16384, 12288)),
+        // 2 pieces of 1 MiB from the second producer region, dense on the consumer side.
+        op((1, 0), (2, 0), 1 << 20, 2, (1 << 20, 1 << 20)),
+        // A small run that ends at the last byte of consumer region 2.
+        op(
+            (0, (6 << 20) - 4096),
+            (2, (3 << 20) - 4096),
+            4096,
+            1,
+            (0, 0),
+        ),
+        // Odd sizes and offsets.
+        op((1, 12_345), (0, 7), 777, 5, (1000, 3333)),
+    ]
+}
+
+/// What every consumer region must contain after `plan`: the producer's bytes where an
+/// operation wrote, zero everywhere else.
+fn expected_regions(plan: &[CopyOp]) -> Vec<Vec<u8>> {
+    let mut out: Vec<Vec<u8>> = CONSUMER_REGIONS
+        .iter()
+        .map(|&(_, len)| vec![0; len])
+        .collect();
+    for op in plan {
+        for (src, dst, len) in op.pieces() {
+            let region = &mut out[op.dst_region as usize];
+            for i in 0..len {
+                region[(dst + i) as usize] = pattern(op.src_region, src + i);
+            }
+        }
+    }
+    out
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len() / 2)
+        .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap_or(0))
+        .collect()
+}
+
+/// The consumer child: registers its regions, prints its description, and then (role `verify`)
+/// waits for the notice and checks every byte, or (role `sink`) waits until it is killed.
+#[test]
+#[ignore = "child role of the cross-process tests; started by them"]
+fn child_role() {
+    let Ok(role) = std::env::var(ROLE_ENV) else {
+        return;
+    };
+    let provider = std::env::var(PROVIDER_ENV).expect("provider for the child");
+    let mut transport = LibfabricTransport::open(&config(&provider)).expect("child: open");
+    let buffers: Vec<Arc<HostBuffer>> = CONSUMER_REGIONS
+        .iter()
+        .map(|&(index, len)| {
+            let buffer = Arc::new(HostBuffer::new(len).unwrap());
+            transport
+                .register(LocalRegion::host(index, Arc::clone(&buffer)))
+                .unwrap();
+            buffer
+        })
+        .collect();
+    println!("KVX:DESC {}", hex(&transport.local_desc().to_bytes()));
+    let deadline = Instant::now() + DEADLINE;
+    let mut events = Vec::new();
+    loop {
+        assert!(
+            Instant::now() < deadline,
+            "child: no notice before the deadline"
+        );
+        transport
+            .wait(&mut events, Duration::from_millis(100))
+            .expect("child: wait");
+        if role == "sink" {
+            events.clear();
+            continue;
+        }
+        if let Some(notice) = events.iter().find_map(|e| match e {
+            Event::Notice(n) => Some(*n),
+            _ => None,
+        }) {
+            assert_eq!(notice, Notice(NOTICE));
+            break;
+        }
+    }
+    let expected = expected_regions(&sample_plan());
+    for (i, (buffer, want)) in buffers.iter().zip(&expected).enumerate() {
+        let got = buffer.to_vec();
+        if let Some(at) = got.iter().zip(want).position(|(g, w)| g != w) {
+            println!("KVX:FAIL region {i} differs at byte {at}");
+            std::process::exit(1);
+        }
+    }
+    let bytes: usize = expected.iter().map(Vec::len).sum();
+    println!("KVX:OK {bytes}");
+}
+
+/// A child process that is killed when dropped, with its `KVX:` lines on a channel.
+struct ChildProcess {
+    child: Child,
+    lines: Receiver<String>,
+}
+
+impl ChildProcess {
+    fn spawn(role: &str, provider: &str) -> Self {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--ignored",
+                "--exact",
+                "child_role",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(ROLE_ENV, role)
+            .env(PROVIDER_ENV, provider)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn child");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                // libtest may print "test child_role ... " on the same line first.
+                if let Some(at) = line.find("KVX:") {
+                    if tx.send(line[at + 4..].to_owned()).is_err() {
+                        break;
+                    }
+                }
+            }
+        });
+        Self { child, lines }
+    }
+
+    fn line(&self) -> String {
+        self.lines
+            .recv_timeout(DEADLINE)
+            .expect("child line before the deadline")
+    }
+
+    fn desc(&self) -> EndpointDesc {
+        let line = self.line();
+        let hex_desc = line.strip_prefix("DESC ").expect("DESC line");
+        EndpointDesc::from_bytes(&unhex(hex_desc)).expect("child description decodes")
+    }
+
+    fn wait_exit(&mut self) -> bool {
+        let deadline = Instant::now() + DEADLINE;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status.success();
+            }
+            assert!(Instant::now() < deadline, "child did not exit");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for ChildProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn producer(provider: &str) -> (LibfabricTransport, Vec<Arc<HostBuffer>>) {
+    let mut transport = LibfabricTransport::open(&config(provider)).expect("producer: open");
+    let buffers = PRODUCER_REGIONS
+        .iter()
+        .map(|&(index, len)| {
+            let buffer = Arc::new(HostBuffer::new(len).unwrap());
+            buffer.fill_with(|i| pattern(index, i as u64));
+            transport
+                .register(LocalRegion::host(index, Arc::clone(&buffer)))
+                .unwrap();
+            buffer
+        })
+        .collect();
+    (transport, buffers)
+}
+
+fn wait_for<T>(
+    transport: &mut LibfabricTransport,
+    what: &str,
+    mut pick: impl FnMut(&Event) -> Option<T>,
+) -> T {
+    let deadline = Instant::now() + DEADLINE;
+    let mut events = Vec::new();
+    loop {
+        assert!(Instant::now() < deadline, "no {what} before the deadline");
+        events.clear();
+        transport
+            .wait(&mut events, Duration::from_millis(100))
+            .unwrap();
+        if let Some(found) = events.iter().find_map(&mut pick) {
+            return found;
+        }
+    }
+}
+
+fn plan_is_verified_by_the_consumer(provider: &str) {
+    let mut child = ChildProcess::spawn("verify", provider);
+    let (mut transport, _buffers) = producer(provider);
+    let desc = child.desc();
+    assert_eq!(desc.provider, transport.provider());
+    let peer = transport.connect(&desc).unwrap();
+
+    // An out-of-bounds operation is refused before anything moves (the consumer checks that
+    // nothing outside the plan was written).
+    let mut bad = sample_plan();
+    bad.push(op((0, 0), (1, (1 << 20) - 100), 101, 1, (0, 0)));
+    match transport.write(peer, &bad, Some(Notice(NOTICE))) {
+        Err(WriteError::Plan(PlanError::OutOfBounds {
+            op: 5,
+            side: Side::Dst,
+            region: 1,
+            ..
+        })) => {}
+        other => panic!("expected an out-of-bounds error, got {other:?}"),
+    }
+
+    let plan = sample_plan();
+    let total: u64 = plan.iter().map(CopyOp::bytes).sum();
+    let id = transport.write(peer, &plan, Some(Notice(NOTICE))).unwrap();
+    let bytes = wait_for(&mut transport, "write completion", |e| match e {
+        Event::WriteDone { op, bytes, .. } if *op == id => Some(*bytes),
+        Event::Failed { error, .. } => panic!("write failed: {error:?}"),
+        _ => None,
+    });
+    assert_eq!(bytes, total);
+    let verdict = child.line();
+    assert!(verdict.starts_with("OK "), "consumer: {verdict}");
+    assert!(child.wait_exit(), "consumer exited with failure");
+}
+
+#[test]
+fn shm_plan_crosses_processes_and_is_verified() {
+    plan_is_verified_by_the_consumer("shm");
+}
+
+#[test]
+fn tcp_plan_crosses_processes_and_is_verified() {
+    plan_is_verified_by_the_consumer("tcp;ofi_rxm");
+}
+
+/// Writes to a consumer until it is killed; a later write must fail with a typed error within
+/// the operation timeout, never hang.
+fn peer_killed_mid_transfer(provider: &str) {
+    let mut child = ChildProcess::spawn("sink", provider);
+    let (mut transport, _buffers) = producer(provider);
+    let peer = transport.connect(&child.desc()).unwrap();
+    let plan = sample_plan();
+    let deadline = Instant::now() + DEADLINE;
+    let mut killed = false;
+    let mut events = Vec::new();
+    loop {
+        assert!(
+            Instant::now() < deadline,
+            "no failure reported before the deadline"
+        );
+        transport.write(peer, &plan, None).unwrap();
+        events.clear();
+        transport
+            .wait(&mut events, Duration::from_millis(100))
+            .unwrap();
+        if !killed && events.iter().any(|e| matches!(e, Event::WriteDone { .. })) {
+            child.child.kill().unwrap();
+            child.child.wait().unwrap();
+            killed = true;
+        }
+        if let Some(error) = events.iter().find_map(|e| match e {
+            Event::Failed { error, .. } => Some(error),
+            _ => None,
+        }) {
+            assert!(killed, "failure before the peer was killed: {error:?}");
+            assert!(
+                matches!(
+                    error,
+                    OpError::PeerUnreachable { .. } | OpError::TimedOut(_)
+                ),
+                "unexpected error kind: {error:?}"
+            );
+            return;
+        }
+    }
+}
+
+#[test]
+fn tcp_peer_killed_mid_transfer_is_a_typed_error() {
+    peer_killed_mid_transfer("tcp;ofi_rxm");
+}
+
+#[test]
+fn shm_peer_killed_mid_transfer_is_a_typed_error() {
+    peer_killed_mid_transfer("shm");
+}
+
+#[test]
+fn bad_descriptions_are_typed_errors() {
+    let child = ChildProcess::spawn("sink", "tcp;ofi_rxm");
+    let line = child.line();
+    let bytes = unhex(line.strip_prefix("DESC ").unwrap());
+    let desc = EndpointDesc::from_bytes(&bytes).unwrap();
+    let mut transport = LibfabricTransport::open(&config("tcp;ofi_rxm")).unwrap();
+
+    // Corrupted bytes never decode into a description.
+    for cut in [0, 5, bytes.len() / 2, bytes.len() - 1] {
+        assert!(EndpointDesc::from_bytes(&bytes[..cut]).is_err());
+    }
+    // Another provider's description.
+    let mut other = desc.clone();
+    other.provider = "shm".into();
+    assert!(matches!(
+        transport.connect(&other),
+        Err(ConnectError::Mismatch { .. })
+    ));
+    // An inconsistent region table.
+    let mut dup = desc.clone();
+    dup.regions[1].index = dup.regions[0].index;
+    assert!(matches!(
+        transport.connect(&dup),
+        Err(ConnectError::BadDescription(_))
+    ));
+    // A well-formed description of a peer that is gone: the write fails, typed, no hang.
+    drop(child);
+    transport
+        .register(LocalRegion::host(
+            0,
+            Arc::new(HostBuffer::new(4096).unwrap()),
+        ))
+        .unwrap();
+    let peer = transport.connect(&desc).unwrap();
+    transport
+        .write(
+            peer,
+            &[op((0, 0), (0, 0), 4096, 1, (0, 0))],
+            Some(Notice(1)),
+        )
+        .unwrap();
+    let error = wait_for(&mut transport, "failure", |e| match e {
+        Event::Failed { error, .. } => Some(format!("{error:?}")),
+        Event::WriteDone { .. } => panic!("a write to a dead peer succeeded"),
+        _ => None,
+    });
+    assert!(
+        error.starts_with("PeerUnreachable") || error.starts_with("TimedOut"),
+        "{error}"
+    );
+}
