@@ -93,6 +93,8 @@ struct Conn {
 }
 
 struct Flight {
+    started: std::time::Instant,
+    bytes: u64,
     key: AttemptKey,
     held: Held,
     conn: ConnId,
@@ -622,13 +624,17 @@ impl Driver {
 
     fn start_transfer(&mut self, key: AttemptKey, held: Held, dest: Dest) {
         let now = self.clock.now();
+        let started = std::time::Instant::now();
         let result = self.post(key, &held, &dest);
         match result {
-            Ok(op) => {
+            Ok((op, bytes)) => {
                 self.stats.transfers_started.fetch_add(1, Ordering::Relaxed);
+                debug!(%key, bytes, post_us = started.elapsed().as_micros() as u64, "writes posted");
                 self.flights.insert(
                     op,
                     Flight {
+                        started,
+                        bytes,
                         key,
                         held,
                         conn: dest.conn,
@@ -647,7 +653,7 @@ impl Driver {
         }
     }
 
-    fn post(&mut self, key: AttemptKey, held: &Held, dest: &Dest) -> Result<OpId, String> {
+    fn post(&mut self, key: AttemptKey, held: &Held, dest: &Dest) -> Result<(OpId, u64), String> {
         let c = self
             .conns
             .get(&dest.conn)
@@ -670,6 +676,7 @@ impl Driver {
             .fetch_add(planned.bytes(), Ordering::Relaxed);
         self.transport
             .write(consumer.peer, ops, Some(Notice(dest.notice)))
+            .map(|op| (op, planned.bytes()))
             .map_err(|e| format!("cannot post the writes of {key}: {e}"))
     }
 
@@ -680,6 +687,12 @@ impl Driver {
                 let Some(flight) = self.flights.remove(&op) else {
                     return;
                 };
+                debug!(
+                    key = %flight.key,
+                    bytes = flight.bytes,
+                    us = flight.started.elapsed().as_micros() as u64,
+                    "write done"
+                );
                 match flight.cancelled {
                     None => {
                         self.matcher
