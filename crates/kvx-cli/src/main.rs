@@ -8,6 +8,7 @@ use clap::{Parser, Subcommand};
 
 mod pd;
 mod plan_cmd;
+mod proxy;
 mod topo;
 
 /// kvx: push-based KV-cache transfer for disaggregated LLM serving.
@@ -26,6 +27,8 @@ enum Command {
     Topo(topo::TopoArgs),
     /// A prefill/decode pair with a synthetic engine over a real transport.
     Pd(pd::PdArgs),
+    /// An OpenAI-compatible router in front of prefill and decode vLLM instances (kvx connector).
+    Proxy(proxy::ProxyArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -42,5 +45,6 @@ fn main() -> anyhow::Result<()> {
         Command::Plan(args) => plan_cmd::run(args),
         Command::Topo(args) => topo::run(args),
         Command::Pd(args) => pd::run(args),
+        Command::Proxy(args) => proxy::run(args),
     }
 }

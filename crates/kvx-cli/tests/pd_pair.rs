@@ -206,7 +206,16 @@ fn heterogeneous_tp_block_size_and_order() {
         tokens: "70",
     });
     check(&report, 6, 420);
-    // And the reverse: TP 1 into two decode ranks.
+    // And the reverse: TP 1 into two decode ranks, push and pull.
+    let (report, _) = run_pair(&Run {
+        transport: "libfabric:shm",
+        mode: "push",
+        prefill: &["--block-tokens", "32"],
+        decode: &["--tp", "2"],
+        requests: 4,
+        tokens: "70",
+    });
+    check(&report, 4, 280);
     let (report, _) = run_pair(&Run {
         transport: "libfabric:shm",
         mode: "pull",

@@ -446,6 +446,35 @@ pub fn writers_for(consumer: &Layout, producer_tp: u32) -> Result<Vec<Rank>, Pla
     Ok(ranks)
 }
 
+/// The consumer ranks that producer rank `producer` (of a producer with TP size `producer_tp`)
+/// writes to, for a consumer engine whose ranks are laid out like `consumer` (any of its ranks):
+/// the inverse of [`writers_for`]. A producer rank keeps a request's blocks until every one of
+/// them has been served.
+///
+/// # Errors
+/// [`PlanError::ModelMismatch`] when `producer_tp` cannot split the model's heads, or a consumer
+/// rank's layout is invalid.
+pub fn readers_for(
+    producer: Rank,
+    producer_tp: u32,
+    consumer: &Layout,
+) -> Result<Vec<Rank>, PlanError> {
+    let mut readers = Vec::new();
+    for rank in 0..consumer.spec().tp_size {
+        let mut spec = consumer.spec().clone();
+        spec.tp_rank = rank;
+        let layout = Layout::new(spec).map_err(|e| PlanError::ModelMismatch {
+            field: "consumer layout",
+            producer: String::new(),
+            consumer: e.to_string(),
+        })?;
+        if writers_for(&layout, producer_tp)?.contains(&producer) {
+            readers.push(Rank(rank));
+        }
+    }
+    Ok(readers)
+}
+
 /// Plans the copy operations of one request for one consumer rank.
 pub fn plan(req: &PlanRequest<'_>) -> Result<Plan, PlanError> {
     let consumer = req.consumer;

@@ -324,6 +324,18 @@ fn simulate(case: &Case) -> Result<usize, TestCaseError> {
             writers
         );
     }
+    // Each writer counts this consumer rank among its readers.
+    if case.tokens > skip {
+        for rank in planned.writers() {
+            let readers = kvx_layout::readers_for(rank, case.producer.tp, &consumer).unwrap();
+            prop_assert!(
+                readers.contains(&consumer.rank()),
+                "{:?} not a reader of {}",
+                consumer.rank(),
+                rank
+            );
+        }
+    }
     // Every writer has operations, and each producer's own plan is its slice of the whole.
     for rank in planned.writers() {
         let own = plan(&PlanRequest {

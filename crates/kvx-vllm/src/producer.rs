@@ -74,6 +74,8 @@ struct Held {
 #[derive(Debug)]
 struct Dest {
     conn: ConnId,
+    /// The transfer as the consumer knows it.
+    key: AttemptKey,
     blocks: Vec<BlockId>,
     num_tokens: u64,
     skip_tokens: u64,
@@ -95,9 +97,12 @@ struct Conn {
 struct Flight {
     started: std::time::Instant,
     bytes: u64,
+    /// The matcher's key (per consumer rank).
     key: AttemptKey,
-    held: Held,
+    ticket: Ticket,
     conn: ConnId,
+    /// The transfer as the consumer knows it.
+    original: AttemptKey,
     cancelled: Option<Reason>,
 }
 
@@ -160,8 +165,13 @@ impl Producer {
             matcher,
             conns: HashMap::new(),
             flights: HashMap::new(),
+            fanouts: HashMap::new(),
+            unfanned: HashMap::new(),
+            readers_known: HashMap::new(),
             pull_held: HashMap::new(),
-            pull_expiry: BinaryHeap::new(),
+            dead: HashMap::new(),
+            expiry: BinaryHeap::new(),
+            max_consumer_tp: 1,
             producer_lease: config.producer_lease,
             finished: Arc::clone(&finished),
             stats: Arc::clone(&stats),
@@ -382,16 +392,67 @@ fn serve_connection(
     });
 }
 
+/// The matcher's handle on a finished request's blocks: one per consumer rank the request
+/// serves; the blocks go back to the engine when every ticket has come back.
+#[derive(Debug)]
+struct Ticket {
+    key: AttemptKey,
+}
+
+/// A finished request fanned out to the consumer ranks this producer rank writes to.
+struct Fanout {
+    held: Held,
+    pending: usize,
+    outcome: SendOutcome,
+}
+
+/// What an expiry entry is about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Hold {
+    /// Finished blocks whose consumer ranks are not known yet (no registration so far).
+    Unfanned,
+    /// Readers learned from a registration, waiting for the prefill to finish.
+    Readers,
+    /// Pull-mode blocks waiting to be read.
+    Pull,
+    /// An aborted transfer remembered, so that its late prefill is released at once.
+    Dead,
+}
+
+/// How long an aborted transfer is remembered.
+const DEAD_TTL: Duration = Duration::from_secs(300);
+
+struct PullHold {
+    held: Held,
+    deadline: Timestamp,
+    readers: Option<Vec<Rank>>,
+    done: Vec<Rank>,
+}
+
+/// The matcher key of `key` for consumer rank `rank`: each consumer rank this producer rank
+/// serves registers on its own, so each is its own rendezvous.
+fn rank_key(key: AttemptKey, rank: Rank) -> AttemptKey {
+    let mixed = key.transfer.0
+        ^ (u128::from(kvx_core::ids::fnv1a_64(&rank.0.to_le_bytes())) << 64)
+        ^ u128::from(rank.0);
+    AttemptKey::new(TransferId(mixed), key.attempt)
+}
+
 struct Driver {
     clock: Clock,
     rank: Rank,
     layout: Layout,
     transport: Box<dyn Transport>,
-    matcher: Matcher<Held, Dest>,
+    matcher: Matcher<Ticket, Dest>,
     conns: HashMap<ConnId, Conn>,
     flights: HashMap<OpId, Flight>,
-    pull_held: HashMap<AttemptKey, (Held, Timestamp)>,
-    pull_expiry: BinaryHeap<Reverse<(Timestamp, AttemptKey)>>,
+    fanouts: HashMap<AttemptKey, Fanout>,
+    unfanned: HashMap<AttemptKey, (Held, Timestamp)>,
+    readers_known: HashMap<AttemptKey, (Vec<Rank>, Timestamp)>,
+    pull_held: HashMap<AttemptKey, PullHold>,
+    dead: HashMap<TransferId, (Option<Attempt>, Timestamp)>,
+    expiry: BinaryHeap<Reverse<(Timestamp, AttemptKey, Hold)>>,
+    max_consumer_tp: u32,
     producer_lease: Duration,
     finished: Arc<Mutex<Vec<FinishedSending>>>,
     stats: Arc<Stats>,
@@ -404,7 +465,7 @@ impl Driver {
         'outer: loop {
             let deadline = [
                 self.matcher.poll_timeout(),
-                self.pull_expiry.peek().map(|Reverse((at, _))| *at),
+                self.expiry.peek().map(|Reverse((at, ..))| *at),
             ]
             .into_iter()
             .flatten()
@@ -431,7 +492,7 @@ impl Driver {
             }
             let now = self.clock.now();
             self.matcher.handle_timeout(now);
-            self.expire_pull(now);
+            self.expire(now);
             self.actions();
         }
         self.shutdown();
@@ -441,37 +502,58 @@ impl Driver {
         let now = self.clock.now();
         match command {
             Command::Finished { key, held, pull } => {
-                if pull {
-                    let deadline = now + self.producer_lease;
-                    self.stats.held.fetch_add(1, Ordering::Relaxed);
-                    if let Some((old, _)) = self.pull_held.insert(key, (held, deadline)) {
-                        self.release(key, old, SendOutcome::NotSent(Reason::Duplicate));
-                    }
-                    self.pull_expiry.push(Reverse((deadline, key)));
+                if self.fanouts.contains_key(&key)
+                    || self.unfanned.contains_key(&key)
+                    || self.pull_held.contains_key(&key)
+                {
+                    warn!(%key, "request finished twice; the second copy is ignored");
+                    return;
+                }
+                self.stats.held.fetch_add(1, Ordering::Relaxed);
+                let deadline = now + self.producer_lease;
+                let aborted = self
+                    .dead
+                    .get(&key.transfer)
+                    .is_some_and(|(attempt, _)| attempt.is_none_or(|a| a == key.attempt));
+                if aborted {
+                    self.give_back(key, held, SendOutcome::NotSent(Reason::Aborted));
+                } else if pull {
+                    self.pull_held.insert(
+                        key,
+                        PullHold {
+                            held,
+                            deadline,
+                            readers: None,
+                            done: Vec::new(),
+                        },
+                    );
+                    self.expiry.push(Reverse((deadline, key, Hold::Pull)));
+                } else if let Some((readers, _)) = self.readers_known.remove(&key) {
+                    self.fan_out(now, key, held, &readers);
                 } else {
-                    self.stats.held.fetch_add(1, Ordering::Relaxed);
-                    self.matcher.prefill_done(now, key, held);
+                    self.unfanned.insert(key, (held, deadline));
+                    self.expiry.push(Reverse((deadline, key, Hold::Unfanned)));
                 }
             }
             Command::Abort { transfer, attempt } => {
-                self.matcher.abort(now, transfer, attempt, Reason::Aborted);
-                let keys: Vec<AttemptKey> = self
-                    .pull_held
-                    .keys()
-                    .filter(|k| k.transfer == transfer && attempt.is_none_or(|a| a == k.attempt))
-                    .copied()
-                    .collect();
-                for key in keys {
-                    if let Some((held, _)) = self.pull_held.remove(&key) {
-                        self.release(key, held, SendOutcome::NotSent(Reason::Aborted));
-                    }
+                self.abort(now, transfer, attempt, Reason::Aborted)
+            }
+            Command::Preempted(key) => {
+                for rank in self.ranks_of(key) {
+                    self.matcher.preempt(now, rank_key(key, rank));
+                }
+                if let Some((held, _)) = self.unfanned.remove(&key) {
+                    self.give_back(key, held, SendOutcome::NotSent(Reason::Preempted));
                 }
             }
-            Command::Preempted(key) => self.matcher.preempt(now, key),
             Command::Accepted(conn, sender, hello) => {
                 let consumer = match accept_consumer(&self.layout, &hello, self.transport.as_mut())
                 {
-                    Ok(consumer) => Some(consumer),
+                    Ok(consumer) => {
+                        self.max_consumer_tp =
+                            self.max_consumer_tp.max(consumer.layout.spec().tp_size);
+                        Some(consumer)
+                    }
                     Err(why) => {
                         warn!(why, "refusing consumer");
                         sender.close();
@@ -502,6 +584,75 @@ impl Driver {
         }
     }
 
+    /// Consumer ranks a key may have been registered under.
+    fn ranks_of(&self, key: AttemptKey) -> Vec<Rank> {
+        self.readers_known
+            .get(&key)
+            .map(|(r, _)| r.clone())
+            .unwrap_or_else(|| (0..self.max_consumer_tp).map(Rank).collect())
+    }
+
+    fn abort(
+        &mut self,
+        now: Timestamp,
+        transfer: TransferId,
+        attempt: Option<Attempt>,
+        reason: Reason,
+    ) {
+        let ranks: Vec<Rank> = (0..self.max_consumer_tp).map(Rank).collect();
+        for rank in &ranks {
+            let mixed = rank_key(AttemptKey::new(transfer, Attempt(0)), *rank).transfer;
+            self.matcher.abort(now, mixed, attempt, reason);
+        }
+        let matches =
+            |k: &AttemptKey| k.transfer == transfer && attempt.is_none_or(|a| a == k.attempt);
+        let unfanned: Vec<AttemptKey> = self
+            .unfanned
+            .keys()
+            .filter(|k| matches(k))
+            .copied()
+            .collect();
+        for key in unfanned {
+            if let Some((held, _)) = self.unfanned.remove(&key) {
+                self.give_back(key, held, SendOutcome::NotSent(reason));
+            }
+        }
+        let pulled: Vec<AttemptKey> = self
+            .pull_held
+            .keys()
+            .filter(|k| matches(k))
+            .copied()
+            .collect();
+        for key in pulled {
+            if let Some(hold) = self.pull_held.remove(&key) {
+                self.give_back(key, hold.held, SendOutcome::NotSent(reason));
+            }
+        }
+        self.readers_known.retain(|k, _| !matches(k));
+        let until = now + DEAD_TTL;
+        self.dead.insert(transfer, (attempt, until));
+        self.expiry.push(Reverse((
+            until,
+            AttemptKey::new(transfer, Attempt(0)),
+            Hold::Dead,
+        )));
+    }
+
+    fn fan_out(&mut self, now: Timestamp, key: AttemptKey, held: Held, readers: &[Rank]) {
+        self.fanouts.insert(
+            key,
+            Fanout {
+                held,
+                pending: readers.len(),
+                outcome: SendOutcome::Sent,
+            },
+        );
+        for &rank in readers {
+            self.matcher
+                .prefill_done(now, rank_key(key, rank), Ticket { key });
+        }
+    }
+
     fn peer_message(&mut self, conn: ConnId, message: Message) {
         let now = self.clock.now();
         let Some(c) = self.conns.get_mut(&conn) else {
@@ -512,33 +663,54 @@ impl Driver {
             Message::Registration(reg) => self.registration(conn, now, reg),
             Message::Heartbeat(hb) => {
                 if let Some(consumer) = &c.consumer {
-                    self.matcher.heartbeat(now, consumer.id, hb.transfers);
+                    let rank = consumer.layout.rank();
+                    let id = consumer.id;
+                    let transfers: Vec<TransferId> = hb
+                        .transfers
+                        .iter()
+                        .map(|t| rank_key(AttemptKey::new(*t, Attempt(0)), rank).transfer)
+                        .collect();
+                    self.matcher.heartbeat(now, id, transfers);
                 }
             }
             Message::Abort(abort) => {
-                self.matcher
-                    .abort(now, abort.transfer, abort.attempt, Reason::Aborted);
-                if let Some(attempt) = abort.attempt {
-                    c.keys.remove(&AttemptKey::new(abort.transfer, attempt));
-                }
+                self.abort(now, abort.transfer, abort.attempt, Reason::Aborted);
             }
             Message::Failure(f) => {
-                self.matcher
-                    .abort(now, f.transfer, Some(f.attempt), Reason::PeerFailed);
+                self.abort(now, f.transfer, Some(f.attempt), Reason::PeerFailed);
             }
             Message::Completion(done) => {
-                // Pull mode: the consumer has read the blocks.
-                let key = AttemptKey::new(done.transfer, done.attempt);
-                if let Some((held, _)) = self.pull_held.remove(&key) {
-                    self.stats.transfers_ok.fetch_add(1, Ordering::Relaxed);
-                    self.release(key, held, SendOutcome::Sent);
-                }
+                self.pull_done(conn, AttemptKey::new(done.transfer, done.attempt))
             }
             _ => warn!(conn, "unexpected message from a consumer"),
         }
     }
 
+    /// Pull mode: a consumer rank has read the blocks; they go back once every reader has.
+    fn pull_done(&mut self, conn: ConnId, key: AttemptKey) {
+        let Some(consumer) = self.conns.get(&conn).and_then(|c| c.consumer.as_ref()) else {
+            return;
+        };
+        let reader = consumer.layout.rank();
+        let readers =
+            kvx_layout::readers_for(self.rank, self.layout.spec().tp_size, &consumer.layout)
+                .unwrap_or_else(|_| vec![reader]);
+        let Some(hold) = self.pull_held.get_mut(&key) else {
+            return;
+        };
+        let expected = hold.readers.get_or_insert(readers).clone();
+        if !hold.done.contains(&reader) {
+            hold.done.push(reader);
+        }
+        if expected.iter().all(|r| hold.done.contains(r)) {
+            let hold = self.pull_held.remove(&key).expect("present");
+            self.stats.transfers_ok.fetch_add(1, Ordering::Relaxed);
+            self.give_back(key, hold.held, SendOutcome::Sent);
+        }
+    }
+
     fn registration(&mut self, conn: ConnId, now: Timestamp, reg: Registration) {
+        let producer_tp = self.layout.spec().tp_size;
         let Some(c) = self.conns.get_mut(&conn) else {
             return;
         };
@@ -558,22 +730,43 @@ impl Driver {
                 .send(&failure(key, self.rank, Reason::Conflict, &why));
             return;
         }
-        c.keys.insert(key);
+        let readers = match kvx_layout::readers_for(self.rank, producer_tp, &consumer.layout) {
+            Ok(r) if r.contains(&reg.consumer_rank) => r,
+            Ok(_) | Err(_) => {
+                let why = format!(
+                    "{} does not write to consumer {}",
+                    self.rank, reg.consumer_rank
+                );
+                let _ = c
+                    .sender
+                    .send(&failure(key, self.rank, Reason::Conflict, &why));
+                return;
+            }
+        };
+        c.keys.insert(rank_key(key, reg.consumer_rank));
         let lease = Duration::from_millis(u64::from(reg.lease_ms));
         let id = consumer.id;
         self.matcher.register(
             now,
-            key,
+            rank_key(key, reg.consumer_rank),
             id,
             lease,
             Dest {
                 conn,
+                key,
                 blocks: reg.blocks,
                 num_tokens: u64::from(reg.num_tokens),
                 skip_tokens: u64::from(reg.skip_tokens),
                 notice: reg.notice,
             },
         );
+        if let Some((held, _)) = self.unfanned.remove(&key) {
+            self.fan_out(now, key, held, &readers);
+        } else if !self.fanouts.contains_key(&key) && !self.readers_known.contains_key(&key) {
+            let deadline = now + lease.max(self.producer_lease);
+            self.readers_known.insert(key, (readers, deadline));
+            self.expiry.push(Reverse((deadline, key, Hold::Readers)));
+        }
     }
 
     fn actions(&mut self) {
@@ -585,31 +778,20 @@ impl Driver {
                     destination,
                     ..
                 } => self.start_transfer(key, blocks, destination),
-                Action::ReleaseProducer {
-                    key,
-                    blocks,
-                    reason,
-                } => {
-                    if reason == Reason::Duplicate {
-                        // A second copy of blocks handed in before: not freed twice.
-                        self.stats.held.fetch_sub(1, Ordering::Relaxed);
-                        continue;
-                    }
-                    self.release(key, blocks, SendOutcome::NotSent(reason));
+                Action::ReleaseProducer { blocks, reason, .. } => {
+                    self.ticket_back(blocks, SendOutcome::NotSent(reason));
                 }
                 Action::FailConsumer {
-                    key,
                     destination,
                     reason,
                     ..
                 }
                 | Action::RejectRegistration {
-                    key,
                     destination,
                     reason,
                     ..
                 } => {
-                    self.tell_consumer(destination.conn, key, reason, "");
+                    self.tell_consumer(destination.conn, destination.key, reason, "");
                 }
                 Action::CancelTransfer { key, reason, .. } => {
                     for flight in self.flights.values_mut() {
@@ -622,38 +804,45 @@ impl Driver {
         }
     }
 
-    fn start_transfer(&mut self, key: AttemptKey, held: Held, dest: Dest) {
+    fn start_transfer(&mut self, key: AttemptKey, ticket: Ticket, dest: Dest) {
         let now = self.clock.now();
         let started = std::time::Instant::now();
-        let result = self.post(key, &held, &dest);
+        let result = self.post(&ticket, &dest);
         match result {
             Ok((op, bytes)) => {
                 self.stats.transfers_started.fetch_add(1, Ordering::Relaxed);
-                debug!(%key, bytes, post_us = started.elapsed().as_micros() as u64, "writes posted");
+                debug!(key = %dest.key, bytes, post_us = started.elapsed().as_micros() as u64, "writes posted");
                 self.flights.insert(
                     op,
                     Flight {
                         started,
                         bytes,
                         key,
-                        held,
+                        ticket,
                         conn: dest.conn,
+                        original: dest.key,
                         cancelled: None,
                     },
                 );
             }
             Err(why) => {
-                warn!(%key, why, "transfer could not start");
-                self.tell_consumer(dest.conn, key, Reason::TransferFailed, &why);
+                warn!(key = %dest.key, why, "transfer could not start");
+                self.tell_consumer(dest.conn, dest.key, Reason::TransferFailed, &why);
                 self.matcher
                     .transfer_finished(now, key, TransferOutcome::Failed);
                 self.stats.transfers_failed.fetch_add(1, Ordering::Relaxed);
-                self.release(key, held, SendOutcome::NotSent(Reason::TransferFailed));
+                self.ticket_back(ticket, SendOutcome::NotSent(Reason::TransferFailed));
             }
         }
     }
 
-    fn post(&mut self, key: AttemptKey, held: &Held, dest: &Dest) -> Result<(OpId, u64), String> {
+    fn post(&mut self, ticket: &Ticket, dest: &Dest) -> Result<(OpId, u64), String> {
+        let key = ticket.key;
+        let held = &self
+            .fanouts
+            .get(&key)
+            .ok_or("the request's blocks are gone")?
+            .held;
         let c = self
             .conns
             .get(&dest.conn)
@@ -688,7 +877,7 @@ impl Driver {
                     return;
                 };
                 debug!(
-                    key = %flight.key,
+                    key = %flight.original,
                     bytes = flight.bytes,
                     us = flight.started.elapsed().as_micros() as u64,
                     "write done"
@@ -698,13 +887,13 @@ impl Driver {
                         self.matcher
                             .transfer_finished(now, flight.key, TransferOutcome::Succeeded);
                         self.stats.transfers_ok.fetch_add(1, Ordering::Relaxed);
-                        self.release(flight.key, flight.held, SendOutcome::Sent);
+                        self.ticket_back(flight.ticket, SendOutcome::Sent);
                     }
                     Some(reason) => {
-                        self.tell_consumer(flight.conn, flight.key, reason, "cancelled");
+                        self.tell_consumer(flight.conn, flight.original, reason, "cancelled");
                         self.matcher
                             .transfer_finished(now, flight.key, TransferOutcome::Failed);
-                        self.release(flight.key, flight.held, SendOutcome::NotSent(reason));
+                        self.ticket_back(flight.ticket, SendOutcome::NotSent(reason));
                     }
                 }
             }
@@ -712,21 +901,17 @@ impl Driver {
                 let Some(flight) = self.flights.remove(&op) else {
                     return;
                 };
-                warn!(key = %flight.key, %error, "transfer failed");
+                warn!(key = %flight.original, %error, "transfer failed");
                 self.tell_consumer(
                     flight.conn,
-                    flight.key,
+                    flight.original,
                     Reason::TransferFailed,
                     &error.to_string(),
                 );
                 self.matcher
                     .transfer_finished(now, flight.key, TransferOutcome::Failed);
                 self.stats.transfers_failed.fetch_add(1, Ordering::Relaxed);
-                self.release(
-                    flight.key,
-                    flight.held,
-                    SendOutcome::NotSent(Reason::TransferFailed),
-                );
+                self.ticket_back(flight.ticket, SendOutcome::NotSent(Reason::TransferFailed));
             }
             _ => {}
         }
@@ -740,7 +925,24 @@ impl Driver {
         }
     }
 
-    fn release(&self, key: AttemptKey, held: Held, outcome: SendOutcome) {
+    /// A ticket came back; the blocks go back to the engine with the last one.
+    fn ticket_back(&mut self, ticket: Ticket, outcome: SendOutcome) {
+        let Some(fanout) = self.fanouts.get_mut(&ticket.key) else {
+            return;
+        };
+        fanout.pending -= 1;
+        if let SendOutcome::NotSent(_) = outcome {
+            if fanout.outcome == SendOutcome::Sent {
+                fanout.outcome = outcome;
+            }
+        }
+        if fanout.pending == 0 {
+            let fanout = self.fanouts.remove(&ticket.key).expect("present");
+            self.give_back(ticket.key, fanout.held, fanout.outcome);
+        }
+    }
+
+    fn give_back(&self, key: AttemptKey, held: Held, outcome: SendOutcome) {
         self.stats.held.fetch_sub(1, Ordering::Relaxed);
         self.finished
             .lock()
@@ -752,16 +954,35 @@ impl Driver {
             });
     }
 
-    fn expire_pull(&mut self, now: Timestamp) {
-        while let Some(Reverse((at, key))) = self.pull_expiry.peek().copied() {
+    /// Expiry of what is held outside the matcher; work proportional to what expires.
+    fn expire(&mut self, now: Timestamp) {
+        while let Some(Reverse((at, key, hold))) = self.expiry.peek().copied() {
             if at > now {
                 break;
             }
-            self.pull_expiry.pop();
-            // Only the entry with this deadline expires (a re-held key has a later one).
-            if self.pull_held.get(&key).is_some_and(|(_, d)| *d == at) {
-                if let Some((held, _)) = self.pull_held.remove(&key) {
-                    self.release(key, held, SendOutcome::NotSent(Reason::LeaseExpired));
+            self.expiry.pop();
+            match hold {
+                Hold::Unfanned => {
+                    if self.unfanned.get(&key).is_some_and(|(_, d)| *d == at) {
+                        let (held, _) = self.unfanned.remove(&key).expect("present");
+                        self.give_back(key, held, SendOutcome::NotSent(Reason::LeaseExpired));
+                    }
+                }
+                Hold::Readers => {
+                    if self.readers_known.get(&key).is_some_and(|(_, d)| *d == at) {
+                        self.readers_known.remove(&key);
+                    }
+                }
+                Hold::Dead => {
+                    if self.dead.get(&key.transfer).is_some_and(|(_, d)| *d == at) {
+                        self.dead.remove(&key.transfer);
+                    }
+                }
+                Hold::Pull => {
+                    if self.pull_held.get(&key).is_some_and(|h| h.deadline == at) {
+                        let hold = self.pull_held.remove(&key).expect("present");
+                        self.give_back(key, hold.held, SendOutcome::NotSent(Reason::LeaseExpired));
+                    }
                 }
             }
         }
@@ -772,15 +993,17 @@ impl Driver {
         self.matcher.shutdown(now);
         self.actions();
         for (_, flight) in std::mem::take(&mut self.flights) {
-            self.tell_consumer(flight.conn, flight.key, Reason::Shutdown, "");
-            self.release(
-                flight.key,
-                flight.held,
-                SendOutcome::NotSent(Reason::Shutdown),
-            );
+            self.tell_consumer(flight.conn, flight.original, Reason::Shutdown, "");
+            self.ticket_back(flight.ticket, SendOutcome::NotSent(Reason::Shutdown));
         }
-        for (key, (held, _)) in std::mem::take(&mut self.pull_held) {
-            self.release(key, held, SendOutcome::NotSent(Reason::Shutdown));
+        for (key, fanout) in std::mem::take(&mut self.fanouts) {
+            self.give_back(key, fanout.held, SendOutcome::NotSent(Reason::Shutdown));
+        }
+        for (key, (held, _)) in std::mem::take(&mut self.unfanned) {
+            self.give_back(key, held, SendOutcome::NotSent(Reason::Shutdown));
+        }
+        for (key, hold) in std::mem::take(&mut self.pull_held) {
+            self.give_back(key, hold.held, SendOutcome::NotSent(Reason::Shutdown));
         }
         for c in self.conns.values() {
             c.sender.close();

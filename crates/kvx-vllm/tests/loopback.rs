@@ -300,18 +300,6 @@ fn push_tp2_into_tp1_with_other_block_size_and_order() {
 }
 
 #[test]
-fn push_tp1_into_rank_1_of_tp2() {
-    push_roundtrip(
-        1,
-        8,
-        MemoryOrder::Nhd,
-        spec(2, 1, 4, MemoryOrder::Hnd, Arrangement::PerLayerKvInBlock),
-        29,
-        false,
-    );
-}
-
-#[test]
 fn pull_reads_then_frees_the_producer_blocks() {
     let fabric = LoopbackFabric::new();
     let pre = prefill(
@@ -647,4 +635,119 @@ fn bad_blocks_and_unreachable_prefill_fail_cleanly() {
         "{events:?}"
     );
     assert_eq!(consumer.stats().held, 0);
+}
+
+/// One producer rank serving both ranks of a TP-2 decode: the blocks go back once, after both.
+fn one_producer_two_consumers(pull: bool, registration_first: bool) {
+    let fabric = LoopbackFabric::new();
+    let pre = prefill(
+        &fabric,
+        1,
+        8,
+        MemoryOrder::Hnd,
+        Arrangement::PerLayerSplit,
+        LONG,
+    );
+    let decoders: Vec<(Side, Consumer)> = (0..2)
+        .map(|rank| {
+            decode(
+                &fabric,
+                spec(2, rank, 4, MemoryOrder::Hnd, Arrangement::PerLayerSplit),
+                LONG,
+            )
+        })
+        .collect();
+    let tokens = 30;
+    let p_blocks = ids(5..9);
+    let c_blocks = ids(30..38);
+    pre.sides[0].fill(&p_blocks, tokens);
+    let k = key(11, 0);
+    let request = PushRequest {
+        key: k,
+        request: RequestId(3),
+        prefill: pre.base,
+        num_tokens: tokens,
+        skip_tokens: 0,
+        blocks: c_blocks.clone(),
+    };
+    let consumers_go = || {
+        for (_, consumer) in &decoders {
+            if pull {
+                consumer
+                    .pull(PullRequest {
+                        push: request.clone(),
+                        producer_blocks: p_blocks.clone(),
+                    })
+                    .unwrap();
+            } else {
+                consumer.request_allocated(request.clone()).unwrap();
+            }
+        }
+    };
+    let producer_go = || {
+        if pull {
+            pre.producers[0]
+                .request_finished_pull(k, RequestId(4), p_blocks.clone(), tokens)
+                .unwrap();
+        } else {
+            pre.producers[0]
+                .request_finished(k, RequestId(4), p_blocks.clone(), tokens)
+                .unwrap();
+        }
+    };
+    if registration_first || pull {
+        if pull {
+            producer_go();
+            std::thread::sleep(Duration::from_millis(20));
+            consumers_go();
+        } else {
+            consumers_go();
+            std::thread::sleep(Duration::from_millis(30));
+            producer_go();
+        }
+    } else {
+        producer_go();
+        std::thread::sleep(Duration::from_millis(30));
+        consumers_go();
+    }
+    for (side, consumer) in &decoders {
+        assert_eq!(
+            wait_events(consumer, 1),
+            vec![RecvEvent::Ready {
+                key: k,
+                request: RequestId(3)
+            }]
+        );
+        side.verify(&c_blocks, 0, tokens);
+    }
+    let done = wait_finished(&pre.producers[0], 1);
+    assert_eq!(
+        done,
+        vec![FinishedSending {
+            request: RequestId(4),
+            key: k,
+            outcome: SendOutcome::Sent
+        }]
+    );
+    std::thread::sleep(Duration::from_millis(30));
+    assert!(
+        pre.producers[0].take_finished().is_empty(),
+        "blocks released twice"
+    );
+    assert_eq!(pre.producers[0].stats().held, 0);
+}
+
+#[test]
+fn push_one_producer_rank_into_two_consumer_ranks_registration_first() {
+    one_producer_two_consumers(false, true);
+}
+
+#[test]
+fn push_one_producer_rank_into_two_consumer_ranks_prefill_first() {
+    one_producer_two_consumers(false, false);
+}
+
+#[test]
+fn pull_by_two_consumer_ranks_frees_after_both() {
+    one_producer_two_consumers(true, false);
 }

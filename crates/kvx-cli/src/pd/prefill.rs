@@ -227,9 +227,12 @@ pub(crate) fn run(args: &PrefillArgs) -> anyhow::Result<()> {
         }
         match rx.recv_timeout(wait) {
             Ok(Some(line)) => queue.push_back(parse_job(&line)?),
-            Ok(None) => router_open = false,
+            Ok(None) | Err(mpsc::RecvTimeoutError::Disconnected) => {
+                // The router is gone: its queued requests are moot; what is held drains.
+                router_open = false;
+                queue.clear();
+            }
             Err(mpsc::RecvTimeoutError::Timeout) => {}
-            Err(mpsc::RecvTimeoutError::Disconnected) => router_open = false,
         }
         let Some(job) = queue.front() else { continue };
         let needed = job.tokens.div_ceil(u64::from(args.model.block_tokens)) as usize;

@@ -1,0 +1,655 @@
+//! `kvx proxy`: an OpenAI-compatible router in front of prefill and decode vLLM instances that
+//! run the kvx connector (`kvx_vllm.KvxPushConnector` / `KvxPullConnector`).
+//!
+//! - **push**: picks the decode instance first and sends the request to both at once, with a
+//!   fresh transfer id in `kv_transfer_params` (prefill: `do_remote_decode`, `max_tokens` 1;
+//!   decode: `do_remote_prefill` and the prefill instance's kvx control address), so decode
+//!   registers its blocks while prefill computes;
+//! - **pull**: sends to prefill first, then to decode with the `kv_transfer_params` prefill
+//!   returned.
+//!
+//! Decode's answer (streamed or not) goes back to the client. Instances are chosen by fewest
+//! requests in flight; an instance that refuses connections is skipped (the dispatch is retried
+//! elsewhere with a new transfer id), and when none of a kind is reachable the client gets 503.
+//! A prefill that fails while decode waits ends the client's request with 502 (or, once a
+//! stream has started, with an error event) instead of leaving it hanging.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context as _};
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures_util::StreamExt as _;
+use serde_json::{json, Map, Value};
+
+/// Arguments of `kvx proxy`.
+#[derive(clap::Args, Debug)]
+pub(crate) struct ProxyArgs {
+    /// push (decode registers while prefill computes) or pull (decode reads after prefill).
+    #[arg(long, value_enum, default_value = "push")]
+    pub(crate) mode: Mode,
+    /// Address to serve the OpenAI API on.
+    #[arg(long, default_value = "127.0.0.1:8000")]
+    pub(crate) listen: SocketAddr,
+    /// A prefill instance: its HTTP base URL and its kvx control address (the connector's
+    /// `listen` key), as `URL@HOST:PORT`, e.g. `http://127.0.0.1:8100@127.0.0.1:7100`. Repeatable.
+    #[arg(long = "prefill", required = true, value_parser = parse_prefill)]
+    pub(crate) prefill: Vec<Prefill>,
+    /// A decode instance's HTTP base URL. Repeatable.
+    #[arg(long = "decode", required = true)]
+    pub(crate) decode: Vec<String>,
+    /// Bound on connecting to an instance, in seconds.
+    #[arg(long, default_value_t = 5.0)]
+    pub(crate) connect_timeout_s: f64,
+    /// Bound on one whole request (both legs), in seconds.
+    #[arg(long, default_value_t = 600.0)]
+    pub(crate) request_timeout_s: f64,
+}
+
+/// Transfer mode.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Mode {
+    /// Decode registers its blocks while prefill computes; prefill writes them.
+    Push,
+    /// Prefill first; decode then reads prefill's blocks.
+    Pull,
+}
+
+/// A prefill instance: HTTP URL and kvx control address.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Prefill {
+    pub(crate) url: String,
+    pub(crate) kvx: String,
+}
+
+fn parse_prefill(s: &str) -> Result<Prefill, String> {
+    let (url, kvx) = s
+        .rsplit_once('@')
+        .ok_or_else(|| format!("`{s}`: expected URL@KVX_HOST:PORT"))?;
+    if !(url.starts_with("http://") || url.starts_with("https://")) {
+        return Err(format!("`{url}` is not an http:// URL"));
+    }
+    let (host, port) = kvx
+        .rsplit_once(':')
+        .ok_or_else(|| format!("`{kvx}`: expected HOST:PORT"))?;
+    if host.is_empty() || port.parse::<u16>().is_err() {
+        return Err(format!("`{kvx}`: expected HOST:PORT"));
+    }
+    Ok(Prefill {
+        url: url.trim_end_matches('/').to_owned(),
+        kvx: kvx.to_owned(),
+    })
+}
+
+/// One upstream instance and its load.
+#[derive(Debug)]
+struct Instance {
+    url: String,
+    kvx: Option<String>,
+    in_flight: AtomicUsize,
+}
+
+/// Counts a request in flight on an instance for as long as it lives.
+struct Load(Arc<Instance>);
+
+impl Load {
+    fn new(i: &Arc<Instance>) -> Self {
+        i.in_flight.fetch_add(1, Ordering::SeqCst);
+        Self(Arc::clone(i))
+    }
+}
+
+impl Drop for Load {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+struct Proxy {
+    mode: Mode,
+    prefill: Vec<Arc<Instance>>,
+    decode: Vec<Arc<Instance>>,
+    client: reqwest::Client,
+    next: AtomicU64,
+    seed: u64,
+}
+
+/// An error answered to the client in OpenAI's format.
+#[derive(Debug)]
+struct ApiError {
+    status: StatusCode,
+    message: String,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            message: message.into(),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = json!({"error": {
+            "message": self.message,
+            "type": "kvx_proxy_error",
+            "code": self.status.as_u16(),
+        }});
+        (self.status, Json(body)).into_response()
+    }
+}
+
+/// Why one leg failed: the instance could not be reached (try another), or it answered badly.
+enum LegError {
+    Unreachable(String),
+    Failed(ApiError),
+}
+
+impl Proxy {
+    /// The least loaded instance not in `exclude`; ties go round-robin.
+    fn pick(&self, pool: &[Arc<Instance>], exclude: &[usize]) -> Option<usize> {
+        let start = self.next.fetch_add(1, Ordering::Relaxed) as usize;
+        (0..pool.len())
+            .map(|k| (start + k) % pool.len())
+            .filter(|i| !exclude.contains(i))
+            .min_by_key(|&i| pool[i].in_flight.load(Ordering::SeqCst))
+    }
+
+    /// A fresh transfer id: unique per proxy process and dispatch.
+    fn transfer_id(&self) -> String {
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        format!("kvx-{:016x}-{n:x}", self.seed)
+    }
+
+    async fn send(
+        &self,
+        url: &str,
+        path: &str,
+        request_id: &str,
+        body: &Value,
+    ) -> Result<reqwest::Response, LegError> {
+        let result = self
+            .client
+            .post(format!("{url}{path}"))
+            .header("X-Request-Id", request_id)
+            .json(body)
+            .send()
+            .await;
+        match result {
+            Ok(r) => Ok(r),
+            Err(e) if e.is_connect() => Err(LegError::Unreachable(format!("{url}: {e}"))),
+            Err(e) => Err(LegError::Failed(ApiError::new(
+                StatusCode::BAD_GATEWAY,
+                format!("{url}{path}: {e}"),
+            ))),
+        }
+    }
+
+    async fn route(&self, path: &'static str, body: Value) -> Result<Response, ApiError> {
+        let Value::Object(request) = body else {
+            return Err(ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "the request body must be a JSON object",
+            ));
+        };
+        let mut bad_prefill = Vec::new();
+        let mut bad_decode = Vec::new();
+        let mut last = String::new();
+        loop {
+            let Some(p) = self.pick(&self.prefill, &bad_prefill) else {
+                return Err(ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    format!("no prefill instance reachable ({last})"),
+                ));
+            };
+            let Some(d) = self.pick(&self.decode, &bad_decode) else {
+                return Err(ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    format!("no decode instance reachable ({last})"),
+                ));
+            };
+            let transfer = self.transfer_id();
+            let outcome = match self.mode {
+                Mode::Push => self.push(path, &request, p, d, &transfer).await,
+                Mode::Pull => self.pull(path, &request, p, d, &transfer).await,
+            };
+            match outcome {
+                Ok(r) => return Ok(r),
+                Err((which, LegError::Unreachable(why))) => {
+                    eprintln!("kvx proxy: {why}; trying another instance");
+                    last = why;
+                    match which {
+                        Leg::Prefill => bad_prefill.push(p),
+                        Leg::Decode => bad_decode.push(d),
+                    }
+                }
+                Err((_, LegError::Failed(e))) => return Err(e),
+            }
+        }
+    }
+
+    async fn push(
+        &self,
+        path: &str,
+        request: &Map<String, Value>,
+        p: usize,
+        d: usize,
+        transfer: &str,
+    ) -> Result<Response, (Leg, LegError)> {
+        let (pi, di) = (&self.prefill[p], &self.decode[d]);
+        let kvx = pi.kvx.clone().unwrap_or_default();
+        let p_body = prefill_body(
+            request,
+            json!({"do_remote_decode": true, "kvx_transfer_id": transfer}),
+        );
+        let d_body = decode_body(
+            request,
+            json!({"do_remote_prefill": true, "kvx_transfer_id": transfer, "kvx_prefill": kvx}),
+        );
+        let p_load = Load::new(pi);
+        let d_load = Load::new(di);
+        let p_leg = async {
+            let r = self
+                .send(&pi.url, path, transfer, &p_body)
+                .await
+                .map_err(|e| (Leg::Prefill, e))?;
+            check_prefill(r).await.map_err(|e| (Leg::Prefill, e))
+        };
+        let d_leg = self.send(&di.url, path, transfer, &d_body);
+        let mut p_leg = Box::pin(p_leg);
+        let mut d_leg = Box::pin(d_leg);
+        // A failed prefill ends the request (dropping decode's leg closes its connection, which
+        // aborts the request there). Decode cannot produce a token before prefill's KV has
+        // arrived, so waiting for prefill's answer before forwarding decode's costs nothing.
+        let d_resp = tokio::select! {
+            p = &mut p_leg => {
+                p?;
+                d_leg.await.map_err(|e| (Leg::Decode, e))?
+            }
+            d = &mut d_leg => {
+                let d = d.map_err(|e| (Leg::Decode, e))?;
+                p_leg.await?;
+                d
+            }
+        };
+        drop(p_load);
+        forward(d_resp, d_load).await.map_err(|e| (Leg::Decode, e))
+    }
+
+    async fn pull(
+        &self,
+        path: &str,
+        request: &Map<String, Value>,
+        p: usize,
+        d: usize,
+        transfer: &str,
+    ) -> Result<Response, (Leg, LegError)> {
+        let (pi, di) = (&self.prefill[p], &self.decode[d]);
+        let p_body = prefill_body(
+            request,
+            json!({"do_remote_decode": true, "kvx_transfer_id": transfer}),
+        );
+        let params = {
+            let _load = Load::new(pi);
+            let r = self
+                .send(&pi.url, path, transfer, &p_body)
+                .await
+                .map_err(|e| (Leg::Prefill, e))?;
+            check_prefill(r).await.map_err(|e| (Leg::Prefill, e))?
+        };
+        let Some(Value::Object(mut params)) = params else {
+            return Err((
+                Leg::Prefill,
+                LegError::Failed(ApiError::new(
+                    StatusCode::BAD_GATEWAY,
+                    format!(
+                        "prefill {} returned no kv_transfer_params: is it running KvxPullConnector?",
+                        pi.url
+                    ),
+                )),
+            ));
+        };
+        if let Some(kvx) = &pi.kvx {
+            params.insert("kvx_prefill".into(), Value::String(kvx.clone()));
+        }
+        let d_body = decode_body(request, Value::Object(params));
+        let d_load = Load::new(di);
+        let r = self
+            .send(&di.url, path, transfer, &d_body)
+            .await
+            .map_err(|e| (Leg::Decode, e))?;
+        forward(r, d_load).await.map_err(|e| (Leg::Decode, e))
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Leg {
+    Prefill,
+    Decode,
+}
+
+/// The prefill leg's request: one output token, not streamed.
+fn prefill_body(request: &Map<String, Value>, params: Value) -> Value {
+    let mut b = request.clone();
+    b.insert("max_tokens".into(), json!(1));
+    b.remove("max_completion_tokens");
+    b.remove("min_tokens");
+    b.insert("stream".into(), json!(false));
+    b.remove("stream_options");
+    b.insert("n".into(), json!(1));
+    b.insert("kv_transfer_params".into(), params);
+    Value::Object(b)
+}
+
+/// The decode leg's request: the client's, with the transfer parameters.
+fn decode_body(request: &Map<String, Value>, params: Value) -> Value {
+    let mut b = request.clone();
+    b.insert("kv_transfer_params".into(), params);
+    Value::Object(b)
+}
+
+/// Waits for prefill's answer; returns its `kv_transfer_params`.
+async fn check_prefill(r: reqwest::Response) -> Result<Option<Value>, LegError> {
+    let status = r.status();
+    let url = r.url().to_string();
+    let bytes = r.bytes().await.map_err(|e| {
+        LegError::Failed(ApiError::new(
+            StatusCode::BAD_GATEWAY,
+            format!("prefill {url} failed: {e}"),
+        ))
+    })?;
+    if !status.is_success() {
+        return Err(LegError::Failed(ApiError::new(
+            StatusCode::from_u16(status.as_u16()).unwrap_or(StatusCode::BAD_GATEWAY),
+            format!("prefill {url}: {}", String::from_utf8_lossy(&bytes)),
+        )));
+    }
+    let v: Value = serde_json::from_slice(&bytes).map_err(|e| {
+        LegError::Failed(ApiError::new(
+            StatusCode::BAD_GATEWAY,
+            format!("prefill {url} answered something other than JSON: {e}"),
+        ))
+    })?;
+    Ok(v.get("kv_transfer_params")
+        .cloned()
+        .filter(|p| !p.is_null()))
+}
+
+/// Sends decode's answer to the client, streaming it through.
+async fn forward(r: reqwest::Response, load: Load) -> Result<Response, LegError> {
+    let status = StatusCode::from_u16(r.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+    let mut headers = HeaderMap::new();
+    if let Some(ct) = r.headers().get(reqwest::header::CONTENT_TYPE) {
+        if let Ok(v) = HeaderValue::from_bytes(ct.as_bytes()) {
+            headers.insert(axum::http::header::CONTENT_TYPE, v);
+        }
+    }
+    // The decode instance counts as loaded until the whole body has been sent.
+    let body = r.bytes_stream().map(move |chunk| {
+        let _ = &load;
+        chunk.map_err(std::io::Error::other)
+    });
+    let mut resp = Response::new(Body::from_stream(body));
+    *resp.status_mut() = status;
+    *resp.headers_mut() = headers;
+    Ok(resp)
+}
+
+async fn completions(
+    State(proxy): State<Arc<Proxy>>,
+    Json(body): Json<Value>,
+) -> Result<Response, ApiError> {
+    proxy.route("/v1/completions", body).await
+}
+
+async fn chat_completions(
+    State(proxy): State<Arc<Proxy>>,
+    Json(body): Json<Value>,
+) -> Result<Response, ApiError> {
+    proxy.route("/v1/chat/completions", body).await
+}
+
+async fn models(State(proxy): State<Arc<Proxy>>) -> Result<Response, ApiError> {
+    for d in &proxy.decode {
+        if let Ok(r) = proxy
+            .client
+            .get(format!("{}/v1/models", d.url))
+            .send()
+            .await
+        {
+            let status =
+                StatusCode::from_u16(r.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+            let bytes = r
+                .bytes()
+                .await
+                .map_err(|e| ApiError::new(StatusCode::BAD_GATEWAY, e.to_string()))?;
+            let mut resp = Response::new(Body::from(bytes));
+            *resp.status_mut() = status;
+            resp.headers_mut().insert(
+                axum::http::header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
+            return Ok(resp);
+        }
+    }
+    Err(ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "no decode instance reachable",
+    ))
+}
+
+async fn health() -> &'static str {
+    "ok"
+}
+
+fn random_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u32(std::process::id());
+    h.finish()
+}
+
+fn build(args: &ProxyArgs) -> anyhow::Result<Arc<Proxy>> {
+    if args.decode.is_empty() || args.prefill.is_empty() {
+        bail!("at least one --prefill and one --decode are needed");
+    }
+    let connect =
+        Duration::try_from_secs_f64(args.connect_timeout_s).context("--connect-timeout-s")?;
+    let total =
+        Duration::try_from_secs_f64(args.request_timeout_s).context("--request-timeout-s")?;
+    let client = reqwest::Client::builder()
+        .connect_timeout(connect)
+        .timeout(total)
+        .pool_idle_timeout(Duration::from_secs(30))
+        .build()
+        .context("cannot build the HTTP client")?;
+    let instance = |url: &str, kvx: Option<String>| {
+        Arc::new(Instance {
+            url: url.trim_end_matches('/').to_owned(),
+            kvx,
+            in_flight: AtomicUsize::new(0),
+        })
+    };
+    Ok(Arc::new(Proxy {
+        mode: args.mode,
+        prefill: args
+            .prefill
+            .iter()
+            .map(|p| instance(&p.url, Some(p.kvx.clone())))
+            .collect(),
+        decode: args.decode.iter().map(|u| instance(u, None)).collect(),
+        client,
+        next: AtomicU64::new(0),
+        seed: random_seed(),
+    }))
+}
+
+fn app(proxy: Arc<Proxy>) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .with_state(proxy)
+}
+
+/// Runs the proxy until interrupted (Ctrl-C or SIGTERM).
+pub(crate) fn run(args: &ProxyArgs) -> anyhow::Result<()> {
+    let proxy = build(args)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .thread_name("kvx-proxy")
+        .build()
+        .context("cannot start the async runtime")?;
+    runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(args.listen)
+            .await
+            .with_context(|| format!("cannot listen on {}", args.listen))?;
+        eprintln!(
+            "kvx proxy ({:?}) on http://{}: prefill {:?}, decode {:?}",
+            args.mode,
+            listener.local_addr()?,
+            args.prefill
+                .iter()
+                .map(|p| format!("{}@{}", p.url, p.kvx))
+                .collect::<Vec<_>>(),
+            args.decode
+        );
+        axum::serve(listener, app(proxy))
+            .with_graceful_shutdown(shutdown_signal())
+            .await
+            .context("server failed")
+    })
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => {
+                    let _ = ctrl_c.await;
+                    return;
+                }
+            };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefill_addresses_parse() {
+        assert_eq!(
+            parse_prefill("http://127.0.0.1:8100@127.0.0.1:7100").unwrap(),
+            Prefill {
+                url: "http://127.0.0.1:8100".into(),
+                kvx: "127.0.0.1:7100".into()
+            }
+        );
+        assert!(parse_prefill("http://127.0.0.1:8100").is_err());
+        assert!(parse_prefill("127.0.0.1:8100@127.0.0.1:7100").is_err());
+        assert!(parse_prefill("http://h:1@nope").is_err());
+    }
+
+    #[test]
+    fn legs_carry_the_transfer_parameters() {
+        let Value::Object(req) = json!({"prompt": "hi", "max_tokens": 50, "stream": true,
+            "stream_options": {"include_usage": true}, "max_completion_tokens": 9})
+        else {
+            unreachable!()
+        };
+        let p = prefill_body(
+            &req,
+            json!({"do_remote_decode": true, "kvx_transfer_id": "t"}),
+        );
+        assert_eq!(p["max_tokens"], 1);
+        assert_eq!(p["stream"], false);
+        assert!(p.get("stream_options").is_none() && p.get("max_completion_tokens").is_none());
+        assert_eq!(p["kv_transfer_params"]["kvx_transfer_id"], "t");
+        let d = decode_body(&req, json!({"do_remote_prefill": true}));
+        assert_eq!(d["max_tokens"], 50);
+        assert_eq!(d["stream"], true);
+        assert_eq!(d["kv_transfer_params"]["do_remote_prefill"], true);
+    }
+
+    fn proxy(n: usize) -> Proxy {
+        let args = ProxyArgs {
+            mode: Mode::Push,
+            listen: "127.0.0.1:0".parse().unwrap(),
+            prefill: (0..n)
+                .map(|i| Prefill {
+                    url: format!("http://127.0.0.1:{}", 9000 + i),
+                    kvx: "127.0.0.1:7100".into(),
+                })
+                .collect(),
+            decode: vec!["http://127.0.0.1:9999".into()],
+            connect_timeout_s: 1.0,
+            request_timeout_s: 5.0,
+        };
+        Arc::into_inner(build(&args).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn the_least_loaded_instance_is_picked() {
+        let p = proxy(3);
+        let _a = Load::new(&p.prefill[0]);
+        let _b = Load::new(&p.prefill[0]);
+        let _c = Load::new(&p.prefill[2]);
+        for _ in 0..5 {
+            assert_eq!(p.pick(&p.prefill, &[]), Some(1));
+        }
+        assert_eq!(p.pick(&p.prefill, &[1]), Some(2));
+        assert_eq!(p.pick(&p.prefill, &[0, 1, 2]), None);
+        drop(_a);
+        drop(_b);
+        assert_ne!(p.pick(&p.prefill, &[1]), Some(2));
+    }
+
+    #[test]
+    fn transfer_ids_are_fresh() {
+        let p = proxy(1);
+        let ids: std::collections::HashSet<String> = (0..100).map(|_| p.transfer_id()).collect();
+        assert_eq!(ids.len(), 100);
+    }
+
+    #[test]
+    fn unreachable_instances_give_503() {
+        let p = Arc::new(proxy(2));
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let err = rt
+            .block_on(p.route("/v1/completions", json!({"prompt": "x"})))
+            .unwrap_err();
+        assert_eq!(
+            err.status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "{}",
+            err.message
+        );
+        assert!(err.message.contains("reachable"), "{}", err.message);
+    }
+}
