@@ -1,8 +1,8 @@
 //! `cargo xtask`: the project's tasks. Each installs what it needs first and says what it does.
 //!
 //! - `cargo xtask setup`: install the system packages the build needs (Debian);
-//! - `cargo xtask test`: set up, then format check, clippy, every test in the workspace, and a
-//!   build of the fuzz targets;
+//! - `cargo xtask test`: set up, then format check, clippy, every test in the workspace, the
+//!   Python and real-vLLM end-to-end tests (in a cached venv), and a build of the fuzz targets;
 //! - `cargo xtask bench [NAME…]`: run benchmarks; results as JSON under `target/kvx-bench/`;
 //! - `cargo xtask fuzz TARGET [SECONDS]`: run a fuzz target with cargo-fuzz.
 
@@ -15,6 +15,7 @@ use clap::{Parser, Subcommand};
 mod bench;
 mod pd;
 mod setup;
+mod vllm;
 
 #[derive(Parser)]
 #[command(name = "cargo xtask", about = "kvx developer tasks")]
@@ -96,9 +97,22 @@ fn test(no_lint: bool) -> anyhow::Result<()> {
             "-D",
             "warnings",
         ]))?;
+        step("clippy of the optional features (python)");
+        run(cargo().args([
+            "clippy",
+            "-p",
+            "kvx-vllm",
+            "--features",
+            "python",
+            "--all-targets",
+            "--",
+            "-D",
+            "warnings",
+        ]))?;
     }
     step("tests: every crate of the workspace (unit, property, integration, doc)");
     run(cargo().args(["test", "--workspace", "--no-fail-fast"]))?;
+    vllm::test_vllm()?;
     step("fuzz targets build (cargo xtask fuzz runs them)");
     run(cargo().args(["build", "--manifest-path", "fuzz/Cargo.toml", "--bins"]))?;
     println!("\nall checks and tests passed");

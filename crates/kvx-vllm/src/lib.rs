@@ -58,6 +58,8 @@ pub mod consumer;
 mod control;
 pub mod error;
 pub mod producer;
+#[cfg(feature = "python")]
+mod python;
 mod stats;
 pub mod transport;
 

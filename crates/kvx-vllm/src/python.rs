@@ -1,0 +1,659 @@
+//! The Python extension module `kvx_vllm._native` (feature `python`): the [`Producer`] and
+//! [`Consumer`] with plain Python types — strings for request and transfer ids, lists of ints
+//! for block ids, `(address, length)` pairs of ints for the cache's memory — so that the vLLM
+//! glue in `python/kvx_vllm/` stays thin: it only translates vLLM's calls into these.
+//!
+//! Ids: vLLM's request id strings are hashed into [`RequestId`]s and mapped back when a result is
+//! reported; the router's transfer id strings are hashed into [`TransferId`]s, so both engines
+//! derive the same id from the same string.
+//!
+//! Token units: a cache described at block granularity (one "token" of the [`LayoutSpec`] is a
+//! whole engine block, see `docs/vllm.md`) is given `token_unit` = the engine's block size; token
+//! counts from the engine are converted here (a partial last block is sent whole).
+
+use std::collections::HashMap;
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::{Mutex, PoisonError};
+use std::time::Duration;
+
+use kvx_core::{
+    Arrangement, Attempt, BlockId, Dtype, EngineId, LayoutSpec, MemoryKind, MemoryOrder, RequestId,
+    TransferId,
+};
+use kvx_rdma::region::LocalRegion;
+use kvx_rendezvous::AttemptKey;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::{
+    ConnectorConfig, Consumer, KvCache, Producer, PullRequest, PushRequest, RecvEvent, SendOutcome,
+    StatsSnapshot, TransportSpec,
+};
+
+fn value_err(e: impl std::fmt::Display) -> PyErr {
+    PyValueError::new_err(e.to_string())
+}
+
+fn closed_err() -> PyErr {
+    PyRuntimeError::new_err("the kvx connector has shut down")
+}
+
+fn parse_dtype(s: &str) -> PyResult<Dtype> {
+    Dtype::ALL
+        .into_iter()
+        .find(|d| d.name() == s)
+        .ok_or_else(|| {
+            value_err(format!(
+                "unknown dtype `{s}` (f32, f16, bf16, fp8_e4m3, fp8_e5m2, int8)"
+            ))
+        })
+}
+
+fn parse_order(s: &str) -> PyResult<MemoryOrder> {
+    match s {
+        "nhd" | "NHD" => Ok(MemoryOrder::Nhd),
+        "hnd" | "HND" => Ok(MemoryOrder::Hnd),
+        _ => Err(value_err(format!("unknown memory order `{s}` (nhd, hnd)"))),
+    }
+}
+
+fn parse_arrangement(s: &str) -> PyResult<Arrangement> {
+    [
+        Arrangement::PerLayerSplit,
+        Arrangement::PerLayerKvHalves,
+        Arrangement::PerLayerKvInBlock,
+        Arrangement::CrossLayer,
+    ]
+    .into_iter()
+    .find(|a| a.to_string() == s)
+    .ok_or_else(|| {
+        value_err(format!(
+            "unknown arrangement `{s}` (per-layer-split, per-layer-kv-halves, per-layer-kv-in-block, cross-layer)"
+        ))
+    })
+}
+
+fn parse_addr(s: &str) -> PyResult<SocketAddr> {
+    s.to_socket_addrs()
+        .map_err(|e| value_err(format!("bad address `{s}`: {e}")))?
+        .next()
+        .ok_or_else(|| value_err(format!("address `{s}` resolves to nothing")))
+}
+
+fn blocks(ids: Vec<i64>) -> PyResult<Vec<BlockId>> {
+    ids.into_iter()
+        .map(|b| {
+            u32::try_from(b)
+                .map(BlockId)
+                .map_err(|_| value_err(format!("block id {b} out of range")))
+        })
+        .collect()
+}
+
+fn key(transfer_id: &str, attempt: u32) -> AttemptKey {
+    AttemptKey::new(TransferId::from_str_hash(transfer_id), Attempt(attempt))
+}
+
+fn secs(name: &str, v: f64) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(v).map_err(|e| value_err(format!("{name}: {e}")))
+}
+
+/// Everything both classes take at start: identity, timings, the cache and the transport.
+struct StartArgs {
+    config: ConnectorConfig,
+    cache: KvCache,
+    transport: TransportSpec,
+    token_unit: u64,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn start_args(
+    engine_id: &str,
+    layout: &Bound<'_, PyDict>,
+    regions: Vec<(usize, u64)>,
+    transport: &str,
+    listen: &str,
+    token_unit: u64,
+    timings: &Bound<'_, PyDict>,
+    max_entries: Option<usize>,
+) -> PyResult<StartArgs> {
+    fn get<'py, T: FromPyObjectOwned<'py>>(d: &Bound<'py, PyDict>, k: &str) -> PyResult<T> {
+        let item = d
+            .get_item(k)?
+            .ok_or_else(|| value_err(format!("layout lacks `{k}`")))?;
+        item.extract::<T>().map_err(|e| {
+            let e: PyErr = e.into();
+            value_err(format!("layout `{k}`: {e}"))
+        })
+    }
+    let spec = LayoutSpec {
+        num_layers: get(layout, "num_layers")?,
+        total_kv_heads: get(layout, "total_kv_heads")?,
+        head_dim: get(layout, "head_dim")?,
+        dtype: parse_dtype(&get::<String>(layout, "dtype")?)?,
+        mla: get(layout, "mla")?,
+        block_tokens: get(layout, "block_tokens")?,
+        num_blocks: get(layout, "num_blocks")?,
+        tp_size: get(layout, "tp_size")?,
+        tp_rank: get(layout, "tp_rank")?,
+        order: parse_order(&get::<String>(layout, "order")?)?,
+        arrangement: parse_arrangement(&get::<String>(layout, "arrangement")?)?,
+    };
+    if token_unit == 0 {
+        return Err(value_err("token_unit must be at least 1"));
+    }
+    let mut config = ConnectorConfig::new(EngineId(RequestId::from_str_hash(engine_id).0));
+    config.listen = parse_addr(listen)?;
+    for (k, v) in timings.iter() {
+        let name: String = k.extract()?;
+        let d = secs(&name, v.extract::<f64>()?)?;
+        match name.as_str() {
+            "registration_lease" => config.registration_lease = d,
+            "producer_lease" => config.producer_lease = d,
+            "heartbeat_interval" => config.heartbeat_interval = d,
+            "connect_timeout" => config.connect_timeout = d,
+            "transfer_timeout" => config.transfer_timeout = d,
+            other => return Err(value_err(format!("unknown timing `{other}`"))),
+        }
+    }
+    if let Some(m) = max_entries {
+        config.max_entries = m;
+    }
+    let regions = regions
+        .into_iter()
+        .enumerate()
+        .map(|(i, (addr, len))| {
+            if addr == 0 {
+                return Err(value_err(format!("region {i} has a null address")));
+            }
+            let index = u32::try_from(i).map_err(value_err)?;
+            // SAFETY: the caller (the vLLM glue) passes the data pointer and byte length of a
+            // KV-cache tensor that the engine allocated once at start and keeps alive, unmoved,
+            // for the life of the engine process; the glue keeps a reference to every tensor for
+            // as long as this object lives, and only the engine's kernels and the transport touch
+            // that memory (no Rust reference into it exists).
+            Ok(unsafe { LocalRegion::from_raw(index, MemoryKind::Host, addr as *mut u8, len) })
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    Ok(StartArgs {
+        config,
+        cache: KvCache {
+            layout: spec,
+            regions,
+        },
+        transport: transport.parse().map_err(value_err)?,
+        token_unit,
+    })
+}
+
+fn stats_dict<'py>(py: Python<'py>, s: StatsSnapshot) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("held", s.held)?;
+    d.set_item("transfers_started", s.transfers_started)?;
+    d.set_item("transfers_ok", s.transfers_ok)?;
+    d.set_item("transfers_failed", s.transfers_failed)?;
+    d.set_item("bytes_written", s.bytes_written)?;
+    Ok(d)
+}
+
+/// Request id strings by hash, for the requests handed to a side and not yet reported back.
+#[derive(Default)]
+struct Names(Mutex<HashMap<RequestId, String>>);
+
+impl Names {
+    fn insert(&self, name: &str) -> RequestId {
+        let id = RequestId::from_str_hash(name);
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(id, name.to_owned());
+        id
+    }
+
+    fn take(&self, id: RequestId) -> String {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&id)
+            .unwrap_or_else(|| id.to_string())
+    }
+
+    fn forget(&self, id: RequestId) {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&id);
+    }
+}
+
+/// The prefill side of one engine rank.
+#[pyclass(frozen, name = "Producer", module = "kvx_vllm._native")]
+struct PyProducer {
+    inner: Mutex<Option<Producer>>,
+    names: Names,
+    token_unit: u64,
+    addr: SocketAddr,
+}
+
+impl PyProducer {
+    fn with<T>(&self, f: impl FnOnce(&Producer) -> T) -> PyResult<T> {
+        let guard = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        guard.as_ref().map(f).ok_or_else(closed_err)
+    }
+
+    fn tokens(&self, n: u64) -> u64 {
+        n.div_ceil(self.token_unit)
+    }
+
+    fn finished(
+        &self,
+        transfer_id: &str,
+        request_id: &str,
+        block_ids: Vec<i64>,
+        num_tokens: u64,
+        attempt: u32,
+        pull: bool,
+    ) -> PyResult<()> {
+        let blocks = blocks(block_ids)?;
+        let request = self.names.insert(request_id);
+        let key = key(transfer_id, attempt);
+        let tokens = self.tokens(num_tokens);
+        let sent = self.with(|p| {
+            if pull {
+                p.request_finished_pull(key, request, blocks, tokens)
+            } else {
+                p.request_finished(key, request, blocks, tokens)
+            }
+        })?;
+        sent.map_err(|_| {
+            self.names.forget(request);
+            closed_err()
+        })
+    }
+}
+
+#[pymethods]
+impl PyProducer {
+    /// Registers the cache's memory with the transport and starts listening on `listen` (this
+    /// rank's kvx control address; port 0 picks one).
+    #[new]
+    #[pyo3(signature = (engine_id, layout, regions, *, transport = "libfabric:shm", listen = "127.0.0.1:0", token_unit = 1, timings = None, max_entries = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        engine_id: &str,
+        layout: &Bound<'_, PyDict>,
+        regions: Vec<(usize, u64)>,
+        transport: &str,
+        listen: &str,
+        token_unit: u64,
+        timings: Option<&Bound<'_, PyDict>>,
+        max_entries: Option<usize>,
+    ) -> PyResult<Self> {
+        let empty = PyDict::new(py);
+        let args = start_args(
+            engine_id,
+            layout,
+            regions,
+            transport,
+            listen,
+            token_unit,
+            timings.unwrap_or(&empty),
+            max_entries,
+        )?;
+        let StartArgs {
+            config,
+            cache,
+            transport,
+            token_unit,
+        } = args;
+        let producer = py.detach(move || -> Result<Producer, String> {
+            let t = transport.open().map_err(|e| e.to_string())?;
+            Producer::start(config, cache, t).map_err(|e| e.to_string())
+        });
+        let producer = producer.map_err(PyRuntimeError::new_err)?;
+        let addr = producer.control_addr();
+        Ok(Self {
+            inner: Mutex::new(Some(producer)),
+            names: Names::default(),
+            token_unit,
+            addr,
+        })
+    }
+
+    /// This rank's control address, `HOST:PORT`.
+    #[getter]
+    fn control_addr(&self) -> String {
+        self.addr.to_string()
+    }
+
+    /// Prefill finished the request (push): its blocks are held until decode's registration
+    /// arrives, then written; they come back through `take_finished`.
+    #[pyo3(signature = (transfer_id, request_id, block_ids, num_tokens, attempt = 0))]
+    fn request_finished(
+        &self,
+        transfer_id: &str,
+        request_id: &str,
+        block_ids: Vec<i64>,
+        num_tokens: u64,
+        attempt: u32,
+    ) -> PyResult<()> {
+        self.finished(
+            transfer_id,
+            request_id,
+            block_ids,
+            num_tokens,
+            attempt,
+            false,
+        )
+    }
+
+    /// Prefill finished the request (pull): its blocks are held until decode has read them.
+    #[pyo3(signature = (transfer_id, request_id, block_ids, num_tokens, attempt = 0))]
+    fn request_finished_pull(
+        &self,
+        transfer_id: &str,
+        request_id: &str,
+        block_ids: Vec<i64>,
+        num_tokens: u64,
+        attempt: u32,
+    ) -> PyResult<()> {
+        self.finished(
+            transfer_id,
+            request_id,
+            block_ids,
+            num_tokens,
+            attempt,
+            true,
+        )
+    }
+
+    /// Aborts every attempt of a transfer (or one, given `attempt`).
+    #[pyo3(signature = (transfer_id, attempt = None))]
+    fn abort(&self, transfer_id: &str, attempt: Option<u32>) -> PyResult<()> {
+        let t = TransferId::from_str_hash(transfer_id);
+        self.with(|p| p.abort(t, attempt.map(Attempt)))?
+            .map_err(|_| closed_err())
+    }
+
+    /// The engine preempted the request at this attempt.
+    #[pyo3(signature = (transfer_id, attempt = 0))]
+    fn preempted(&self, transfer_id: &str, attempt: u32) -> PyResult<()> {
+        let k = key(transfer_id, attempt);
+        self.with(|p| p.preempted(k))?.map_err(|_| closed_err())
+    }
+
+    /// Requests whose blocks the engine may free now: `(request_id, sent, reason)`; `reason` is
+    /// empty when sent.
+    fn take_finished(&self) -> PyResult<Vec<(String, bool, String)>> {
+        let done = self.with(Producer::take_finished)?;
+        Ok(done
+            .into_iter()
+            .map(|f| {
+                let (sent, reason) = match f.outcome {
+                    SendOutcome::Sent => (true, String::new()),
+                    SendOutcome::NotSent(r) => (false, r.to_string()),
+                };
+                (self.names.take(f.request), sent, reason)
+            })
+            .collect())
+    }
+
+    /// Counters: held, transfers_started, transfers_ok, transfers_failed, bytes_written.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.with(Producer::stats)?;
+        stats_dict(py, s)
+    }
+
+    /// Stops the threads; blocks still held are reported by a last `take_finished` (call it
+    /// before this, or lose them).
+    fn shutdown(&self, py: Python<'_>) {
+        let producer = self
+            .inner
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(mut p) = producer {
+            py.detach(move || p.shutdown());
+        }
+    }
+}
+
+/// The decode side of one engine rank.
+#[pyclass(frozen, name = "Consumer", module = "kvx_vllm._native")]
+struct PyConsumer {
+    inner: Mutex<Option<Consumer>>,
+    names: Names,
+    token_unit: u64,
+}
+
+impl PyConsumer {
+    fn with<T>(&self, f: impl FnOnce(&Consumer) -> T) -> PyResult<T> {
+        let guard = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        guard.as_ref().map(f).ok_or_else(closed_err)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn push_request(
+        &self,
+        transfer_id: &str,
+        request_id: &str,
+        prefill: &str,
+        num_tokens: u64,
+        skip_tokens: u64,
+        block_ids: Vec<i64>,
+        attempt: u32,
+    ) -> PyResult<PushRequest> {
+        if skip_tokens > num_tokens {
+            return Err(value_err(format!(
+                "skip_tokens {skip_tokens} exceeds num_tokens {num_tokens}"
+            )));
+        }
+        if !skip_tokens.is_multiple_of(self.token_unit) {
+            return Err(value_err(format!(
+                "skip_tokens {skip_tokens} is not a whole number of blocks of {}",
+                self.token_unit
+            )));
+        }
+        Ok(PushRequest {
+            key: key(transfer_id, attempt),
+            request: RequestId::from_str_hash(request_id),
+            prefill: parse_addr(prefill)?,
+            num_tokens: num_tokens.div_ceil(self.token_unit),
+            skip_tokens: skip_tokens / self.token_unit,
+            blocks: blocks(block_ids)?,
+        })
+    }
+
+    fn submit(
+        &self,
+        request_id: &str,
+        f: impl FnOnce(&Consumer) -> Result<(), crate::Closed>,
+    ) -> PyResult<()> {
+        let id = self.names.insert(request_id);
+        self.with(f)?.map_err(|_| {
+            self.names.forget(id);
+            closed_err()
+        })
+    }
+}
+
+#[pymethods]
+impl PyConsumer {
+    /// Registers the cache's memory with the transport and starts the driver thread.
+    #[new]
+    #[pyo3(signature = (engine_id, layout, regions, *, transport = "libfabric:shm", token_unit = 1, timings = None, max_entries = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        engine_id: &str,
+        layout: &Bound<'_, PyDict>,
+        regions: Vec<(usize, u64)>,
+        transport: &str,
+        token_unit: u64,
+        timings: Option<&Bound<'_, PyDict>>,
+        max_entries: Option<usize>,
+    ) -> PyResult<Self> {
+        let empty = PyDict::new(py);
+        let StartArgs {
+            config,
+            cache,
+            transport,
+            token_unit,
+        } = start_args(
+            engine_id,
+            layout,
+            regions,
+            transport,
+            "127.0.0.1:0",
+            token_unit,
+            timings.unwrap_or(&empty),
+            max_entries,
+        )?;
+        let consumer = py.detach(move || -> Result<Consumer, String> {
+            let t = transport.open().map_err(|e| e.to_string())?;
+            Consumer::start(config, cache, t).map_err(|e| e.to_string())
+        });
+        Ok(Self {
+            inner: Mutex::new(Some(consumer.map_err(PyRuntimeError::new_err)?)),
+            names: Names::default(),
+            token_unit,
+        })
+    }
+
+    /// Decode allocated `block_ids` (from token 0) for a remotely prefilled request (push):
+    /// registers them with the prefill instance whose rank 0 listens at `prefill`.
+    #[pyo3(signature = (transfer_id, request_id, prefill, num_tokens, skip_tokens, block_ids, attempt = 0))]
+    #[allow(clippy::too_many_arguments)]
+    fn request_allocated(
+        &self,
+        transfer_id: &str,
+        request_id: &str,
+        prefill: &str,
+        num_tokens: u64,
+        skip_tokens: u64,
+        block_ids: Vec<i64>,
+        attempt: u32,
+    ) -> PyResult<()> {
+        let r = self.push_request(
+            transfer_id,
+            request_id,
+            prefill,
+            num_tokens,
+            skip_tokens,
+            block_ids,
+            attempt,
+        )?;
+        self.submit(request_id, |c| c.request_allocated(r))
+    }
+
+    /// Reads a prefilled request's KV (pull): `producer_block_ids` are prefill's blocks, as its
+    /// response's `kv_transfer_params` relayed them.
+    #[pyo3(signature = (transfer_id, request_id, prefill, num_tokens, skip_tokens, block_ids, producer_block_ids, attempt = 0))]
+    #[allow(clippy::too_many_arguments)]
+    fn pull(
+        &self,
+        transfer_id: &str,
+        request_id: &str,
+        prefill: &str,
+        num_tokens: u64,
+        skip_tokens: u64,
+        block_ids: Vec<i64>,
+        producer_block_ids: Vec<i64>,
+        attempt: u32,
+    ) -> PyResult<()> {
+        let push = self.push_request(
+            transfer_id,
+            request_id,
+            prefill,
+            num_tokens,
+            skip_tokens,
+            block_ids,
+            attempt,
+        )?;
+        let r = PullRequest {
+            push,
+            producer_blocks: blocks(producer_block_ids)?,
+        };
+        self.submit(request_id, |c| c.pull(r))
+    }
+
+    /// Gives up on a transfer: the request is reported failed (reason `aborted`).
+    #[pyo3(signature = (transfer_id, attempt = None))]
+    fn cancel(&self, transfer_id: &str, attempt: Option<u32>) -> PyResult<()> {
+        let t = TransferId::from_str_hash(transfer_id);
+        self.with(|c| c.cancel(t, attempt.map(Attempt)))?
+            .map_err(|_| closed_err())
+    }
+
+    /// What happened since the last call: `(request_id, ok, reason, detail)`.
+    fn take_events(&self) -> PyResult<Vec<(String, bool, String, String)>> {
+        let events = self.with(Consumer::take_events)?;
+        Ok(events
+            .into_iter()
+            .map(|e| match e {
+                RecvEvent::Ready { request, .. } => {
+                    (self.names.take(request), true, String::new(), String::new())
+                }
+                RecvEvent::Failed {
+                    request,
+                    reason,
+                    detail,
+                    ..
+                } => (self.names.take(request), false, reason.to_string(), detail),
+            })
+            .collect())
+    }
+
+    /// Counters: held (requests waiting), transfers_started, transfers_ok, transfers_failed,
+    /// bytes_written.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.with(Consumer::stats)?;
+        stats_dict(py, s)
+    }
+
+    /// Stops the driver; waiting requests are reported failed by a last `take_events`.
+    fn shutdown(&self, py: Python<'_>) {
+        let consumer = self
+            .inner
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(mut c) = consumer {
+            py.detach(move || c.shutdown());
+        }
+    }
+}
+
+/// Sends the connector's logs (Rust `tracing`) to standard error, filtered by `filter` (the
+/// `RUST_LOG` syntax, e.g. `kvx_vllm=info`). Once per process; later calls return False.
+#[pyfunction]
+#[pyo3(signature = (filter = "warn"))]
+fn init_logging(filter: &str) -> bool {
+    let filter = tracing_subscriber::EnvFilter::try_new(filter)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init()
+        .is_ok()
+}
+
+/// The number of a transfer id string, as both engines derive it (hex), for logs and tests.
+#[pyfunction]
+fn transfer_id_hash(transfer_id: &str) -> String {
+    TransferId::from_str_hash(transfer_id).to_string()
+}
+
+/// The module `kvx_vllm._native`.
+#[pymodule]
+#[pyo3(name = "_native")]
+fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyProducer>()?;
+    m.add_class::<PyConsumer>()?;
+    m.add_function(wrap_pyfunction!(init_logging, m)?)?;
+    m.add_function(wrap_pyfunction!(transfer_id_hash, m)?)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

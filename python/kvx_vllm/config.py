@@ -1,0 +1,102 @@
+"""The connector's settings, read from vLLM's ``kv_connector_extra_config``.
+
+Every key has a default that works on one machine; ``docs/vllm.md`` lists them too.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+# key: (default, meaning) — the single source of the documented defaults.
+KEYS: dict[str, tuple[Any, str]] = {
+    "listen": (
+        "127.0.0.1:7100",
+        "Prefill: this instance's kvx control address HOST:PORT (rank r listens on PORT + r); "
+        "the KVX_ADDR given to `kvx proxy --prefill URL@KVX_ADDR`. Unused on decode.",
+    ),
+    "transport": (
+        "libfabric:shm",
+        "Data transport: libfabric:shm (one machine), libfabric:tcp, libfabric:efa, "
+        "libfabric:auto, or loopback (one process only; tests).",
+    ),
+    "layout": (
+        "auto",
+        "How the KV cache is described to kvx: auto (token-exact where the attention backend's "
+        "layout allows, block-granular otherwise — always block-granular on vLLM's CPU backend), "
+        "exact (refuse to start unless token-exact), or block.",
+    ),
+    "registration_lease_s": (
+        120.0,
+        "Decode: how long a request may wait for its KV from registration before it fails.",
+    ),
+    "producer_lease_s": (
+        30.0,
+        "Prefill: how long finished blocks wait for decode's registration (push) or read (pull) "
+        "before they are freed.",
+    ),
+    "heartbeat_interval_s": (5.0, "Decode: heartbeat period for the transfers it waits for."),
+    "connect_timeout_s": (
+        30.0,
+        "Bound on connecting to a peer's control address and on its handshake answer. Generous "
+        "because vLLM's CPU workers pin themselves (and so the connector's threads) to few cores, "
+        "and an engine busy with its first forward pass answers late.",
+    ),
+    "transfer_timeout_s": (60.0, "Prefill: how long one started transfer may run."),
+    "max_entries": (65536, "Most requests held or waited for on one side."),
+    "log": (
+        "warn",
+        "Filter for kvx's own logs on standard error (RUST_LOG syntax, e.g. kvx_vllm=debug); "
+        "the environment variable KVX_LOG overrides it.",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class KvxConfig:
+    listen: str
+    transport: str
+    layout: str
+    registration_lease_s: float
+    producer_lease_s: float
+    heartbeat_interval_s: float
+    connect_timeout_s: float
+    transfer_timeout_s: float
+    max_entries: int
+    log: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> KvxConfig:
+        extra = dict(extra or {})
+        unknown = sorted(k for k in extra if k not in KEYS)
+        if unknown:
+            raise ValueError(
+                f"unknown kvx extra-config key(s) {unknown}; known: {sorted(KEYS)}"
+            )
+        values: dict[str, Any] = {}
+        for key, (default, _) in KEYS.items():
+            raw = extra.get(key, default)
+            values[key] = type(default)(raw)
+        if values["layout"] not in ("auto", "exact", "block"):
+            raise ValueError(f"kvx layout must be auto, exact or block, not {values['layout']!r}")
+        host, sep, port = values["listen"].rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"kvx listen must be HOST:PORT, not {values['listen']!r}")
+        values["log"] = os.environ.get("KVX_LOG", values["log"])
+        return cls(extra=extra, **values)
+
+    def rank_listen(self, rank: int) -> str:
+        """The control address of tensor-parallel rank ``rank``."""
+        host, _, port = self.listen.rpartition(":")
+        return f"{host}:{int(port) + rank if int(port) else 0}"
+
+    def timings(self) -> dict[str, float]:
+        return {
+            "registration_lease": self.registration_lease_s,
+            "producer_lease": self.producer_lease_s,
+            "heartbeat_interval": self.heartbeat_interval_s,
+            "connect_timeout": self.connect_timeout_s,
+            "transfer_timeout": self.transfer_timeout_s,
+        }

@@ -1,0 +1,491 @@
+"""vLLM connectors on top of the kvx connector (``kvx_vllm._native``).
+
+Thin glue: the scheduler-role object turns vLLM's scheduling events into per-step metadata; the
+worker-role object hands that metadata to the native ``Producer`` (prefill) or ``Consumer``
+(decode) of its rank and reports what they finished. Matching of registrations with finished
+requests, transfer planning, the writes, leases and heartbeats all run in Rust.
+
+Protocol with the router (``kvx proxy``), through ``kv_transfer_params``:
+
+* prefill leg: ``{"do_remote_decode": true, "kvx_transfer_id": T}``;
+* decode leg, push: ``{"do_remote_prefill": true, "kvx_transfer_id": T, "kvx_prefill": ADDR}``
+  where ADDR is the prefill instance's kvx control address (its ``listen`` key);
+* decode leg, pull: the ``kv_transfer_params`` of prefill's response, which carry
+  ``kvx_transfer_id``, ``kvx_prefill``, ``kvx_remote_block_ids`` and ``kvx_num_tokens``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+from vllm.v1.request import RequestStatus
+
+from kvx_vllm import _native
+from kvx_vllm.config import KvxConfig
+from kvx_vllm.layout import CacheDescription, describe
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+# A child of vLLM's logger, so that it shares vLLM's handler and level.
+logger = logging.getLogger("vllm.kvx")
+
+_FINISHED_OK = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+
+
+@dataclass
+class SendSpec:
+    """Prefill: a finished request whose blocks the producer takes over."""
+
+    request_id: str
+    transfer_id: str
+    block_ids: list[int]
+    num_tokens: int
+
+
+@dataclass
+class RecvSpec:
+    """Decode: a request whose KV is to arrive (push) or be read (pull) into ``block_ids``."""
+
+    request_id: str
+    transfer_id: str
+    prefill: str
+    num_tokens: int
+    skip_tokens: int
+    block_ids: list[int]
+    producer_block_ids: list[int] | None = None
+
+
+@dataclass
+class KvxConnectorMetadata(KVConnectorMetadata):
+    """What the scheduler tells the workers each step."""
+
+    sends: list[SendSpec] = field(default_factory=list)
+    recvs: list[RecvSpec] = field(default_factory=list)
+    # Prefill: transfers to abort (the request was aborted before it finished).
+    aborts: list[str] = field(default_factory=list)
+    # Decode: transfers to give up (the request was aborted while waiting for its KV).
+    cancels: list[str] = field(default_factory=list)
+
+
+def _transfer_id(params: dict[str, Any], request: Request) -> str:
+    tid = params.get("kvx_transfer_id")
+    if not tid:
+        raise ValueError(
+            f"request {request.request_id}: kv_transfer_params lack kvx_transfer_id "
+            "(route requests through `kvx proxy`, or set it yourself)"
+        )
+    return str(tid)
+
+
+class _Scheduler:
+    """Scheduler-role state: per-step metadata and what is still in flight."""
+
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, pull: bool):
+        ktc = vllm_config.kv_transfer_config
+        assert ktc is not None
+        self.pull = pull
+        self.cfg = KvxConfig.from_extra(ktc.kv_connector_extra_config)
+        self.block_size = vllm_config.cache_config.block_size
+        groups = kv_cache_config.kv_cache_groups
+        if len(groups) != 1:
+            raise NotImplementedError(
+                f"kvx_vllm supports models with one KV cache group; this one has {len(groups)}"
+            )
+        self.meta = KvxConnectorMetadata()
+        # Prefill: requests whose blocks the producer holds (until finished_sending).
+        self.held: set[str] = set()
+        # Decode: requests waiting for their KV (until finished_recving), by transfer id.
+        self.waiting: dict[str, str] = {}
+
+    # -- decode side -----------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return 0, False
+        count = request.num_prompt_tokens - num_computed_tokens
+        if count > 0:
+            return count, True
+        return 0, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return
+        # Only once: a re-entry (the second call after the load, or after a preemption) must
+        # not register again.
+        params["do_remote_prefill"] = False
+        if num_external_tokens <= 0:
+            return
+        transfer_id = _transfer_id(params, request)
+        prefill = params.get("kvx_prefill")
+        if not prefill:
+            raise ValueError(f"request {request.request_id}: kv_transfer_params lack kvx_prefill")
+        (block_ids,) = blocks.get_block_ids()
+        num_tokens = request.num_prompt_tokens
+        producer_blocks = None
+        if self.pull:
+            producer_blocks = [int(b) for b in params.get("kvx_remote_block_ids", [])]
+            num_tokens = min(num_tokens, int(params.get("kvx_num_tokens", num_tokens)))
+        self.meta.recvs.append(
+            RecvSpec(
+                request_id=request.request_id,
+                transfer_id=transfer_id,
+                prefill=str(prefill),
+                num_tokens=num_tokens,
+                skip_tokens=request.num_prompt_tokens - num_external_tokens,
+                block_ids=list(block_ids),
+                producer_block_ids=producer_blocks,
+            )
+        )
+        self.waiting[request.request_id] = transfer_id
+
+    # -- both ------------------------------------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvxConnectorMetadata:
+        meta, self.meta = self.meta, KvxConnectorMetadata()
+        return meta
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        for rid in output.finished_sending or ():
+            self.held.discard(rid)
+        for rid in output.finished_recving or ():
+            self.waiting.pop(rid, None)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params
+        if not params:
+            return False, None
+        rid = request.request_id
+        if rid in self.waiting:
+            # Decode: finished (aborted) while its KV is still coming. vLLM keeps the blocks
+            # until the request shows up in finished_recving, which the cancel brings about.
+            self.meta.cancels.append(self.waiting[rid])
+            return False, None
+        if not params.get("do_remote_decode"):
+            return False, None
+        # Prefill.
+        transfer_id = _transfer_id(params, request)
+        if request.status not in _FINISHED_OK or not block_ids:
+            # Aborted (or nothing computed): a registration that arrived must fail now rather
+            # than at the end of its lease.
+            self.meta.aborts.append(transfer_id)
+            return False, None
+        num_tokens = request.num_computed_tokens
+        self.meta.sends.append(
+            SendSpec(
+                request_id=rid,
+                transfer_id=transfer_id,
+                block_ids=[int(b) for b in block_ids],
+                num_tokens=num_tokens,
+            )
+        )
+        self.held.add(rid)
+        out: dict[str, Any] = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "kvx_transfer_id": transfer_id,
+            "kvx_num_tokens": num_tokens,
+        }
+        if self.pull:
+            out["kvx_prefill"] = self.cfg.listen
+            out["kvx_remote_block_ids"] = [int(b) for b in block_ids]
+        return True, out
+
+    def has_pending_work(self) -> bool:
+        m = self.meta
+        return bool(self.held or m.sends or m.recvs or m.aborts or m.cancels)
+
+
+class _Worker:
+    """Worker-role state: this rank's native producer or consumer."""
+
+    def __init__(self, vllm_config: VllmConfig, pull: bool):
+        ktc = vllm_config.kv_transfer_config
+        assert ktc is not None
+        self.vllm_config = vllm_config
+        self.pull = pull
+        self.cfg = KvxConfig.from_extra(ktc.kv_connector_extra_config)
+        if ktc.kv_role not in ("kv_producer", "kv_consumer"):
+            raise ValueError(
+                f"kvx_vllm needs kv_role kv_producer (prefill) or kv_consumer (decode), not {ktc.kv_role!r}"
+            )
+        self.is_producer = ktc.kv_role == "kv_producer"
+        self.engine_id = str(ktc.engine_id)
+        self.producer: Any = None
+        self.consumer: Any = None
+        self.cache: CacheDescription | None = None
+        self.lock = threading.Lock()
+        # Decode: block ids of requests waiting, for get_block_ids_with_load_errors.
+        self.recv_blocks: dict[str, tuple[str, list[int]]] = {}
+        # Decode: transfer id -> request id of requests waiting; request ids cancelled.
+        self.recv_transfers: dict[str, str] = {}
+        self.cancelled: set[str] = set()
+        self.load_errors: set[int] = set()
+        _native.init_logging(self.cfg.log)
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.parallel_state import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+
+        model = self.vllm_config.model_config
+        tp_size = get_tensor_model_parallel_world_size()
+        tp_rank = get_tensor_model_parallel_rank()
+        self.cache = describe(
+            kv_caches,
+            head_size=model.get_head_size(),
+            total_kv_heads=model.get_total_num_kv_heads(),
+            block_size=self.vllm_config.cache_config.block_size,
+            tp_size=tp_size,
+            tp_rank=tp_rank,
+            mode=self.cfg.layout,
+        )
+        common = dict(
+            transport=self.cfg.transport,
+            token_unit=self.cache.token_unit,
+            timings=self.cfg.timings(),
+            max_entries=self.cfg.max_entries,
+        )
+        if self.is_producer:
+            self.producer = _native.Producer(
+                self.engine_id,
+                self.cache.layout,
+                self.cache.regions,
+                listen=self.cfg.rank_listen(tp_rank),
+                **common,
+            )
+            where = f"listening on {self.producer.control_addr}"
+        else:
+            self.consumer = _native.Consumer(
+                self.engine_id, self.cache.layout, self.cache.regions, **common
+            )
+            where = "consumer"
+        logger.info(
+            "kvx %s rank %d/%d: %s layout %s (%d regions), %s over %s",
+            "pull" if self.pull else "push",
+            tp_rank,
+            tp_size,
+            self.cache.mode,
+            self.cache.layout,
+            len(self.cache.regions),
+            where,
+            self.cfg.transport,
+        )
+
+    def start_load_kv(self, meta: KvxConnectorMetadata) -> None:
+        if self.producer is not None:
+            for tid in meta.aborts:
+                self.producer.abort(tid)
+            for s in meta.sends:
+                if self.pull:
+                    self.producer.request_finished_pull(
+                        s.transfer_id, s.request_id, s.block_ids, s.num_tokens
+                    )
+                else:
+                    self.producer.request_finished(
+                        s.transfer_id, s.request_id, s.block_ids, s.num_tokens
+                    )
+        if self.consumer is not None:
+            for r in meta.recvs:
+                with self.lock:
+                    self.recv_blocks[r.request_id] = (r.transfer_id, r.block_ids)
+                    self.recv_transfers[r.transfer_id] = r.request_id
+                if r.producer_block_ids is not None:
+                    self.consumer.pull(
+                        r.transfer_id,
+                        r.request_id,
+                        r.prefill,
+                        r.num_tokens,
+                        r.skip_tokens,
+                        r.block_ids,
+                        r.producer_block_ids,
+                    )
+                else:
+                    self.consumer.request_allocated(
+                        r.transfer_id,
+                        r.request_id,
+                        r.prefill,
+                        r.num_tokens,
+                        r.skip_tokens,
+                        r.block_ids,
+                    )
+            for tid in meta.cancels:
+                with self.lock:
+                    rid = self.recv_transfers.get(tid)
+                    if rid is not None:
+                        self.cancelled.add(rid)
+                self.consumer.cancel(tid)
+
+    def get_transfer_results(self) -> KVConnectorTransferResults:
+        results = KVConnectorTransferResults()
+        if self.producer is not None:
+            for rid, sent, reason in self.producer.take_finished():
+                if not sent:
+                    logger.warning("kvx: KV of %s not delivered (%s); blocks freed", rid, reason)
+                results.finished_sending.add(rid)
+        if self.consumer is not None:
+            for rid, ok, reason, detail in self.consumer.take_events():
+                results.finished_recving.add(rid)
+                with self.lock:
+                    tid, blocks = self.recv_blocks.pop(rid, ("", []))
+                    self.recv_transfers.pop(tid, None)
+                    if rid in self.cancelled:
+                        # Aborted by vLLM itself: finished, not a load failure.
+                        self.cancelled.discard(rid)
+                        continue
+                    if not ok:
+                        self.load_errors.update(blocks)
+                if not ok:
+                    logger.warning("kvx: KV of %s did not arrive (%s) %s", rid, reason, detail)
+                    results.failed_recving.add(rid)
+        return results
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        with self.lock:
+            errors, self.load_errors = self.load_errors, set()
+        return errors
+
+    def stats(self) -> dict[str, int]:
+        side = self.producer if self.producer is not None else self.consumer
+        return dict(side.stats()) if side is not None else {}
+
+    def shutdown(self) -> None:
+        for side in (self.producer, self.consumer):
+            if side is not None:
+                side.shutdown()
+
+
+class _KvxConnector(KVConnectorBase_V1):
+    """Common part of the push and pull connectors."""
+
+    _PULL = False
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._sched: _Scheduler | None = None
+        self._worker: _Worker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._sched = _Scheduler(vllm_config, kv_cache_config, self._PULL)
+        elif role == KVConnectorRole.WORKER:
+            self._worker = _Worker(vllm_config, self._PULL)
+        else:
+            raise ValueError(f"unsupported connector role {role}")
+
+    # -- scheduler role --------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self._sched is not None
+        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        assert self._sched is not None
+        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._sched is not None
+        return self._sched.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self._sched is not None
+        self._sched.update_connector_output(connector_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._sched is not None
+        return self._sched.request_finished(request, block_ids)
+
+    def has_pending_push_work(self) -> bool:
+        return self._sched is not None and self._sched.has_pending_work()
+
+    # -- worker role -----------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvxConnectorMetadata)
+        self._worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Requests are scheduled only once their whole KV has arrived: nothing to wait for.
+        return
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        # The producer writes whole requests from the paged cache after they finish.
+        return
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self._worker is not None
+        return self._worker.get_transfer_results()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending, results.finished_recving
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self._worker is not None
+        return self._worker.get_block_ids_with_load_errors()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+
+class KvxPushConnector(_KvxConnector):
+    """Push: decode registers its blocks while prefill computes; prefill writes them."""
+
+    _PULL = False
+
+
+class KvxPullConnector(_KvxConnector):
+    """Pull: prefill holds its blocks; decode reads them after prefill (for comparison)."""
+
+    _PULL = True

@@ -1,0 +1,158 @@
+"""Describing vLLM's KV-cache tensors to kvx: a ``LayoutSpec`` (as a dict) and the memory regions.
+
+vLLM's CPU attention backend gives every attention layer one tensor of shape
+``[num_blocks, num_kv_heads, block_size, 2 * head_size]``, contiguous. Its kernels (ISA ``vec``,
+measured with ``cpu_attn_reshape_and_cache``) store, per block and head, the block's K vectors
+*dimension-major* (``K[dim][token]``) and then its V vectors token-major (``V[token][dim]``).
+kvx's layouts keep the elements of one (layer, K/V, block) chunk in ``[token][head][dim]`` or
+``[head][token][dim]`` order, so no kvx layout describes the CPU cache token by token. It is
+therefore described at **block granularity**: each engine block is one kvx "token" whose K half
+and V half are the first and second half of the block's bytes (``head_dim = local_heads *
+block_size * head_size``, ``block_tokens = 1``, ``total_kv_heads = tp_size``), and token counts
+are rounded up to whole blocks (``token_unit = block_size``). Whole blocks move byte for byte,
+which is exact when both sides have the same block size, KV heads per rank and TP degree — and
+kvx's handshake refuses any other pairing, because those enter the layout's compatibility hash
+(``head_dim``, ``total_kv_heads``).
+
+vLLM's FlashAttention layout ``(2, num_blocks, block_size, num_kv_heads, head_size)`` (contiguous)
+maps exactly onto ``per-layer-kv-halves`` in NHD order.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    torch.float32: "f32",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.int8: "int8",
+    torch.uint8: "int8",
+}
+for _name, _kvx in (("float8_e4m3fn", "fp8_e4m3"), ("float8_e5m2", "fp8_e5m2")):
+    if hasattr(torch, _name):
+        _DTYPES[getattr(torch, _name)] = _kvx
+
+
+@dataclass
+class CacheDescription:
+    """What the native ``Producer``/``Consumer`` take: layout, regions, token unit."""
+
+    layout: dict[str, Any]
+    regions: list[tuple[int, int]]
+    token_unit: int
+    mode: str
+    # The tensors whose memory is registered: kept referenced for the connector's life.
+    tensors: list[torch.Tensor]
+
+
+def _layer_index(name: str) -> int:
+    numbers = re.findall(r"\.(\d+)\.", f".{name}.")
+    if not numbers:
+        raise ValueError(f"cannot tell the layer index of KV cache {name!r}")
+    return int(numbers[-1])
+
+
+def ordered_layers(kv_caches: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """The caches in layer order; layers sharing one tensor (KV sharing) appear once."""
+    seen: set[int] = set()
+    out = []
+    for name, tensor in sorted(kv_caches.items(), key=lambda kv: _layer_index(kv[0])):
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        out.append((name, tensor))
+    return out
+
+
+def describe(
+    kv_caches: dict[str, torch.Tensor],
+    *,
+    head_size: int,
+    total_kv_heads: int,
+    block_size: int,
+    tp_size: int,
+    tp_rank: int,
+    mode: str = "auto",
+) -> CacheDescription:
+    """Describes the per-layer KV tensors vLLM hands to ``register_kv_caches``."""
+    if mode not in ("auto", "exact", "block"):
+        raise ValueError(f"unknown layout mode {mode!r}")
+    layers = ordered_layers(kv_caches)
+    if not layers:
+        raise ValueError("no KV cache tensors to register")
+    first_name, first = layers[0]
+    for name, t in layers:
+        if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
+            raise ValueError(
+                f"KV caches differ: {first_name} {tuple(first.shape)} {first.dtype} {first.device}"
+                f" vs {name} {tuple(t.shape)} {t.dtype} {t.device}"
+            )
+        if not t.is_contiguous():
+            raise NotImplementedError(
+                f"KV cache {name} is not contiguous (shape {tuple(t.shape)}, stride {t.stride()})"
+            )
+    if first.device.type != "cpu":
+        raise NotImplementedError(
+            f"KV caches on {first.device} are not supported by this build of kvx_vllm (host memory only)"
+        )
+    dtype = _DTYPES.get(first.dtype)
+    if dtype is None:
+        raise NotImplementedError(f"KV cache dtype {first.dtype} is not supported")
+    shape = tuple(first.shape)
+    esize = first.element_size()
+    base = {
+        "num_layers": len(layers),
+        "dtype": dtype,
+        "mla": False,
+        "tp_size": tp_size,
+        "tp_rank": tp_rank,
+    }
+    if len(shape) == 4 and shape[3] == 2 * head_size and shape[2] == block_size:
+        # CPU attention: [num_blocks, local_heads, block_size, 2 * head_size]; K dim-major.
+        if mode == "exact":
+            raise ValueError(
+                "layout 'exact' is impossible for vLLM's CPU attention cache (its K vectors are "
+                "stored dimension-major inside a block): use 'auto' or 'block'"
+            )
+        num_blocks, local_heads = shape[0], shape[1]
+        layout = dict(
+            base,
+            total_kv_heads=tp_size,
+            head_dim=local_heads * block_size * head_size,
+            block_tokens=1,
+            num_blocks=num_blocks,
+            order="nhd",
+            arrangement="per-layer-kv-in-block",
+        )
+        unit, chosen = block_size, "block"
+    elif len(shape) == 5 and shape[0] == 2 and shape[2] == block_size and shape[4] == head_size:
+        # FlashAttention: (2, num_blocks, block_size, local_heads, head_size).
+        if mode == "block":
+            raise ValueError("layout 'block' is only for the CPU backend's cache")
+        layout = dict(
+            base,
+            total_kv_heads=total_kv_heads,
+            head_dim=head_size,
+            block_tokens=block_size,
+            num_blocks=shape[1],
+            order="nhd",
+            arrangement="per-layer-kv-halves",
+        )
+        unit, chosen = 1, "exact"
+    else:
+        raise NotImplementedError(
+            f"unknown KV cache shape {shape} (head size {head_size}, block size {block_size})"
+        )
+    regions = [(t.data_ptr(), t.numel() * esize) for _, t in layers]
+    return CacheDescription(
+        layout=layout,
+        regions=regions,
+        token_unit=unit,
+        mode=chosen,
+        tensors=[t for _, t in layers],
+    )

@@ -1,0 +1,184 @@
+"""The native module with real memory, without vLLM: a prefill and a decode side in one process
+(loopback transport) move a request's KV between torch tensors laid out as vLLM's CPU backend
+lays them out, and the bytes land exactly where the layout says — for the token-exact and the
+block-granular description, and across different block sizes where the description allows it."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kvx_vllm import _native
+from kvx_vllm.layout import describe
+
+HEAD = 32
+
+
+def cpu_caches(layers: int, blocks: int, heads: int, bs: int, fill: bool) -> dict[str, torch.Tensor]:
+    out = {}
+    for i in range(layers):
+        t = torch.zeros(blocks, heads, bs, 2 * HEAD, dtype=torch.float32)
+        if fill:
+            t.copy_(torch.randn_like(t))
+        out[f"model.layers.{i}.self_attn.attn"] = t
+    return out
+
+
+def token_kv(cache: torch.Tensor, block_ids: list[int], bs: int, token: int) -> torch.Tensor:
+    """K and V of one token in one layer, read the way vLLM's CPU attention kernel (ISA vec)
+    stores them: per block and head, K dimension-major (K[dim][token]), then V token-major."""
+    b, slot = block_ids[token // bs], token % bs
+    per_head = cache[b].reshape(cache.shape[1], 2 * bs * HEAD)
+    k = per_head[:, : bs * HEAD].reshape(-1, HEAD, bs)[:, :, slot]
+    v = per_head[:, bs * HEAD :].reshape(-1, bs, HEAD)[:, slot, :]
+    return torch.stack([k, v])
+
+
+def start_pair(p_caches, d_caches, *, heads, p_bs, d_bs, mode="auto", **kw):
+    p_desc = describe(p_caches, head_size=HEAD, total_kv_heads=heads, block_size=p_bs,
+                      tp_size=1, tp_rank=0, mode=mode)
+    d_desc = describe(d_caches, head_size=HEAD, total_kv_heads=heads, block_size=d_bs,
+                      tp_size=1, tp_rank=0, mode=mode)
+    producer = _native.Producer("p0", p_desc.layout, p_desc.regions, transport="loopback",
+                                token_unit=p_desc.token_unit, **kw)
+    consumer = _native.Consumer("d0", d_desc.layout, d_desc.regions, transport="loopback",
+                                token_unit=d_desc.token_unit, **kw)
+    return producer, consumer, p_desc, d_desc
+
+
+def wait_events(consumer, n: int, timeout: float = 10.0):
+    events = []
+    deadline = time.monotonic() + timeout
+    while len(events) < n:
+        events += consumer.take_events()
+        assert time.monotonic() < deadline, f"only {events} after {timeout}s"
+        time.sleep(0.005)
+    return events
+
+
+@pytest.mark.parametrize("heads,p_bs,d_bs,mode", [(1, 32, 32, "block"), (2, 64, 64, "block")])
+def test_push_moves_the_right_bytes(heads, p_bs, d_bs, mode):
+    p_caches = cpu_caches(3, 16, heads, p_bs, fill=True)
+    d_caches = cpu_caches(3, 16, heads, d_bs, fill=False)
+    producer, consumer, p_desc, d_desc = start_pair(p_caches, d_caches, heads=heads,
+                                                    p_bs=p_bs, d_bs=d_bs)
+    assert p_desc.mode == mode and d_desc.mode == mode
+    tokens = 100
+    p_blocks = [7, 2, 9, 4][: -(-tokens // p_bs)]
+    d_blocks = [3, 11, 5, 8, 1][: -(-tokens // d_bs)]
+    consumer.request_allocated("t-1", "dreq", producer.control_addr, tokens, 0, d_blocks)
+    producer.request_finished("t-1", "preq", p_blocks, tokens)
+    assert wait_events(consumer, 1) == [("dreq", True, "", "")]
+    deadline = time.monotonic() + 5
+    finished = []
+    while not finished:
+        finished = producer.take_finished()
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    assert finished == [("preq", True, "")]
+    assert producer.stats()["held"] == 0
+    for name in p_caches:
+        for tok in range(tokens):
+            want = token_kv(p_caches[name], p_blocks, p_bs, tok)
+            got = token_kv(d_caches[name], d_blocks, d_bs, tok)
+            assert torch.equal(want, got), f"{name} token {tok}"
+    # Blocks not named by the request stay untouched.
+    untouched = [b for b in range(16) if b not in d_blocks]
+    for t in d_caches.values():
+        assert torch.count_nonzero(t[untouched]) == 0
+    producer.shutdown()
+    consumer.shutdown()
+
+
+def test_block_granular_refuses_different_block_sizes():
+    p_caches = cpu_caches(2, 8, 2, 32, fill=True)
+    d_caches = cpu_caches(2, 8, 2, 64, fill=False)
+    producer, consumer, _, _ = start_pair(p_caches, d_caches, heads=2, p_bs=32, d_bs=64)
+    consumer.request_allocated("t-2", "dreq", producer.control_addr, 40, 0, [1])
+    producer.request_finished("t-2", "preq", [3, 4], 40)
+    [(rid, ok, reason, detail)] = wait_events(consumer, 1)
+    assert rid == "dreq" and not ok, (reason, detail)
+    assert torch.count_nonzero(torch.stack(list(d_caches.values()))) == 0
+    producer.shutdown()
+    consumer.shutdown()
+
+
+def test_exact_mode_is_refused_for_the_cpu_cache():
+    with pytest.raises(ValueError, match="dimension-major"):
+        describe(cpu_caches(1, 4, 2, 32, fill=False), head_size=HEAD, total_kv_heads=2,
+                 block_size=32, tp_size=1, tp_rank=0, mode="exact")
+
+
+def test_unclaimed_blocks_come_back_after_the_producer_lease():
+    p_caches = cpu_caches(1, 8, 1, 32, fill=True)
+    d_caches = cpu_caches(1, 8, 1, 32, fill=False)
+    producer, consumer, _, _ = start_pair(p_caches, d_caches, heads=1, p_bs=32, d_bs=32,
+                                          timings={"producer_lease": 0.3})
+    producer.request_finished("t-3", "preq", [1, 2], 50)
+    time.sleep(0.1)
+    assert producer.stats()["held"] == 1
+    deadline = time.monotonic() + 5
+    finished = []
+    while not finished:
+        finished = producer.take_finished()
+        assert time.monotonic() < deadline, "blocks never released"
+        time.sleep(0.01)
+    assert [f[:2] for f in finished] == [("preq", False)], finished
+    assert producer.stats()["held"] == 0
+    producer.shutdown()
+    consumer.shutdown()
+
+
+def test_cancel_reports_failure_and_bad_arguments_raise():
+    p_caches = cpu_caches(1, 8, 1, 32, fill=True)
+    d_caches = cpu_caches(1, 8, 1, 32, fill=False)
+    producer, consumer, _, _ = start_pair(p_caches, d_caches, heads=1, p_bs=32, d_bs=32)
+    consumer.request_allocated("t-4", "dreq", producer.control_addr, 50, 0, [1, 2])
+    time.sleep(0.05)
+    consumer.cancel("t-4")
+    [(rid, ok, reason, _)] = wait_events(consumer, 1)
+    assert (rid, ok) == ("dreq", False) and reason
+    with pytest.raises(ValueError):
+        consumer.request_allocated("t-5", "x", "not-an-address", 10, 0, [1])
+    with pytest.raises(ValueError):
+        consumer.request_allocated("t-5", "x", producer.control_addr, 10, 0, [-1])
+    producer.shutdown()
+    consumer.shutdown()
+    with pytest.raises(RuntimeError):
+        producer.request_finished("t-6", "y", [1], 10)
+
+
+def flash_caches(layers: int, blocks: int, heads: int, bs: int, fill: bool) -> dict[str, torch.Tensor]:
+    out = {}
+    for i in range(layers):
+        t = torch.zeros(2, blocks, bs, heads, HEAD)
+        if fill:
+            t.copy_(torch.randn_like(t))
+        out[f"model.layers.{i}.self_attn.attn"] = t
+    return out
+
+
+@pytest.mark.parametrize("p_bs,d_bs", [(16, 32), (32, 16)])
+def test_flash_layout_is_token_exact_across_block_sizes(p_bs, d_bs):
+    """The FlashAttention layout (2, blocks, bs, heads, dim) is described token by token, so
+    prefill and decode may use different block sizes."""
+    p_caches = flash_caches(2, 16, 2, p_bs, fill=True)
+    d_caches = flash_caches(2, 16, 2, d_bs, fill=False)
+    producer, consumer, p_desc, d_desc = start_pair(p_caches, d_caches, heads=2, p_bs=p_bs,
+                                                    d_bs=d_bs)
+    assert p_desc.mode == d_desc.mode == "exact"
+    tokens = 70
+    p_blocks = [5, 1, 12, 3, 9][: -(-tokens // p_bs)]
+    d_blocks = [2, 14, 7, 0, 11][: -(-tokens // d_bs)]
+    consumer.request_allocated("t-7", "dreq", producer.control_addr, tokens, 0, d_blocks)
+    producer.request_finished("t-7", "preq", p_blocks, tokens)
+    assert wait_events(consumer, 1) == [("dreq", True, "", "")]
+    for name in p_caches:
+        for tok in range(tokens):
+            pb, ps = p_blocks[tok // p_bs], tok % p_bs
+            db, ds = d_blocks[tok // d_bs], tok % d_bs
+            assert torch.equal(p_caches[name][:, pb, ps], d_caches[name][:, db, ds])
+    producer.shutdown()
+    consumer.shutdown()
