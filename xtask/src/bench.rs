@@ -43,8 +43,23 @@ pub(crate) fn run(names: &[String], quick: bool) -> anyhow::Result<()> {
         }
         step(&format!("benchmark {name} ({package})"));
         let mut cmd = cargo();
-        cmd.env("KVX_BENCH_OUT", &out_dir)
-            .args(["bench", "-p", package, "--bench", target, "--"]);
+        cmd.env("KVX_BENCH_OUT", &out_dir);
+        if *name == "transfer" {
+            // With the NIXL backend beside libfabric and loopback.
+            let nixl_dir = crate::nixl::ensure_nixl_runtime()?;
+            cmd.envs(crate::nixl::nixl_test_env(&nixl_dir)).args([
+                "bench",
+                "-p",
+                package,
+                "--features",
+                "nixl",
+                "--bench",
+                target,
+                "--",
+            ]);
+        } else {
+            cmd.args(["bench", "-p", package, "--bench", target, "--"]);
+        }
         if quick && *name == "transfer" {
             cmd.arg("--quick");
         } else if quick {

@@ -13,6 +13,7 @@ use anyhow::{bail, Context as _};
 use clap::{Parser, Subcommand};
 
 mod bench;
+mod nixl;
 mod pd;
 mod setup;
 mod vllm;
@@ -97,7 +98,18 @@ fn test(no_lint: bool) -> anyhow::Result<()> {
             "-D",
             "warnings",
         ]))?;
-        step("clippy of the optional features (python)");
+        step("clippy of the optional features (python, nixl)");
+        run(cargo().args([
+            "clippy",
+            "-p",
+            "kvx-rdma",
+            "--features",
+            "nixl",
+            "--all-targets",
+            "--",
+            "-D",
+            "warnings",
+        ]))?;
         run(cargo().args([
             "clippy",
             "-p",
@@ -112,6 +124,16 @@ fn test(no_lint: bool) -> anyhow::Result<()> {
     }
     step("tests: every crate of the workspace (unit, property, integration, doc)");
     run(cargo().args(["test", "--workspace", "--no-fail-fast"]))?;
+    step("NIXL backend: runtime from the nixl-cu12 wheel (cached in .kvx-cache/nixl)");
+    let nixl_dir = nixl::ensure_nixl_runtime()?;
+    step("tests of kvx-rdma with the NIXL backend (UCX over TCP, two processes)");
+    run(cargo().envs(nixl::nixl_test_env(&nixl_dir)).args([
+        "test",
+        "-p",
+        "kvx-rdma",
+        "--features",
+        "nixl",
+    ]))?;
     vllm::test_vllm()?;
     step("fuzz targets build (cargo xtask fuzz runs them)");
     run(cargo().args(["build", "--manifest-path", "fuzz/Cargo.toml", "--bins"]))?;

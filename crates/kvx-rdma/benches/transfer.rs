@@ -1,7 +1,8 @@
 //! Transfer throughput of each backend beside a single-thread memcpy of the same bytes.
 //!
 //! `cargo bench -p kvx-rdma --bench transfer [-- --quick] [-- --backend NAME]` (what
-//! `cargo xtask bench transfer` runs). For op sizes from 4 KiB to 64 MiB it moves 64 MiB per
+//! `cargo xtask bench transfer` runs; `--features nixl` adds the NIXL backend, `nixl-ucx-tcp`,
+//! which needs `KVX_NIXL_LIB_DIR`). For op sizes from 4 KiB to 64 MiB it moves 64 MiB per
 //! iteration as a list of equal operations, and it moves a 16k-token request plan; each time from
 //! `write` to the consumer seeing the notice, with the consumer endpoint on its own thread; both
 //! sides block in `wait` (as the connector's threads do), so wake-up latency counts. The
@@ -229,7 +230,7 @@ fn memcpy_seconds(plan: &[CopyOp], regions: usize, region_len: usize, reps: usiz
 type Factory = Box<dyn Fn() -> Option<(Box<dyn Transport>, Box<dyn Transport>)>>;
 
 fn backends() -> Vec<(&'static str, Factory)> {
-    #[cfg_attr(not(feature = "libfabric"), allow(unused_mut))]
+    #[cfg_attr(not(any(feature = "libfabric", feature = "nixl")), allow(unused_mut))]
     let mut out: Vec<(&'static str, Factory)> = vec![(
         "loopback",
         Box::new(|| {
@@ -256,6 +257,30 @@ fn backends() -> Vec<(&'static str, Factory)> {
         out.push((
             "libfabric-tcp",
             Box::new(|| open(LibfabricConfig::tcp(Some("lo")))),
+        ));
+    }
+    #[cfg(feature = "nixl")]
+    {
+        use kvx_rdma::nixl::{NixlConfig, NixlTransport};
+        // Needs the runtime: `KVX_NIXL_LIB_DIR` (set by `cargo xtask bench`).
+        out.push((
+            "nixl-ucx-tcp",
+            Box::new(|| {
+                let config = NixlConfig::ucx_tcp(Some("lo"));
+                let open = || {
+                    NixlTransport::open(&config)
+                        .map_err(|e| match std::error::Error::source(&e) {
+                            Some(why) => eprintln!("nixl: {e}: {why}"),
+                            None => eprintln!("nixl: {e}"),
+                        })
+                        .ok()
+                };
+                let (a, b) = (open()?, open()?);
+                Some((
+                    Box::new(a) as Box<dyn Transport>,
+                    Box::new(b) as Box<dyn Transport>,
+                ))
+            }),
         ));
     }
     out

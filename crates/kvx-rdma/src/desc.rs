@@ -13,8 +13,9 @@ use serde::{Deserialize, Serialize};
 const MAGIC: [u8; 4] = *b"KVXE";
 /// Version of the binary encoding.
 const VERSION: u8 = 1;
-/// Largest endpoint address accepted (libfabric names are tens of bytes).
-pub const MAX_ADDRESS_LEN: usize = 4096;
+/// Largest endpoint address accepted: libfabric names are tens of bytes, NIXL agent metadata
+/// grows with the registered regions (the length field is 16 bits).
+pub const MAX_ADDRESS_LEN: usize = u16::MAX as usize;
 /// Largest name (backend, provider) accepted.
 pub const MAX_NAME_LEN: usize = 255;
 /// Largest number of regions accepted in one description.

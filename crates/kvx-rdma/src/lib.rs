@@ -9,7 +9,9 @@
 //! Backends:
 //! - [`loopback`]: in-process, for the unit tests of the layers above;
 //! - `libfabric` (feature `libfabric`, on by default): one-sided RMA over the system libfabric
-//!   (`shm`, `tcp;ofi_rxm`, `efa`), through the own bindgen crate `libfabric-sys`.
+//!   (`shm`, `tcp;ofi_rxm`, `efa`), through the own bindgen crate `libfabric-sys`;
+//! - `nixl` (feature `nixl`, off by default): NVIDIA NIXL (its UCX plugin) through `nixl-sys`,
+//!   with the runtime library loaded at run time.
 //!
 //! Also here: the PCIe [`topology`] and rail selection.
 //!
@@ -63,6 +65,8 @@ pub mod error;
 #[cfg(feature = "libfabric")]
 pub mod libfabric;
 pub mod loopback;
+#[cfg(feature = "nixl")]
+pub mod nixl;
 pub mod region;
 pub mod topology;
 pub mod transport;

@@ -372,6 +372,17 @@ fn backend(e: impl std::error::Error + Send + Sync + 'static) -> crate::error::B
     Box::new(e)
 }
 
+/// Linux socket errno values a provider reports as its own error number.
+mod libc_errno {
+    pub(super) const EPIPE: i32 = 32;
+    pub(super) const ECONNABORTED: i32 = 103;
+    pub(super) const ECONNRESET: i32 = 104;
+    pub(super) const ENOTCONN: i32 = 107;
+    pub(super) const ETIMEDOUT: i32 = 110;
+    pub(super) const ECONNREFUSED: i32 = 111;
+    pub(super) const EHOSTUNREACH: i32 = 113;
+}
+
 /// The asynchronous error for a failed completion or post.
 fn op_error(error: FabricError) -> OpError {
     let errno = match &error {
@@ -381,7 +392,26 @@ fn op_error(error: FabricError) -> OpError {
         | FabricError::PostSend(source) => Some(source.clone()),
         _ => None,
     };
+    // A completion the provider cancelled because the connection to the peer broke (tcp;ofi_rxm
+    // reports FI_ECANCELED with the socket's errno) is the peer being unreachable too.
+    let connection_lost = matches!(
+        &error,
+        FabricError::Completion { prov_errno, .. }
+            if [
+                libc_errno::ECONNRESET,
+                libc_errno::ENOTCONN,
+                libc_errno::EPIPE,
+                libc_errno::ECONNREFUSED,
+                libc_errno::ECONNABORTED,
+                libc_errno::EHOSTUNREACH,
+                libc_errno::ETIMEDOUT,
+            ]
+            .contains(&prov_errno.abs())
+    );
     match errno {
+        Some(_) if connection_lost => OpError::PeerUnreachable {
+            source: backend(error),
+        },
         Some(e) if e.is_unreachable() => OpError::PeerUnreachable {
             source: backend(error),
         },

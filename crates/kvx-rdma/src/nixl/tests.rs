@@ -1,0 +1,397 @@
+//! Unit tests of the NIXL backend: the address and notification encodings (no runtime needed),
+//! and an in-process pair of agents over UCX (skipped, saying so, without the runtime).
+
+use std::io::Write as _;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvx_core::Rank;
+use proptest::prelude::*;
+
+use super::*;
+use crate::error::{PlanError, Side};
+use crate::region::HostBuffer;
+
+#[test]
+fn addresses_round_trip() {
+    let address = encode_address("kvx-1-2-3", b"metadata blob");
+    assert_eq!(
+        decode_address(&address),
+        Ok(("kvx-1-2-3", &b"metadata blob"[..]))
+    );
+}
+
+#[test]
+fn bad_addresses_are_refused() {
+    let good = encode_address("agent", b"md");
+    let mut bad_magic = good.clone();
+    bad_magic[0] = b'X';
+    let mut bad_version = good.clone();
+    bad_version[4] = 9;
+    let mut long_name = good.clone();
+    long_name[5] = 200;
+    let mut flipped = good.clone();
+    let last = flipped.len() - 1;
+    flipped[last] ^= 1;
+    let mut cut = good.clone();
+    cut.pop();
+    let no_metadata = encode_address("agent", b"");
+    let not_utf8 = encode_address("\u{fffd}", b"md")
+        .into_iter()
+        .map(|b| if b == 0xef { 0xff } else { b })
+        .collect::<Vec<_>>();
+    for (what, address) in [
+        ("empty", &[][..]),
+        ("short", &good[..5]),
+        ("magic", &bad_magic[..]),
+        ("version", &bad_version[..]),
+        ("name past the end", &long_name[..]),
+        ("no metadata", &no_metadata[..]),
+        ("flipped metadata bit", &flipped[..]),
+        ("metadata cut short", &cut[..]),
+        ("name not UTF-8", &not_utf8[..]),
+    ] {
+        assert!(decode_address(address).is_err(), "{what} accepted");
+    }
+}
+
+#[test]
+fn notifications_are_told_apart() {
+    let notice = tagged(TAG_NOTICE, &0x0102_0304_0506_0708_u64.to_le_bytes());
+    assert!(matches!(
+        parse_notification(&notice),
+        Incoming::Event(Event::Notice(Notice(0x0102_0304_0506_0708)))
+    ));
+    match parse_notification(&tagged(TAG_MESSAGE, b"hello")) {
+        Incoming::Event(Event::Message(m)) => assert_eq!(m, b"hello"),
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(
+        parse_notification(&tagged(TAG_MESSAGE, b"")),
+        Incoming::Event(Event::Message(m)) if m.is_empty()
+    ));
+    assert!(matches!(
+        parse_notification(&tagged(TAG_PROBE, b"")),
+        Incoming::Probe
+    ));
+    // A notice of the wrong width, an unknown tag, or too few bytes: not ours.
+    for foreign in [
+        &tagged(TAG_NOTICE, &[1, 2, 3])[..],
+        b"xfer-done",
+        b"kvx",
+        b"",
+    ] {
+        assert!(matches!(parse_notification(foreign), Incoming::Foreign));
+    }
+}
+
+proptest! {
+    #[test]
+    fn decoding_arbitrary_addresses_never_panics(
+        bytes in proptest::collection::vec(any::<u8>(), 0..64),
+    ) {
+        let _ = decode_address(&bytes);
+        let _ = parse_notification(&bytes);
+    }
+}
+
+/// An endpoint over UCX, or `None` (printed: why) when the runtime is not available.
+fn open_or_skip(test: &str) -> Option<NixlTransport> {
+    if runtime::locate(None).is_none() {
+        // On the real stderr: the test harness captures `println!`.
+        let _ = writeln!(
+            std::io::stderr(),
+            "SKIPPED {test}: no NIXL runtime (set {LIB_DIR_ENV} to the directory holding \
+             libnixl_capi.so; `cargo xtask test` does)"
+        );
+        return None;
+    }
+    let mut config = NixlConfig::ucx_tcp(Some("lo"));
+    config.op_timeout = Duration::from_secs(20);
+    Some(NixlTransport::open(&config).expect("open a NIXL endpoint"))
+}
+
+fn op(src: (u32, u64), dst: (u32, u64), len: u64, count: u64, strides: (u64, u64)) -> CopyOp {
+    CopyOp {
+        producer: Rank(0),
+        src_region: src.0,
+        src_offset: src.1,
+        dst_region: dst.0,
+        dst_offset: dst.1,
+        len,
+        count,
+        src_stride: strides.0,
+        dst_stride: strides.1,
+    }
+}
+
+/// Waits on both endpoints until `done` says the collected events suffice.
+fn pump(
+    a: &mut NixlTransport,
+    b: &mut NixlTransport,
+    mut done: impl FnMut(&[Event], &[Event]) -> bool,
+) -> (Vec<Event>, Vec<Event>) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let (mut ea, mut eb) = (Vec::new(), Vec::new());
+    while !done(&ea, &eb) {
+        assert!(Instant::now() < deadline, "no events: {ea:?} {eb:?}");
+        a.wait(&mut ea, Duration::from_millis(1)).unwrap();
+        b.wait(&mut eb, Duration::from_millis(1)).unwrap();
+    }
+    (ea, eb)
+}
+
+#[test]
+fn in_process_write_read_send_and_refusals() {
+    let Some(mut producer) = open_or_skip("in_process_write_read_send_and_refusals") else {
+        return;
+    };
+    let Some(mut consumer) = open_or_skip("in_process_write_read_send_and_refusals") else {
+        return;
+    };
+    assert_ne!(producer.agent_name(), consumer.agent_name());
+    let src = Arc::new(HostBuffer::new(64 << 10).unwrap());
+    src.fill_with(|i| (i * 7 + 3) as u8);
+    let dst = Arc::new(HostBuffer::new(64 << 10).unwrap());
+    producer
+        .register(LocalRegion::host(0, Arc::clone(&src)))
+        .unwrap();
+    let before = consumer.local_desc().address.len();
+    consumer
+        .register(LocalRegion::host(3, Arc::clone(&dst)))
+        .unwrap();
+    // The metadata grows with the registration (it carries the remote key).
+    assert!(consumer.local_desc().address.len() > before);
+    assert!(matches!(
+        consumer.register(LocalRegion::host(3, Arc::clone(&dst))),
+        Err(RegisterError::Duplicate(3))
+    ));
+
+    let desc = consumer.local_desc();
+    assert_eq!(desc.backend, BACKEND);
+    assert_eq!(desc.regions[0].addr, dst.as_ptr() as u64);
+    let peer = producer.connect(&desc).unwrap();
+    // Connecting again refreshes the same peer.
+    assert_eq!(producer.connect(&desc).unwrap(), peer);
+    // Its own description is refused.
+    assert!(matches!(
+        producer.connect(&producer.local_desc()),
+        Err(ConnectError::BadAddress { .. })
+    ));
+
+    // A strided write with a notice: 4 pieces of 1000 bytes.
+    let plan = [op((0, 100), (3, 5), 1000, 4, (3000, 2000))];
+    let id = producer.write(peer, &plan, Some(Notice(u64::MAX))).unwrap();
+    // The region is in use while the write is in flight, or the write is already done.
+    match producer.deregister(0) {
+        Err(DeregisterError::InUse { index: 0, ops: 1 }) => {}
+        other => panic!("deregister during a write: {other:?}"),
+    }
+    let (ep, ec) = pump(&mut producer, &mut consumer, |p, c| {
+        p.iter().any(|e| matches!(e, Event::WriteDone { .. }))
+            && c.iter().any(|e| matches!(e, Event::Notice(_)))
+    });
+    assert!(ep
+        .iter()
+        .any(|e| matches!(e, Event::WriteDone { op, bytes: 4000, .. } if *op == id)));
+    assert!(ec
+        .iter()
+        .any(|e| matches!(e, Event::Notice(Notice(u64::MAX)))));
+    let (s, d) = (src.to_vec(), dst.to_vec());
+    let mut want = vec![0_u8; d.len()];
+    for (from, to, len) in plan[0].pieces() {
+        let (from, to, len) = (from as usize, to as usize, len as usize);
+        want[to..to + len].copy_from_slice(&s[from..from + len]);
+    }
+    assert!(d == want, "destination differs from the plan");
+
+    // A read back into the producer's region 0 (the consumer's region 3 is the source).
+    let back = consumer.connect(&producer.local_desc()).unwrap();
+    let read = [op((0, 100), (3, 40_000), 4000, 1, (0, 0))];
+    let rid = consumer.read(back, &read).unwrap();
+    let (_, ec) = pump(&mut producer, &mut consumer, |_, c| {
+        c.iter().any(|e| matches!(e, Event::ReadDone { .. }))
+    });
+    assert!(ec
+        .iter()
+        .any(|e| matches!(e, Event::ReadDone { op, bytes: 4000, .. } if *op == rid)));
+    assert_eq!(dst.to_vec()[40_000..44_000], s[100..4100]);
+
+    // A control message.
+    producer.send(peer, b"ctrl").unwrap();
+    let (ep, ec) = pump(&mut producer, &mut consumer, |p, c| {
+        p.iter().any(|e| matches!(e, Event::SendDone { .. }))
+            && c.iter().any(|e| matches!(e, Event::Message(_)))
+    });
+    assert!(ep.iter().any(|e| matches!(e, Event::SendDone { .. })));
+    assert!(ec
+        .iter()
+        .any(|e| matches!(e, Event::Message(m) if m == b"ctrl")));
+    assert!(matches!(
+        producer.send(peer, &[0; MAX_MESSAGE + 1]),
+        Err(SendError::TooLarge { .. })
+    ));
+
+    // Refusals before anything moves.
+    assert!(matches!(
+        producer.write(
+            peer,
+            &[op((0, 0), (3, (64 << 10) - 10), 11, 1, (0, 0))],
+            None
+        ),
+        Err(WriteError::Plan(PlanError::OutOfBounds {
+            side: Side::Dst,
+            ..
+        }))
+    ));
+    assert!(matches!(
+        producer.write(peer, &[op((1, 0), (3, 0), 1, 1, (0, 0))], None),
+        Err(WriteError::Plan(PlanError::Unregistered {
+            side: Side::Src,
+            region: 1,
+            ..
+        }))
+    ));
+    assert!(matches!(
+        producer.write(PeerId(9), &plan, None),
+        Err(WriteError::UnknownPeer(PeerId(9)))
+    ));
+    // A one-byte read the other way, pumped to completion.
+    let small = producer
+        .read(peer, &[op((3, 0), (0, 0), 1, 1, (0, 0))])
+        .unwrap();
+    let (ep, _) = pump(&mut producer, &mut consumer, |p, _| {
+        p.iter()
+            .any(|e| matches!(e, Event::ReadDone { .. } | Event::Failed { .. }))
+    });
+    assert!(ep
+        .iter()
+        .any(|e| matches!(e, Event::ReadDone { op, bytes: 1, .. } if *op == small)));
+    assert_eq!(src.to_vec()[0], d[0]);
+
+    // The consumer registers more memory and sends its description again: connecting again
+    // refreshes the same peer, and the new region can be written.
+    let more = Arc::new(HostBuffer::new(8192).unwrap());
+    consumer
+        .register(LocalRegion::host(4, Arc::clone(&more)))
+        .unwrap();
+    assert!(matches!(
+        producer.write(peer, &[op((0, 0), (4, 0), 8192, 1, (0, 0))], None),
+        Err(WriteError::Plan(PlanError::Unregistered {
+            side: Side::Dst,
+            region: 4,
+            ..
+        }))
+    ));
+    assert_eq!(producer.connect(&consumer.local_desc()).unwrap(), peer);
+    producer
+        .write(
+            peer,
+            &[op((0, 0), (4, 0), 8192, 1, (0, 0))],
+            Some(Notice(4)),
+        )
+        .unwrap();
+    pump(&mut producer, &mut consumer, |_, c| {
+        c.iter().any(|e| matches!(e, Event::Notice(Notice(4))))
+    });
+    assert_eq!(more.to_vec(), src.to_vec()[..8192]);
+
+    // Descriptions a third endpoint refuses before NIXL sees them (NIXL keeps half-loaded
+    // state of an agent whose metadata it refused), and the endpoint still connects afterwards.
+    let Some(mut stranger) = open_or_skip("in_process_write_read_send_and_refusals") else {
+        return;
+    };
+    let mut other = desc.clone();
+    other.provider = "LIBFABRIC".into();
+    assert!(matches!(
+        stranger.connect(&other),
+        Err(ConnectError::Mismatch { .. })
+    ));
+    let mut garbage = desc.clone();
+    garbage.address = b"not an address".to_vec();
+    assert!(matches!(
+        stranger.connect(&garbage),
+        Err(ConnectError::BadAddress { .. })
+    ));
+    let mut corrupt = desc;
+    let len = corrupt.address.len();
+    corrupt.address.truncate(len - len / 3);
+    assert!(matches!(
+        stranger.connect(&corrupt),
+        Err(ConnectError::BadAddress { .. })
+    ));
+    // Metadata whose agent name is not UTF-8 (nixl-sys panics on it): an error, not a panic.
+    let desc = consumer.local_desc();
+    let (name, metadata) = decode_address(&desc.address).unwrap();
+    let at = metadata
+        .windows(name.len())
+        .position(|w| w == name.as_bytes())
+        .expect("the metadata names its agent");
+    let mut mangled = metadata.to_vec();
+    mangled[at + 1] = 0xff;
+    let mut not_utf8 = desc.clone();
+    not_utf8.address = encode_address(name, &mangled);
+    assert!(matches!(
+        stranger.connect(&not_utf8),
+        Err(ConnectError::BadAddress { .. })
+    ));
+    // The endpoint still works after refusing them.
+    assert!(stranger.connect(&desc).is_ok());
+
+    // The pair still works, and idle endpoints return from wait after its timeout, with
+    // nothing.
+    producer.write(peer, &plan, Some(Notice(7))).unwrap();
+    pump(&mut producer, &mut consumer, |p, c| {
+        p.iter().any(|e| matches!(e, Event::WriteDone { .. }))
+            && c.iter().any(|e| matches!(e, Event::Notice(Notice(7))))
+    });
+    let mut events = Vec::new();
+    assert_eq!(
+        consumer
+            .wait(&mut events, Duration::from_millis(5))
+            .unwrap(),
+        0
+    );
+    assert_eq!(producer.in_flight(), 0);
+    producer.deregister(0).unwrap();
+    assert!(matches!(
+        producer.deregister(0),
+        Err(DeregisterError::Unknown(0))
+    ));
+}
+
+#[test]
+fn metadata_past_the_address_limit_is_a_typed_error_and_rolled_back() {
+    let Some(mut endpoint) =
+        open_or_skip("metadata_past_the_address_limit_is_a_typed_error_and_rolled_back")
+    else {
+        return;
+    };
+    let mut registered = 0_u32;
+    let error = loop {
+        assert!(
+            registered < 10_000,
+            "the metadata never outgrew the address"
+        );
+        let region = LocalRegion::host(registered, Arc::new(HostBuffer::new(4096).unwrap()));
+        match endpoint.register(region) {
+            Ok(_) => registered += 1,
+            Err(error) => break error,
+        }
+    };
+    println!("{registered} regions fit in a description");
+    assert!(registered >= 8, "only {registered} regions fit");
+    assert!(matches!(error, RegisterError::Backend { index, .. } if index == registered));
+    // Rolled back: the description still decodes and lists exactly the registered regions.
+    let desc = endpoint.local_desc();
+    let again = EndpointDesc::from_bytes(&desc.to_bytes()).unwrap();
+    assert_eq!(again.regions.len(), registered as usize);
+    assert!(matches!(
+        endpoint.deregister(registered),
+        Err(DeregisterError::Unknown(_))
+    ));
+    // Releasing one makes room again.
+    endpoint.deregister(0).unwrap();
+    let region = LocalRegion::host(registered, Arc::new(HostBuffer::new(4096).unwrap()));
+    endpoint.register(region).unwrap();
+}
