@@ -276,10 +276,26 @@ fn killed_decode_leaves_nothing_held_on_prefill() {
             &bench.to_string(),
         ])
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(Stdio::piped())
         .spawn()
         .unwrap();
     let mut decode = Killer(decode);
+    // Kill it once it is running (its start-up can be slow on a loaded machine).
+    let stderr = decode.0.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead as _;
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if line.contains("running") {
+                let _ = tx.send(());
+            }
+        }
+    });
+    rx.recv_timeout(Duration::from_secs(60))
+        .expect("decode never started");
     std::thread::sleep(Duration::from_millis(1500));
     decode.0.kill().unwrap();
     let _ = decode.0.wait();

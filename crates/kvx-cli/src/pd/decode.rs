@@ -136,6 +136,10 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
     }
     let memories = Arc::new(memories);
     let stream = connect_router(args.prefill_bench, Duration::from_secs(60))?;
+    eprintln!(
+        "kvx pd decode: running {} requests ({} mode)",
+        args.requests, args.mode
+    );
     let mut router = stream.try_clone()?;
     let (line_tx, line_rx) = mpsc::channel::<String>();
     std::thread::spawn(move || {

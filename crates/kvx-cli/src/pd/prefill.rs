@@ -32,6 +32,9 @@ pub(crate) struct PrefillArgs {
     /// Seconds finished blocks wait for their registration (push) or read (pull).
     #[arg(long, default_value_t = 30)]
     pub(crate) lease_s: u64,
+    /// Seconds to wait for the router to connect before giving up.
+    #[arg(long, default_value_t = 120)]
+    pub(crate) router_timeout_s: u64,
     #[command(flatten)]
     pub(crate) model: ModelArgs,
 }
@@ -177,7 +180,22 @@ pub(crate) fn run(args: &PrefillArgs) -> anyhow::Result<()> {
         "kvx pd prefill: {} rank(s) on {} ({}), waiting for the router on {}",
         args.model.tp, args.listen, spec, args.bench_listen
     );
-    let (stream, _) = listener.accept()?;
+    // Wait for the router, but not forever.
+    listener.set_nonblocking(true)?;
+    let deadline = Instant::now() + Duration::from_secs(args.router_timeout_s);
+    let stream = loop {
+        match listener.accept() {
+            Ok((stream, _)) => break stream,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                bail!("no router connected within {} s", args.router_timeout_s)
+            }
+            Err(e) => return Err(e).context("accepting the router failed"),
+        }
+    };
+    stream.set_nonblocking(false)?;
     stream.set_nodelay(true)?;
     let mut reply = stream.try_clone()?;
     let (tx, rx) = mpsc::channel::<Option<String>>();
