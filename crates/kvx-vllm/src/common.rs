@@ -1,6 +1,6 @@
 //! Pieces both sides share: the clock, the cache a side registers, the driver's wait loop.
 
-use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::time::{Duration, Instant};
 
 use kvx_core::wire::{FailureReason, Hello, Role};
@@ -107,7 +107,8 @@ pub(crate) fn peer_desc(hello: &Hello) -> Option<EndpointDesc> {
 pub(crate) const TRANSPORT_SLICE: Duration = Duration::from_millis(1);
 
 /// One turn of a driver's loop: wait for commands or transport events, whichever comes, until
-/// `deadline` at the latest. Returns the commands received (transport events go to `events`).
+/// `deadline` at the latest. Commands go to `commands`, transport events to `events`. Returns
+/// `Ok(false)` once every sender of the command queue is gone.
 pub(crate) fn wait_turn<C>(
     rx: &Receiver<C>,
     transport: &mut dyn Transport,
@@ -116,30 +117,96 @@ pub(crate) fn wait_turn<C>(
     deadline: Option<Timestamp>,
     events: &mut Vec<Event>,
     commands: &mut Vec<C>,
-) -> Result<(), kvx_rdma::error::PollError> {
+) -> Result<bool, kvx_rdma::error::PollError> {
     let limit = deadline.map_or(Duration::from_secs(3600), |d| clock.until(d));
+    let mut open = true;
+    let drain = |commands: &mut Vec<C>| loop {
+        match rx.try_recv() {
+            Ok(c) => commands.push(c),
+            Err(TryRecvError::Empty) => return true,
+            Err(TryRecvError::Disconnected) => return false,
+        }
+    };
     // Whatever is already queued first, without blocking.
-    while let Ok(c) = rx.try_recv() {
-        commands.push(c);
-    }
-    if !commands.is_empty() {
+    open &= drain(commands);
+    if !commands.is_empty() || !open {
         transport.poll(events)?;
-        return Ok(());
+        return Ok(open);
     }
     if transport_busy {
         transport.wait(events, limit.min(TRANSPORT_SLICE))?;
-        while let Ok(c) = rx.try_recv() {
-            commands.push(c);
-        }
+        open &= drain(commands);
     } else {
         match rx.recv_timeout(limit) {
             Ok(c) => commands.push(c),
-            Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => {}
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => open = false,
         }
         // Notices may arrive while nothing is in flight on this side (the consumer's case).
         transport.poll(events)?;
     }
-    Ok(())
+    Ok(open)
+}
+
+/// What a side's driver thread plugs into [`drive`].
+pub(crate) trait Driven {
+    /// Commands from the engine and the connection threads.
+    type Command;
+    /// The transport and the clock.
+    fn transport(&mut self) -> (&mut dyn Transport, Clock);
+    /// Whether transport operations this side waits for are in flight.
+    fn busy(&self) -> bool;
+    /// When the state machines next need the time.
+    fn deadline(&mut self) -> Option<Timestamp>;
+    /// Whether `command` asks the driver to stop.
+    fn is_shutdown(command: &Self::Command) -> bool;
+    /// Handles one command.
+    fn command(&mut self, command: Self::Command);
+    /// Handles one transport event.
+    fn transport_event(&mut self, event: Event);
+    /// Lets time pass in the state machines and carries out their actions.
+    fn tick(&mut self, now: Timestamp);
+}
+
+/// A driver thread's loop: wait for commands or transport events (never spinning), handle them,
+/// let time pass; until a shutdown command or the engine's side of the queue is gone.
+pub(crate) fn drive<D: Driven>(driver: &mut D, rx: &Receiver<D::Command>) {
+    let mut events = Vec::new();
+    let mut commands = Vec::new();
+    loop {
+        let deadline = driver.deadline();
+        let busy = driver.busy();
+        let (transport, clock) = driver.transport();
+        let open = match wait_turn(
+            rx,
+            transport,
+            busy,
+            clock,
+            deadline,
+            &mut events,
+            &mut commands,
+        ) {
+            Ok(open) => open,
+            Err(e) => {
+                tracing::warn!(error = %e, "transport poll failed");
+                true
+            }
+        };
+        for command in commands.drain(..) {
+            if D::is_shutdown(&command) {
+                return;
+            }
+            driver.command(command);
+        }
+        for event in events.drain(..) {
+            driver.transport_event(event);
+        }
+        let (_, clock) = driver.transport();
+        driver.tick(clock.now());
+        if !open {
+            return;
+        }
+    }
 }
 
 /// The wire's failure reason for a state-machine reason.

@@ -271,40 +271,46 @@ struct Driver {
     stats: Arc<Stats>,
 }
 
+impl common::Driven for Driver {
+    type Command = Command;
+
+    fn transport(&mut self) -> (&mut dyn Transport, Clock) {
+        (self.transport.as_mut(), self.clock)
+    }
+
+    fn busy(&self) -> bool {
+        !self.waiter.is_empty()
+    }
+
+    fn deadline(&mut self) -> Option<Timestamp> {
+        [self.waiter.poll_timeout(), self.next_heartbeat]
+            .into_iter()
+            .flatten()
+            .min()
+    }
+
+    fn is_shutdown(command: &Command) -> bool {
+        matches!(command, Command::Shutdown)
+    }
+
+    fn command(&mut self, command: Command) {
+        self.handle(command);
+    }
+
+    fn transport_event(&mut self, event: Event) {
+        self.on_event(event);
+    }
+
+    fn tick(&mut self, now: Timestamp) {
+        self.waiter.handle_timeout(now);
+        self.heartbeats(now);
+        self.actions();
+    }
+}
+
 impl Driver {
     fn run(mut self, rx: Receiver<Command>) {
-        let mut events = Vec::new();
-        let mut commands = Vec::new();
-        'outer: loop {
-            let deadline = [self.waiter.poll_timeout(), self.next_heartbeat]
-                .into_iter()
-                .flatten()
-                .min();
-            if let Err(e) = common::wait_turn(
-                &rx,
-                self.transport.as_mut(),
-                !self.waiter.is_empty(),
-                self.clock,
-                deadline,
-                &mut events,
-                &mut commands,
-            ) {
-                warn!(error = %e, "transport poll failed");
-            }
-            for command in commands.drain(..) {
-                if matches!(command, Command::Shutdown) {
-                    break 'outer;
-                }
-                self.command(command);
-            }
-            for event in events.drain(..) {
-                self.transport_event(event);
-            }
-            let now = self.clock.now();
-            self.waiter.handle_timeout(now);
-            self.heartbeats(now);
-            self.actions();
-        }
+        common::drive(&mut self, &rx);
         let now = self.clock.now();
         self.waiter.shutdown(now);
         self.actions();
@@ -315,7 +321,7 @@ impl Driver {
         }
     }
 
-    fn command(&mut self, command: Command) {
+    fn handle(&mut self, command: Command) {
         match command {
             Command::Push(request) => self.start(request, None),
             Command::Pull(request) => self.start(request.push, Some(request.producer_blocks)),
@@ -594,7 +600,7 @@ impl Driver {
         }
     }
 
-    fn transport_event(&mut self, event: Event) {
+    fn on_event(&mut self, event: Event) {
         let now = self.clock.now();
         match event {
             Event::Notice(notice) => {

@@ -458,47 +458,53 @@ struct Driver {
     stats: Arc<Stats>,
 }
 
-impl Driver {
-    fn run(mut self, rx: Receiver<Command>) {
-        let mut events = Vec::new();
-        let mut commands = Vec::new();
-        'outer: loop {
-            let deadline = [
-                self.matcher.poll_timeout(),
-                self.expiry.peek().map(|Reverse((at, ..))| *at),
-            ]
-            .into_iter()
-            .flatten()
-            .min();
-            if let Err(e) = common::wait_turn(
-                &rx,
-                self.transport.as_mut(),
-                !self.flights.is_empty(),
-                self.clock,
-                deadline,
-                &mut events,
-                &mut commands,
-            ) {
-                warn!(error = %e, "transport poll failed");
-            }
-            for command in commands.drain(..) {
-                if matches!(command, Command::Shutdown) {
-                    break 'outer;
-                }
-                self.command(command);
-            }
-            for event in events.drain(..) {
-                self.transport_event(event);
-            }
-            let now = self.clock.now();
-            self.matcher.handle_timeout(now);
-            self.expire(now);
-            self.actions();
-        }
-        self.shutdown();
+impl common::Driven for Driver {
+    type Command = Command;
+
+    fn transport(&mut self) -> (&mut dyn Transport, Clock) {
+        (self.transport.as_mut(), self.clock)
+    }
+
+    fn busy(&self) -> bool {
+        !self.flights.is_empty()
+    }
+
+    fn deadline(&mut self) -> Option<Timestamp> {
+        [
+            self.matcher.poll_timeout(),
+            self.expiry.peek().map(|Reverse((at, ..))| *at),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
+    }
+
+    fn is_shutdown(command: &Command) -> bool {
+        matches!(command, Command::Shutdown)
     }
 
     fn command(&mut self, command: Command) {
+        self.handle(command);
+    }
+
+    fn transport_event(&mut self, event: Event) {
+        self.on_event(event);
+    }
+
+    fn tick(&mut self, now: Timestamp) {
+        self.matcher.handle_timeout(now);
+        self.expire(now);
+        self.actions();
+    }
+}
+
+impl Driver {
+    fn run(mut self, rx: Receiver<Command>) {
+        common::drive(&mut self, &rx);
+        self.shutdown();
+    }
+
+    fn handle(&mut self, command: Command) {
         let now = self.clock.now();
         match command {
             Command::Finished { key, held, pull } => {
@@ -869,7 +875,7 @@ impl Driver {
             .map_err(|e| format!("cannot post the writes of {key}: {e}"))
     }
 
-    fn transport_event(&mut self, event: Event) {
+    fn on_event(&mut self, event: Event) {
         let now = self.clock.now();
         match event {
             Event::WriteDone { op, .. } => {
