@@ -8,11 +8,16 @@ use anyhow::{bail, Context as _};
 
 use crate::{cargo, root, step};
 
-/// (name, package, bench target, criterion group prefix)
+/// (name, package, bench target, criterion groups, comma-separated)
 const BENCHES: &[(&str, &str, &str, &str)] = &[
     ("plan", "kvx-layout", "plan", "plan_qwen3_32b_16k"),
     ("codec", "kvx-core", "codec", "codec"),
-    ("rendezvous", "kvx-rendezvous", "matcher", "rendezvous"),
+    (
+        "rendezvous",
+        "kvx-rendezvous",
+        "matcher",
+        "matcher,expiry,waiter",
+    ),
     ("transfer", "kvx-rdma", "transfer", "transfer"),
 ];
 
@@ -71,7 +76,10 @@ pub(crate) fn run(names: &[String], quick: bool) -> anyhow::Result<()> {
             println!("    results: {}", out_dir.join("transfer.json").display());
             continue;
         }
-        let summary = collect(&root().join("target/criterion"), group)?;
+        let summary = collect(
+            &root().join("target/criterion"),
+            &group.split(',').collect::<Vec<_>>(),
+        )?;
         let path = out_dir.join(format!("{name}.json"));
         fs::write(&path, summary).with_context(|| format!("cannot write {}", path.display()))?;
         println!("    results: {}", path.display());
@@ -82,11 +90,11 @@ pub(crate) fn run(names: &[String], quick: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Gathers criterion's `new/estimates.json` of every benchmark under `<criterion>/<group>`.
-fn collect(criterion: &Path, group: &str) -> anyhow::Result<String> {
+/// Gathers criterion's `new/estimates.json` of every benchmark under `<criterion>/<group>`,
+/// for each group.
+fn collect(criterion: &Path, groups: &[&str]) -> anyhow::Result<String> {
     let mut rows = Vec::new();
-    let base = criterion.join(group);
-    let mut stack = vec![base.clone()];
+    let mut stack: Vec<_> = groups.iter().map(|g| criterion.join(g)).collect();
     while let Some(dir) = stack.pop() {
         let Ok(entries) = fs::read_dir(&dir) else {
             continue;

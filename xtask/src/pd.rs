@@ -99,10 +99,13 @@ fn point(
         .arg("--out")
         .arg(out)
         .stdout(Stdio::null())
-        .status()
+        .output()
         .context("cannot run kvx pd decode")?;
-    if !status.success() {
-        bail!("kvx pd decode failed ({mode}, {length} tokens, {rate}/s)");
+    if !status.status.success() {
+        bail!(
+            "kvx pd decode failed ({mode}, {length} tokens, {rate}/s): {}",
+            String::from_utf8_lossy(&status.stderr)
+        );
     }
     let deadline = Instant::now() + Duration::from_secs(30);
     while prefill.0.try_wait()?.is_none() {
