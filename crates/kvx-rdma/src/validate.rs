@@ -74,6 +74,46 @@ pub fn check_ops(
     Ok(total)
 }
 
+/// The checks every backend makes before registering `region`: a new index, a non-empty host
+/// region (device memory comes with the device-memory support), a length that fits the address
+/// space. Returns the length in bytes.
+///
+/// # Errors
+/// [`RegisterError::Duplicate`], [`RegisterError::Empty`], [`RegisterError::UnsupportedKind`] or
+/// [`RegisterError::Backend`] (too large).
+#[cfg_attr(
+    not(any(feature = "libfabric", feature = "nixl")),
+    allow(
+        dead_code,
+        reason = "only the FFI backends register memory with a provider"
+    )
+)]
+pub(crate) fn check_registration(
+    region: &crate::region::LocalRegion,
+    already_registered: bool,
+    backend: &'static str,
+) -> Result<usize, crate::error::RegisterError> {
+    use crate::error::RegisterError;
+    let index = region.index();
+    if already_registered {
+        return Err(RegisterError::Duplicate(index));
+    }
+    if region.is_empty() {
+        return Err(RegisterError::Empty(index));
+    }
+    if region.kind() != kvx_core::MemoryKind::Host {
+        return Err(RegisterError::UnsupportedKind {
+            index,
+            kind: region.kind(),
+            backend,
+        });
+    }
+    usize::try_from(region.len()).map_err(|_| RegisterError::Backend {
+        index,
+        source: format!("region of {} bytes exceeds the address space", region.len()).into(),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

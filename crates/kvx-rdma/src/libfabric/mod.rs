@@ -1122,25 +1122,11 @@ impl Transport for LibfabricTransport {
 
     fn register(&mut self, region: LocalRegion) -> Result<RegionDesc, RegisterError> {
         let index = region.index();
-        if self.regions.contains_key(&index) {
-            return Err(RegisterError::Duplicate(index));
-        }
-        if region.is_empty() {
-            return Err(RegisterError::Empty(index));
-        }
-        if region.kind() != MemoryKind::Host {
-            // CUDA and Neuron memory need FI_MR_HMEM and the device in the registration: they
-            // come with the device-memory support.
-            return Err(RegisterError::UnsupportedKind {
-                index,
-                kind: region.kind(),
-                backend: BACKEND,
-            });
-        }
-        let len = usize::try_from(region.len()).map_err(|_| RegisterError::Backend {
-            index,
-            source: format!("region of {} bytes exceeds the address space", region.len()).into(),
-        })?;
+        let len = crate::validate::check_registration(
+            &region,
+            self.regions.contains_key(&index),
+            BACKEND,
+        )?;
         let requested_key = self.next_key;
         // SAFETY: `LocalRegion` guarantees the memory stays valid until it is deregistered or the
         // transport dropped; the registration is closed before the `LocalRegion` is released

@@ -835,25 +835,11 @@ impl Transport for NixlTransport {
 
     fn register(&mut self, region: LocalRegion) -> Result<RegionDesc, RegisterError> {
         let index = region.index();
-        if self.regions.contains_key(&index) {
-            return Err(RegisterError::Duplicate(index));
-        }
-        if region.is_empty() {
-            return Err(RegisterError::Empty(index));
-        }
-        if region.kind() != MemoryKind::Host {
-            // CUDA memory is NIXL `VRAM` with a device id: it comes with the device-memory
-            // support.
-            return Err(RegisterError::UnsupportedKind {
-                index,
-                kind: region.kind(),
-                backend: BACKEND,
-            });
-        }
-        let len = usize::try_from(region.len()).map_err(|_| RegisterError::Backend {
-            index,
-            source: format!("region of {} bytes exceeds the address space", region.len()).into(),
-        })?;
+        let len = crate::validate::check_registration(
+            &region,
+            self.regions.contains_key(&index),
+            BACKEND,
+        )?;
         let span = Span {
             addr: region.addr(),
             len,
