@@ -411,7 +411,9 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
         status, err = http("POST", f"{proxy_url}/v1/completions",
                            {"model": "tiny", "prompt": prompt(20), "max_tokens": 4}, timeout=60)
         assert status in (502, 503), (status, err)
-        assert b"prefill" in err, err
+        # Decode was killed in 2b too, and push dispatches to both legs at once: whichever the
+        # proxy finds down first is named. What matters is a prompt error, never a hang.
+        assert b"prefill" in err or b"decode" in err, err
         assert time.monotonic() - t0 < 30
     except Exception:
         for s in servers:
