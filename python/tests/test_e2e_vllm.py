@@ -12,6 +12,7 @@ Each test says what it proves.
 from __future__ import annotations
 
 import json
+import random
 import os
 import re
 import signal
@@ -66,10 +67,30 @@ def prompt(n_words: int, salt: int = 0) -> str:
     return " ".join(WORDS[(i * 5 + salt) % len(WORDS)] for i in range(n_words))
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_PORTS = random.Random(os.getpid())
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the ephemeral range: vLLM binds its own sockets (ZMQ and others) to
+    ephemeral ports while it starts, so a port picked there could be taken before our server
+    binds it."""
+    low = _ephemeral_low()
+    for _ in range(1000):
+        port = _PORTS.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def http(method: str, url: str, body: dict | None = None, timeout: float = 120.0):
