@@ -41,11 +41,34 @@ pub fn head_vector(seed: u64, layer: u32, kv: u32, token: u64, head: u32, out: &
     }
 }
 
-fn for_each_vector(
+/// Where one head vector of a request lives on a rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeadVectorAt {
+    /// Layer.
+    pub layer: u32,
+    /// 0 for K (or the MLA latent), 1 for V.
+    pub kv: u32,
+    /// Token of the request.
+    pub token: u64,
+    /// Global head.
+    pub head: u32,
+    /// Region holding it.
+    pub region: u32,
+    /// Byte offset in that region.
+    pub offset: u64,
+}
+
+/// Calls `f` for every head vector this rank holds of `tokens` of a request stored in `blocks`,
+/// until `f` returns false: the walk of [`fill_request`] and [`verify_request`], for callers
+/// whose memory is not a Rust slice (registered buffers).
+///
+/// # Panics
+/// If `blocks` does not cover the tokens.
+pub fn for_each_head_vector(
     layout: &Layout,
     blocks: &[BlockId],
     tokens: std::ops::Range<u64>,
-    mut f: impl FnMut(u32, u32, u64, u32, u32, u64) -> bool,
+    mut f: impl FnMut(HeadVectorAt) -> bool,
 ) {
     let bt = u64::from(layout.spec().block_tokens);
     for token in tokens {
@@ -55,14 +78,15 @@ fn for_each_vector(
             for kv in 0..layout.kv_parts() {
                 for local in 0..layout.local_heads() {
                     let (region, offset) = layout.head_vector(layer, kv, block, slot, local);
-                    if !f(
+                    let at = HeadVectorAt {
                         layer,
                         kv,
                         token,
-                        layout.first_head() + local,
+                        head: layout.first_head() + local,
                         region,
                         offset,
-                    ) {
+                    };
+                    if !f(at) {
                         return;
                     }
                 }
@@ -84,23 +108,12 @@ pub fn fill_request(
     seed: u64,
 ) {
     let hb = layout.head_bytes() as usize;
-    for_each_vector(
-        layout,
-        blocks,
-        0..num_tokens,
-        |layer, kv, token, head, region, offset| {
-            let at = offset as usize;
-            head_vector(
-                seed,
-                layer,
-                kv,
-                token,
-                head,
-                &mut regions[region as usize][at..at + hb],
-            );
-            true
-        },
-    );
+    for_each_head_vector(layout, blocks, 0..num_tokens, |v| {
+        let at = v.offset as usize;
+        let out = &mut regions[v.region as usize][at..at + hb];
+        head_vector(seed, v.layer, v.kv, v.token, v.head, out);
+        true
+    });
 }
 
 /// Checks that this rank holds the pattern for tokens `skip_tokens..num_tokens` of the request.
@@ -118,26 +131,21 @@ pub fn verify_request(
     let hb = layout.head_bytes() as usize;
     let mut expected = vec![0u8; hb];
     let mut found = None;
-    for_each_vector(
-        layout,
-        blocks,
-        skip_tokens..num_tokens,
-        |layer, kv, token, head, region, offset| {
-            head_vector(seed, layer, kv, token, head, &mut expected);
-            let at = offset as usize;
-            if regions[region as usize][at..at + hb] != expected[..] {
-                found = Some(Mismatch {
-                    layer,
-                    kv,
-                    token,
-                    head,
-                    region,
-                    offset,
-                });
-                return false;
-            }
-            true
-        },
-    );
+    for_each_head_vector(layout, blocks, skip_tokens..num_tokens, |v| {
+        head_vector(seed, v.layer, v.kv, v.token, v.head, &mut expected);
+        let at = v.offset as usize;
+        if regions[v.region as usize][at..at + hb] != expected[..] {
+            found = Some(Mismatch {
+                layer: v.layer,
+                kv: v.kv,
+                token: v.token,
+                head: v.head,
+                region: v.region,
+                offset: v.offset,
+            });
+            return false;
+        }
+        true
+    });
     found.map_or(Ok(()), Err)
 }

@@ -3,13 +3,13 @@
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::time::{Duration, Instant};
 
-use kvx_core::wire::{FailureReason, Hello, Role};
+use kvx_core::wire::{Hello, Role};
 use kvx_core::{LayoutSpec, Rank};
 use kvx_layout::Layout;
 use kvx_rdma::desc::EndpointDesc;
 use kvx_rdma::region::LocalRegion;
 use kvx_rdma::transport::{Event, Transport};
-use kvx_rendezvous::{Reason, Timestamp};
+use kvx_rendezvous::Timestamp;
 
 use crate::config::ConnectorConfig;
 use crate::error::StartError;
@@ -209,24 +209,9 @@ pub(crate) fn drive<D: Driven>(driver: &mut D, rx: &Receiver<D::Command>) {
     }
 }
 
-/// The wire's failure reason for a state-machine reason.
-pub(crate) fn wire_reason(reason: Reason) -> FailureReason {
-    FailureReason::from(reason)
-}
-
-/// A state-machine reason for a failure reported by the peer.
-pub(crate) fn local_reason(reason: FailureReason) -> Reason {
-    match reason {
-        FailureReason::LeaseExpired => Reason::LeaseExpired,
-        FailureReason::Aborted => Reason::Aborted,
-        FailureReason::Preempted => Reason::Preempted,
-        FailureReason::Rejected => Reason::Capacity,
-        _ => Reason::PeerFailed,
-    }
-}
-
 /// The control address of rank `rank` of an instance whose rank 0 listens at `base`.
-pub(crate) fn rank_addr(base: std::net::SocketAddr, rank: Rank) -> std::net::SocketAddr {
+#[must_use]
+pub fn rank_addr(base: std::net::SocketAddr, rank: Rank) -> std::net::SocketAddr {
     let mut addr = base;
     addr.set_port(base.port().wrapping_add(rank.0 as u16));
     addr

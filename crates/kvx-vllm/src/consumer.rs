@@ -578,8 +578,7 @@ impl Driver {
             Message::Failure(f) => {
                 let key = AttemptKey::new(f.transfer, f.attempt);
                 debug!(%key, reason = ?f.reason, detail = f.detail, "producer reported failure");
-                self.waiter
-                    .failure(now, key, common::local_reason(f.reason));
+                self.waiter.failure(now, key, Reason::from_peer(f.reason));
             }
             Message::Hello(_) | Message::Heartbeat(_) => {}
             _ => warn!(%instance, "unexpected message from a producer"),

@@ -63,7 +63,7 @@ mod python;
 mod stats;
 pub mod transport;
 
-pub use common::KvCache;
+pub use common::{rank_addr, KvCache};
 pub use config::ConnectorConfig;
 pub use consumer::{Consumer, PullRequest, PushRequest, RecvEvent};
 pub use control::ControlError;

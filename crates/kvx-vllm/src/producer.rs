@@ -1022,7 +1022,7 @@ fn failure(key: AttemptKey, rank: Rank, reason: Reason, detail: &str) -> Message
         transfer: key.transfer,
         attempt: key.attempt,
         rank,
-        reason: common::wire_reason(reason),
+        reason: reason.into(),
         detail: detail.chars().take(1024).collect(),
     })
 }

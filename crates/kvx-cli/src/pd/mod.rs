@@ -7,7 +7,6 @@
 //! side channel and (push) registers its blocks at once, or (pull) reads them after prefill
 //! reports its block ids. Decode verifies every received byte.
 
-use std::net::SocketAddr;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::bail;
@@ -108,13 +107,6 @@ pub(crate) fn unix_micros() -> u64 {
         .duration_since(UNIX_EPOCH)
         .unwrap_or(Duration::ZERO)
         .as_micros() as u64
-}
-
-/// The control address of rank `rank` of an instance whose rank 0 is `base`.
-pub(crate) fn rank_addr(base: SocketAddr, rank: u32) -> SocketAddr {
-    let mut a = base;
-    a.set_port(base.port() + rank as u16);
-    a
 }
 
 /// A fixed-capacity block allocator (ids 0..n), the same ids on every rank of an instance.

@@ -9,13 +9,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
 use kvx_core::{Attempt, BlockId, EngineId, RequestId, TransferId};
-use kvx_layout::synth::head_vector;
+use kvx_layout::synth::{for_each_head_vector, head_vector};
 use kvx_layout::Layout;
 use kvx_rdma::region::{HostBuffer, LocalRegion};
 use kvx_rendezvous::AttemptKey;
 use kvx_vllm::{ConnectorConfig, KvCache, Producer, TransportSpec};
 
-use super::{rank_addr, unix_micros, BlockPool, ModelArgs};
+use super::{unix_micros, BlockPool, ModelArgs};
 
 /// Arguments of `kvx pd prefill`.
 #[derive(clap::Args, Debug)]
@@ -73,59 +73,39 @@ impl RankMemory {
 
     /// Writes the synthetic KV of `tokens` tokens into `blocks` (this rank's heads).
     pub(crate) fn fill(&self, blocks: &[BlockId], tokens: u64, seed: u64) -> anyhow::Result<()> {
-        let hb = self.layout.head_bytes() as usize;
-        let mut vector = vec![0u8; hb];
-        let bt = u64::from(self.layout.spec().block_tokens);
-        for token in 0..tokens {
-            let block = blocks[(token / bt) as usize];
-            let slot = (token % bt) as u32;
-            for layer in 0..self.layout.spec().num_layers {
-                for kv in 0..self.layout.kv_parts() {
-                    for local in 0..self.layout.local_heads() {
-                        let (region, offset) =
-                            self.layout.head_vector(layer, kv, block, slot, local);
-                        head_vector(
-                            seed,
-                            layer,
-                            kv,
-                            token,
-                            self.layout.first_head() + local,
-                            &mut vector,
-                        );
-                        self.buffers[region as usize].write_at(offset as usize, &vector)?;
-                    }
-                }
-            }
-        }
-        Ok(())
+        let mut vector = vec![0u8; self.layout.head_bytes() as usize];
+        let mut result = Ok(());
+        for_each_head_vector(&self.layout, blocks, 0..tokens, |v| {
+            head_vector(seed, v.layer, v.kv, v.token, v.head, &mut vector);
+            result = self.buffers[v.region as usize].write_at(v.offset as usize, &vector);
+            result.is_ok()
+        });
+        Ok(result?)
     }
 
-    /// Checks the synthetic KV of tokens `skip..tokens` in `blocks`; the first wrong head vector.
+    /// Checks the synthetic KV of tokens `0..tokens` in `blocks`; returns the bytes checked, or
+    /// the first wrong head vector.
     pub(crate) fn verify(&self, blocks: &[BlockId], tokens: u64, seed: u64) -> anyhow::Result<u64> {
         let hb = self.layout.head_bytes() as usize;
         let (mut expected, mut found) = (vec![0u8; hb], vec![0u8; hb]);
-        let bt = u64::from(self.layout.spec().block_tokens);
         let mut bytes = 0;
-        for token in 0..tokens {
-            let block = blocks[(token / bt) as usize];
-            let slot = (token % bt) as u32;
-            for layer in 0..self.layout.spec().num_layers {
-                for kv in 0..self.layout.kv_parts() {
-                    for local in 0..self.layout.local_heads() {
-                        let (region, offset) =
-                            self.layout.head_vector(layer, kv, block, slot, local);
-                        let head = self.layout.first_head() + local;
-                        head_vector(seed, layer, kv, token, head, &mut expected);
-                        self.buffers[region as usize].read_at(offset as usize, &mut found)?;
-                        if found != expected {
-                            bail!("wrong KV at layer {layer} kv {kv} token {token} head {head} (block {block})");
-                        }
-                        bytes += hb as u64;
+        let mut result = Ok(());
+        for_each_head_vector(&self.layout, blocks, 0..tokens, |v| {
+            head_vector(seed, v.layer, v.kv, v.token, v.head, &mut expected);
+            result = self.buffers[v.region as usize]
+                .read_at(v.offset as usize, &mut found)
+                .map_err(anyhow::Error::from)
+                .and_then(|()| {
+                    if found == expected {
+                        Ok(())
+                    } else {
+                        Err(anyhow::anyhow!("wrong KV: {v:?}"))
                     }
-                }
-            }
-        }
-        Ok(bytes)
+                });
+            bytes += hb as u64;
+            result.is_ok()
+        });
+        result.map(|()| bytes)
     }
 }
 
@@ -167,7 +147,7 @@ pub(crate) fn run(args: &PrefillArgs) -> anyhow::Result<()> {
     for rank in 0..args.model.tp {
         let (memory, cache) = RankMemory::new(args.model.layout(rank)?)?;
         let mut config = ConnectorConfig::new(EngineId(1));
-        config.listen = rank_addr(args.listen, rank);
+        config.listen = kvx_vllm::rank_addr(args.listen, kvx_core::Rank(rank));
         config.producer_lease = Duration::from_secs(args.lease_s);
         let transport = spec.open()?;
         producers
