@@ -317,7 +317,11 @@ def check_pair_matches_reference(mode, model, workdir, reference):
             got = complete(proxy_url, prompt(n))
             assert_same(got, reference[n], f"{mode}, {got['prompt_tokens']}-token prompt")
             prompt_total += got["prompt_tokens"]
-        assert chat_stream(proxy_url, prompt(30, salt=3)) == reference["chat"]
+        # vLLM may coalesce several tokens into one streamed delta when its output loop runs
+        # behind (2 busy cores), so the text must match, not the chunking.
+        pieces = chat_stream(proxy_url, prompt(30, salt=3))
+        assert pieces, "the streamed chat completion carried no content"
+        assert "".join(pieces) == "".join(reference["chat"])
         after = prompt_sources(d_url)
         delta = {k: after[k] - before[k] for k in after}
         chat_tokens = delta["external_kv_transfer"] - prompt_total
