@@ -2,7 +2,8 @@
 //!
 //! `cargo bench -p kvx-rdma --bench transfer [-- --quick] [-- --backend NAME]` (what
 //! `cargo xtask bench transfer` runs; `--features nixl` adds the NIXL backend, `nixl-ucx-tcp`,
-//! which needs `KVX_NIXL_LIB_DIR`). For op sizes from 4 KiB to 64 MiB it moves 64 MiB per
+//! which needs `KVX_NIXL_LIB_DIR`). The `-2rail` libfabric backends run the same plans over
+//! two-rail endpoints, in the same run as the single-rail ones. For op sizes from 4 KiB to 64 MiB it moves 64 MiB per
 //! iteration as a list of equal operations, and it moves a 16k-token request plan; each time from
 //! `write` to the consumer seeing the notice, with the consumer endpoint on its own thread; both
 //! sides block in `wait` (as the connector's threads do), so wake-up latency counts. The
@@ -243,7 +244,7 @@ fn backends() -> Vec<(&'static str, Factory)> {
     )];
     #[cfg(feature = "libfabric")]
     {
-        use kvx_rdma::libfabric::{LibfabricConfig, LibfabricTransport};
+        use kvx_rdma::libfabric::{LibfabricConfig, LibfabricTransport, Rails};
         fn open(config: LibfabricConfig) -> Option<(Box<dyn Transport>, Box<dyn Transport>)> {
             let a = LibfabricTransport::open(&config)
                 .map_err(|e| eprintln!("{e}"))
@@ -257,6 +258,17 @@ fn backends() -> Vec<(&'static str, Factory)> {
         out.push((
             "libfabric-tcp",
             Box::new(|| open(LibfabricConfig::tcp(Some("lo")))),
+        ));
+        // The same plans over two rails (two endpoints of the provider on each side, plans of
+        // 256 KiB and more striped over both): one host has no second NIC, so this measures the
+        // striping's cost rather than a gain.
+        out.push((
+            "libfabric-shm-2rail",
+            Box::new(|| open(LibfabricConfig::shm().with_rails(Rails::Count(2)))),
+        ));
+        out.push((
+            "libfabric-tcp-2rail",
+            Box::new(|| open(LibfabricConfig::tcp(Some("lo")).with_rails(Rails::Count(2)))),
         ));
     }
     #[cfg(feature = "nixl")]

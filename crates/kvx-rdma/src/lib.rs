@@ -11,7 +11,9 @@
 //! - `libfabric` (feature `libfabric`, on by default): one-sided RMA over the system libfabric
 //!   (`shm`, `tcp;ofi_rxm`, `efa`), through the own bindgen crate `libfabric-sys`;
 //! - `nixl` (feature `nixl`, off by default): NVIDIA NIXL (its UCX plugin) through `nixl-sys`,
-//!   with the runtime library loaded at run time.
+//!   with the runtime library loaded at run time;
+//! - `cuda::ipc` (feature `cuda`, on by default): CUDA IPC between processes of one host, with
+//!   CUDA device memory as a region kind and NVRTC layout kernels ([`cuda`]).
 //!
 //! Also here: the PCIe [`topology`] and rail selection.
 //!
@@ -60,6 +62,8 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod desc;
 pub mod error;
 #[cfg(feature = "libfabric")]

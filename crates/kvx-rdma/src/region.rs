@@ -202,6 +202,21 @@ impl LocalRegion {
         }
     }
 
+    /// The whole of a CUDA device buffer as region `index` (kind [`MemoryKind::Cuda`]).
+    #[cfg(feature = "cuda")]
+    #[must_use]
+    pub fn cuda(index: u32, buffer: Arc<crate::cuda::DeviceBuffer>) -> Self {
+        Self {
+            index,
+            kind: MemoryKind::Cuda {
+                device: buffer.gpu().ordinal(),
+            },
+            addr: buffer.device_ptr() as usize,
+            len: buffer.len(),
+            owner: Some(buffer),
+        }
+    }
+
     /// A region over memory owned elsewhere.
     ///
     /// # Safety

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use kvx_core::Rank;
 use kvx_layout::CopyOp;
-use kvx_rdma::libfabric::{LibfabricConfig, LibfabricTransport};
+use kvx_rdma::libfabric::{LibfabricConfig, LibfabricTransport, Rails};
 use kvx_rdma::{
     ConnectError, EndpointDesc, Event, HostBuffer, LocalRegion, Notice, OpError, PlanError, Side,
     Transport, WriteError,
@@ -22,6 +22,7 @@ use kvx_rdma::{
 
 const ROLE_ENV: &str = "KVX_XPROC_ROLE";
 const PROVIDER_ENV: &str = "KVX_XPROC_PROVIDER";
+const RAILS_ENV: &str = "KVX_XPROC_RAILS";
 const NOTICE: u64 = 0x5eed_0000_0000_0042;
 const DEADLINE: Duration = Duration::from_secs(60);
 
@@ -31,12 +32,20 @@ const CONSUMER_REGIONS: [(u32, usize); 3] = [(0, 4 << 20), (1, 1 << 20), (2, 3 <
 const PRODUCER_REGIONS: [(u32, usize); 2] = [(0, 6 << 20), (1, 2 << 20)];
 
 fn config(provider: &str) -> LibfabricConfig {
+    config_rails(provider, 1)
+}
+
+/// A configuration with `rails` endpoints of the provider (one: the default single rail).
+fn config_rails(provider: &str, rails: usize) -> LibfabricConfig {
     let mut config = if provider == "shm" {
         LibfabricConfig::shm()
     } else {
         LibfabricConfig::tcp(Some("lo"))
     };
     config.op_timeout = Duration::from_secs(5);
+    if rails > 1 {
+        config = config.with_rails(Rails::Count(rails));
+    }
     config
 }
 
@@ -123,11 +132,21 @@ fn child_role() {
         return;
     };
     let provider = std::env::var(PROVIDER_ENV).expect("provider for the child");
-    let mut transport = LibfabricTransport::open(&config(&provider)).expect("child: open");
+    let rails = std::env::var(RAILS_ENV)
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(1);
+    let mut transport =
+        LibfabricTransport::open(&config_rails(&provider, rails)).expect("child: open");
+    assert_eq!(transport.rail_count(), rails);
     let buffers: Vec<Arc<HostBuffer>> = CONSUMER_REGIONS
         .iter()
         .map(|&(index, len)| {
             let buffer = Arc::new(HostBuffer::new(len).unwrap());
+            if role == "serve" {
+                // Pull mode: the child holds the bytes, the parent reads them.
+                buffer.fill_with(|i| pattern(index, i as u64));
+            }
             transport
                 .register(LocalRegion::host(index, Arc::clone(&buffer)))
                 .unwrap();
@@ -145,7 +164,7 @@ fn child_role() {
         transport
             .wait(&mut events, Duration::from_millis(100))
             .expect("child: wait");
-        if role == "sink" {
+        if role == "sink" || role == "serve" {
             events.clear();
             continue;
         }
@@ -177,6 +196,10 @@ struct ChildProcess {
 
 impl ChildProcess {
     fn spawn(role: &str, provider: &str) -> Self {
+        Self::spawn_rails(role, provider, 1)
+    }
+
+    fn spawn_rails(role: &str, provider: &str, rails: usize) -> Self {
         let mut child = Command::new(std::env::current_exe().unwrap())
             .args([
                 "--ignored",
@@ -187,6 +210,7 @@ impl ChildProcess {
             ])
             .env(ROLE_ENV, role)
             .env(PROVIDER_ENV, provider)
+            .env(RAILS_ENV, rails.to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -239,7 +263,12 @@ impl Drop for ChildProcess {
 }
 
 fn producer(provider: &str) -> (LibfabricTransport, Vec<Arc<HostBuffer>>) {
-    let mut transport = LibfabricTransport::open(&config(provider)).expect("producer: open");
+    producer_rails(provider, 1)
+}
+
+fn producer_rails(provider: &str, rails: usize) -> (LibfabricTransport, Vec<Arc<HostBuffer>>) {
+    let mut transport =
+        LibfabricTransport::open(&config_rails(provider, rails)).expect("producer: open");
     let buffers = PRODUCER_REGIONS
         .iter()
         .map(|&(index, len)| {
@@ -421,4 +450,121 @@ fn bad_descriptions_are_typed_errors() {
         error.starts_with("PeerUnreachable") || error.starts_with("TimedOut"),
         "{error}"
     );
+}
+
+// ---- Several rails ----------------------------------------------------------------------------
+
+/// The producer with `producer_rails` rails writes the sample plan (5.3 MiB, strided pieces
+/// included; striped over the rails they share) to a consumer with `consumer_rails`, which
+/// checks every byte the moment the notice arrives.
+fn multi_rail_plan_is_verified(provider: &str, producer_rails: usize, consumer_rails: usize) {
+    let mut child = ChildProcess::spawn_rails("verify", provider, consumer_rails);
+    let (mut transport, _buffers) = producer_rails_of(provider, producer_rails);
+    let desc = child.desc();
+    let peer = transport.connect(&desc).unwrap();
+    assert_eq!(
+        transport.links(peer),
+        Some(producer_rails.min(consumer_rails))
+    );
+    let plan = sample_plan();
+    let total: u64 = plan.iter().map(CopyOp::bytes).sum();
+    let id = transport.write(peer, &plan, Some(Notice(NOTICE))).unwrap();
+    let bytes = wait_for(&mut transport, "write completion", |e| match e {
+        Event::WriteDone { op, bytes, .. } if *op == id => Some(*bytes),
+        Event::Failed { error, .. } => panic!("write failed: {error:?}"),
+        _ => None,
+    });
+    assert_eq!(bytes, total);
+    let verdict = child.line();
+    assert!(verdict.starts_with("OK "), "consumer: {verdict}");
+    assert!(child.wait_exit(), "consumer exited with failure");
+}
+
+fn producer_rails_of(provider: &str, rails: usize) -> (LibfabricTransport, Vec<Arc<HostBuffer>>) {
+    let (transport, buffers) = producer_rails(provider, rails);
+    assert_eq!(transport.rail_count(), rails);
+    (transport, buffers)
+}
+
+#[test]
+fn shm_two_rails_plan_crosses_processes_and_is_verified() {
+    multi_rail_plan_is_verified("shm", 2, 2);
+}
+
+#[test]
+fn tcp_two_rails_plan_crosses_processes_and_is_verified() {
+    multi_rail_plan_is_verified("tcp;ofi_rxm", 2, 2);
+}
+
+#[test]
+fn two_rail_producer_and_one_rail_consumer_use_one_rail() {
+    multi_rail_plan_is_verified("shm", 2, 1);
+    multi_rail_plan_is_verified("shm", 1, 2);
+}
+
+/// Pull mode over two rails: the child holds the bytes, the parent reads a striped plan (the
+/// sample plan turned around) and checks every byte.
+fn multi_rail_read(provider: &str) {
+    let child = ChildProcess::spawn_rails("serve", provider, 2);
+    let mut transport = LibfabricTransport::open(&config_rails(provider, 2)).expect("reader: open");
+    // The reader's regions have the producer's shape; the plan reads consumer regions into them.
+    let buffers: Vec<Arc<HostBuffer>> = PRODUCER_REGIONS
+        .iter()
+        .map(|&(index, len)| {
+            let buffer = Arc::new(HostBuffer::new(len).unwrap());
+            transport
+                .register(LocalRegion::host(index, Arc::clone(&buffer)))
+                .unwrap();
+            buffer
+        })
+        .collect();
+    let peer = transport.connect(&child.desc()).unwrap();
+    assert_eq!(transport.links(peer), Some(2));
+    // The sample plan with its sides swapped: remote consumer regions -> local producer regions.
+    let plan: Vec<CopyOp> = sample_plan()
+        .into_iter()
+        .map(|op| CopyOp {
+            src_region: op.dst_region,
+            src_offset: op.dst_offset,
+            src_stride: op.dst_stride,
+            dst_region: op.src_region,
+            dst_offset: op.src_offset,
+            dst_stride: op.src_stride,
+            ..op
+        })
+        .collect();
+    let total: u64 = plan.iter().map(CopyOp::bytes).sum();
+    let id = transport.read(peer, &plan).unwrap();
+    let bytes = wait_for(&mut transport, "read completion", |e| match e {
+        Event::ReadDone { op, bytes, .. } if *op == id => Some(*bytes),
+        Event::Failed { error, .. } => panic!("read failed: {error:?}"),
+        _ => None,
+    });
+    assert_eq!(bytes, total);
+    let mut want: Vec<Vec<u8>> = PRODUCER_REGIONS
+        .iter()
+        .map(|&(_, len)| vec![0; len])
+        .collect();
+    for op in &plan {
+        for (src, dst, len) in op.pieces() {
+            for i in 0..len {
+                want[op.dst_region as usize][(dst + i) as usize] = pattern(op.src_region, src + i);
+            }
+        }
+    }
+    for (i, (buffer, want)) in buffers.iter().zip(&want).enumerate() {
+        let got = buffer.to_vec();
+        let at = got.iter().zip(want).position(|(g, w)| g != w);
+        assert_eq!(at, None, "region {i} differs");
+    }
+}
+
+#[test]
+fn shm_two_rails_read_in_pull_mode() {
+    multi_rail_read("shm");
+}
+
+#[test]
+fn tcp_two_rails_read_in_pull_mode() {
+    multi_rail_read("tcp;ofi_rxm");
 }

@@ -350,6 +350,23 @@ impl Info {
         Err(getinfo_error(-i64::from(sys::FI_ENODATA)))
     }
 
+    /// The domain names of every entry of the list (in the provider's order, without repeats).
+    pub(crate) fn domains(&self) -> Vec<String> {
+        let mut out: Vec<String> = Vec::new();
+        let mut entry = self.ptr.as_ptr();
+        while !entry.is_null() {
+            // SAFETY: `entry` is an element of the list owned by `self`; domain_attr is allocated
+            // in every element.
+            let name = Self::c_str(unsafe { (*(*entry).domain_attr).name });
+            if !name.is_empty() && !out.contains(&name) {
+                out.push(name);
+            }
+            // SAFETY: as above.
+            entry = unsafe { (*entry).next };
+        }
+        out
+    }
+
     fn raw(&self) -> &sys::fi_info {
         // SAFETY: the pointer is valid for as long as `self` lives.
         unsafe { self.ptr.as_ref() }
@@ -602,6 +619,53 @@ impl CompletionQueue {
         Err(FabricError::OpenCq(last.unwrap_or_else(|| {
             FiErrno::new(-i64::from(sys::FI_ENOSYS))
         })))
+    }
+
+    /// The file descriptor of the queue's wait object (`fi_control(FI_GETWAIT)`), for waiting on
+    /// several queues at once with `poll(2)`; `None` for a queue without one, or a provider that
+    /// does not hand it out.
+    pub(crate) fn wait_fd(&self) -> Option<i32> {
+        if !self.blocking {
+            return None;
+        }
+        let fid = self.fid();
+        let mut fd: i32 = -1;
+        // SAFETY: the CQ is open; every fid carries its ops table, whose `control` entry (when
+        // present) takes the fid, a command and, for FI_GETWAIT on an FI_WAIT_FD object, a
+        // pointer to an int that receives the descriptor.
+        let ret = unsafe {
+            let ops = (*fid).ops;
+            if ops.is_null() {
+                return None;
+            }
+            let control = (*ops).control?;
+            control(fid, FI_GETWAIT, (&mut fd as *mut i32).cast::<c_void>())
+        };
+        (ret == 0 && fd >= 0).then_some(fd)
+    }
+
+    /// `fi_trywait` on this queue: `Ok(true)` when the caller may block on the wait descriptor
+    /// (nothing is ready), `Ok(false)` when it must read the queue first.
+    pub(crate) fn try_wait(&self) -> Result<bool, FiErrno> {
+        let fabric = self.domain.fabric.ptr.as_ptr();
+        let mut fids = [self.fid()];
+        // SAFETY: fabric and CQ are open; the fabric's ops table carries `trywait` (checked
+        // non-null), which reads `count` fids from the array.
+        let ret = unsafe {
+            let ops = (*fabric).ops;
+            if ops.is_null() {
+                return Err(FiErrno::new(-i64::from(sys::FI_ENOSYS)));
+            }
+            let Some(trywait) = (*ops).trywait else {
+                return Err(FiErrno::new(-i64::from(sys::FI_ENOSYS)));
+            };
+            trywait(fabric, fids.as_mut_ptr(), 1)
+        };
+        match ret {
+            0 => Ok(true),
+            r if r == -sys::FI_EAGAIN => Ok(false),
+            r => Err(FiErrno::new(i64::from(r))),
+        }
     }
 
     /// Whether [`CompletionQueue::sread`] can block on a wait object.
@@ -1034,4 +1098,45 @@ impl MemoryRegion {
         // SAFETY: the MR is open.
         unsafe { sys::kvx_fi_mr_key(self.ptr.as_ptr()) }
     }
+}
+
+/// The `fi_control` command `FI_GETWAIT` (`<rdma/fabric.h>`: an anonymous enum, which bindgen
+/// names by position; the value is part of libfabric's ABI).
+const FI_GETWAIT: i32 = 5;
+
+/// `struct pollfd` of poll(2).
+#[repr(C)]
+struct PollFd {
+    fd: i32,
+    events: i16,
+    revents: i16,
+}
+
+/// `POLLIN` of poll(2).
+const POLLIN: i16 = 1;
+
+extern "C" {
+    fn poll(fds: *mut PollFd, nfds: std::os::raw::c_ulong, timeout: i32) -> i32;
+}
+
+/// Blocks in poll(2) until one of `fds` is readable or `timeout_ms` passes (an interrupted call
+/// returns early, as a timeout does).
+pub(crate) fn poll_readable(fds: &[i32], timeout_ms: i32) {
+    let mut set: Vec<PollFd> = fds
+        .iter()
+        .map(|&fd| PollFd {
+            fd,
+            events: POLLIN,
+            revents: 0,
+        })
+        .collect();
+    // SAFETY: `set` holds `set.len()` initialised pollfd structures and lives across the call.
+    // The result needs no handling: readiness, a timeout and EINTR all mean "read the queues".
+    let _ = unsafe {
+        poll(
+            set.as_mut_ptr(),
+            std::os::raw::c_ulong::try_from(set.len()).unwrap_or(0),
+            timeout_ms,
+        )
+    };
 }

@@ -23,6 +23,26 @@
 //! (`FI_ORDER_RMA_WAW`, which `tcp;ofi_rxm` and `shm` both report). A write that fails delivers no
 //! notice.
 //!
+//! # Rails
+//!
+//! An endpoint may span several *rails* ([`Rails`]): one fabric, domain, completion queue, address
+//! vector and endpoint per rail (per NIC on EFA hosts, where [`rails::select_rails`] picks the
+//! NICs next to the memory's accelerator), every region registered on every rail. A multi-rail
+//! endpoint's address carries every rail's address, notice slot and region keys (see
+//! [`address`]; a single-rail endpoint's address is the provider's, as before). Connecting pairs
+//! local rail *i* with the peer's rail *i*, for as many rails as both have (a 2-rail endpoint and
+//! a 1-rail one talk over one rail). A write or read of at least
+//! [`LibfabricConfig::stripe_threshold`] bytes is split over the rails by [`stripe::stripe`]
+//! (about `bytes / rails` each; smaller ones go whole on one rail, chosen round-robin). Its
+//! notice goes on the first rail that carried data, after the data completions of *every* rail
+//! have been read and every other rail that carried data has been *flushed*: an 8-byte RMA read
+//! of the peer's notice slot on that rail, which completes only after the rail's earlier writes
+//! are in the peer's memory. Delivery-complete completions alone would do where the provider
+//! honours them for RMA; `tcp;ofi_rxm` 1.17 reports them but completes a write before the target
+//! has placed it (the single-rail argument holds there through `FI_ORDER_RMA_WAW` on the one
+//! connection, which does not order two connections). A failure on any rail fails the whole
+//! operation, once, without a notice.
+//!
 //! # Memory-registration modes
 //!
 //! The transport accepts whatever of `FI_MR_LOCAL`, `FI_MR_VIRT_ADDR`, `FI_MR_ALLOCATED`,
@@ -35,9 +55,14 @@
 //! # Waiting
 //!
 //! The completion queue is opened with a wait object, and [`Transport::wait`] blocks in
-//! `fi_cq_sread`; nothing spins in the background.
+//! `fi_cq_sread`; nothing spins in the background. With several rails it blocks in `poll(2)` on
+//! every rail's wait descriptor (`fi_control(FI_GETWAIT)`, after `fi_trywait`). Providers without
+//! a wait object (`shm`) are read with short sleeps in between (50 to 200 µs), on every rail.
 
+pub mod address;
 pub mod fi;
+pub mod rails;
+pub mod stripe;
 
 use std::collections::{HashMap, VecDeque};
 use std::ffi::c_void;
@@ -56,7 +81,10 @@ use crate::error::{
 use crate::region::{HostBuffer, LocalRegion};
 use crate::transport::{Capabilities, Event, Notice, OpId, OpKind, PeerId, Transport};
 use crate::validate::check_ops;
+use address::PeerRails;
 use fi::{CqRead, FabricError, FiErrno};
+pub use rails::{select_rails, RailFallback, RailSelection};
+pub use stripe::DEFAULT_STRIPE_THRESHOLD;
 
 /// Backend name of libfabric endpoints.
 pub const BACKEND: &str = "libfabric";
@@ -66,10 +94,13 @@ pub const PROVIDER_TCP: &str = "tcp;ofi_rxm";
 pub const PROVIDER_SHM: &str = "shm";
 /// The `efa` provider: AWS Elastic Fabric Adapter.
 pub const PROVIDER_EFA: &str = "efa";
+/// Most rails one endpoint opens.
+pub const MAX_RAILS: usize = address::MAX_RAILS;
 
 /// Bytes of one control-message slot (the longest message, unless the provider allows less).
 const MESSAGE_SLOT: usize = 4096;
-/// Receive buffers kept posted for control messages (and notices on `FI_RX_CQ_DATA` providers).
+/// Receive buffers kept posted for control messages (and notices on `FI_RX_CQ_DATA` providers),
+/// per rail.
 const RECV_SLOTS: usize = 64;
 /// Sends in flight at once.
 const SEND_SLOTS: usize = 64;
@@ -92,18 +123,39 @@ const BUSY_READ: Duration = Duration::from_micros(20);
 /// Longest such sleep.
 const MAX_IDLE_SLEEP: Duration = Duration::from_micros(200);
 
+/// Which rails an endpoint opens.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Rails {
+    /// One endpoint on [`LibfabricConfig::domain`] (the default).
+    #[default]
+    One,
+    /// One endpoint per named domain (NIC), in this order, e.g. `rdmap79s0-rdm` and
+    /// `rdmap80s0-rdm` from [`rails::select_rails`].
+    Domains(Vec<String>),
+    /// This many endpoints on [`LibfabricConfig::domain`]: for providers without a domain per
+    /// NIC (`shm`, `tcp;ofi_rxm` on one interface), where the rails share the hardware (tests,
+    /// benchmarks).
+    Count(usize),
+}
+
 /// How to open a libfabric endpoint.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LibfabricConfig {
     /// Provider name, as `fi_info -p` spells it (`shm`, `tcp;ofi_rxm`, `efa`).
     pub provider: String,
     /// Domain (NIC or interface) to open, e.g. `lo` for TCP over loopback; `None`: the first the
-    /// provider offers.
+    /// provider offers. [`Rails::Domains`] replaces it.
     pub domain: Option<String>,
+    /// The rails to open (one endpoint each); one by default.
+    pub rails: Rails,
+    /// Writes and reads of at least this many bytes are striped over the rails; smaller ones go
+    /// on one rail, chosen round-robin ([`DEFAULT_STRIPE_THRESHOLD`]: 256 KiB).
+    pub stripe_threshold: u64,
     /// How long an operation may stay in flight before it is reported as
     /// [`OpError::TimedOut`].
     pub op_timeout: Duration,
-    /// Completion-queue entries.
+    /// Completion-queue entries (per rail).
     pub cq_size: usize,
 }
 
@@ -114,6 +166,8 @@ impl LibfabricConfig {
         Self {
             provider: provider.into(),
             domain: None,
+            rails: Rails::One,
+            stripe_threshold: DEFAULT_STRIPE_THRESHOLD,
             op_timeout: Duration::from_secs(30),
             cq_size: 4096,
         }
@@ -149,6 +203,22 @@ impl LibfabricConfig {
             Self::new(PROVIDER_TCP)
         }
     }
+
+    /// The same configuration with other rails.
+    #[must_use]
+    pub fn with_rails(mut self, rails: Rails) -> Self {
+        self.rails = rails;
+        self
+    }
+
+    /// The domains this configuration opens, one per rail (`None`: the provider's first).
+    fn rail_domains(&self) -> Vec<Option<String>> {
+        match &self.rails {
+            Rails::One => vec![self.domain.clone()],
+            Rails::Domains(domains) => domains.iter().cloned().map(Some).collect(),
+            Rails::Count(n) => vec![self.domain.clone(); *n],
+        }
+    }
 }
 
 /// What an operation context is for.
@@ -158,9 +228,11 @@ enum Use {
     Data { op: u64 },
     /// The notice write of operation `op`.
     Notice { op: u64 },
-    /// A posted receive into message slot `slot`.
-    Recv { slot: usize },
-    /// Send `op` from send slot `slot`.
+    /// A flush read of operation `op` (see [`Pending::flush`]).
+    Flush { op: u64 },
+    /// A posted receive into message slot `slot` of rail `rail`.
+    Recv { rail: usize, slot: usize },
+    /// Send `op` from send slot `slot` (of rail 0, which carries every send).
     Send { op: u64, slot: usize },
 }
 
@@ -206,15 +278,17 @@ impl ContextPool {
 
 /// A registered region.
 struct Registration {
-    // Declared before `region`: the registration closes before the memory may be released.
-    mr: fi::MemoryRegion,
+    // Declared before `region`: the registrations close before the memory may be released.
+    /// One registration per rail.
+    mrs: Vec<fi::MemoryRegion>,
     region: LocalRegion,
+    /// How peers see it (with rail 0's key).
     remote: RegionDesc,
     /// Operations in flight that use the region.
     users: usize,
 }
 
-/// The endpoint's own buffer: the notice slot, the notice source, receive and send slots.
+/// A rail's own buffer: the notice slot, the notice source, receive and send slots.
 struct Scratch {
     mr: fi::MemoryRegion,
     buffer: Arc<HostBuffer>,
@@ -225,6 +299,8 @@ struct Scratch {
 impl Scratch {
     const NOTICE_SLOT: usize = 0;
     const NOTICE_SOURCE: usize = NOTICE_BYTES;
+    /// Where flush reads land (inside the notice source's 64 bytes, after the 8 it sends).
+    const FLUSH_TARGET: usize = Self::NOTICE_SOURCE + 8;
     const RECV_BASE: usize = 2 * NOTICE_BYTES;
     const SEND_BASE: usize = Self::RECV_BASE + RECV_SLOTS * MESSAGE_SLOT;
     const LEN: usize = Self::SEND_BASE + SEND_SLOTS * MESSAGE_SLOT;
@@ -233,11 +309,43 @@ impl Scratch {
         // `offset` is one of the layout's constants, always inside the buffer.
         self.buffer.as_ptr().wrapping_add(offset)
     }
+
+    fn notice_slot(&self) -> NoticeSlot {
+        NoticeSlot {
+            addr: self.remote_base + Self::NOTICE_SLOT as u64,
+            key: self.mr.key(),
+            len: NOTICE_BYTES as u64,
+        }
+    }
+}
+
+/// One rail: an endpoint with its own domain, completion queue, address vector and buffer.
+struct Rail {
+    // Field order is drop order: the endpoint handle goes first; with `FI_MR_ENDPOINT` the
+    // scratch registration keeps it open until it closes itself, before its buffer is freed.
+    ep: Arc<fi::Endpoint>,
+    scratch: Scratch,
+    domain: Arc<fi::Domain>,
+    name: String,
+    address: Vec<u8>,
+}
+
+/// What the provider said about one rail.
+struct RailInfo {
+    provider: String,
+    mr_mode: u64,
+    cq_data: usize,
+    delivery_complete: bool,
+    max_msg: usize,
+    tx_size: usize,
 }
 
 struct Peer {
-    addr: sys::fi_addr_t,
     desc: EndpointDesc,
+    rails: PeerRails,
+    /// The peer's address in each local rail's address vector, for the links in use: local rail
+    /// `i` talks to the peer's rail `i`, for `i` below both rail counts.
+    links: Vec<sys::fi_addr_t>,
 }
 
 /// One resolved copy operation: where its pieces start on both sides.
@@ -253,16 +361,41 @@ struct Segment {
     remote_stride: u64,
 }
 
+/// The part of an operation that one link (rail) moves.
+#[derive(Debug)]
+struct Stripe {
+    link: usize,
+    segments: Vec<Segment>,
+    /// Next piece to post: segment, piece, byte within the piece.
+    cursor: (usize, u64, u64),
+}
+
+impl Stripe {
+    fn has_data(&self) -> bool {
+        self.cursor.0 < self.segments.len()
+    }
+}
+
 #[derive(Debug)]
 struct Pending {
     kind: OpKind,
     peer: PeerId,
     bytes: u64,
-    segments: Vec<Segment>,
-    /// Next piece to post: segment, piece, byte within the piece.
-    cursor: (usize, u64, u64),
+    stripes: Vec<Stripe>,
+    /// The stripe to post from next (the rails take turns).
+    next_stripe: usize,
     in_flight: usize,
     notice: Option<u64>,
+    /// The link the notice goes on.
+    notice_link: usize,
+    /// Links (other than the notice's) that carried data of a write with a notice and must be
+    /// flushed before the notice goes: a tiny RMA read of the peer's notice slot on that link
+    /// completes only after the link's earlier writes are in the peer's memory (the provider
+    /// processes a link's operations in order), which holds even where a provider's
+    /// delivery-complete completion comes early (`tcp;ofi_rxm`).
+    flush: Vec<usize>,
+    /// The flush reads have started.
+    flushing: bool,
     notice_posted: bool,
     failed: Option<OpError>,
     /// Reported as timed out; completions still owed by the provider are drained silently.
@@ -275,32 +408,38 @@ struct Pending {
 
 impl Pending {
     fn data_left(&self) -> bool {
-        self.failed.is_none() && (self.cursor.0 < self.segments.len() || self.send.is_some())
+        self.failed.is_none() && (self.send.is_some() || self.stripes.iter().any(Stripe::has_data))
+    }
+
+    /// A flush read is due: the data completions are in (or the flush has begun).
+    fn flush_due(&self) -> bool {
+        self.failed.is_none()
+            && !self.data_left()
+            && self.notice.is_some()
+            && !self.flush.is_empty()
+            && (self.in_flight == 0 || self.flushing)
     }
 
     fn wants_post(&self) -> bool {
         self.data_left()
+            || self.flush_due()
             || (self.failed.is_none()
                 && self.in_flight == 0
+                && self.flush.is_empty()
                 && self.notice.is_some()
                 && !self.notice_posted)
     }
 }
 
-/// A libfabric endpoint implementing [`Transport`].
+/// A libfabric endpoint implementing [`Transport`], over one rail or several.
 pub struct LibfabricTransport {
-    // Field order is drop order. Registrations and the scratch buffer close before the contexts
-    // are freed, and the endpoint (kept open by `ep` and by any `FI_MR_ENDPOINT` registration)
-    // closes with the last of them, so no context or buffer is freed while libfabric may still
-    // use it.
-    ep: Arc<fi::Endpoint>,
+    // Field order is drop order. Registrations close first, then the rails (endpoint, scratch
+    // registration and buffer, domain), and the contexts are freed last, so no context or buffer
+    // is freed while libfabric may still use it.
     regions: HashMap<u32, Registration>,
-    scratch: Scratch,
+    rails: Vec<Rail>,
     contexts: ContextPool,
-    domain: Arc<fi::Domain>,
     provider: String,
-    domain_name: String,
-    address: Vec<u8>,
     virt_addr: bool,
     prov_key: bool,
     endpoint_mr: bool,
@@ -308,10 +447,14 @@ pub struct LibfabricTransport {
     notice_bits: u32,
     max_message: usize,
     max_chunk: usize,
-    tx_limit: usize,
+    /// Contexts in flight (all rails, receives included) beyond which posting waits.
+    in_flight_cap: usize,
+    stripe_threshold: u64,
     op_timeout: Duration,
     next_key: u64,
     next_op: u64,
+    /// Round-robin rail of the next operation that goes on one rail.
+    next_rail: usize,
     peers: Vec<Peer>,
     pending: HashMap<u64, Pending>,
     post_queue: VecDeque<u64>,
@@ -322,9 +465,11 @@ pub struct LibfabricTransport {
     broken: Option<FabricError>,
     /// Current sleep between completion-queue reads while waiting without a wait object.
     idle_sleep: Duration,
+    /// With several rails that all have wait descriptors: the descriptors, for `poll(2)`.
+    wait_fds: Option<Vec<i32>>,
 }
 
-// SAFETY: every libfabric object of the domain is owned by this value and used only through
+// SAFETY: every libfabric object of the domains is owned by this value and used only through
 // `&mut self` (FI_THREAD_DOMAIN: the application serialises access); the raw pointers inside
 // (`Segment::desc`, contexts) refer to objects owned by this value.
 unsafe impl Send for LibfabricTransport {}
@@ -351,13 +496,30 @@ pub enum OpenError {
         /// Provider.
         provider: String,
     },
+    /// The configuration names no rail, or more than [`MAX_RAILS`].
+    #[error("an endpoint needs 1 to {max} rails, not {rails}")]
+    RailCount {
+        /// Rails asked for.
+        rails: usize,
+        /// Most allowed.
+        max: usize,
+    },
+    /// A rail's domain behaves differently from the first rail's (another provider or
+    /// memory-registration mode), so one region table cannot describe both.
+    #[error("rail {domain:?} differs from the first rail ({what})")]
+    RailMismatch {
+        /// The rail's domain.
+        domain: String,
+        /// What differs.
+        what: &'static str,
+    },
 }
 
 impl std::fmt::Debug for LibfabricTransport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LibfabricTransport")
             .field("provider", &self.provider)
-            .field("domain", &self.domain_name)
+            .field("rails", &self.rail_domains())
             .field("virt_addr", &self.virt_addr)
             .field("prov_key", &self.prov_key)
             .field("delivery_complete", &self.delivery_complete)
@@ -424,97 +586,159 @@ fn op_error(error: FabricError) -> OpError {
     }
 }
 
+/// Opens one rail: provider description, fabric, domain, completion queue (with a wait object
+/// where the provider has one), address vector, endpoint, and the rail's own message buffer.
+fn open_rail(
+    config: &LibfabricConfig,
+    domain: Option<&str>,
+) -> Result<(Rail, RailInfo), OpenError> {
+    let fabric_err = |source| OpenError::Fabric {
+        provider: config.provider.clone(),
+        source,
+    };
+    let query = |delivery_complete| {
+        fi::Info::query(&fi::Query {
+            provider: &config.provider,
+            domain,
+            delivery_complete,
+        })
+    };
+    let info = match query(true) {
+        Ok(info) => info,
+        Err(_) => query(false).map_err(fabric_err)?,
+    };
+    let rail_info = RailInfo {
+        provider: info.provider(),
+        mr_mode: info.mr_mode(),
+        cq_data: info.cq_data_size(),
+        delivery_complete: info.delivery_complete(),
+        max_msg: info.max_msg_size(),
+        tx_size: info.tx_size(),
+    };
+    if rail_info.cq_data == 0 {
+        return Err(OpenError::NoCqData {
+            provider: rail_info.provider,
+        });
+    }
+    let name = info.domain();
+    let fabric = fi::Fabric::open(info).map_err(fabric_err)?;
+    let domain = fi::Domain::open(&fabric).map_err(fabric_err)?;
+    let cq = fi::CompletionQueue::open(&domain, config.cq_size.max(64)).map_err(fabric_err)?;
+    let av = fi::AddressVector::open(&domain).map_err(fabric_err)?;
+    let ep = fi::Endpoint::open(&domain, &cq, &av).map_err(fabric_err)?;
+    let address = ep.name().map_err(fabric_err)?;
+
+    let virt_addr = rail_info.mr_mode & sys::FI_MR_VIRT_ADDR != 0;
+    let endpoint_mr = rail_info.mr_mode & sys::FI_MR_ENDPOINT != 0;
+    let buffer = Arc::new(HostBuffer::new(Scratch::LEN).map_err(OpenError::Buffer)?);
+    // SAFETY: the buffer is kept alive by `Scratch::buffer`, which is dropped after the
+    // registration (`mr` is declared first).
+    let mr = unsafe {
+        fi::MemoryRegion::register(
+            &domain,
+            endpoint_mr.then_some(&ep),
+            buffer.as_ptr() as usize,
+            buffer.len(),
+            sys::FI_SEND
+                | sys::FI_RECV
+                | sys::FI_READ
+                | sys::FI_WRITE
+                | sys::FI_REMOTE_READ
+                | sys::FI_REMOTE_WRITE,
+            FIRST_KEY,
+        )
+    }
+    .map_err(fabric_err)?;
+    let remote_base = if virt_addr { buffer.as_ptr() as u64 } else { 0 };
+    let scratch = Scratch {
+        mr,
+        buffer,
+        remote_base,
+        free_sends: (0..SEND_SLOTS).rev().collect(),
+    };
+    Ok((
+        Rail {
+            ep,
+            scratch,
+            domain,
+            name,
+            address,
+        },
+        rail_info,
+    ))
+}
+
 impl LibfabricTransport {
-    /// Opens an endpoint: provider description, fabric, domain, completion queue (with a wait
-    /// object), address vector, endpoint; registers the endpoint's own message buffers and posts
-    /// its receives.
+    /// Opens an endpoint with one rail per [`LibfabricConfig::rails`] (see [`open_rail`]), registers
+    /// each rail's own message buffers and posts its receives.
     ///
     /// # Errors
-    /// [`OpenError`] naming the failing call.
+    /// [`OpenError`] naming the failing call, or a rail configuration that cannot work.
     pub fn open(config: &LibfabricConfig) -> Result<Self, OpenError> {
-        let fabric_err = |source| OpenError::Fabric {
-            provider: config.provider.clone(),
-            source,
-        };
-        let query = |delivery_complete| {
-            fi::Info::query(&fi::Query {
-                provider: &config.provider,
-                domain: config.domain.as_deref(),
-                delivery_complete,
-            })
-        };
-        let info = match query(true) {
-            Ok(info) => info,
-            Err(_) => query(false).map_err(fabric_err)?,
-        };
-        let provider = info.provider();
-        let domain_name = info.domain();
-        let mr_mode = info.mr_mode();
-        let cq_data = info.cq_data_size();
-        if cq_data == 0 {
-            return Err(OpenError::NoCqData { provider });
+        let domains = config.rail_domains();
+        if domains.is_empty() || domains.len() > MAX_RAILS {
+            return Err(OpenError::RailCount {
+                rails: domains.len(),
+                max: MAX_RAILS,
+            });
         }
-        let delivery_complete = info.delivery_complete();
-        let max_msg = info.max_msg_size();
-        let tx_size = info.tx_size();
-
-        let fabric = fi::Fabric::open(info).map_err(fabric_err)?;
-        let domain = fi::Domain::open(&fabric).map_err(fabric_err)?;
-        let cq = fi::CompletionQueue::open(&domain, config.cq_size.max(64)).map_err(fabric_err)?;
-        let av = fi::AddressVector::open(&domain).map_err(fabric_err)?;
-        let ep = fi::Endpoint::open(&domain, &cq, &av).map_err(fabric_err)?;
-        let address = ep.name().map_err(fabric_err)?;
-
-        let virt_addr = mr_mode & sys::FI_MR_VIRT_ADDR != 0;
-        let prov_key = mr_mode & sys::FI_MR_PROV_KEY != 0;
-        let endpoint_mr = mr_mode & sys::FI_MR_ENDPOINT != 0;
-
-        let buffer = Arc::new(HostBuffer::new(Scratch::LEN).map_err(OpenError::Buffer)?);
-        // SAFETY: the buffer is kept alive by `Scratch::buffer`, which is dropped after the
-        // registration (`mr` is declared first).
-        let mr = unsafe {
-            fi::MemoryRegion::register(
-                &domain,
-                endpoint_mr.then_some(&ep),
-                buffer.as_ptr() as usize,
-                buffer.len(),
-                sys::FI_SEND
-                    | sys::FI_RECV
-                    | sys::FI_READ
-                    | sys::FI_WRITE
-                    | sys::FI_REMOTE_READ
-                    | sys::FI_REMOTE_WRITE,
-                FIRST_KEY,
-            )
+        let mut rails = Vec::with_capacity(domains.len());
+        let mut infos: Vec<RailInfo> = Vec::with_capacity(domains.len());
+        for domain in &domains {
+            let (rail, info) = open_rail(config, domain.as_deref())?;
+            if let Some(first) = infos.first() {
+                let what = if info.provider != first.provider {
+                    Some("provider")
+                } else if info.mr_mode != first.mr_mode {
+                    Some("memory-registration mode")
+                } else {
+                    None
+                };
+                if let Some(what) = what {
+                    return Err(OpenError::RailMismatch {
+                        domain: rail.name,
+                        what,
+                    });
+                }
+            }
+            rails.push(rail);
+            infos.push(info);
         }
-        .map_err(fabric_err)?;
-        let remote_base = if virt_addr { buffer.as_ptr() as u64 } else { 0 };
-        let scratch = Scratch {
-            mr,
-            buffer,
-            remote_base,
-            free_sends: (0..SEND_SLOTS).rev().collect(),
+        // Every rail has the same provider and modes (checked above); the limits are the
+        // smallest of any rail.
+        let first = &infos[0];
+        let mr_mode = first.mr_mode;
+        let cq_data = infos.iter().map(|i| i.cq_data).min().unwrap_or(0);
+        let max_msg = infos.iter().map(|i| i.max_msg).min().unwrap_or(0);
+        let tx_size = infos.iter().map(|i| i.tx_size).min().unwrap_or(0);
+        let delivery_complete = infos.iter().all(|i| i.delivery_complete);
+        let wait_fds = if rails.len() > 1 {
+            rails
+                .iter()
+                .map(|r| r.ep.cq().wait_fd())
+                .collect::<Option<Vec<i32>>>()
+        } else {
+            None
         };
+        let n = rails.len();
         let mut transport = Self {
-            ep,
             regions: HashMap::new(),
-            scratch,
+            rails,
             contexts: ContextPool::default(),
-            domain,
-            provider,
-            domain_name,
-            address,
-            virt_addr,
-            prov_key,
-            endpoint_mr,
+            provider: first.provider.clone(),
+            virt_addr: mr_mode & sys::FI_MR_VIRT_ADDR != 0,
+            prov_key: mr_mode & sys::FI_MR_PROV_KEY != 0,
+            endpoint_mr: mr_mode & sys::FI_MR_ENDPOINT != 0,
             delivery_complete,
             notice_bits: u32::try_from(cq_data.min(8) * 8).unwrap_or(64),
             max_message: MESSAGE_SLOT.min(max_msg),
             max_chunk: MAX_CHUNK.min(max_msg).max(1),
-            tx_limit: tx_size.clamp(16, 1024),
+            in_flight_cap: (tx_size.clamp(16, 1024) + RECV_SLOTS) * n,
+            stripe_threshold: config.stripe_threshold,
             op_timeout: config.op_timeout,
             next_key: FIRST_KEY + 1,
             next_op: 0,
+            next_rail: 0,
             peers: Vec::new(),
             pending: HashMap::new(),
             post_queue: VecDeque::new(),
@@ -522,9 +746,17 @@ impl LibfabricTransport {
             entries: vec![sys::fi_cq_data_entry::default(); CQ_BATCH],
             broken: None,
             idle_sleep: MIN_IDLE_SLEEP,
+            wait_fds,
         };
-        for slot in 0..RECV_SLOTS {
-            transport.post_recv(slot).map_err(fabric_err)?;
+        for rail in 0..n {
+            for slot in 0..RECV_SLOTS {
+                transport
+                    .post_recv(rail, slot)
+                    .map_err(|source| OpenError::Fabric {
+                        provider: config.provider.clone(),
+                        source,
+                    })?;
+            }
         }
         Ok(transport)
     }
@@ -535,10 +767,29 @@ impl LibfabricTransport {
         &self.provider
     }
 
-    /// Domain (NIC or interface) in use.
+    /// Domain (NIC or interface) of the first rail.
     #[must_use]
     pub fn domain_name(&self) -> &str {
-        &self.domain_name
+        &self.rails[0].name
+    }
+
+    /// Domains of every rail, in rail order.
+    #[must_use]
+    pub fn rail_domains(&self) -> Vec<&str> {
+        self.rails.iter().map(|r| r.name.as_str()).collect()
+    }
+
+    /// Number of rails (endpoints) this transport spans.
+    #[must_use]
+    pub fn rail_count(&self) -> usize {
+        self.rails.len()
+    }
+
+    /// Rails in use between this endpoint and a connected peer (the smaller rail count of the
+    /// two); `None` for an unknown peer.
+    #[must_use]
+    pub fn links(&self, peer: PeerId) -> Option<usize> {
+        self.peers.get(peer.0 as usize).map(|p| p.links.len())
     }
 
     /// Whether transmit completions have delivery-complete semantics (see the module
@@ -560,23 +811,27 @@ impl LibfabricTransport {
         self.prov_key
     }
 
-    /// Operations (data pieces, notices, sends, receives) in flight at the provider.
+    /// Operations (data pieces, notices, sends, receives of every rail) in flight at the
+    /// provider.
     #[must_use]
     pub fn in_flight(&self) -> usize {
         self.contexts.in_flight()
     }
 
-    fn post_recv(&mut self, slot: usize) -> Result<(), FabricError> {
-        let ctx = self.contexts.take(Use::Recv { slot });
-        let ptr = self.scratch.ptr(Scratch::RECV_BASE + slot * MESSAGE_SLOT);
+    fn post_recv(&mut self, rail: usize, slot: usize) -> Result<(), FabricError> {
+        let ctx = self.contexts.take(Use::Recv { rail, slot });
+        let r = &self.rails[rail];
+        let ptr = r.scratch.ptr(Scratch::RECV_BASE + slot * MESSAGE_SLOT);
+        let desc = r.scratch.mr.desc();
         let mut tries = 0;
         loop {
-            // SAFETY: the receive slot lies inside the registered scratch buffer, which outlives
-            // the endpoint's operations (drop order); the context stays in the pool until its
-            // completion is read.
+            // SAFETY: the receive slot lies inside the rail's registered scratch buffer, which
+            // outlives the endpoint's operations (drop order); the context stays in the pool
+            // until its completion is read.
             let result = unsafe {
-                self.ep
-                    .post_msg(ptr, self.max_message, self.scratch.mr.desc(), None, ctx)
+                self.rails[rail]
+                    .ep
+                    .post_msg(ptr, self.max_message, desc, None, ctx)
             };
             match result {
                 Ok(()) => return Ok(()),
@@ -584,8 +839,8 @@ impl LibfabricTransport {
                     // Receives are posted at start-up and after each received message; the
                     // receive queue has room again once the provider made progress.
                     tries += 1;
-                    if self.drain(None)? == 0 {
-                        self.drain(Some(1))?;
+                    if self.drain(rail, None)? == 0 {
+                        self.drain(rail, Some(1))?;
                     }
                 }
                 Err(e) => {
@@ -601,10 +856,22 @@ impl LibfabricTransport {
         self.next_op
     }
 
-    /// Resolves `ops` into segments; `write` says whether local is the source side.
-    fn resolve(&self, peer: &Peer, ops: &[CopyOp], write: bool) -> (Vec<Segment>, Vec<u32>) {
-        let mut segments = Vec::with_capacity(ops.len());
+    /// The local regions `ops` use; `write` says whether local is the source side.
+    fn local_regions(ops: &[CopyOp], write: bool) -> Vec<u32> {
         let mut locals = Vec::new();
+        for op in ops {
+            let index = if write { op.src_region } else { op.dst_region };
+            if !locals.contains(&index) {
+                locals.push(index);
+            }
+        }
+        locals
+    }
+
+    /// Resolves `ops` into segments on link `link` of `peer`; `write` says whether local is the
+    /// source side.
+    fn resolve(&self, peer: &Peer, link: usize, ops: &[CopyOp], write: bool) -> Vec<Segment> {
+        let mut segments = Vec::with_capacity(ops.len());
         for op in ops {
             let (
                 local_region,
@@ -632,36 +899,66 @@ impl LibfabricTransport {
                     op.src_stride,
                 )
             };
-            // Both lookups succeed: `check_ops` accepted the operations against the same tables.
-            let (Some(local), Some(remote)) = (
+            // Every lookup succeeds: `check_ops` accepted the operations against the same tables,
+            // every region is registered on every rail, and `connect` checked that the peer's
+            // rail table has a key for each of its regions on each rail.
+            let (Some(local), Some(remote), Some(key)) = (
                 self.regions.get(&local_region),
                 peer.desc.region(remote_region),
+                peer.rails.key(&peer.desc, link, remote_region),
             ) else {
+                continue;
+            };
+            let Some(mr) = local.mrs.get(link) else {
                 continue;
             };
             segments.push(Segment {
                 local: local.region.addr() + local_offset as usize,
-                desc: local.mr.desc(),
+                desc: mr.desc(),
                 remote: remote.addr + remote_offset,
-                key: remote.key,
+                key,
                 len: op.len,
                 count: op.count,
                 local_stride,
                 remote_stride,
             });
-            if !locals.contains(&local_region) {
-                locals.push(local_region);
-            }
         }
-        (segments, locals)
+        segments
     }
 
+    /// Splits `ops` into one stripe per link of `peer` that gets any (see [`stripe::stripe`]).
+    fn stripes(&mut self, peer: PeerId, ops: &[CopyOp], write: bool) -> Vec<Stripe> {
+        let index = peer.0 as usize;
+        let links = self.peers[index].links.len();
+        if links <= 1 {
+            return vec![Stripe {
+                link: 0,
+                segments: self.resolve(&self.peers[index], 0, ops, write),
+                cursor: (0, 0, 0),
+            }];
+        }
+        let first = self.next_rail % links;
+        self.next_rail = self.next_rail.wrapping_add(1);
+        let peer = &self.peers[index];
+        stripe::stripe(ops, links, self.stripe_threshold, first)
+            .into_iter()
+            .enumerate()
+            .filter(|(_, ops)| !ops.is_empty())
+            .map(|(link, ops)| Stripe {
+                link,
+                segments: self.resolve(peer, link, &ops, write),
+                cursor: (0, 0, 0),
+            })
+            .collect()
+    }
+
+    #[allow(clippy::too_many_arguments)]
     fn submit(
         &mut self,
         kind: OpKind,
         peer: PeerId,
         bytes: u64,
-        segments: Vec<Segment>,
+        stripes: Vec<Stripe>,
         locals: Vec<u32>,
         notice: Option<u64>,
     ) -> u64 {
@@ -671,16 +968,29 @@ impl LibfabricTransport {
                 r.users += 1;
             }
         }
+        let notice_link = stripes.first().map_or(0, |s| s.link);
+        let flush = if notice.is_some() {
+            stripes
+                .iter()
+                .map(|s| s.link)
+                .filter(|&link| link != notice_link)
+                .collect()
+        } else {
+            Vec::new()
+        };
         self.pending.insert(
             op,
             Pending {
                 kind,
                 peer,
                 bytes,
-                segments,
-                cursor: (0, 0, 0),
+                stripes,
+                next_stripe: 0,
                 in_flight: 0,
                 notice,
+                notice_link,
+                flush,
+                flushing: false,
                 notice_posted: false,
                 failed: None,
                 abandoned: false,
@@ -699,14 +1009,14 @@ impl LibfabricTransport {
     }
 
     /// Posts queued work until the queue is empty or the provider pushes back; on `-FI_EAGAIN`
-    /// reads the completion queue (progress) and tries again while that frees anything.
+    /// reads the completion queues (progress) and tries again while that frees anything.
     fn pump(&mut self) -> Result<(), FabricError> {
         loop {
             let blocked = self.post_queued();
             if !blocked {
                 return Ok(());
             }
-            if self.drain(None)? == 0 {
+            if self.drain_all()? == 0 {
                 // Nothing completed: leave the rest for the next poll or wait.
                 return Ok(());
             }
@@ -724,7 +1034,7 @@ impl LibfabricTransport {
                 self.post_queue.pop_front();
                 continue;
             }
-            if self.contexts.in_flight() >= self.tx_limit + RECV_SLOTS {
+            if self.contexts.in_flight() >= self.in_flight_cap {
                 return true;
             }
             match self.post_one(op) {
@@ -744,26 +1054,67 @@ impl LibfabricTransport {
         false
     }
 
-    /// Posts the next piece (or the notice) of `op`.
+    /// Posts the next piece (or the notice, or the send) of `op`.
     fn post_one(&mut self, op: u64) -> Result<(), FiErrno> {
         let Some(p) = self.pending.get(&op) else {
             return Ok(());
         };
-        let peer_addr = self.peers[p.peer.0 as usize].addr;
-        if !p.data_left() {
-            // The notice: every data completion has been read (`wants_post`).
-            let Some(slot) = self.peers[p.peer.0 as usize].desc.notice_slot else {
+        let peer = &self.peers[p.peer.0 as usize];
+        if p.flush_due() {
+            let link = p.flush[p.flush.len() - 1];
+            let (Some(&peer_addr), Some(target)) =
+                (peer.links.get(link), peer.rails.rails.get(link))
+            else {
                 return Ok(());
             };
-            let data = p.notice.unwrap_or(0);
-            let ctx = self.contexts.take(Use::Notice { op });
-            // SAFETY: the notice source lies inside the registered scratch buffer, which outlives
-            // every operation; the context stays in the pool until its completion is read.
+            let slot = target.notice;
+            let rail = &self.rails[link];
+            let ctx = self.contexts.take(Use::Flush { op });
+            // SAFETY: the landing place (8 bytes after the notice source) lies inside the rail's
+            // registered scratch buffer, which outlives every operation, and nothing reads it;
+            // the context stays in the pool until its completion is read.
             let result = unsafe {
-                self.ep.post_write(
-                    self.scratch.ptr(Scratch::NOTICE_SOURCE),
+                rail.ep.post_read(
+                    rail.scratch.ptr(Scratch::FLUSH_TARGET),
                     8,
-                    self.scratch.mr.desc(),
+                    rail.scratch.mr.desc(),
+                    peer_addr,
+                    slot.addr,
+                    slot.key,
+                    ctx,
+                )
+            };
+            if let Err(e) = result {
+                self.contexts.give_back(ctx);
+                return Err(e);
+            }
+            if let Some(p) = self.pending.get_mut(&op) {
+                p.flush.pop();
+                p.flushing = true;
+                p.in_flight += 1;
+            }
+            return Ok(());
+        }
+        if !p.data_left() {
+            // The notice: every data completion of every rail has been read (`wants_post`).
+            let link = p.notice_link;
+            let (Some(&peer_addr), Some(target)) =
+                (peer.links.get(link), peer.rails.rails.get(link))
+            else {
+                return Ok(());
+            };
+            let slot = target.notice;
+            let data = p.notice.unwrap_or(0);
+            let rail = &self.rails[link];
+            let ctx = self.contexts.take(Use::Notice { op });
+            // SAFETY: the notice source lies inside the rail's registered scratch buffer, which
+            // outlives every operation; the context stays in the pool until its completion is
+            // read.
+            let result = unsafe {
+                rail.ep.post_write(
+                    rail.scratch.ptr(Scratch::NOTICE_SOURCE),
+                    8,
+                    rail.scratch.mr.desc(),
                     peer_addr,
                     slot.addr,
                     slot.key,
@@ -785,14 +1136,17 @@ impl LibfabricTransport {
             };
         }
         if let Some((slot, len)) = p.send {
+            let peer_addr = peer.links[0];
+            let rail = &self.rails[0];
             let ctx = self.contexts.take(Use::Send { op, slot });
-            // SAFETY: the send slot lies inside the registered scratch buffer and is not reused
-            // until its completion is read (free list); the context stays in the pool until then.
+            // SAFETY: the send slot lies inside rail 0's registered scratch buffer and is not
+            // reused until its completion is read (free list); the context stays in the pool
+            // until then.
             let result = unsafe {
-                self.ep.post_msg(
-                    self.scratch.ptr(Scratch::SEND_BASE + slot * MESSAGE_SLOT),
+                rail.ep.post_msg(
+                    rail.scratch.ptr(Scratch::SEND_BASE + slot * MESSAGE_SLOT),
                     len,
-                    self.scratch.mr.desc(),
+                    rail.scratch.mr.desc(),
                     Some(peer_addr),
                     ctx,
                 )
@@ -807,19 +1161,50 @@ impl LibfabricTransport {
             }
             return Ok(());
         }
-        let (seg_index, piece, within) = p.cursor;
-        let seg = p.segments[seg_index];
+        // The rails take turns; one that pushes back lets the others go on.
+        let (count, start) = (p.stripes.len(), p.next_stripe);
+        let mut again = None;
+        for k in 0..count {
+            let s = (start + k) % count;
+            match self.post_piece(op, s) {
+                Ok(true) => {
+                    if let Some(p) = self.pending.get_mut(&op) {
+                        p.next_stripe = (s + 1) % count;
+                    }
+                    return Ok(());
+                }
+                Ok(false) => {}
+                Err(e) if e.is_again() => again = Some(e),
+                Err(e) => return Err(e),
+            }
+        }
+        again.map_or(Ok(()), Err)
+    }
+
+    /// Posts the next piece of stripe `s` of `op`; `Ok(false)` when the stripe has nothing left.
+    fn post_piece(&mut self, op: u64, s: usize) -> Result<bool, FiErrno> {
+        let Some(p) = self.pending.get(&op) else {
+            return Ok(false);
+        };
+        let Some(stripe) = p.stripes.get(s).filter(|st| st.has_data()) else {
+            return Ok(false);
+        };
+        let (seg_index, piece, within) = stripe.cursor;
+        let seg = stripe.segments[seg_index];
+        let link = stripe.link;
         let kind = p.kind;
+        let peer_addr = self.peers[p.peer.0 as usize].links[link];
         let chunk = (seg.len - within).min(self.max_chunk as u64);
         let local = seg.local + (piece * seg.local_stride + within) as usize;
         let remote = seg.remote + piece * seg.remote_stride + within;
+        let ep = &self.rails[link].ep;
         let ctx = self.contexts.take(Use::Data { op });
         // SAFETY: the range was checked against the local registration, which cannot be
         // deregistered while the operation is pending (`users`); the context stays in the pool
         // until its completion is read.
         let result = unsafe {
             if kind == OpKind::Read {
-                self.ep.post_read(
+                ep.post_read(
                     local as *mut u8,
                     chunk as usize,
                     seg.desc,
@@ -829,7 +1214,7 @@ impl LibfabricTransport {
                     ctx,
                 )
             } else {
-                self.ep.post_write(
+                ep.post_write(
                     local as *const u8,
                     chunk as usize,
                     seg.desc,
@@ -847,16 +1232,18 @@ impl LibfabricTransport {
         }
         if let Some(p) = self.pending.get_mut(&op) {
             p.in_flight += 1;
-            let mut next = (seg_index, piece, within + chunk);
-            if next.2 >= seg.len {
-                next = (seg_index, piece + 1, 0);
-                if next.1 >= seg.count {
-                    next = (seg_index + 1, 0, 0);
+            if let Some(stripe) = p.stripes.get_mut(s) {
+                let mut next = (seg_index, piece, within + chunk);
+                if next.2 >= seg.len {
+                    next = (seg_index, piece + 1, 0);
+                    if next.1 >= seg.count {
+                        next = (seg_index + 1, 0, 0);
+                    }
                 }
+                stripe.cursor = next;
             }
-            p.cursor = next;
         }
-        Ok(())
+        Ok(true)
     }
 
     /// Marks `op` failed (the first error wins); it is reported once nothing is in flight.
@@ -885,7 +1272,7 @@ impl LibfabricTransport {
         };
         if let Some((slot, _)) = p.send {
             // Never posted (failed or timed out before): the slot is free again.
-            self.scratch.free_sends.push(slot);
+            self.rails[0].scratch.free_sends.push(slot);
         }
         for index in &p.local_regions {
             if let Some(r) = self.regions.get_mut(index) {
@@ -920,19 +1307,77 @@ impl LibfabricTransport {
         });
     }
 
-    /// Reads the completion queue once (blocking up to `timeout_ms` if given) and handles what it
-    /// returns; returns the number of completions handled.
-    fn drain(&mut self, timeout_ms: Option<i32>) -> Result<usize, FabricError> {
+    /// Reads every rail's completion queue once without blocking; returns the completions
+    /// handled.
+    fn drain_all(&mut self) -> Result<usize, FabricError> {
+        let mut n = 0;
+        for rail in 0..self.rails.len() {
+            n += self.drain(rail, None)?;
+        }
+        Ok(n)
+    }
+
+    /// Blocks until a completion may be ready on any rail, or `timeout_ms` passes; handles what
+    /// it reads. One rail: `fi_cq_sread` (or the sleeping read without a wait object). Several:
+    /// `fi_trywait` on each, then `poll(2)` on their wait descriptors, or, where a rail has
+    /// none, a read of every rail with a short sleep when all were idle.
+    fn block(&mut self, timeout_ms: i32) -> Result<(), FabricError> {
+        if self.rails.len() == 1 {
+            self.drain(0, Some(timeout_ms))?;
+            return Ok(());
+        }
+        if let Some(fds) = self.wait_fds.take() {
+            let mut ready = false;
+            let mut usable = true;
+            for rail in &self.rails {
+                match rail.ep.cq().try_wait() {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        ready = true;
+                        break;
+                    }
+                    Err(_) => {
+                        usable = false;
+                        break;
+                    }
+                }
+            }
+            if usable {
+                if !ready {
+                    fi::poll_readable(&fds, timeout_ms);
+                }
+                self.wait_fds = Some(fds);
+                // Whatever woke us (or was ready) is read by the caller's next poll.
+                return Ok(());
+            }
+            // The provider cannot try-wait: sleep between reads from now on.
+        }
+        let started = Instant::now();
+        let n = self.drain_all()?;
+        if n == 0 && started.elapsed() < BUSY_READ * self.rails.len() as u32 {
+            let limit = Duration::from_millis(u64::try_from(timeout_ms.max(0)).unwrap_or(0));
+            std::thread::sleep(self.idle_sleep.min(limit));
+            self.idle_sleep = (self.idle_sleep * 2).min(MAX_IDLE_SLEEP);
+        } else {
+            self.idle_sleep = MIN_IDLE_SLEEP;
+        }
+        Ok(())
+    }
+
+    /// Reads rail `rail`'s completion queue once (blocking up to `timeout_ms` if given) and
+    /// handles what it returns; returns the number of completions handled.
+    fn drain(&mut self, rail: usize, timeout_ms: Option<i32>) -> Result<usize, FabricError> {
         let mut entries = std::mem::take(&mut self.entries);
+        let cq = self.rails[rail].ep.cq();
         let read = match timeout_ms {
-            Some(ms) if self.ep.cq().can_block() => self.ep.cq().sread(&mut entries, ms),
+            Some(ms) if cq.can_block() => cq.sread(&mut entries, ms),
             Some(ms) => {
                 // No wait object to block on (shm): read, and sleep a little when idle, backing
                 // off from 50 µs to 200 µs, so that a waiting thread never spins. A read that
                 // took long did work (on shm the target's progress copies the data of incoming
                 // writes, which produces no completion): then go straight back to it.
                 let started = Instant::now();
-                let read = self.ep.cq().read(&mut entries);
+                let read = cq.read(&mut entries);
                 if matches!(read, CqRead::Empty) && started.elapsed() < BUSY_READ {
                     let limit = Duration::from_millis(u64::try_from(ms.max(0)).unwrap_or(0));
                     std::thread::sleep(self.idle_sleep.min(limit));
@@ -942,7 +1387,7 @@ impl LibfabricTransport {
                 }
                 read
             }
-            None => self.ep.cq().read(&mut entries),
+            None => cq.read(&mut entries),
         };
         let result = match read {
             CqRead::Empty => Ok(0),
@@ -983,24 +1428,24 @@ impl LibfabricTransport {
             self.contexts.give_back(c.context)
         };
         match what {
-            Some(Use::Recv { slot }) => {
+            Some(Use::Recv { rail, slot }) => {
                 if c.flags & sys::FI_REMOTE_CQ_DATA != 0 {
                     self.events.push_back(Event::Notice(Notice(c.data)));
                 } else {
                     let len = c.len.min(self.max_message);
                     let mut bytes = vec![0; len];
-                    // The slot lies inside the scratch buffer by construction.
-                    let _ = self
+                    // The slot lies inside the rail's scratch buffer by construction.
+                    let _ = self.rails[rail]
                         .scratch
                         .buffer
                         .read_at(Scratch::RECV_BASE + slot * MESSAGE_SLOT, &mut bytes);
                     self.events.push_back(Event::Message(bytes));
                 }
-                if let Err(error) = self.post_recv(slot) {
+                if let Err(error) = self.post_recv(rail, slot) {
                     self.broken.get_or_insert(error);
                 }
             }
-            Some(Use::Data { op }) => {
+            Some(Use::Data { op } | Use::Flush { op }) => {
                 if let Some(p) = self.pending.get_mut(&op) {
                     p.in_flight = p.in_flight.saturating_sub(1);
                 }
@@ -1014,7 +1459,7 @@ impl LibfabricTransport {
                 self.settle(op);
             }
             Some(Use::Send { op, slot }) => {
-                self.scratch.free_sends.push(slot);
+                self.rails[0].scratch.free_sends.push(slot);
                 if let Some(p) = self.pending.get_mut(&op) {
                     p.in_flight = p.in_flight.saturating_sub(1);
                 }
@@ -1030,7 +1475,7 @@ impl LibfabricTransport {
 
     fn on_failure(&mut self, context: *mut c_void, error: FabricError) {
         match self.contexts.give_back(context) {
-            Some(Use::Data { op }) => {
+            Some(Use::Data { op } | Use::Flush { op }) => {
                 if let Some(p) = self.pending.get_mut(&op) {
                     p.in_flight = p.in_flight.saturating_sub(1);
                 }
@@ -1044,15 +1489,15 @@ impl LibfabricTransport {
                 self.fail(op, op_error(error));
             }
             Some(Use::Send { op, slot }) => {
-                self.scratch.free_sends.push(slot);
+                self.rails[0].scratch.free_sends.push(slot);
                 if let Some(p) = self.pending.get_mut(&op) {
                     p.in_flight = p.in_flight.saturating_sub(1);
                 }
                 self.fail(op, op_error(error));
             }
-            Some(Use::Recv { slot }) => {
+            Some(Use::Recv { rail, slot }) => {
                 // A failed receive (a truncated message): post the slot again.
-                if let Err(error) = self.post_recv(slot) {
+                if let Err(error) = self.post_recv(rail, slot) {
                     self.broken.get_or_insert(error);
                 }
             }
@@ -1076,8 +1521,11 @@ impl LibfabricTransport {
             };
             p.abandoned = true;
             // Nothing more is posted for it, and no notice.
-            p.cursor = (p.segments.len(), 0, 0);
+            for stripe in &mut p.stripes {
+                stripe.cursor = (stripe.segments.len(), 0, 0);
+            }
             p.notice = None;
+            p.flush.clear();
             if p.failed.is_none() {
                 p.failed = Some(OpError::TimedOut(self.op_timeout));
             }
@@ -1128,23 +1576,27 @@ impl Transport for LibfabricTransport {
             BACKEND,
         )?;
         let requested_key = self.next_key;
-        // SAFETY: `LocalRegion` guarantees the memory stays valid until it is deregistered or the
-        // transport dropped; the registration is closed before the `LocalRegion` is released
-        // (field order of `Registration`).
-        let mr = unsafe {
-            fi::MemoryRegion::register(
-                &self.domain,
-                self.endpoint_mr.then_some(&self.ep),
-                region.addr(),
-                len,
-                sys::FI_READ | sys::FI_WRITE | sys::FI_REMOTE_READ | sys::FI_REMOTE_WRITE,
-                requested_key,
-            )
+        let mut mrs = Vec::with_capacity(self.rails.len());
+        for rail in &self.rails {
+            // SAFETY: `LocalRegion` guarantees the memory stays valid until it is deregistered or
+            // the transport dropped; the registrations are closed before the `LocalRegion` is
+            // released (field order of `Registration`).
+            let mr = unsafe {
+                fi::MemoryRegion::register(
+                    &rail.domain,
+                    self.endpoint_mr.then_some(&rail.ep),
+                    region.addr(),
+                    len,
+                    sys::FI_READ | sys::FI_WRITE | sys::FI_REMOTE_READ | sys::FI_REMOTE_WRITE,
+                    requested_key,
+                )
+            }
+            .map_err(|e| RegisterError::Backend {
+                index,
+                source: backend(e),
+            })?;
+            mrs.push(mr);
         }
-        .map_err(|e| RegisterError::Backend {
-            index,
-            source: backend(e),
-        })?;
         self.next_key += 1;
         let remote = RegionDesc {
             index,
@@ -1155,12 +1607,12 @@ impl Transport for LibfabricTransport {
                 0
             },
             len: region.len(),
-            key: mr.key(),
+            key: mrs[0].key(),
         };
         self.regions.insert(
             index,
             Registration {
-                mr,
+                mrs,
                 region,
                 remote,
                 users: 0,
@@ -1183,18 +1635,36 @@ impl Transport for LibfabricTransport {
     }
 
     fn local_desc(&self) -> EndpointDesc {
-        let mut regions: Vec<RegionDesc> = self.regions.values().map(|r| r.remote).collect();
-        regions.sort_by_key(|r| r.index);
+        let mut regions: Vec<&Registration> = self.regions.values().collect();
+        regions.sort_by_key(|r| r.remote.index);
+        let address = if self.rails.len() == 1 {
+            self.rails[0].address.clone()
+        } else {
+            let rails: Vec<address::LocalRail<'_>> = self
+                .rails
+                .iter()
+                .map(|r| address::LocalRail {
+                    address: &r.address,
+                    notice: r.scratch.notice_slot(),
+                })
+                .collect();
+            let keys: Vec<(u32, Vec<u64>)> = regions
+                .iter()
+                .map(|r| {
+                    (
+                        r.remote.index,
+                        r.mrs.iter().skip(1).map(fi::MemoryRegion::key).collect(),
+                    )
+                })
+                .collect();
+            address::encode(&rails, &keys)
+        };
         EndpointDesc {
             backend: BACKEND.into(),
             provider: self.provider.clone(),
-            address: self.address.clone(),
-            notice_slot: Some(NoticeSlot {
-                addr: self.scratch.remote_base + Scratch::NOTICE_SLOT as u64,
-                key: self.scratch.mr.key(),
-                len: NOTICE_BYTES as u64,
-            }),
-            regions,
+            address,
+            notice_slot: Some(self.rails[0].scratch.notice_slot()),
+            regions: regions.iter().map(|r| r.remote).collect(),
         }
     }
 
@@ -1220,27 +1690,36 @@ impl Transport for LibfabricTransport {
                 },
             ));
         }
+        let rails = address::decode(peer, slot).map_err(ConnectError::BadDescription)?;
+        // The same peer (its first rail's address) again: refresh its region table and keys.
         if let Some(i) = self
             .peers
             .iter()
-            .position(|p| p.desc.address == peer.address)
+            .position(|p| p.rails.rails[0].address == rails.rails[0].address)
         {
             self.peers[i].desc = peer.clone();
+            self.peers[i].rails = rails;
             return Ok(PeerId(i as u32));
         }
-        // Providers read their own address format (fixed-size structures, or NUL-terminated
-        // strings for shm) from the pointer: hand them a zero-padded copy at least as long as our
-        // own address plus room for a terminator, so that no read goes past the buffer.
-        let mut padded = peer.address.clone();
-        padded.resize(peer.address.len().max(self.address.len()) + 64, 0);
-        let addr = self
-            .ep
-            .av()
-            .insert(&padded)
-            .map_err(|e| ConnectError::BadAddress { source: backend(e) })?;
+        let links = self.rails.len().min(rails.rails.len());
+        let mut addrs = Vec::with_capacity(links);
+        for (local, remote) in self.rails.iter().zip(&rails.rails) {
+            // Providers read their own address format (fixed-size structures, or NUL-terminated
+            // strings for shm) from the pointer: hand them a zero-padded copy at least as long as
+            // our own address plus room for a terminator, so that no read goes past the buffer.
+            let mut padded = remote.address.clone();
+            padded.resize(remote.address.len().max(local.address.len()) + 64, 0);
+            let addr = local
+                .ep
+                .av()
+                .insert(&padded)
+                .map_err(|e| ConnectError::BadAddress { source: backend(e) })?;
+            addrs.push(addr);
+        }
         self.peers.push(Peer {
-            addr,
             desc: peer.clone(),
+            rails,
+            links: addrs,
         });
         Ok(PeerId((self.peers.len() - 1) as u32))
     }
@@ -1268,12 +1747,13 @@ impl Transport for LibfabricTransport {
             |i| self.regions.get(&i).map(|r| r.region.len()),
             |i| peer.desc.region(i).map(|r| r.len),
         )?;
-        let (segments, locals) = self.resolve(peer, ops, true);
+        let stripes = self.stripes(peer_id, ops, true);
+        let locals = Self::local_regions(ops, true);
         let op = self.submit(
             OpKind::Write,
             peer_id,
             bytes,
-            segments,
+            stripes,
             locals,
             notice.map(|n| n.0),
         );
@@ -1290,8 +1770,9 @@ impl Transport for LibfabricTransport {
             |i| peer.desc.region(i).map(|r| r.len),
             |i| self.regions.get(&i).map(|r| r.region.len()),
         )?;
-        let (segments, locals) = self.resolve(peer, ops, false);
-        let op = self.submit(OpKind::Read, peer_id, bytes, segments, locals, None);
+        let stripes = self.stripes(peer_id, ops, false);
+        let locals = Self::local_regions(ops, false);
+        let op = self.submit(OpKind::Read, peer_id, bytes, stripes, locals, None);
         Ok(OpId(op))
     }
 
@@ -1305,17 +1786,17 @@ impl Transport for LibfabricTransport {
                 max: self.max_message,
             });
         }
-        if self.scratch.free_sends.is_empty() {
+        if self.rails[0].scratch.free_sends.is_empty() {
             // Reap finished sends first.
-            self.drain(None)
+            self.drain(0, None)
                 .map_err(|e| SendError::Backend(backend(e)))?;
         }
-        let Some(slot) = self.scratch.free_sends.pop() else {
+        let Some(slot) = self.rails[0].scratch.free_sends.pop() else {
             return Err(SendError::Busy(SEND_SLOTS));
         };
         let offset = Scratch::SEND_BASE + slot * MESSAGE_SLOT;
         // The slot is inside the buffer and the message fits it (checked above).
-        let _ = self.scratch.buffer.write_at(offset, message);
+        let _ = self.rails[0].scratch.buffer.write_at(offset, message);
         let op = self.new_op();
         self.pending.insert(
             op,
@@ -1323,10 +1804,13 @@ impl Transport for LibfabricTransport {
                 kind: OpKind::Send,
                 peer: peer_id,
                 bytes: message.len() as u64,
-                segments: Vec::new(),
-                cursor: (0, 0, 0),
+                stripes: Vec::new(),
+                next_stripe: 0,
                 in_flight: 0,
                 notice: None,
+                notice_link: 0,
+                flush: Vec::new(),
+                flushing: false,
                 notice_posted: false,
                 failed: None,
                 abandoned: false,
@@ -1348,7 +1832,7 @@ impl Transport for LibfabricTransport {
             return Err(broken(error));
         }
         self.pump().map_err(broken)?;
-        while self.drain(None).map_err(broken)? > 0 {
+        while self.drain_all().map_err(broken)? > 0 {
             self.pump().map_err(broken)?;
         }
         self.expire();
@@ -1379,8 +1863,7 @@ impl Transport for LibfabricTransport {
                 // no completion of ours wakes us.
                 ms = ms.min(1);
             }
-            self.drain(Some(ms))
-                .map_err(|e| PollError::Backend(backend(e)))?;
+            self.block(ms).map_err(|e| PollError::Backend(backend(e)))?;
         }
     }
 }

@@ -226,3 +226,567 @@ fn wait_blocks_until_timeout_without_events() {
     assert_eq!(a.wait(&mut events, Duration::from_millis(20)).unwrap(), 0);
     assert!(events.is_empty());
 }
+
+// ---- Striping -------------------------------------------------------------------------------
+
+mod striping {
+    use proptest::prelude::*;
+
+    use super::super::stripe::stripe;
+    use super::*;
+
+    fn strided(src: u64, dst: u64, len: u64, count: u64, strides: (u64, u64)) -> CopyOp {
+        CopyOp {
+            count,
+            src_stride: strides.0,
+            dst_stride: strides.1,
+            ..op(0, src, 1, dst, len)
+        }
+    }
+
+    /// Every byte an operation list moves, as (source offset, destination offset) pairs, sorted.
+    fn bytes_moved(ops: &[CopyOp]) -> Vec<(u32, u64, u32, u64)> {
+        let mut out = Vec::new();
+        for op in ops {
+            for (s, d, len) in op.pieces() {
+                for i in 0..len {
+                    out.push((op.src_region, s + i, op.dst_region, d + i));
+                }
+            }
+        }
+        out.sort_unstable();
+        out
+    }
+
+    fn total(ops: &[CopyOp]) -> u64 {
+        ops.iter().map(CopyOp::bytes).sum()
+    }
+
+    #[test]
+    fn small_plans_go_whole_on_the_round_robin_rail() {
+        let ops = [op(0, 0, 1, 0, 1000), strided(0, 0, 10, 5, (20, 30))];
+        for first in 0..5 {
+            let out = stripe(&ops, 3, 4096, first);
+            assert_eq!(out.len(), 3);
+            assert_eq!(out[first % 3], ops);
+            assert!(out
+                .iter()
+                .enumerate()
+                .all(|(k, o)| k == first % 3 || o.is_empty()));
+        }
+        // One rail, or zero asked for: everything on rail 0.
+        assert_eq!(stripe(&ops, 1, 0, 7), vec![ops.to_vec()]);
+        assert_eq!(stripe(&ops, 0, 0, 7), vec![ops.to_vec()]);
+    }
+
+    #[test]
+    fn a_large_contiguous_op_splits_at_exact_bytes() {
+        let out = stripe(&[op(0, 100, 1, 7, 1_000_001)], 2, 0, 1);
+        assert_eq!(out[0], [op(0, 100, 1, 7, 500_000)]);
+        assert_eq!(out[1], [op(0, 500_100, 1, 500_007, 500_001)]);
+    }
+
+    #[test]
+    fn strided_ops_split_by_rows() {
+        // 64 rows of 8 KiB: 32 whole rows per rail, offsets advanced by 32 strides.
+        let s = strided(1000, 2000, 8192, 64, (16384, 12288));
+        let out = stripe(&[s], 2, 0, 0);
+        assert_eq!(out[0], [CopyOp { count: 32, ..s }]);
+        assert_eq!(
+            out[1],
+            [CopyOp {
+                count: 32,
+                src_offset: 1000 + 32 * 16384,
+                dst_offset: 2000 + 32 * 12288,
+                ..s
+            }]
+        );
+        // Three rails over 64 rows: cuts at rows 21 and 43 (nearest edges), no row split.
+        let out = stripe(&[s], 3, 0, 0);
+        let counts: Vec<u64> = out
+            .iter()
+            .map(|o| o.iter().map(|c| c.count).sum())
+            .collect();
+        assert_eq!(counts, [21, 22, 21]);
+        assert!(out.iter().flatten().all(|c| c.len == 8192));
+        // Rows as large as a rail's share are split inside a row.
+        let big = strided(0, 0, 3 << 20, 2, (4 << 20, 3 << 20));
+        let out = stripe(&[big], 4, 0, 0);
+        assert!(out.iter().all(|o| total(o) == 3 << 19), "{out:?}");
+        assert_eq!(bytes_moved(&out.concat()), bytes_moved(&[big]));
+    }
+
+    fn any_op() -> impl Strategy<Value = CopyOp> {
+        (
+            0u32..3,
+            0u64..5000,
+            0u64..5000,
+            1u64..400,
+            1u64..12,
+            0u64..600,
+            0u64..600,
+        )
+            .prop_map(|(region, src, dst, len, count, gap_s, gap_d)| CopyOp {
+                src_region: region,
+                dst_region: 2 - region,
+                count,
+                src_stride: len + gap_s,
+                dst_stride: len + gap_d,
+                ..op(0, src, 0, dst, len)
+            })
+    }
+
+    proptest! {
+        #[test]
+        fn every_byte_goes_exactly_once_and_rails_are_balanced(
+            ops in proptest::collection::vec(any_op(), 1..8),
+            rails in 1usize..6,
+            threshold in 0u64..6000,
+            first in 0usize..10,
+        ) {
+            let out = stripe(&ops, rails, threshold, first);
+            prop_assert_eq!(out.len(), rails);
+            let all: Vec<CopyOp> = out.concat();
+            prop_assert_eq!(bytes_moved(&all), bytes_moved(&ops));
+            prop_assert!(all.iter().all(|c| c.len > 0 && c.count > 0));
+            let bytes = total(&ops);
+            if rails == 1 || bytes < threshold {
+                prop_assert_eq!(&out[first % rails], &ops);
+            } else {
+                // Each rail within its share, give or take the row snapping (a rail's share
+                // is at least 8 rows wherever a cut snaps: half a row per cut, two cuts).
+                let share = bytes / rails as u64;
+                for o in &out {
+                    let b = total(o);
+                    prop_assert!(b + share / 8 + 1 >= share && b <= share + share / 8 + 1,
+                        "rail bytes {} share {}", b, share);
+                }
+            }
+        }
+    }
+}
+
+// ---- Several rails --------------------------------------------------------------------------
+
+fn two_rails(config: LibfabricConfig) -> LibfabricConfig {
+    config.with_rails(Rails::Count(2))
+}
+
+/// A plan big enough to be striped: 3 MiB contiguous, 96 strided rows of 8 KiB, a small tail.
+fn big_plan() -> Vec<CopyOp> {
+    let mut strided = op(0, 4 << 20, 1, 0, 8192);
+    strided.count = 96;
+    strided.src_stride = 16384;
+    strided.dst_stride = 10_000;
+    vec![
+        op(0, 0, 0, 1 << 20, 3 << 20),
+        strided,
+        op(0, (6 << 20) - 5, 1, (2 << 20) - 5, 5),
+    ]
+}
+
+fn expected(plan: &[CopyOp], src: &[u8], dst_lens: [usize; 2]) -> [Vec<u8>; 2] {
+    let mut out = [vec![0; dst_lens[0]], vec![0; dst_lens[1]]];
+    for op in plan {
+        for (s, d, len) in op.pieces() {
+            let (s, d, len) = (s as usize, d as usize, len as usize);
+            out[op.dst_region as usize][d..d + len].copy_from_slice(&src[s..s + len]);
+        }
+    }
+    out
+}
+
+fn multi_rail_write_and_read(a_config: &LibfabricConfig, b_config: &LibfabricConfig) {
+    let mut a = LibfabricTransport::open(a_config).expect("open a");
+    let mut b = LibfabricTransport::open(b_config).expect("open b");
+    assert_eq!(a.in_flight(), RECV_SLOTS * a.rail_count());
+    let src = Arc::new(HostBuffer::new(6 << 20).unwrap());
+    src.fill_with(|i| (i * 13 + i / 1000) as u8);
+    let dst = [
+        Arc::new(HostBuffer::new(4 << 20).unwrap()),
+        Arc::new(HostBuffer::new(2 << 20).unwrap()),
+    ];
+    a.register(LocalRegion::host(0, Arc::clone(&src))).unwrap();
+    for (i, d) in dst.iter().enumerate() {
+        b.register(LocalRegion::host(i as u32, Arc::clone(d)))
+            .unwrap();
+    }
+    let peer = a.connect(&b.local_desc()).unwrap();
+    let back = b.connect(&a.local_desc()).unwrap();
+    let links = a_config_links(&a, &b);
+    assert_eq!(a.links(peer), Some(links));
+    assert_eq!(b.links(back), Some(links));
+
+    let plan = big_plan();
+    let id = a.write(peer, &plan, Some(Notice(77))).unwrap();
+    let (mut ea, mut eb) = (Vec::new(), Vec::new());
+    // The notice arrives only once every byte is there: check the memory the moment it does.
+    let want = expected(&plan, &src.to_vec(), [4 << 20, 2 << 20]);
+    pump_until(&mut a, &mut b, &mut ea, &mut eb, |ea, eb| {
+        !ea.is_empty() && !eb.is_empty()
+    });
+    assert!(matches!(eb[..], [Event::Notice(Notice(77))]), "{eb:?}");
+    let now = [
+        first_difference(&dst[0].to_vec(), &want[0]),
+        first_difference(&dst[1].to_vec(), &want[1]),
+    ];
+    if now != [None, None] {
+        std::thread::sleep(Duration::from_millis(500));
+        let (mut ea2, mut eb2) = (Vec::new(), Vec::new());
+        let _ = a.poll(&mut ea2);
+        let _ = b.poll(&mut eb2);
+        std::thread::sleep(Duration::from_millis(500));
+        let _ = a.poll(&mut ea2);
+        let _ = b.poll(&mut eb2);
+        let later = [
+            first_difference(&dst[0].to_vec(), &want[0]),
+            first_difference(&dst[1].to_vec(), &want[1]),
+        ];
+        panic!(
+            "differences at the notice {now:?}, a second later {later:?}, dc {}",
+            a.delivery_complete()
+        );
+    }
+    let total: u64 = plan.iter().map(CopyOp::bytes).sum();
+    assert!(
+        matches!(ea[..], [Event::WriteDone { op, bytes, .. }] if op == id && bytes == total),
+        "{ea:?}"
+    );
+
+    // Pull mode: b reads a's bytes back into its second region, striped too.
+    let mut read_plan = op(0, 0, 1, 0, 2 << 20);
+    read_plan.count = 1;
+    let id = b.read(back, &[read_plan]).unwrap();
+    let (mut ea, mut eb) = (Vec::new(), Vec::new());
+    pump_until(&mut a, &mut b, &mut ea, &mut eb, |_, eb| !eb.is_empty());
+    assert!(
+        matches!(eb[..], [Event::ReadDone { op, bytes, .. }] if op == id && bytes == 2 << 20),
+        "{eb:?}"
+    );
+    assert_eq!(
+        first_difference(&dst[1].to_vec(), &src.to_vec()[..2 << 20]),
+        None
+    );
+
+    // Small writes take turns on the rails and still deliver notices in order of completion.
+    for n in 0..4 {
+        a.write(peer, &[op(0, n * 100, 0, n * 100, 100)], Some(Notice(n)))
+            .unwrap();
+    }
+    let (mut ea, mut eb) = (Vec::new(), Vec::new());
+    pump_until(&mut a, &mut b, &mut ea, &mut eb, |ea, eb| {
+        ea.len() >= 4 && eb.len() >= 4
+    });
+    let mut notices: Vec<u64> = eb
+        .iter()
+        .filter_map(|e| match e {
+            Event::Notice(Notice(n)) => Some(*n),
+            _ => None,
+        })
+        .collect();
+    notices.sort_unstable();
+    assert_eq!(notices, [0, 1, 2, 3]);
+    assert_eq!(
+        first_difference(&dst[0].to_vec()[..400], &src.to_vec()[..400]),
+        None
+    );
+
+    // Messages go both ways.
+    a.send(peer, b"hello").unwrap();
+    let (mut ea, mut eb) = (Vec::new(), Vec::new());
+    pump_until(&mut a, &mut b, &mut ea, &mut eb, |_, eb| {
+        eb.iter()
+            .any(|e| matches!(e, Event::Message(m) if m == b"hello"))
+    });
+}
+
+/// Where two byte strings first differ (never prints megabytes of bytes).
+fn first_difference(got: &[u8], want: &[u8]) -> Option<usize> {
+    if got.len() != want.len() {
+        return Some(got.len().min(want.len()));
+    }
+    got.iter().zip(want).position(|(g, w)| g != w)
+}
+
+fn a_config_links(a: &LibfabricTransport, b: &LibfabricTransport) -> usize {
+    a.rail_count().min(b.rail_count())
+}
+
+#[test]
+fn shm_two_rails_stripe_writes_and_reads() {
+    let config = two_rails(LibfabricConfig::shm());
+    let a = LibfabricTransport::open(&config).unwrap();
+    assert_eq!(a.rail_count(), 2);
+    assert_eq!(a.rail_domains().len(), 2);
+    assert!(a.local_desc().address.starts_with(address::MAGIC));
+    drop(a);
+    multi_rail_write_and_read(&config, &config);
+}
+
+#[test]
+fn tcp_two_rails_stripe_writes_and_reads() {
+    let config = two_rails(LibfabricConfig::tcp(Some("lo")));
+    multi_rail_write_and_read(&config, &config);
+}
+
+#[test]
+fn two_rails_talk_to_one_rail_over_one_link() {
+    let one = LibfabricConfig::shm();
+    let two = two_rails(LibfabricConfig::shm());
+    multi_rail_write_and_read(&two, &one);
+    multi_rail_write_and_read(&one, &two);
+}
+
+#[test]
+fn multi_rail_endpoints_report_their_rails_and_completion_semantics() {
+    // Both providers here report delivery-complete completions; striped writes flush the other
+    // rails before the notice anyway (tcp;ofi_rxm completes RMA writes early, see the module
+    // documentation).
+    let shm = LibfabricTransport::open(&two_rails(LibfabricConfig::shm())).unwrap();
+    let tcp = LibfabricTransport::open(&two_rails(LibfabricConfig::tcp(Some("lo")))).unwrap();
+    assert_eq!(tcp.rail_domains(), ["lo", "lo"]);
+    assert_eq!(shm.rail_count(), 2);
+    assert!(shm.delivery_complete() && tcp.delivery_complete());
+}
+
+#[test]
+fn rail_configurations_that_cannot_work_are_refused() {
+    let none = LibfabricConfig::shm().with_rails(Rails::Count(0));
+    assert!(matches!(
+        LibfabricTransport::open(&none),
+        Err(OpenError::RailCount { rails: 0, .. })
+    ));
+    let none = LibfabricConfig::shm().with_rails(Rails::Domains(Vec::new()));
+    assert!(matches!(
+        LibfabricTransport::open(&none),
+        Err(OpenError::RailCount { rails: 0, .. })
+    ));
+    let unknown = LibfabricConfig::tcp(None).with_rails(Rails::Domains(vec![
+        "lo".into(),
+        "no-such-interface".into(),
+    ]));
+    assert!(matches!(
+        LibfabricTransport::open(&unknown),
+        Err(OpenError::Fabric { .. })
+    ));
+    // A damaged rail table is a bad description, never a panic.
+    let mut shm = LibfabricTransport::open(&LibfabricConfig::shm()).unwrap();
+    let two = LibfabricTransport::open(&two_rails(LibfabricConfig::shm())).unwrap();
+    let mut desc = two.local_desc();
+    desc.address.truncate(desc.address.len() - 3);
+    assert!(matches!(
+        shm.connect(&desc),
+        Err(ConnectError::BadDescription(_))
+    ));
+}
+
+/// A blocked `wait` on a multi-rail TCP endpoint wakes up when something arrives on a rail, and
+/// sleeps (costs no CPU) while nothing does.
+#[test]
+fn multi_rail_wait_blocks_and_wakes() {
+    let config = two_rails(LibfabricConfig::tcp(Some("lo")));
+    let mut a = LibfabricTransport::open(&config).unwrap();
+    let mut b = LibfabricTransport::open(&config).unwrap();
+    let peer = a.connect(&b.local_desc()).unwrap();
+    b.connect(&a.local_desc()).unwrap();
+
+    let cpu_before = thread_cpu_ticks();
+    let started = Instant::now();
+    let mut events = Vec::new();
+    assert_eq!(b.wait(&mut events, Duration::from_millis(300)).unwrap(), 0);
+    assert!(started.elapsed() >= Duration::from_millis(300));
+    if let (Some(before), Some(after)) = (cpu_before, thread_cpu_ticks()) {
+        // Clock ticks are 10 ms: a spinning wait would burn about 30 of them.
+        assert!(
+            after - before <= 10,
+            "idle wait used {} ticks",
+            after - before
+        );
+    }
+
+    let waiter = std::thread::spawn(move || {
+        let started = Instant::now();
+        let mut events = Vec::new();
+        while started.elapsed() < Duration::from_secs(10) {
+            b.wait(&mut events, Duration::from_secs(10)).unwrap();
+            if events
+                .iter()
+                .any(|e| matches!(e, Event::Message(m) if m == b"wake"))
+            {
+                return started.elapsed();
+            }
+        }
+        panic!("no message within 10 s: {events:?}");
+    });
+    std::thread::sleep(Duration::from_millis(100));
+    a.send(peer, b"wake").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut events = Vec::new();
+    while !waiter.is_finished() && Instant::now() < deadline {
+        a.wait(&mut events, Duration::from_millis(10)).unwrap();
+    }
+    let woke = waiter.join().unwrap();
+    assert!(
+        woke < Duration::from_secs(2),
+        "blocked wait woke after {woke:?}"
+    );
+}
+
+/// CPU time of the calling thread, in clock ticks (`/proc/thread-self/stat`: utime + stime).
+fn thread_cpu_ticks() -> Option<u64> {
+    let stat = std::fs::read_to_string("/proc/thread-self/stat").ok()?;
+    // Fields after the command name (which is in parentheses and may hold spaces).
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split(' ').collect();
+    // utime and stime are fields 14 and 15 of the whole line: 12 and 13 after the name.
+    Some(fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?)
+}
+
+// ---- Choosing rails from the topology -------------------------------------------------------
+
+mod selection {
+    use super::super::rails::{select_rails, RailFallback};
+    use super::*;
+    use crate::topology::{
+        NetInterface, PciAddress, PciDevice, RailOverrides, RailRule, RdmaNic, Topology,
+        VENDOR_AMAZON, VENDOR_NVIDIA,
+    };
+
+    fn a(s: &str) -> PciAddress {
+        s.parse().unwrap()
+    }
+
+    /// One switch with a GPU and two EFA NICs (one of which also has an Ethernet interface), a
+    /// second GPU on another root port without NICs nearby, and a NIC on that port.
+    fn host() -> Topology {
+        let above = |port: &str| vec![a("0000:00:01.0"), a("0000:01:00.0"), a(port)];
+        let devices = vec![
+            PciDevice::new(a("0000:03:00.0"), VENDOR_NVIDIA, 0x2335, 0x03_02_00)
+                .with_numa_node(Some(0))
+                .with_ancestors(above("0000:02:00.0")),
+            PciDevice::new(a("0000:04:00.0"), VENDOR_AMAZON, 0xefa2, 0x02_00_00)
+                .with_numa_node(Some(0))
+                .with_ancestors(above("0000:02:01.0")),
+            PciDevice::new(a("0000:05:00.0"), VENDOR_AMAZON, 0xefa2, 0x02_00_00)
+                .with_numa_node(Some(0))
+                .with_ancestors(above("0000:02:02.0")),
+            PciDevice::new(a("0000:81:00.0"), VENDOR_NVIDIA, 0x2335, 0x03_02_00)
+                .with_numa_node(Some(1))
+                .with_ancestors(vec![a("0000:80:01.0")]),
+            PciDevice::new(a("0000:91:00.0"), 0x15b3, 0x101d, 0x02_00_00)
+                .with_numa_node(Some(1))
+                .with_ancestors(vec![a("0000:90:01.0")]),
+        ];
+        let nics = vec![
+            RdmaNic::new("rdmap4s0", a("0000:04:00.0")),
+            RdmaNic::new("rdmap5s0", a("0000:05:00.0")),
+            RdmaNic::new("mlx5_0", a("0000:91:00.0")),
+        ];
+        let net = vec![NetInterface::new("ens91", a("0000:91:00.0"))];
+        Topology::from_parts(devices, nics, net).unwrap()
+    }
+
+    fn offered(names: &[&str]) -> Vec<String> {
+        names.iter().map(|s| (*s).to_owned()).collect()
+    }
+
+    #[test]
+    fn efa_rails_map_to_their_rdm_domains() {
+        let t = host();
+        let efa = offered(&["rdmap5s0-rdm", "rdmap45s0-rdm", "rdmap4s0-rdm"]);
+        let s = select_rails(&t, Some(&a("0000:03:00.0")), PROVIDER_EFA, &efa);
+        assert_eq!(
+            s.rails,
+            Rails::Domains(vec!["rdmap4s0-rdm".into(), "rdmap5s0-rdm".into()])
+        );
+        assert_eq!(s.rule, Some(RailRule::PcieSwitch));
+        assert_eq!(s.fallback, None);
+        // `rdmap4s0` must not match `rdmap45s0-rdm`.
+        let s = select_rails(
+            &t,
+            Some(&a("0000:03:00.0")),
+            PROVIDER_EFA,
+            &offered(&["rdmap45s0-rdm", "rdmap5s0-rdm"]),
+        );
+        assert_eq!(s.rails, Rails::Domains(vec!["rdmap5s0-rdm".into()]));
+        assert_eq!(s.unmatched, ["rdmap4s0"]);
+    }
+
+    #[test]
+    fn overrides_are_honoured() {
+        let t = host()
+            .with_overrides(&"0000:03:00.0=rdmap5s0".parse::<RailOverrides>().unwrap())
+            .unwrap();
+        let efa = offered(&["rdmap4s0-rdm", "rdmap5s0-rdm"]);
+        let s = select_rails(&t, Some(&a("0000:03:00.0")), PROVIDER_EFA, &efa);
+        assert_eq!(s.rails, Rails::Domains(vec!["rdmap5s0-rdm".into()]));
+        assert_eq!(s.rule, Some(RailRule::Override));
+    }
+
+    #[test]
+    fn tcp_rails_map_to_the_nics_interfaces() {
+        let t = host();
+        // The second GPU's rail (by NUMA node) is mlx5_0, whose interface is ens91.
+        let s = select_rails(
+            &t,
+            Some(&a("0000:81:00.0")),
+            PROVIDER_TCP,
+            &offered(&["lo", "ens91", "eth0"]),
+        );
+        assert_eq!(s.rails, Rails::Domains(vec!["ens91".into()]));
+        assert_eq!(s.rule, Some(RailRule::Numa));
+    }
+
+    #[test]
+    fn fallbacks_use_the_default_single_rail_and_say_why() {
+        let t = host();
+        let efa = offered(&["rdmap4s0-rdm"]);
+        let s = select_rails(&t, None, PROVIDER_EFA, &efa);
+        assert_eq!(
+            (s.rails, s.fallback),
+            (Rails::One, Some(RailFallback::HostMemory))
+        );
+        let s = select_rails(&t, Some(&a("0000:04:00.0")), PROVIDER_EFA, &efa);
+        assert_eq!(
+            s.fallback,
+            Some(RailFallback::NotAnAccelerator(a("0000:04:00.0")))
+        );
+        let s = select_rails(
+            &t,
+            Some(&a("0000:03:00.0")),
+            PROVIDER_SHM,
+            &offered(&["shm"]),
+        );
+        assert_eq!(s.rails, Rails::One);
+        let reason = s.fallback.expect("a fallback").to_string();
+        assert!(
+            reason.contains("rdmap4s0") && reason.contains("default domain"),
+            "{reason}"
+        );
+        let bare = Topology::from_parts(
+            vec![PciDevice::new(
+                a("0000:03:00.0"),
+                VENDOR_NVIDIA,
+                0x2335,
+                0x03_02_00,
+            )],
+            Vec::new(),
+            Vec::new(),
+        )
+        .unwrap();
+        let s = select_rails(&bare, Some(&a("0000:03:00.0")), PROVIDER_EFA, &efa);
+        assert_eq!(s.fallback, Some(RailFallback::NoRails(a("0000:03:00.0"))));
+    }
+
+    #[test]
+    fn this_hosts_providers_and_a_fallback_config_open() {
+        // No RDMA NIC here: the selection falls back to one rail, which opens.
+        let (config, selection) = LibfabricConfig::shm().with_topology(&host(), None);
+        assert_eq!(selection.fallback, Some(RailFallback::HostMemory));
+        assert_eq!(config.rails, Rails::One);
+        LibfabricTransport::open(&config).unwrap();
+        assert!(super::super::rails::provider_domains(PROVIDER_TCP)
+            .iter()
+            .any(|d| d == "lo"));
+    }
+}

@@ -75,6 +75,7 @@
 pub mod runtime;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::ffi::{OsStr, OsString};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -89,6 +90,7 @@ use crate::error::{
     SendError, WriteError,
 };
 use crate::region::LocalRegion;
+use crate::topology::{PciAddress, Topology};
 use crate::transport::{Capabilities, Event, Notice, OpId, OpKind, PeerId, Transport};
 use crate::validate::check_ops;
 
@@ -148,6 +150,10 @@ pub struct NixlConfig {
     /// at 50 µs and doubles): the bound on the extra latency of the first event after a quiet
     /// spell, traded against the CPU an idle waiting thread costs.
     pub max_idle_sleep: Duration,
+    /// UCX's network devices (`rdmap79s0:1,rdmap80s0:1`) for the memory's accelerator, from
+    /// [`NixlConfig::with_rails_of`]: set as `UCX_NET_DEVICES` when the endpoint opens, unless
+    /// the user set that variable (theirs wins). `None`: UCX's own choice.
+    pub net_devices: Option<String>,
 }
 
 impl NixlConfig {
@@ -161,6 +167,7 @@ impl NixlConfig {
             backend_params: Vec::new(),
             op_timeout: Duration::from_secs(30),
             max_idle_sleep: MAX_IDLE_SLEEP,
+            net_devices: None,
         }
     }
 
@@ -183,6 +190,18 @@ impl NixlConfig {
         Self::ucx().with_param("ucx_error_handling_mode", "none")
     }
 
+    /// Uses the rails of memory owned by `accelerator` (the same selection as the libfabric
+    /// backend's: [`Topology::rails_for`], overrides included) as UCX's network devices
+    /// ([`ucx_net_devices_for`]). Without rails (not an accelerator, no RDMA NIC) the
+    /// configuration is unchanged.
+    #[must_use]
+    pub fn with_rails_of(mut self, topology: &Topology, accelerator: &PciAddress) -> Self {
+        if let Some(devices) = ucx_net_devices_for(topology, accelerator, None) {
+            self.net_devices = Some(devices);
+        }
+        self
+    }
+
     /// Adds (or replaces) a backend parameter.
     #[must_use]
     pub fn with_param(mut self, key: &str, value: &str) -> Self {
@@ -190,6 +209,48 @@ impl NixlConfig {
         self.backend_params.push((key.into(), value.into()));
         self
     }
+}
+
+/// The environment variable UCX reads its network devices from.
+pub const UCX_NET_DEVICES: &str = "UCX_NET_DEVICES";
+
+/// The `UCX_NET_DEVICES` value for memory owned by `accelerator`: its rails from the topology
+/// with each NIC's port ([`Topology::ucx_net_devices`]). `None` when `user_value` (what the
+/// environment holds) is set, which always wins, or when the accelerator is unknown or has no
+/// rails.
+#[must_use]
+pub fn ucx_net_devices_for(
+    topology: &Topology,
+    accelerator: &PciAddress,
+    user_value: Option<&OsStr>,
+) -> Option<String> {
+    if user_value.is_some_and(|v| !v.is_empty()) {
+        return None;
+    }
+    topology
+        .ucx_net_devices(accelerator)
+        .filter(|devices| !devices.is_empty())
+}
+
+/// The `UCX_NET_DEVICES` value this process set (so that a later endpoint may replace it, but
+/// never a value the user set).
+static NET_DEVICES_SET: std::sync::Mutex<Option<OsString>> = std::sync::Mutex::new(None);
+
+/// Sets `UCX_NET_DEVICES` to `devices` unless the user set it; returns whether it did. UCX reads
+/// the variable when the backend is created.
+fn apply_net_devices(devices: &str) -> bool {
+    let mut ours = NET_DEVICES_SET
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let current = std::env::var_os(UCX_NET_DEVICES);
+    let users = current.is_some() && current != *ours;
+    if users {
+        return false;
+    }
+    // The variable is process-wide; UCX reads it when a backend is created, right after this.
+    std::env::set_var(UCX_NET_DEVICES, devices);
+    *ours = Some(OsString::from(devices));
+    true
 }
 
 /// Opening a NIXL endpoint failed.
@@ -493,6 +554,9 @@ impl NixlTransport {
                 .map(|(k, v)| (k.as_str(), v.as_str())),
         )
         .map_err(backend_error)?;
+        if let Some(devices) = &config.net_devices {
+            apply_net_devices(devices);
+        }
         agent
             .create_backend(&config.plugin, &params)
             .map_err(backend_error)?;

@@ -1,0 +1,721 @@
+//! GPU tests of the CUDA backend: real device memory, real CUDA IPC between processes, the NVRTC
+//! kernels against the CPU reference. On a machine without a CUDA driver every test prints
+//! `SKIPPED` and why, and passes; on a GPU machine they run in full (`cargo xtask test` here, the
+//! GPU machine through the built test binary).
+//!
+//! The cross-process tests re-execute this binary once per rank (`KVX_GPU_ROLE`): every process
+//! derives the same scenario (layouts, blocks, pattern) from its name, so only endpoint
+//! descriptions travel (consumers print theirs, producers read them on stdin). Producer ranks run
+//! on GPU `rank % n` and consumer ranks on GPU `(rank + 1) % n`: with two GPUs, prefill on GPU 0
+//! writes into decode on GPU 1 over NVLink.
+#![cfg(feature = "cuda")]
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvx_core::{Arrangement, BlockId, Dtype, LayoutSpec, MemoryOrder, Rank};
+use kvx_layout::{synth, CopyOp, Layout, Permute, PlanRequest};
+use kvx_rdma::cuda::ipc::{CopyMethod, CudaIpcConfig, CudaIpcTransport};
+use kvx_rdma::cuda::kernels::LayoutKernels;
+use kvx_rdma::cuda::{device_count, CudaError, DeviceBuffer, Gpu};
+use kvx_rdma::{EndpointDesc, Event, LocalRegion, Notice, OpError, Transport};
+
+const ROLE: &str = "KVX_GPU_ROLE";
+const SCENARIO: &str = "KVX_GPU_SCENARIO";
+const RANK: &str = "KVX_GPU_RANK";
+const SEED: u64 = 0x6b76_7867_7075;
+const DEADLINE: Duration = Duration::from_secs(60);
+
+/// The number of GPUs, or `None` after saying why the test is skipped. With
+/// `KVX_REQUIRE_GPU=1` (set on GPU machines) a missing GPU fails the test instead.
+fn gpus(test: &str, needed: u32) -> Option<u32> {
+    let why = match device_count() {
+        Ok(n) if n >= needed => return Some(n),
+        Ok(n) => format!("needs {needed} CUDA devices, this machine has {n}"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        std::env::var_os("KVX_REQUIRE_GPU").is_none(),
+        "{test}: KVX_REQUIRE_GPU is set but {why}"
+    );
+    eprintln!("SKIPPED {test}: {why}");
+    None
+}
+
+struct Scenario {
+    producer_tp: u32,
+    consumer_tp: u32,
+    producer_block: u32,
+    consumer_block: u32,
+    producer_order: MemoryOrder,
+    consumer_order: MemoryOrder,
+    copy: CopyMethod,
+    num_tokens: u64,
+}
+
+fn scenario(name: &str) -> Scenario {
+    let base = Scenario {
+        producer_tp: 1,
+        consumer_tp: 1,
+        producer_block: 16,
+        consumer_block: 16,
+        producer_order: MemoryOrder::Nhd,
+        consumer_order: MemoryOrder::Nhd,
+        copy: CopyMethod::Auto,
+        num_tokens: 1000,
+    };
+    match name {
+        "same-layout" => Scenario {
+            copy: CopyMethod::CopyEngine,
+            ..base
+        },
+        "relayout-kernel" => Scenario {
+            producer_block: 16,
+            consumer_block: 64,
+            producer_order: MemoryOrder::Hnd,
+            consumer_order: MemoryOrder::Nhd,
+            copy: CopyMethod::Kernel,
+            ..base
+        },
+        "tp2-to-tp1" => Scenario {
+            producer_tp: 2,
+            ..base
+        },
+        "tp1-to-tp2" => Scenario {
+            consumer_tp: 2,
+            consumer_block: 32,
+            ..base
+        },
+        other => panic!("unknown scenario {other}"),
+    }
+}
+
+fn layout(tp: u32, rank: u32, block: u32, order: MemoryOrder) -> Layout {
+    Layout::new(LayoutSpec {
+        num_layers: 8,
+        total_kv_heads: 8,
+        head_dim: 128,
+        dtype: Dtype::Bf16,
+        mla: false,
+        block_tokens: block,
+        num_blocks: 4096 / block,
+        tp_size: tp,
+        tp_rank: rank,
+        order,
+        arrangement: Arrangement::PerLayerSplit,
+    })
+    .expect("valid layout")
+}
+
+/// The request's blocks: scattered, in a fixed pseudo-random order.
+fn blocks(layout: &Layout, tokens: u64) -> Vec<BlockId> {
+    let total = layout.spec().num_blocks;
+    let needed = tokens.div_ceil(u64::from(layout.spec().block_tokens)) as u32;
+    (0..needed)
+        .map(|i| BlockId((i * 37 + 11) % total))
+        .collect()
+}
+
+impl Scenario {
+    fn producers(&self) -> Vec<Layout> {
+        (0..self.producer_tp)
+            .map(|r| {
+                layout(
+                    self.producer_tp,
+                    r,
+                    self.producer_block,
+                    self.producer_order,
+                )
+            })
+            .collect()
+    }
+    fn consumer(&self, rank: u32) -> Layout {
+        layout(
+            self.consumer_tp,
+            rank,
+            self.consumer_block,
+            self.consumer_order,
+        )
+    }
+}
+
+fn device_for(rank: u32, offset: u32, gpus: u32) -> u32 {
+    (rank + offset) % gpus
+}
+
+fn alloc_regions(gpu: &Arc<Gpu>, layout: &Layout) -> Vec<Arc<DeviceBuffer>> {
+    (0..layout.region_count())
+        .map(|_| Arc::new(DeviceBuffer::new(gpu, layout.region_len()).expect("device memory")))
+        .collect()
+}
+
+fn wait_for(transport: &mut CudaIpcTransport, mut want: impl FnMut(&Event) -> bool) -> Event {
+    let deadline = Instant::now() + DEADLINE;
+    let mut events = Vec::new();
+    loop {
+        events.clear();
+        transport
+            .wait(&mut events, Duration::from_millis(200))
+            .expect("wait");
+        if let Some(i) = events.iter().position(&mut want) {
+            return events.swap_remove(i);
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no matching event in {DEADLINE:?}"
+        );
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len() / 2)
+        .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap_or(0))
+        .collect()
+}
+
+/// A child process of the cross-process tests (selected by `KVX_GPU_ROLE`).
+#[test]
+#[ignore = "child role of the cross-process GPU tests; started by them"]
+fn child_role() {
+    let (Ok(role), Ok(name), Ok(rank)) = (
+        std::env::var(ROLE),
+        std::env::var(SCENARIO),
+        std::env::var(RANK),
+    ) else {
+        return;
+    };
+    let rank: u32 = rank.parse().expect("rank");
+    let s = scenario(&name);
+    let n = device_count().expect("cuda");
+    let stdout = std::io::stdout();
+    match role.as_str() {
+        "consumer" => {
+            let consumer = s.consumer(rank);
+            let mut config = CudaIpcConfig::new(device_for(rank, 1, n));
+            config.copy = s.copy;
+            let mut transport = CudaIpcTransport::open(config).expect("open");
+            let gpu = Arc::clone(transport.gpu());
+            let regions = alloc_regions(&gpu, &consumer);
+            for (i, buffer) in regions.iter().enumerate() {
+                transport
+                    .register(LocalRegion::cuda(i as u32, Arc::clone(buffer)))
+                    .expect("register");
+            }
+            writeln!(
+                stdout.lock(),
+                "DESC {}",
+                hex(&transport.local_desc().to_bytes())
+            )
+            .ok();
+            let writers = kvx_layout::writers_for(&consumer, s.producer_tp).expect("writers");
+            let mut seen = Vec::new();
+            while seen.len() < writers.len() {
+                if let Event::Notice(Notice(n)) =
+                    wait_for(&mut transport, |e| matches!(e, Event::Notice(_)))
+                {
+                    seen.push(n);
+                }
+            }
+            let cblocks = blocks(&consumer, s.num_tokens);
+            let producers = s.producers();
+            if let Some(permute) =
+                kvx_layout::permute_for(&producers[0], &consumer, s.num_tokens, 0, &cblocks)
+                    .expect("permute plan")
+            {
+                let mut kernels = LayoutKernels::new(&gpu).expect("kernels");
+                let lookup = |r: u32| regions.get(r as usize).map(|b| (b.device_ptr(), b.len()));
+                // SAFETY: the regions are live device buffers, idle until the queue is synced.
+                unsafe { kernels.permute(&permute.chunks, &lookup) }.expect("permute");
+                kernels.synchronize().expect("permute ran");
+            }
+            let host: Vec<Vec<u8>> = regions
+                .iter()
+                .map(|b| b.to_vec().expect("copy back"))
+                .collect();
+            let views: Vec<&[u8]> = host.iter().map(Vec::as_slice).collect();
+            match synth::verify_request(&consumer, &views, &cblocks, 0, s.num_tokens, SEED) {
+                Ok(()) => writeln!(stdout.lock(), "VERIFIED {} notices", seen.len()).ok(),
+                Err(m) => writeln!(stdout.lock(), "MISMATCH {m}").ok(),
+            };
+        }
+        "producer" => {
+            let producers = s.producers();
+            let me = &producers[rank as usize];
+            let mut config = CudaIpcConfig::new(device_for(rank, 0, n));
+            config.copy = s.copy;
+            let mut transport = CudaIpcTransport::open(config).expect("open");
+            let gpu = Arc::clone(transport.gpu());
+            let pblocks = blocks(me, s.num_tokens);
+            let mut host: Vec<Vec<u8>> = (0..me.region_count())
+                .map(|_| vec![0u8; me.region_len() as usize])
+                .collect();
+            {
+                let mut views: Vec<&mut [u8]> = host.iter_mut().map(Vec::as_mut_slice).collect();
+                synth::fill_request(me, &mut views, &pblocks, s.num_tokens, SEED);
+            }
+            let regions = alloc_regions(&gpu, me);
+            for (i, (buffer, bytes)) in regions.iter().zip(&host).enumerate() {
+                buffer.write_at(0, bytes).expect("upload");
+                transport
+                    .register(LocalRegion::cuda(i as u32, Arc::clone(buffer)))
+                    .expect("register");
+            }
+            // One description per consumer rank, on stdin.
+            let stdin = std::io::stdin();
+            let mut sent = 0;
+            for c in 0..s.consumer_tp {
+                let mut line = String::new();
+                stdin.lock().read_line(&mut line).expect("desc line");
+                let consumer = s.consumer(c);
+                let desc = EndpointDesc::from_bytes(&unhex(line.trim())).expect("desc");
+                let plan = kvx_layout::plan(&PlanRequest {
+                    producers: &producers,
+                    consumer: &consumer,
+                    num_tokens: s.num_tokens,
+                    skip_tokens: 0,
+                    producer_blocks: &pblocks,
+                    consumer_blocks: &blocks(&consumer, s.num_tokens),
+                    only_producer: Some(Rank(rank)),
+                })
+                .expect("plan");
+                let ops = plan.ops_for(Rank(rank));
+                if ops.is_empty() {
+                    continue;
+                }
+                let peer = transport.connect(&desc).expect("connect");
+                transport
+                    .write(
+                        peer,
+                        ops,
+                        Some(Notice(u64::from(rank) << 32 | u64::from(c))),
+                    )
+                    .expect("write");
+                let done = wait_for(&mut transport, |e| {
+                    matches!(e, Event::WriteDone { .. } | Event::Failed { .. })
+                });
+                assert!(matches!(done, Event::WriteDone { .. }), "{done:?}");
+                sent += 1;
+            }
+            writeln!(stdout.lock(), "SENT {sent}").ok();
+        }
+        "dead" => {
+            let mut transport =
+                CudaIpcTransport::open(CudaIpcConfig::new(device_for(rank, 1, n))).expect("open");
+            let gpu = Arc::clone(transport.gpu());
+            let buffer = Arc::new(DeviceBuffer::new(&gpu, 1 << 20).expect("alloc"));
+            transport
+                .register(LocalRegion::cuda(0, buffer))
+                .expect("register");
+            writeln!(
+                stdout.lock(),
+                "DESC {}",
+                hex(&transport.local_desc().to_bytes())
+            )
+            .ok();
+            std::process::exit(0);
+        }
+        other => panic!("unknown role {other}"),
+    }
+}
+
+struct Kid {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+}
+
+impl Kid {
+    fn spawn(role: &str, scenario: &str, rank: u32) -> Self {
+        let mut child = Command::new(std::env::current_exe().expect("test binary"))
+            .args([
+                "--exact",
+                "child_role",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(ROLE, role)
+            .env(SCENARIO, scenario)
+            .env(RANK, rank.to_string())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn child");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Self { child, lines }
+    }
+
+    /// The first line starting with one of `prefixes`.
+    fn expect_line(&self, prefixes: &[&str]) -> String {
+        let deadline = Instant::now() + DEADLINE;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let line = self
+                .lines
+                .recv_timeout(left)
+                .unwrap_or_else(|_| panic!("child printed none of {prefixes:?} in time"));
+            // libtest prints "test child_role ... " without a newline before the child's
+            // first line, so the marker may sit mid-line.
+            if let Some(at) = prefixes.iter().filter_map(|p| line.find(p)).min() {
+                return line[at..].to_owned();
+            }
+        }
+    }
+
+    fn send_line(&mut self, line: &str) {
+        let stdin = self.child.stdin.as_mut().expect("stdin");
+        writeln!(stdin, "{line}").expect("write to child");
+    }
+}
+
+impl Drop for Kid {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn run_scenario(name: &str) {
+    let Some(n) = gpus(name, 1) else { return };
+    let s = scenario(name);
+    eprintln!(
+        "{name}: TP{} -> TP{}, {} GPU(s): producers on {:?}, consumers on {:?}",
+        s.producer_tp,
+        s.consumer_tp,
+        n,
+        (0..s.producer_tp)
+            .map(|r| device_for(r, 0, n))
+            .collect::<Vec<_>>(),
+        (0..s.consumer_tp)
+            .map(|r| device_for(r, 1, n))
+            .collect::<Vec<_>>(),
+    );
+    let consumers: Vec<Kid> = (0..s.consumer_tp)
+        .map(|r| Kid::spawn("consumer", name, r))
+        .collect();
+    let descs: Vec<String> = consumers
+        .iter()
+        .map(|k| k.expect_line(&["DESC "])[5..].to_owned())
+        .collect();
+    let mut producers: Vec<Kid> = (0..s.producer_tp)
+        .map(|r| Kid::spawn("producer", name, r))
+        .collect();
+    for p in &mut producers {
+        for d in &descs {
+            p.send_line(d);
+        }
+    }
+    for p in &producers {
+        let line = p.expect_line(&["SENT "]);
+        eprintln!("{name}: producer {line}");
+    }
+    for (r, c) in consumers.iter().enumerate() {
+        let line = c.expect_line(&["VERIFIED", "MISMATCH"]);
+        assert!(
+            line.starts_with("VERIFIED"),
+            "{name}, consumer rank {r}: {line}"
+        );
+        eprintln!("{name}: consumer {r} {line}");
+    }
+}
+
+#[test]
+fn ipc_moves_a_multilayer_plan_between_processes() {
+    run_scenario("same-layout");
+}
+
+#[test]
+fn ipc_with_block_size_and_memory_order_relayout() {
+    run_scenario("relayout-kernel");
+}
+
+#[test]
+fn ipc_two_producer_ranks_into_one_consumer() {
+    run_scenario("tp2-to-tp1");
+}
+
+#[test]
+fn ipc_one_producer_rank_into_two_consumers() {
+    run_scenario("tp1-to-tp2");
+}
+
+#[test]
+fn ipc_write_to_an_exited_peer_is_a_typed_error() {
+    let Some(_) = gpus("ipc_write_to_an_exited_peer_is_a_typed_error", 1) else {
+        return;
+    };
+    let dead = Kid::spawn("dead", "same-layout", 0);
+    let desc = EndpointDesc::from_bytes(&unhex(&dead.expect_line(&["DESC "])[5..])).expect("desc");
+    let mut kid = dead;
+    let _ = kid.child.wait();
+    let mut transport = CudaIpcTransport::open(CudaIpcConfig::new(0)).expect("open");
+    let gpu = Arc::clone(transport.gpu());
+    let src = Arc::new(DeviceBuffer::new(&gpu, 1 << 20).expect("alloc"));
+    transport
+        .register(LocalRegion::cuda(0, src))
+        .expect("register");
+    // The peer is gone: either connecting fails, or the first write reports it.
+    let Ok(peer) = transport.connect(&desc) else {
+        return;
+    };
+    let op = CopyOp {
+        producer: Rank(0),
+        src_region: 0,
+        src_offset: 0,
+        dst_region: 0,
+        dst_offset: 0,
+        len: 4096,
+        count: 1,
+        src_stride: 0,
+        dst_stride: 0,
+    };
+    transport
+        .write(peer, &[op], Some(Notice(1)))
+        .expect("accepted");
+    let event = wait_for(&mut transport, |e| {
+        matches!(e, Event::WriteDone { .. } | Event::Failed { .. })
+    });
+    assert!(
+        matches!(
+            event,
+            Event::Failed {
+                error: OpError::PeerUnreachable { .. },
+                ..
+            }
+        ),
+        "{event:?}"
+    );
+}
+
+#[test]
+fn ipc_refuses_out_of_bounds_and_foreign_memory() {
+    let Some(_) = gpus("ipc_refuses_out_of_bounds_and_foreign_memory", 1) else {
+        return;
+    };
+    let mut a = CudaIpcTransport::open(CudaIpcConfig::new(0)).expect("open");
+    let mut b = CudaIpcTransport::open(CudaIpcConfig::new(0)).expect("open");
+    let gpu = Arc::clone(a.gpu());
+    let src = Arc::new(DeviceBuffer::new(&gpu, 1 << 20).expect("alloc"));
+    src.fill_with(|i| (i % 253) as u8).expect("fill");
+    let dst = Arc::new(DeviceBuffer::new(&gpu, 1 << 20).expect("alloc"));
+    a.register(LocalRegion::cuda(0, Arc::clone(&src)))
+        .expect("register");
+    b.register(LocalRegion::cuda(0, Arc::clone(&dst)))
+        .expect("register");
+    let host = Arc::new(kvx_rdma::HostBuffer::new(4096).expect("host"));
+    assert!(
+        a.register(LocalRegion::host(1, host)).is_err(),
+        "host memory"
+    );
+    // Two endpoints of one process reach each other directly (no IPC handle needed).
+    let peer = a.connect(&b.local_desc()).expect("connect");
+    let op = CopyOp {
+        producer: Rank(0),
+        src_region: 0,
+        src_offset: 4096,
+        dst_region: 0,
+        dst_offset: (1 << 20) - 8192,
+        len: 8192,
+        count: 1,
+        src_stride: 0,
+        dst_stride: 0,
+    };
+    assert!(a
+        .write(
+            peer,
+            &[CopyOp {
+                dst_offset: (1 << 20) - 4096,
+                ..op
+            }],
+            None
+        )
+        .is_err());
+    assert!(a
+        .write(
+            peer,
+            &[CopyOp {
+                dst_region: 5,
+                ..op
+            }],
+            None
+        )
+        .is_err());
+    a.write(peer, &[op], Some(Notice(9))).expect("write");
+    wait_for(&mut a, |e| matches!(e, Event::WriteDone { .. }));
+    assert!(matches!(
+        wait_for(&mut b, |e| matches!(e, Event::Notice(_))),
+        Event::Notice(Notice(9))
+    ));
+    let got = dst.to_vec().expect("read back");
+    let want = src.to_vec().expect("read back");
+    assert_eq!(got[(1 << 20) - 8192..], want[4096..4096 + 8192]);
+    assert!(got[..(1 << 20) - 8192].iter().all(|&b| b == 0));
+}
+
+/// Random permute chunks on the GPU against `Permute::apply`.
+#[test]
+fn permute_kernels_match_the_cpu_reference() {
+    let Some(_) = gpus("permute_kernels_match_the_cpu_reference", 1) else {
+        return;
+    };
+    let gpu = Gpu::open(0).expect("gpu");
+    let mut kernels = match LayoutKernels::new(&gpu) {
+        Ok(k) => k,
+        Err(CudaError::NvrtcMissing) => {
+            eprintln!("SKIPPED permute kernels: NVRTC is not installed");
+            return;
+        }
+        Err(e) => panic!("{e}"),
+    };
+    let mut rng = 0x1234_5678_u64;
+    let mut next = |m: u64| {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng % m
+    };
+    // Head sizes for every vector width (16, 4 and 1 byte), block sizes past the shared-memory
+    // limit (the scratch path) and partial blocks.
+    for (head_bytes, block_tokens, heads) in [
+        (256, 16, 8),
+        (128, 64, 4),
+        (12, 16, 3),
+        (7, 8, 5),
+        (256, 512, 8),
+    ] {
+        let chunk = u64::from(block_tokens) * u64::from(heads) * head_bytes;
+        let chunks = 24u64;
+        let region = Arc::new(DeviceBuffer::new(&gpu, chunk * chunks + 4096).expect("alloc"));
+        let original: Vec<u8> = (0..region.len()).map(|_| next(256) as u8).collect();
+        region.write_at(0, &original).expect("upload");
+        let mut permutes = Vec::new();
+        for c in 0..chunks {
+            if next(3) == 0 {
+                continue; // chunks left alone must stay untouched
+            }
+            let first_slot = if next(2) == 0 {
+                0
+            } else {
+                next(u64::from(block_tokens)) as u32
+            };
+            let slots = 1 + next(u64::from(block_tokens - first_slot)) as u32;
+            let (from, to) = if next(2) == 0 {
+                (MemoryOrder::Hnd, MemoryOrder::Nhd)
+            } else {
+                (MemoryOrder::Nhd, MemoryOrder::Hnd)
+            };
+            permutes.push(Permute {
+                region: 0,
+                offset: c * chunk,
+                from,
+                to,
+                block_tokens,
+                first_slot,
+                slots,
+                heads,
+                head_bytes,
+            });
+        }
+        let lookup = |r: u32| (r == 0).then(|| (region.device_ptr(), region.len()));
+        // SAFETY: the region is a live device buffer, idle until the queue is synced.
+        unsafe { kernels.permute(&permutes, &lookup) }.expect("permute");
+        kernels.synchronize().expect("ran");
+        let mut expected = original.clone();
+        let mut scratch = Vec::new();
+        for p in &permutes {
+            p.apply(&mut expected[p.offset as usize..], &mut scratch);
+        }
+        assert!(
+            region.to_vec().expect("read back") == expected,
+            "permute mismatch for head {head_bytes} B, block {block_tokens}, {heads} heads"
+        );
+        // A chunk outside the region is refused before anything runs.
+        let outside = Permute {
+            offset: region.len() - chunk / 2,
+            ..permutes[0]
+        };
+        // SAFETY: as above; the call must fail before launching anything.
+        assert!(unsafe { kernels.permute(&[outside], &lookup) }.is_err());
+    }
+}
+
+/// The batched-copy kernel on random strided operations against a CPU model.
+#[test]
+fn batched_copy_kernel_matches_the_cpu_model() {
+    let Some(_) = gpus("batched_copy_kernel_matches_the_cpu_model", 1) else {
+        return;
+    };
+    let gpu = Gpu::open(0).expect("gpu");
+    let mut kernels = match LayoutKernels::new(&gpu) {
+        Ok(k) => k,
+        Err(CudaError::NvrtcMissing) => {
+            eprintln!("SKIPPED batched copy: NVRTC is not installed");
+            return;
+        }
+        Err(e) => panic!("{e}"),
+    };
+    const LEN: u64 = 8 << 20;
+    let src = Arc::new(DeviceBuffer::new(&gpu, LEN).expect("alloc"));
+    let dst = Arc::new(DeviceBuffer::new(&gpu, LEN).expect("alloc"));
+    src.fill_with(|i| (i.wrapping_mul(31) >> 3) as u8)
+        .expect("fill");
+    let source = src.to_vec().expect("read");
+    // Non-overlapping destinations: op k writes inside its own 512 KiB window.
+    let mut ops = Vec::new();
+    for k in 0..16u64 {
+        let len = [1, 7, 16, 100, 4096, 65_536][k as usize % 6];
+        let count = 1 + (k * 5) % 7;
+        let dst_stride = len + (k % 3) * 16;
+        ops.push(CopyOp {
+            producer: Rank(0),
+            src_region: 0,
+            src_offset: k * 300_001 % (LEN / 2),
+            dst_region: 1,
+            dst_offset: k * (512 << 10) + k,
+            len,
+            count,
+            src_stride: len + k,
+            dst_stride,
+        });
+    }
+    let lookup = |r: u32| match r {
+        0 => Some((src.device_ptr(), src.len())),
+        1 => Some((dst.device_ptr(), dst.len())),
+        _ => None,
+    };
+    // SAFETY: both buffers are live and idle until the queue is synced.
+    unsafe { kernels.copy_ops(&ops, &lookup, &lookup) }.expect("copy");
+    kernels.synchronize().expect("ran");
+    let mut expected = vec![0u8; LEN as usize];
+    for op in &ops {
+        for (s, d, len) in op.pieces() {
+            expected[d as usize..(d + len) as usize]
+                .copy_from_slice(&source[s as usize..(s + len) as usize]);
+        }
+    }
+    assert!(
+        dst.to_vec().expect("read") == expected,
+        "batched copy mismatch"
+    );
+    let too_far = CopyOp {
+        dst_offset: LEN - 10,
+        ..ops[4]
+    };
+    // SAFETY: as above; refused before launching.
+    assert!(unsafe { kernels.copy_ops(&[too_far], &lookup, &lookup) }.is_err());
+}
