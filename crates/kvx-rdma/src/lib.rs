@@ -15,7 +15,9 @@
 //! - `cuda::ipc` (feature `cuda`, on by default): CUDA IPC between processes of one host, with
 //!   CUDA device memory as a region kind and NVRTC layout kernels ([`cuda`]).
 //!
-//! Also here: the PCIe [`topology`] and rail selection.
+//! Memory kinds beyond host memory: CUDA device memory ([`cuda`], feature `cuda`) and AWS Neuron
+//! device memory (`neuron`, feature `neuron`, through the run-time-loaded `neuron-sys`). Also
+//! here: the PCIe [`topology`] and rail selection.
 //!
 //! ```
 //! use std::sync::Arc;
@@ -69,6 +71,8 @@ pub mod error;
 #[cfg(feature = "libfabric")]
 pub mod libfabric;
 pub mod loopback;
+#[cfg(feature = "neuron")]
+pub mod neuron;
 #[cfg(feature = "nixl")]
 pub mod nixl;
 pub mod region;

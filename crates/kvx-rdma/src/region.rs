@@ -217,6 +217,22 @@ impl LocalRegion {
         }
     }
 
+    /// The whole of a Neuron device tensor as region `index` (kind [`MemoryKind::Neuron`], the
+    /// tensor's core as its device).
+    #[cfg(feature = "neuron")]
+    #[must_use]
+    pub fn neuron(index: u32, tensor: Arc<crate::neuron::NeuronTensor>) -> Self {
+        Self {
+            index,
+            kind: MemoryKind::Neuron {
+                device: tensor.core(),
+            },
+            addr: tensor.device_address(),
+            len: tensor.len(),
+            owner: Some(tensor),
+        }
+    }
+
     /// A region over memory owned elsewhere.
     ///
     /// # Safety

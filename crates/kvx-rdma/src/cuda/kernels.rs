@@ -37,9 +37,12 @@ __device__ __forceinline__ void warp_copy(const char* src, char* dst, unsigned l
     T* d = reinterpret_cast<T*>(dst);
     unsigned long long n = len / sizeof(T);
     unsigned long long i = lane;
-    for (; i + 96 < n; i += 128) {
-        T a = s[i], b = s[i + 32], c = s[i + 64], e = s[i + 96];
-        d[i] = a; d[i + 32] = b; d[i + 64] = c; d[i + 96] = e;
+    for (; i + 224 < n; i += 256) {
+        T r[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) r[k] = s[i + 32 * k];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) d[i + 32 * k] = r[k];
     }
     for (; i < n; i += 32) d[i] = s[i];
 }
@@ -67,13 +70,25 @@ extern "C" __global__ void kvx_copy_ops(const Op* ops, unsigned int n, unsigned 
     unsigned int lane = threadIdx.x & 31;
     unsigned long long warp = (blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x) >> 5;
     unsigned long long warps = (gridDim.x * (unsigned long long)blockDim.x) >> 5;
-    for (unsigned long long row = warp; row < rows; row += warps) {
-        unsigned int lo = 0, hi = n;
-        while (hi - lo > 1) {
-            unsigned int mid = (lo + hi) >> 1;
-            if (ops[mid].first_row <= row) lo = mid; else hi = mid;
+    // Each warp takes a contiguous range of rows: one binary search for its first row, then
+    // it walks the table forward (no dependent search per row).
+    unsigned long long per_warp = (rows + warps - 1) / warps;
+    unsigned long long row = warp * per_warp;
+    unsigned long long end = row + per_warp < rows ? row + per_warp : rows;
+    if (row >= end) return;
+    unsigned int lo = 0, hi = n;
+    while (hi - lo > 1) {
+        unsigned int mid = (lo + hi) >> 1;
+        if (ops[mid].first_row <= row) lo = mid; else hi = mid;
+    }
+    Op op = ops[lo];
+    unsigned long long next = lo + 1 < n ? ops[lo + 1].first_row : rows;
+    for (; row < end; ++row) {
+        while (row >= next) {
+            ++lo;
+            op = ops[lo];
+            next = lo + 1 < n ? ops[lo + 1].first_row : rows;
         }
-        Op op = ops[lo];
         unsigned long long r = row - op.first_row;
         const char* src = (const char*)(op.src + r * op.src_stride);
         char* dst = (char*)(op.dst + r * op.dst_stride);
@@ -207,8 +222,10 @@ struct OpRow {
 
 /// Longest piece one warp copies: longer runs are split so that every multiprocessor gets work.
 const MAX_PIECE: u64 = 64 << 10;
-/// Threads per block.
+/// Threads per block of the copy kernels.
 const THREADS: u32 = 512;
+/// Threads per block of the permute kernels.
+const PERMUTE_THREADS: u32 = 256;
 /// Function names, in the order of [`Module::functions`].
 const NAMES: [&str; 8] = [
     "kvx_copy_pieces",
@@ -327,7 +344,7 @@ fn compile(gpu: &Arc<Gpu>) -> Result<Module, CudaError> {
         gpu: Arc::clone(gpu),
         raw,
         functions: [std::ptr::null_mut(); 8],
-        shared_limit: Mutex::new(48 << 10),
+        shared_limit: Mutex::new(0),
     };
     for (slot, name) in module.functions.iter_mut().zip(NAMES) {
         let cname = CString::new(name).unwrap_or_default();
@@ -363,10 +380,14 @@ pub struct LayoutKernels {
     module: Arc<Module>,
     stream: Stream,
     table: Option<DeviceBuffer>,
-    staging: Option<PinnedHost>,
-    /// Recorded after the last upload from `staging`: it must finish before `staging` is
-    /// rewritten.
-    staged: Event,
+    /// Two staging blocks used in turn, so preparing the next call waits only for the upload
+    /// before last (the host's planning overlaps the device's work).
+    staging: [Option<PinnedHost>; 2],
+    /// Recorded after the last upload from each staging block: it must finish before the block
+    /// is rewritten.
+    staged: [Event; 2],
+    /// The staging block the next upload uses.
+    turn: usize,
     scratch: Option<DeviceBuffer>,
 }
 
@@ -398,8 +419,9 @@ impl LayoutKernels {
             module: module(gpu)?,
             stream: Stream::new(gpu)?,
             table: None,
-            staging: None,
-            staged: Event::new(gpu)?,
+            staging: [None, None],
+            staged: [Event::new(gpu)?, Event::new(gpu)?],
+            turn: 0,
             scratch: None,
         })
     }
@@ -417,16 +439,19 @@ impl LayoutKernels {
         let bytes = std::mem::size_of_val(items);
         let gpu = Arc::clone(self.stream.gpu());
         gpu.bind()?;
-        // The previous upload must have left the staging memory before it is rewritten.
-        self.staged.synchronize()?;
-        if self.staging.as_ref().is_none_or(|p| p.len < bytes) {
+        let turn = self.turn;
+        self.turn ^= 1;
+        // This block's previous upload must have left it before it is rewritten.
+        self.staged[turn].synchronize()?;
+        if self.staging[turn].as_ref().is_none_or(|p| p.len < bytes) {
+            self.staging[turn] = None;
             let len = bytes.next_power_of_two().max(4096);
             let mut ptr = std::ptr::null_mut();
             // SAFETY: bound context, valid out-pointer; freed in PinnedHost::drop.
             check("cuMemAllocHost", unsafe {
                 sys::cuMemAllocHost_v2(&raw mut ptr, len)
             })?;
-            self.staging = Some(PinnedHost { ptr, len });
+            self.staging[turn] = Some(PinnedHost { ptr, len });
         }
         if self.table.as_ref().is_none_or(|t| t.len() < bytes as u64) {
             if let Some(old) = self.table.take() {
@@ -438,8 +463,7 @@ impl LayoutKernels {
                 (bytes as u64).next_power_of_two().max(4096),
             )?);
         }
-        let staging = self
-            .staging
+        let staging = self.staging[turn]
             .as_ref()
             .map_or(std::ptr::null_mut(), |p| p.ptr);
         let table = self.table.as_ref().map_or(0, DeviceBuffer::device_ptr);
@@ -448,12 +472,12 @@ impl LayoutKernels {
         unsafe {
             std::ptr::copy_nonoverlapping(items.as_ptr().cast::<u8>(), staging.cast::<u8>(), bytes);
         }
-        // SAFETY: the device table holds at least `bytes`; the staging block stays untouched
-        // until `staged` completes.
+        // SAFETY: the device table holds at least `bytes` (stream order keeps an earlier launch's
+        // reads before this write); the staging block stays untouched until `staged` completes.
         check("cuMemcpyHtoDAsync", unsafe {
             sys::cuMemcpyHtoDAsync_v2(table, staging, bytes, self.stream.raw())
         })?;
-        self.staged.record(&self.stream)?;
+        self.staged[turn].record(&self.stream)?;
         Ok(table)
     }
 
@@ -470,10 +494,14 @@ impl LayoutKernels {
         let mut table = table;
         let mut n = u32::try_from(count)
             .map_err(|_| CudaError::Invalid(format!("{count} work items in one launch")))?;
-        let per_block = if geo.is_some() { 1 } else { THREADS / 32 };
-        let grid = n
-            .div_ceil(per_block)
-            .clamp(1, self.stream.gpu().multiprocessors().max(1) * 16);
+        // Permutes: one block of PERMUTE_THREADS per chunk (many resident blocks hide each
+        // chunk's load latency); copies: one warp per piece, grid-strided.
+        let (grid, threads) = if geo.is_some() {
+            (n.max(1), PERMUTE_THREADS)
+        } else {
+            let limit = self.stream.gpu().multiprocessors().max(1) * 16;
+            (n.div_ceil(THREADS / 32).clamp(1, limit), THREADS)
+        };
         let mut geo_arg = geo.unwrap_or(Geo {
             from_hnd: 0,
             to_hnd: 0,
@@ -498,7 +526,7 @@ impl LayoutKernels {
                 grid,
                 1,
                 1,
-                THREADS,
+                threads,
                 1,
                 1,
                 shared,
@@ -704,6 +732,15 @@ impl LayoutKernels {
             return Ok(());
         }
         for function in 1..4 {
+            // SAFETY: a live function of the module; 100 asks for the largest shared-memory
+            // carve-out, so more chunk-sized blocks stay resident per multiprocessor.
+            check("cuFuncSetAttribute", unsafe {
+                sys::cuFuncSetAttribute(
+                    self.module.functions[function],
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                    100,
+                )
+            })?;
             // SAFETY: a live function of the module; the size is within the device's opt-in
             // limit (checked by the caller).
             check("cuFuncSetAttribute", unsafe {
