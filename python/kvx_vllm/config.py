@@ -19,7 +19,8 @@ KEYS: dict[str, tuple[Any, str]] = {
     "transport": (
         "libfabric:shm",
         "Data transport: libfabric:shm (one machine), libfabric:tcp, libfabric:efa, "
-        "libfabric:auto, or loopback (one process only; tests).",
+        "libfabric:auto, cuda-ipc[:DEVICE] (CUDA KV caches of processes on one host), or "
+        "loopback (one process only; tests).",
     ),
     "layout": (
         "auto",

@@ -266,6 +266,14 @@ class _Worker:
             tp_rank=tp_rank,
             mode=self.cfg.layout,
         )
+        on_gpu = any(t.is_cuda for t in self.cache.tensors)
+        if on_gpu != self.cfg.transport.startswith("cuda-ipc"):
+            raise ValueError(
+                f"kvx: the KV cache is in {'CUDA' if on_gpu else 'host'} memory but the transport "
+                f"is {self.cfg.transport!r}; use "
+                + ("cuda-ipc[:DEVICE]" if on_gpu else "a libfabric transport")
+                + " (kv_connector_extra_config key 'transport')"
+            )
         common = dict(
             transport=self.cfg.transport,
             token_unit=self.cache.token_unit,

@@ -178,6 +178,8 @@ impl Consumer {
             events: Arc::clone(&events),
             stats: Arc::clone(&stats),
             config,
+            #[cfg(feature = "cuda")]
+            kernels: None,
         };
         let thread = thread::Builder::new()
             .name(format!("kvx-decode-{}", rank.0))
@@ -269,6 +271,9 @@ struct Driver {
     tx: Sender<Command>,
     events: Arc<Mutex<Vec<RecvEvent>>>,
     stats: Arc<Stats>,
+    /// The re-layout kernels, for a CUDA cache that needs them (made on first use).
+    #[cfg(feature = "cuda")]
+    kernels: Option<kvx_rdma::cuda::kernels::LayoutKernels>,
 }
 
 impl common::Driven for Driver {
@@ -455,14 +460,11 @@ impl Driver {
             &request.blocks,
         )
         .map_err(|e| e.to_string())?;
-        if permute.is_some()
-            && self
-                .regions
-                .iter()
-                .any(|r| r.kind() != kvx_core::MemoryKind::Host)
-        {
+        if permute.is_some() && !self.can_permute() {
             return Err(
-                "a memory-order re-layout is needed but the cache is not in host memory".into(),
+                "a memory-order re-layout is needed but this build cannot re-lay-out the cache's \
+                 memory (host memory, or CUDA memory with the `cuda` feature)"
+                    .into(),
             );
         }
         let pull = producer_blocks.is_some();
@@ -657,8 +659,25 @@ impl Driver {
             match action {
                 WaiterAction::Ready { key, payload } => {
                     self.finish(key, &payload);
-                    if let Some(permute) = &payload.permute {
-                        self.apply_permute(permute);
+                    let relaid = payload
+                        .permute
+                        .as_ref()
+                        .map_or(Ok(()), |permute| self.apply_permute(permute));
+                    if let Err(detail) = relaid {
+                        // Never report garbage as ready: the request fails (the engine
+                        // recomputes or errors per its policy).
+                        warn!(%key, detail, "re-layout failed");
+                        if payload.pull {
+                            self.tell_producers(key, &payload, true);
+                        }
+                        self.stats.transfers_failed.fetch_add(1, Ordering::Relaxed);
+                        self.push_event(RecvEvent::Failed {
+                            key,
+                            request: payload.request,
+                            reason: Reason::TransferFailed,
+                            detail,
+                        });
+                        continue;
                     }
                     if payload.pull {
                         self.tell_producers(key, &payload, true);
@@ -727,7 +746,40 @@ impl Driver {
         }
     }
 
-    fn apply_permute(&self, permute: &PermutePlan) {
+    /// Whether the cache's memory can be re-laid-out here: host memory on the CPU, CUDA memory
+    /// with the layout kernels.
+    fn can_permute(&self) -> bool {
+        self.regions.iter().all(|r| {
+            r.kind() == kvx_core::MemoryKind::Host
+                || (cfg!(feature = "cuda") && matches!(r.kind(), kvx_core::MemoryKind::Cuda { .. }))
+        })
+    }
+
+    /// Re-lays-out a finished request's chunks in place: with the GPU kernels for a CUDA cache
+    /// (waiting until they ran), with [`Permute::apply`](kvx_layout::Permute::apply) for host
+    /// memory.
+    fn apply_permute(&mut self, permute: &PermutePlan) -> Result<(), String> {
+        #[cfg(feature = "cuda")]
+        if let Some(kvx_core::MemoryKind::Cuda { device }) = self.regions.first().map(|r| r.kind())
+        {
+            if self.kernels.is_none() {
+                let gpu = kvx_rdma::cuda::Gpu::open(device).map_err(|e| e.to_string())?;
+                self.kernels = Some(
+                    kvx_rdma::cuda::kernels::LayoutKernels::new(&gpu).map_err(|e| e.to_string())?,
+                );
+            }
+            let regions = &self.regions;
+            let lookup = |i: u32| regions.get(i as usize).map(|r| (r.addr() as u64, r.len()));
+            let Some(kernels) = self.kernels.as_mut() else {
+                return Err("no layout kernels".into());
+            };
+            // SAFETY: the regions are the engine's CUDA KV cache, registered as valid device
+            // memory for the connector's life (`LocalRegion`'s contract); every writer of these
+            // chunks has finished and the engine does not touch them before the request is
+            // reported ready, after the kernels have run (synchronised below).
+            unsafe { kernels.permute(&permute.chunks, &lookup) }.map_err(|e| e.to_string())?;
+            return kernels.synchronize().map_err(|e| e.to_string());
+        }
         let mut scratch = Vec::new();
         for p in &permute.chunks {
             let Some(region) = self.regions.get(p.region as usize) else {
@@ -750,6 +802,7 @@ impl Driver {
             };
             p.apply(chunk, &mut scratch);
         }
+        Ok(())
     }
 
     fn push_event(&self, event: RecvEvent) {

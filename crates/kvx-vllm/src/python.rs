@@ -160,6 +160,13 @@ fn start_args(
     if let Some(m) = max_entries {
         config.max_entries = m;
     }
+    let transport: TransportSpec = transport.parse().map_err(value_err)?;
+    // The memory kind follows the transport: `cuda-ipc:N` moves the CUDA tensors of device N,
+    // the others host memory (the Python glue refuses device tensors with them).
+    let kind = match transport {
+        TransportSpec::CudaIpc { device } => MemoryKind::Cuda { device },
+        _ => MemoryKind::Host,
+    };
     let regions = regions
         .into_iter()
         .enumerate()
@@ -173,7 +180,7 @@ fn start_args(
             // for the life of the engine process; the glue keeps a reference to every tensor for
             // as long as this object lives, and only the engine's kernels and the transport touch
             // that memory (no Rust reference into it exists).
-            Ok(unsafe { LocalRegion::from_raw(index, MemoryKind::Host, addr as *mut u8, len) })
+            Ok(unsafe { LocalRegion::from_raw(index, kind, addr as *mut u8, len) })
         })
         .collect::<PyResult<Vec<_>>>()?;
     Ok(StartArgs {
@@ -182,7 +189,7 @@ fn start_args(
             layout: spec,
             regions,
         },
-        transport: transport.parse().map_err(value_err)?,
+        transport,
         token_unit,
     })
 }

@@ -23,6 +23,11 @@ pub enum TransportSpec {
         /// Domain, e.g. `lo`.
         domain: Option<String>,
     },
+    /// CUDA IPC between processes of one host, registering memory of this CUDA device.
+    CudaIpc {
+        /// CUDA device ordinal.
+        device: u32,
+    },
 }
 
 impl Default for TransportSpec {
@@ -38,6 +43,7 @@ impl fmt::Display for TransportSpec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::Loopback => f.write_str("loopback"),
+            Self::CudaIpc { device } => write!(f, "cuda-ipc:{device}"),
             Self::Libfabric { provider, domain } => {
                 let short = if provider == "tcp;ofi_rxm" {
                     "tcp"
@@ -58,11 +64,14 @@ impl fmt::Display for TransportSpec {
 #[non_exhaustive]
 pub enum TransportError {
     /// Unknown name.
-    #[error("unknown transport `{0}` (loopback, libfabric:shm, libfabric:tcp[@IFACE], libfabric:auto, libfabric:PROVIDER)")]
+    #[error("unknown transport `{0}` (loopback, libfabric:shm, libfabric:tcp[@IFACE], libfabric:auto, libfabric:PROVIDER, cuda-ipc[:DEVICE])")]
     Unknown(String),
     /// This build has no libfabric.
     #[error("this build has no libfabric support (feature `libfabric`)")]
     NoLibfabric,
+    /// This build has no CUDA support.
+    #[error("this build has no CUDA support (feature `cuda`)")]
+    NoCuda,
     /// Opening the endpoint failed.
     #[error("cannot open the {spec} transport: {source}")]
     Open {
@@ -79,6 +88,14 @@ impl FromStr for TransportSpec {
     fn from_str(s: &str) -> Result<Self, TransportError> {
         if s == "loopback" {
             return Ok(Self::Loopback);
+        }
+        if let Some(rest) = s.strip_prefix("cuda-ipc") {
+            let device = match rest.strip_prefix(':') {
+                None if rest.is_empty() => 0,
+                Some(n) => n.parse().map_err(|_| TransportError::Unknown(s.into()))?,
+                None => return Err(TransportError::Unknown(s.into())),
+            };
+            return Ok(Self::CudaIpc { device });
         }
         let rest = s.strip_prefix("libfabric:").unwrap_or(s);
         let (provider, domain) = match rest.split_once('@') {
@@ -139,6 +156,18 @@ impl TransportSpec {
             }
             #[cfg(not(feature = "libfabric"))]
             Self::Libfabric { .. } => Err(TransportError::NoLibfabric),
+            #[cfg(feature = "cuda")]
+            Self::CudaIpc { device } => {
+                use kvx_rdma::cuda::ipc::{CudaIpcConfig, CudaIpcTransport};
+                CudaIpcTransport::open(CudaIpcConfig::new(*device))
+                    .map(|t| Box::new(t) as Box<dyn Transport>)
+                    .map_err(|e| TransportError::Open {
+                        spec: self.to_string(),
+                        source: Box::new(e),
+                    })
+            }
+            #[cfg(not(feature = "cuda"))]
+            Self::CudaIpc { .. } => Err(TransportError::NoCuda),
         }
     }
 }
@@ -164,6 +193,16 @@ mod tests {
             "shm".parse::<TransportSpec>().unwrap().to_string(),
             "libfabric:shm"
         );
+        assert_eq!(
+            "cuda-ipc:1".parse::<TransportSpec>().unwrap(),
+            TransportSpec::CudaIpc { device: 1 }
+        );
+        assert_eq!(
+            "cuda-ipc".parse::<TransportSpec>().unwrap().to_string(),
+            "cuda-ipc:0"
+        );
+        assert!("cuda-ipc:x".parse::<TransportSpec>().is_err());
+        assert!("cuda-ipcx".parse::<TransportSpec>().is_err());
         assert!("carrier-pigeon".parse::<TransportSpec>().is_err());
         assert!("libfabric:".parse::<TransportSpec>().is_err());
     }
