@@ -19,6 +19,7 @@ const BENCHES: &[(&str, &str, &str, &str)] = &[
         "matcher,expiry,waiter",
     ),
     ("transfer", "kvx-rdma", "transfer", "transfer"),
+    ("gpu", "kvx-rdma", "gpu", "gpu"),
 ];
 
 /// Runs the named benchmarks (all when `names` is empty).
@@ -49,6 +50,14 @@ pub(crate) fn run(names: &[String], quick: bool) -> anyhow::Result<()> {
         step(&format!("benchmark {name} ({package})"));
         let mut cmd = cargo();
         cmd.env("KVX_BENCH_OUT", &out_dir);
+        if *name == "gpu" {
+            // CUDA IPC and the layout kernels beside plain device copies; its own harness
+            // (skips, saying why, without a GPU). The device machine runs the same binary.
+            cmd.args(["bench", "-p", package, "--bench", target]);
+            crate::run(&mut cmd)?;
+            println!("    results: {}", out_dir.join("gpu.json").display());
+            continue;
+        }
         if *name == "transfer" {
             // With the NIXL backend beside libfabric and loopback.
             let nixl_dir = crate::nixl::ensure_nixl_runtime()?;

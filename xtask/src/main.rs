@@ -37,7 +37,8 @@ enum Task {
     },
     /// Run benchmarks and write results under target/kvx-bench/.
     Bench {
-        /// Which benchmarks (default: all). Known: pd (push vs pull), plan, codec, rendezvous, transfer.
+        /// Which benchmarks (default: all). Known: pd (push vs pull), plan, codec, rendezvous, transfer,
+        /// gpu (CUDA IPC and kernels; skipped without a GPU).
         names: Vec<String>,
         /// Shorter measurement (for a quick look; figures are noisier).
         #[arg(long)]
@@ -124,6 +125,25 @@ fn test(no_lint: bool) -> anyhow::Result<()> {
     }
     step("tests: every crate of the workspace (unit, property, integration, doc)");
     run(cargo().args(["test", "--workspace", "--no-fail-fast"]))?;
+    step("GPU tests, with their output (each says SKIPPED and why where there is no CUDA GPU)");
+    run(cargo().args([
+        "test",
+        "-p",
+        "kvx-rdma",
+        "--test",
+        "gpu_cuda",
+        "--",
+        "--nocapture",
+    ]))?;
+    run(cargo().args([
+        "test",
+        "-p",
+        "kvx-vllm",
+        "--test",
+        "gpu_connector",
+        "--",
+        "--nocapture",
+    ]))?;
     step("NIXL backend: runtime from the nixl-cu12 wheel (cached in .kvx-cache/nixl)");
     let nixl_dir = nixl::ensure_nixl_runtime()?;
     step("tests of kvx-rdma with the NIXL backend (UCX over TCP, two processes)");
