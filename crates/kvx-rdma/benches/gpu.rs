@@ -277,15 +277,24 @@ fn kernel_rows(rows: &mut Vec<Row>) -> Res<()> {
         // table upload of one call overlap the previous call's kernel.
         let (a, b) = (CudaEvent::new(&gpu)?, CudaEvent::new(&gpu)?);
         let mut kernel = Vec::new();
+        let mut host = Vec::new();
         for _ in 0..5 {
             a.record(kernels.stream())?;
             for _ in 0..8 {
+                let start = Instant::now();
                 // SAFETY: as above.
                 unsafe { kernels.permute(&permutes, &lookup)? };
+                host.push(start.elapsed().as_secs_f64());
             }
             b.record(kernels.stream())?;
             kernel.push(f64::from(b.elapsed_ms_since(&a)?) / 1e3 / 8.0);
         }
+        eprintln!(
+            "permute {block_tokens}-token blocks: {} chunks, host time per call {:.0} us, device time per call {:.0} us",
+            permutes.len(),
+            median(host) * 1e6,
+            median(kernel.clone()) * 1e6
+        );
         rows.push(Row {
             name: format!(
                 "permute NHD->HND, {block_tokens}-token blocks ({} KiB chunks), back to back by events (one call alone, wall clock: {:.0} vs {:.0} GB/s)",

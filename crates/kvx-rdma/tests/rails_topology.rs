@@ -1,7 +1,7 @@
 //! Choosing rails from a p5en-like fake sysfs tree: the libfabric domains each GPU's endpoint
 //! opens (EFA names its domains `<device>-rdm`), overrides, fallbacks, and the
 //! `UCX_NET_DEVICES` value NIXL gets from the same selection.
-#![cfg(unix)]
+#![cfg(all(unix, any(feature = "libfabric", feature = "nixl")))]
 
 #[path = "support/fake_sysfs.rs"]
 mod fake_sysfs;

@@ -300,16 +300,18 @@ impl Drop for EventPool {
     }
 }
 
-/// One operation for the watcher: wait for its event, then send its notice (if any).
+/// Operations for the watcher: wait for the event recorded behind all of them, then send their
+/// notices in posting order.
 struct Watch {
-    op: u64,
+    /// (operation, notice) in posting order.
+    ops: Vec<(u64, Option<u64>)>,
     event: RawEvent,
-    notice: Option<(Arc<Mutex<UnixStream>>, u64)>,
+    conn: Arc<Mutex<UnixStream>>,
 }
 
-/// The watcher thread: waits on each operation's event in posting order (the event sleeps in the
+/// The watcher thread: waits on each batch's event in posting order (the event sleeps in the
 /// driver, no spinning, and never stalls a stream the way a host function would), sends the
-/// notice only then, and reports the outcome. Exits when the transport drops its sender.
+/// notices only then, and reports the outcomes. Exits when the transport drops its sender.
 fn watch(
     gpu: &Arc<Gpu>,
     jobs: &std::sync::mpsc::Receiver<Watch>,
@@ -317,42 +319,39 @@ fn watch(
     completions: &Completions,
 ) {
     let _ = gpu.bind();
-    let mut batch = Vec::new();
     while let Ok(first) = jobs.recv() {
-        // Take everything queued so far: one wake-up of the endpoint per batch.
-        batch.push(first);
-        batch.extend(jobs.try_iter());
-        let mut results = Vec::with_capacity(batch.len());
-        for job in batch.drain(..) {
-            results.push(finish_one(job, pool));
+        // Everything queued so far: one wake-up of the endpoint for all of it.
+        let mut results = Vec::new();
+        for job in std::iter::once(first).chain(jobs.try_iter()) {
+            finish(job, pool, &mut results);
         }
         completions.push_all(results);
     }
 }
 
-/// Waits for one operation's event (already complete for all but the newest of a batch on one
-/// stream), then sends its notice.
-fn finish_one(job: Watch, pool: &EventPool) -> (u64, Result<(), IpcError>) {
-    {
-        // SAFETY: the event was recorded on a live stream of this context before it was sent.
-        let waited = check("cuEventSynchronize", unsafe {
-            sys::cuEventSynchronize(job.event.0)
-        })
-        .map_err(IpcError::from);
-        pool.give(job.event);
-        let result = waited.and_then(|()| match job.notice {
-            None => Ok(()),
-            Some((conn, notice)) => {
+/// Waits for a batch's event, then sends its notices.
+fn finish(job: Watch, pool: &EventPool, results: &mut Vec<(u64, Result<(), IpcError>)>) {
+    // SAFETY: the event was recorded on a live stream of this context before it was sent.
+    let waited = check("cuEventSynchronize", unsafe {
+        sys::cuEventSynchronize(job.event.0)
+    });
+    pool.give(job.event);
+    for (op, notice) in job.ops {
+        let result = match (&waited, notice) {
+            (Err(e), _) => Err(IpcError::Cuda(e.clone())),
+            (Ok(()), None) => Ok(()),
+            (Ok(()), Some(notice)) => {
                 let mut frame = [0u8; 9];
                 frame[0] = FRAME_NOTICE;
                 frame[1..].copy_from_slice(&notice.to_le_bytes());
-                conn.lock()
+                job.conn
+                    .lock()
                     .unwrap_or_else(std::sync::PoisonError::into_inner)
                     .write_all(&frame)
                     .map_err(socket_error("sending the completion notice"))
             }
-        });
-        (job.op, result)
+        };
+        results.push((op, result));
     }
 }
 
@@ -388,6 +387,11 @@ struct Peer {
     /// Kernels could not be compiled here (no NVRTC): the copy engines are used.
     kernels_unavailable: bool,
     closed: bool,
+    /// Operations posted since the last flush, with their notices: one event recorded behind
+    /// the last of them covers them all (the peer's streams are ordered among themselves).
+    unflushed: Vec<(u64, Option<u64>)>,
+    /// Whether the peer's latest work went to the kernel queue's stream.
+    last_on_kernels: bool,
 }
 
 impl Drop for Peer {
@@ -654,7 +658,7 @@ impl CudaIpcTransport {
                 Err(e) => return Err(boxed(e)),
             }
         }
-        let stream = match peer.kernels.as_mut().filter(|_| use_kernel) {
+        match peer.kernels.as_mut().filter(|_| use_kernel) {
             Some(kernels) => {
                 // Ordered behind the peer's earlier copy-engine work.
                 sync_streams(&peer.stream, kernels.stream()).map_err(boxed)?;
@@ -662,25 +666,19 @@ impl CudaIpcTransport {
                 // region mapped for the peer's lifetime, and `Peer::drop` synchronises the queue
                 // before the mappings close.
                 unsafe { kernels.copy_ops(ops, src, dst) }.map_err(boxed)?;
-                kernels.stream()
+                peer.last_on_kernels = true;
             }
             None => {
                 if let Some(kernels) = &peer.kernels {
                     sync_streams(kernels.stream(), &peer.stream).map_err(boxed)?;
                 }
                 post_copy_engine(&peer.stream, ops, src, dst, max_pitch).map_err(boxed)?;
-                &peer.stream
+                peer.last_on_kernels = false;
             }
-        };
-        let event = self.pool.take().map_err(boxed)?;
-        // SAFETY: a live event and stream of the bound context.
-        if let Err(e) = check("cuEventRecord", unsafe {
-            sys::cuEventRecord(event.0, stream.raw())
-        }) {
-            self.pool.give(event);
-            return Err(boxed(e));
         }
-        let notice = notice.map(|Notice(n)| (Arc::clone(&peer.conn), n));
+        // The completion event is recorded at the next poll or wait, behind everything posted
+        // until then (`flush`).
+        peer.unflushed.push((op, notice.map(|Notice(n)| n)));
         let used = ops
             .iter()
             .map(|op| match kind {
@@ -688,16 +686,6 @@ impl CudaIpcTransport {
                 _ => op.src_region,
             })
             .collect();
-        let queued = self
-            .watch
-            .as_ref()
-            .is_some_and(|w| w.send(Watch { op, event, notice }).is_ok());
-        if !queued {
-            return Err(boxed(IpcError::Socket {
-                what: "handing the operation to the completion watcher",
-                source: std::io::Error::other("the watcher thread has exited"),
-            }));
-        }
         self.next_op += 1;
         self.pending.insert(
             op,
@@ -710,6 +698,66 @@ impl CudaIpcTransport {
             },
         );
         Ok(OpId(op))
+    }
+
+    /// Records one completion event behind each peer's operations posted since the last flush
+    /// and hands them to the watcher; operations that cannot be handed over fail now.
+    fn flush(&mut self) {
+        for (index, slot) in self.peers.iter_mut().enumerate() {
+            let Some(peer) = slot.as_mut() else { continue };
+            if peer.unflushed.is_empty() {
+                continue;
+            }
+            let ops = std::mem::take(&mut peer.unflushed);
+            let stream = match (&peer.kernels, peer.last_on_kernels) {
+                (Some(kernels), true) => kernels.stream(),
+                _ => &peer.stream,
+            };
+            let recorded = self.pool.take().and_then(|event| {
+                // SAFETY: a live event and a live stream of this endpoint's context.
+                match check("cuEventRecord", unsafe {
+                    sys::cuEventRecord(event.0, stream.raw())
+                }) {
+                    Ok(()) => Ok(event),
+                    Err(e) => {
+                        self.pool.give(event);
+                        Err(e)
+                    }
+                }
+            });
+            let handed = match recorded {
+                Ok(event) => {
+                    let job = Watch {
+                        ops: ops.clone(),
+                        event,
+                        conn: Arc::clone(&peer.conn),
+                    };
+                    match self.watch.as_ref().map(|w| w.send(job)) {
+                        Some(Ok(())) => Ok(()),
+                        _ => Err(IpcError::Socket {
+                            what: "handing operations to the completion watcher",
+                            source: std::io::Error::other("the watcher thread has exited"),
+                        }),
+                    }
+                }
+                Err(e) => Err(IpcError::Cuda(e)),
+            };
+            if let Err(e) = handed {
+                let text = e.to_string();
+                for (op, _) in ops {
+                    if let Some(p) = self.pending.remove(&op) {
+                        self.events.push_back(Event::Failed {
+                            op: OpId(op),
+                            kind: p.kind,
+                            peer: PeerId(index as u32),
+                            error: OpError::Backend {
+                                source: text.clone().into(),
+                            },
+                        });
+                    }
+                }
+            }
+        }
     }
 
     /// Fails an operation at once (the peer is gone) without posting anything.
@@ -1130,6 +1178,8 @@ impl Transport for CudaIpcTransport {
                     kernels: None,
                     kernels_unavailable: false,
                     closed: false,
+                    unflushed: Vec::new(),
+                    last_on_kernels: false,
                 }));
                 self.peers.len() - 1
             }
@@ -1252,6 +1302,7 @@ impl Transport for CudaIpcTransport {
     }
 
     fn poll(&mut self, events: &mut Vec<Event>) -> Result<usize, PollError> {
+        self.flush();
         self.accept_and_read();
         self.finish_completed();
         let n = self.events.len();

@@ -497,7 +497,14 @@ impl LayoutKernels {
         // Permutes: one block of PERMUTE_THREADS per chunk (many resident blocks hide each
         // chunk's load latency); copies: one warp per piece, grid-strided.
         let (grid, threads) = if geo.is_some() {
-            (n.max(1), PERMUTE_THREADS)
+            // Chunks so large that few blocks fit on a multiprocessor get more threads each, to
+            // keep enough loads in flight.
+            let threads = if shared > 56 << 10 {
+                4 * PERMUTE_THREADS
+            } else {
+                PERMUTE_THREADS
+            };
+            (n.max(1), threads)
         } else {
             let limit = self.stream.gpu().multiprocessors().max(1) * 16;
             (n.div_ceil(THREADS / 32).clamp(1, limit), THREADS)
