@@ -96,9 +96,9 @@ def describe(
             raise NotImplementedError(
                 f"KV cache {name} is not contiguous (shape {tuple(t.shape)}, stride {t.stride()})"
             )
-    if first.device.type != "cpu":
+    if first.device.type not in ("cpu", "cuda"):
         raise NotImplementedError(
-            f"KV caches on {first.device} are not supported by this build of kvx_vllm (host memory only)"
+            f"KV caches on {first.device} are not supported by kvx_vllm (host or CUDA memory)"
         )
     dtype = _DTYPES.get(first.dtype)
     if dtype is None:

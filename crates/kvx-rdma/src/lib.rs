@@ -70,6 +70,8 @@ pub mod desc;
 pub mod error;
 #[cfg(feature = "libfabric")]
 pub mod libfabric;
+#[cfg(any(feature = "cuda", feature = "cma"))]
+mod local;
 pub mod loopback;
 #[cfg(feature = "neuron")]
 pub mod neuron;

@@ -8,23 +8,19 @@
 //! - **Data**: one non-blocking stream per peer. A plan's operations go to the copy engines
 //!   (`cuMemcpyAsync`, `cuMemcpy2DAsync` for strided runs) or, when they are many small runs, to
 //!   the batched-copy kernel (one launch); [`CopyMethod`] chooses.
-//! - **Notices and messages**: a Unix stream socket per endpoint (abstract namespace, so nothing
-//!   is left on disk). A host function queued on the stream behind the copies wakes the endpoint
-//!   (a pipe), and only then is the notice sent: the consumer sees it after every byte landed.
-//! - **Waiting**: `wait` blocks in `poll(2)` on the socket, its connections and the wake pipe; no
-//!   thread spins.
+//! - **Completion**: at the next poll or wait, one blocking-sync event is recorded behind a
+//!   peer's operations posted since; a watcher thread sleeps on it and only then sends their
+//!   notices, so the consumer sees a notice after every byte landed.
+//! - **Notices, messages, waiting**: the same-host control plane (`crate::local`): a Unix stream
+//!   socket per endpoint in the abstract namespace, and `wait` blocking in `poll(2)`; no thread
+//!   spins.
 //!
 //! A peer that died is found when its socket closes: operations towards it fail with
 //! [`OpError::PeerUnreachable`] and no notice is sent.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::io::{ErrorKind, Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::os::linux::net::SocketAddrExt;
-use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use cudarc::driver::sys;
 use kvx_core::{MemoryKind, RegionDesc};
@@ -37,17 +33,18 @@ use crate::error::{
     BackendError, ConnectError, DeregisterError, OpError, PollError, ReadError, RegisterError,
     SendError, WriteError,
 };
+use crate::local::{
+    self, peer_gone, Completions, Control, Identity, Ledger, Link, NoticeSender, Reader, SameHost,
+};
 use crate::region::LocalRegion;
 use crate::transport::{Capabilities, Event, Notice, OpId, OpKind, PeerId, Transport};
 
 /// Backend name in endpoint descriptions.
 pub const BACKEND: &str = "cuda-ipc";
 /// Longest control message.
-pub const MAX_MESSAGE_LEN: usize = 64 << 10;
+pub const MAX_MESSAGE_LEN: usize = local::MAX_MESSAGE_LEN;
 const ADDRESS_MAGIC: [u8; 4] = *b"KVXC";
 const ADDRESS_VERSION: u8 = 1;
-const FRAME_NOTICE: u8 = 1;
-const FRAME_MESSAGE: u8 = 2;
 /// Average run below which [`CopyMethod::Auto`] prefers the batched-copy kernel.
 const KERNEL_BELOW: u64 = 64 << 10;
 
@@ -138,27 +135,19 @@ struct ExportedRegion {
     offset: u64,
 }
 
-/// The backend-specific address: who the endpoint is, where its socket is, and the IPC handles of
-/// its regions.
+/// The backend-specific address: who the endpoint is, where its socket is, its device, and the
+/// IPC handles of its regions.
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct Address {
-    pid: u32,
-    incarnation: u64,
+    who: Identity,
     device: u32,
-    socket: String,
     regions: Vec<ExportedRegion>,
 }
 
 impl Address {
     fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(32 + self.socket.len() + self.regions.len() * 76);
-        out.extend_from_slice(&ADDRESS_MAGIC);
-        out.push(ADDRESS_VERSION);
-        out.extend_from_slice(&self.pid.to_le_bytes());
-        out.extend_from_slice(&self.incarnation.to_le_bytes());
+        let mut out = local::encode_head(ADDRESS_MAGIC, ADDRESS_VERSION, &self.who);
         out.extend_from_slice(&self.device.to_le_bytes());
-        out.push(self.socket.len() as u8);
-        out.extend_from_slice(self.socket.as_bytes());
         out.extend_from_slice(&(self.regions.len() as u32).to_le_bytes());
         for r in &self.regions {
             out.extend_from_slice(&r.index.to_le_bytes());
@@ -169,76 +158,34 @@ impl Address {
     }
 
     fn decode(bytes: &[u8]) -> Result<Self, IpcError> {
-        let mut at = 0;
-        let mut take = |n: usize, what: &str| -> Result<&[u8], IpcError> {
-            let piece = bytes
-                .get(at..at + n)
-                .ok_or_else(|| IpcError::Address(format!("truncated at {what}")))?;
-            at += n;
-            Ok(piece)
+        let parse = || -> Result<Self, String> {
+            let mut reader = Reader::open(bytes, ADDRESS_MAGIC, ADDRESS_VERSION)?;
+            let who = Identity::decode(&mut reader)?;
+            let device = reader.u32("device")?;
+            let count = reader.u32("region count")? as usize;
+            if count > crate::desc::MAX_REGIONS || count * 76 > reader.remaining() {
+                return Err(format!("{count} regions"));
+            }
+            let mut regions = Vec::with_capacity(count);
+            for _ in 0..count {
+                let index = reader.u32("region index")?;
+                let mut handle = [0; 64];
+                handle.copy_from_slice(reader.take(64, "handle")?);
+                let offset = reader.u64("region offset")?;
+                regions.push(ExportedRegion {
+                    index,
+                    handle,
+                    offset,
+                });
+            }
+            reader.finish()?;
+            Ok(Self {
+                who,
+                device,
+                regions,
+            })
         };
-        let u32_at = |b: &[u8]| u32::from_le_bytes(b.try_into().unwrap_or_default());
-        let u64_at = |b: &[u8]| u64::from_le_bytes(b.try_into().unwrap_or_default());
-        if take(4, "magic")? != ADDRESS_MAGIC {
-            return Err(IpcError::Address("bad magic".into()));
-        }
-        let version = take(1, "version")?[0];
-        if version != ADDRESS_VERSION {
-            return Err(IpcError::Address(format!("unsupported version {version}")));
-        }
-        let pid = u32_at(take(4, "pid")?);
-        let incarnation = u64_at(take(8, "incarnation")?);
-        let device = u32_at(take(4, "device")?);
-        let socket_len = take(1, "socket length")?[0] as usize;
-        let socket = String::from_utf8(take(socket_len, "socket")?.to_vec())
-            .map_err(|_| IpcError::Address("socket name is not UTF-8".into()))?;
-        let count = u32_at(take(4, "region count")?) as usize;
-        if count > crate::desc::MAX_REGIONS || count * 76 > bytes.len() {
-            return Err(IpcError::Address(format!("{count} regions")));
-        }
-        let mut regions = Vec::with_capacity(count);
-        for _ in 0..count {
-            let index = u32_at(take(4, "region index")?);
-            let mut handle = [0; 64];
-            handle.copy_from_slice(take(64, "handle")?);
-            let offset = u64_at(take(8, "region offset")?);
-            regions.push(ExportedRegion {
-                index,
-                handle,
-                offset,
-            });
-        }
-        if at != bytes.len() {
-            return Err(IpcError::Address(format!(
-                "{} trailing bytes",
-                bytes.len() - at
-            )));
-        }
-        Ok(Self {
-            pid,
-            incarnation,
-            device,
-            socket,
-            regions,
-        })
-    }
-}
-
-/// Operations the watcher found finished (or failed); the pipe wakes `wait`.
-struct Completions {
-    done: Mutex<Vec<(u64, Result<(), IpcError>)>>,
-    wake: OwnedFd,
-}
-
-impl Completions {
-    fn push_all(&self, results: Vec<(u64, Result<(), IpcError>)>) {
-        self.done
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .extend(results);
-        // SAFETY: writes one byte from a live local to an fd this struct owns; a full pipe
-        // (EAGAIN) already guarantees a wake-up.
-        let _ = unsafe { libc::write(self.wake.as_raw_fd(), [1u8].as_ptr().cast(), 1) };
+        parse().map_err(IpcError::Address)
     }
 }
 
@@ -306,7 +253,7 @@ struct Watch {
     /// (operation, notice) in posting order.
     ops: Vec<(u64, Option<u64>)>,
     event: RawEvent,
-    conn: Arc<Mutex<UnixStream>>,
+    notices: NoticeSender,
 }
 
 /// The watcher thread: waits on each batch's event in posting order (the event sleeps in the
@@ -330,7 +277,7 @@ fn watch(
 }
 
 /// Waits for a batch's event, then sends its notices.
-fn finish(job: Watch, pool: &EventPool, results: &mut Vec<(u64, Result<(), IpcError>)>) {
+fn finish(job: Watch, pool: &EventPool, results: &mut Vec<(u64, Result<(), OpError>)>) {
     // SAFETY: the event was recorded on a live stream of this context before it was sent.
     let waited = check("cuEventSynchronize", unsafe {
         sys::cuEventSynchronize(job.event.0)
@@ -338,17 +285,16 @@ fn finish(job: Watch, pool: &EventPool, results: &mut Vec<(u64, Result<(), IpcEr
     pool.give(job.event);
     for (op, notice) in job.ops {
         let result = match (&waited, notice) {
-            (Err(e), _) => Err(IpcError::Cuda(e.clone())),
+            (Err(e), _) => Err(OpError::Backend {
+                source: boxed(e.clone()),
+            }),
             (Ok(()), None) => Ok(()),
             (Ok(()), Some(notice)) => {
-                let mut frame = [0u8; 9];
-                frame[0] = FRAME_NOTICE;
-                frame[1..].copy_from_slice(&notice.to_le_bytes());
-                job.conn
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner)
-                    .write_all(&frame)
-                    .map_err(socket_error("sending the completion notice"))
+                job.notices
+                    .send(notice)
+                    .map_err(|e| OpError::PeerUnreachable {
+                        source: boxed(socket_error("sending the completion notice")(e)),
+                    })
             }
         };
         results.push((op, result));
@@ -375,10 +321,7 @@ struct Peer {
     socket: String,
     pid: u32,
     incarnation: u64,
-    /// Shared with the watcher thread, which sends completion notices.
-    conn: Arc<Mutex<UnixStream>>,
-    /// Last time `check_alive` asked the socket.
-    checked: Option<Instant>,
+    link: Link,
     /// Region index → (address in this process, length).
     regions: HashMap<u32, (u64, u64)>,
     mappings: HashMap<[u8; 64], Mapping>,
@@ -386,7 +329,6 @@ struct Peer {
     kernels: Option<LayoutKernels>,
     /// Kernels could not be compiled here (no NVRTC): the copy engines are used.
     kernels_unavailable: bool,
-    closed: bool,
     /// Operations posted since the last flush, with their notices: one event recorded behind
     /// the last of them covers them all (the peer's streams are ordered among themselves).
     unflushed: Vec<(u64, Option<u64>)>,
@@ -404,79 +346,6 @@ impl Drop for Peer {
     }
 }
 
-impl Peer {
-    /// Whether the peer still has its end open (a non-blocking peek; asked at most once a
-    /// millisecond, so back-to-back writes do not pay a system call each).
-    fn check_alive(&mut self) -> bool {
-        if self.closed {
-            return false;
-        }
-        if self
-            .checked
-            .is_some_and(|t| t.elapsed() < Duration::from_millis(1))
-        {
-            return true;
-        }
-        self.checked = Some(Instant::now());
-        let fd = self
-            .conn
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .as_raw_fd();
-        let mut byte = [0u8; 1];
-        // SAFETY: a one-byte peek into a live local buffer on a connected socket that `self`
-        // keeps open.
-        let n = unsafe {
-            libc::recv(
-                fd,
-                byte.as_mut_ptr().cast(),
-                1,
-                libc::MSG_PEEK | libc::MSG_DONTWAIT,
-            )
-        };
-        if n == 0 {
-            self.closed = true;
-        } else if n < 0 {
-            let err = std::io::Error::last_os_error();
-            if err.kind() != ErrorKind::WouldBlock && err.kind() != ErrorKind::Interrupted {
-                self.closed = true;
-            }
-        }
-        !self.closed
-    }
-
-    fn send_frame(&mut self, frame: &[u8]) -> Result<(), IpcError> {
-        if self.closed {
-            return Err(IpcError::PeerClosed);
-        }
-        let sent = self
-            .conn
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .write_all(frame);
-        sent.map_err(|e| {
-            self.closed = true;
-            IpcError::Socket {
-                what: "sending to the peer",
-                source: e,
-            }
-        })
-    }
-}
-
-struct Inbound {
-    conn: UnixStream,
-    buf: Vec<u8>,
-}
-
-struct Pending {
-    peer: PeerId,
-    kind: OpKind,
-    bytes: u64,
-    regions: Vec<u32>,
-    started: Instant,
-}
-
 struct Local {
     region: LocalRegion,
     handle: [u8; 64],
@@ -487,17 +356,10 @@ struct Local {
 pub struct CudaIpcTransport {
     gpu: Arc<Gpu>,
     config: CudaIpcConfig,
-    incarnation: u64,
-    socket: String,
-    listener: UnixListener,
-    inbound: Vec<Inbound>,
+    control: Control,
     regions: BTreeMap<u32, Local>,
     peers: Vec<Option<Peer>>,
-    next_op: u64,
-    pending: HashMap<u64, Pending>,
-    completions: Arc<Completions>,
-    wake_rx: OwnedFd,
-    events: VecDeque<Event>,
+    ledger: Ledger,
     pool: Arc<EventPool>,
     /// Sender to the watcher thread (dropped first on drop, which ends the thread).
     watch: Option<std::sync::mpsc::Sender<Watch>>,
@@ -512,38 +374,9 @@ impl CudaIpcTransport {
     /// when the control socket cannot be made.
     pub fn open(config: CudaIpcConfig) -> Result<Self, IpcError> {
         let gpu = Gpu::open(config.device)?;
-        static COUNTER: AtomicU64 = AtomicU64::new(0);
-        let pid = std::process::id();
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos() as u64);
-        let serial = COUNTER.fetch_add(1, Ordering::Relaxed);
-        let incarnation =
-            kvx_core::ids::fnv1a_64(&[nanos.to_le_bytes(), serial.to_le_bytes()].concat())
-                ^ u64::from(pid);
-        let socket = format!("kvx-cuda-ipc/{pid}/{serial}/{incarnation:016x}");
-        let addr = SocketAddr::from_abstract_name(socket.as_bytes())
-            .map_err(socket_error("naming the control socket"))?;
-        let listener =
-            UnixListener::bind_addr(&addr).map_err(socket_error("binding the control socket"))?;
-        listener
-            .set_nonblocking(true)
-            .map_err(socket_error("configuring the control socket"))?;
-        let mut fds = [0 as RawFd; 2];
-        // SAFETY: `fds` has room for the two descriptors pipe2 returns.
-        if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_NONBLOCK | libc::O_CLOEXEC) } != 0 {
-            return Err(IpcError::Socket {
-                what: "creating the wake pipe",
-                source: std::io::Error::last_os_error(),
-            });
-        }
-        // SAFETY: pipe2 returned two fresh descriptors that nothing else owns.
-        let (wake_rx, wake_tx) =
-            unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
-        let completions = Arc::new(Completions {
-            done: Mutex::new(Vec::new()),
-            wake: wake_tx,
-        });
+        let control =
+            Control::open("cuda-ipc").map_err(socket_error("opening the control socket"))?;
+        let completions = control.completions();
         let pool = Arc::new(EventPool {
             gpu: Arc::clone(&gpu),
             free: Mutex::new(Vec::new()),
@@ -563,17 +396,10 @@ impl CudaIpcTransport {
         Ok(Self {
             gpu,
             config,
-            incarnation,
-            socket,
-            listener,
-            inbound: Vec::new(),
+            control,
             regions: BTreeMap::new(),
             peers: Vec::new(),
-            next_op: 0,
-            pending: HashMap::new(),
-            completions,
-            wake_rx,
-            events: VecDeque::new(),
+            ledger: Ledger::default(),
             pool,
             watch: Some(watch_tx),
             watcher: Some(watcher),
@@ -588,10 +414,8 @@ impl CudaIpcTransport {
 
     fn address(&self) -> Address {
         Address {
-            pid: std::process::id(),
-            incarnation: self.incarnation,
+            who: self.control.identity().clone(),
             device: self.gpu.ordinal(),
-            socket: self.socket.clone(),
             regions: self
                 .regions
                 .iter()
@@ -618,7 +442,7 @@ impl CudaIpcTransport {
         notice: Option<Notice>,
         bytes: u64,
     ) -> Result<OpId, BackendError> {
-        let op = self.next_op;
+        let op = self.ledger.next_id();
         let method = self.config.copy;
         let max_pitch = self.gpu.max_pitch();
         let regions = &self.regions;
@@ -686,24 +510,13 @@ impl CudaIpcTransport {
                 _ => op.src_region,
             })
             .collect();
-        self.next_op += 1;
-        self.pending.insert(
-            op,
-            Pending {
-                peer: peer_id,
-                kind,
-                bytes,
-                regions: used,
-                started: Instant::now(),
-            },
-        );
-        Ok(OpId(op))
+        Ok(self.ledger.start(peer_id, kind, bytes, used))
     }
 
     /// Records one completion event behind each peer's operations posted since the last flush
     /// and hands them to the watcher; operations that cannot be handed over fail now.
     fn flush(&mut self) {
-        for (index, slot) in self.peers.iter_mut().enumerate() {
+        for slot in &mut self.peers {
             let Some(peer) = slot.as_mut() else { continue };
             if peer.unflushed.is_empty() {
                 continue;
@@ -730,7 +543,7 @@ impl CudaIpcTransport {
                     let job = Watch {
                         ops: ops.clone(),
                         event,
-                        conn: Arc::clone(&peer.conn),
+                        notices: peer.link.notices(),
                     };
                     match self.watch.as_ref().map(|w| w.send(job)) {
                         Some(Ok(())) => Ok(()),
@@ -745,137 +558,13 @@ impl CudaIpcTransport {
             if let Err(e) = handed {
                 let text = e.to_string();
                 for (op, _) in ops {
-                    if let Some(p) = self.pending.remove(&op) {
-                        self.events.push_back(Event::Failed {
-                            op: OpId(op),
-                            kind: p.kind,
-                            peer: PeerId(index as u32),
-                            error: OpError::Backend {
-                                source: text.clone().into(),
-                            },
-                        });
-                    }
-                }
-            }
-        }
-    }
-
-    /// Fails an operation at once (the peer is gone) without posting anything.
-    fn fail_now(&mut self, peer: PeerId, kind: OpKind) -> OpId {
-        let op = self.next_op;
-        self.next_op += 1;
-        self.events.push_back(Event::Failed {
-            op: OpId(op),
-            kind,
-            peer,
-            error: OpError::PeerUnreachable {
-                source: boxed(IpcError::PeerClosed),
-            },
-        });
-        OpId(op)
-    }
-
-    fn accept_and_read(&mut self) {
-        while let Ok((conn, _)) = self.listener.accept() {
-            if conn.set_nonblocking(true).is_ok() {
-                self.inbound.push(Inbound {
-                    conn,
-                    buf: Vec::new(),
-                });
-            }
-        }
-        let mut chunk = [0u8; 16 << 10];
-        let mut i = 0;
-        while i < self.inbound.len() {
-            let mut closed = false;
-            loop {
-                match self.inbound[i].conn.read(&mut chunk) {
-                    Ok(0) => {
-                        closed = true;
-                        break;
-                    }
-                    Ok(n) => self.inbound[i].buf.extend_from_slice(&chunk[..n]),
-                    Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                    Err(e) if e.kind() == ErrorKind::WouldBlock => break,
-                    Err(_) => {
-                        closed = true;
-                        break;
-                    }
-                }
-            }
-            let malformed = parse_frames(&mut self.inbound[i].buf, &mut self.events);
-            if closed || malformed {
-                self.inbound.swap_remove(i);
-            } else {
-                i += 1;
-            }
-        }
-    }
-
-    fn finish_completed(&mut self) {
-        let mut drain = [0u8; 256];
-        // SAFETY: reads into a live local buffer from the pipe's read end (non-blocking).
-        while unsafe {
-            libc::read(
-                self.wake_rx.as_raw_fd(),
-                drain.as_mut_ptr().cast(),
-                drain.len(),
-            )
-        } > 0
-        {}
-        let done = std::mem::take(
-            &mut *self
-                .completions
-                .done
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner),
-        );
-        for (op, result) in done {
-            let Some(pending) = self.pending.remove(&op) else {
-                continue; // already failed by its timeout
-            };
-            let (op, peer, bytes) = (OpId(op), pending.peer, pending.bytes);
-            let event = match (result, pending.kind) {
-                (Ok(()), OpKind::Read) => Event::ReadDone { op, peer, bytes },
-                (Ok(()), _) => Event::WriteDone { op, peer, bytes },
-                (Err(e), kind) => {
-                    let unreachable = matches!(e, IpcError::Socket { .. });
-                    if unreachable {
-                        if let Some(p) = self.peer_mut(peer) {
-                            p.closed = true;
-                        }
-                    }
-                    let source = boxed(e);
-                    let error = if unreachable {
-                        OpError::PeerUnreachable { source }
-                    } else {
-                        OpError::Backend { source }
-                    };
-                    Event::Failed {
+                    self.ledger.fail(
                         op,
-                        kind,
-                        peer,
-                        error,
-                    }
+                        OpError::Backend {
+                            source: text.clone().into(),
+                        },
+                    );
                 }
-            };
-            self.events.push_back(event);
-        }
-        let timeout = self.config.op_timeout;
-        let expired: Vec<u64> = self
-            .pending
-            .iter()
-            .filter(|(_, p)| p.started.elapsed() > timeout)
-            .map(|(&op, _)| op)
-            .collect();
-        for op in expired {
-            if let Some(p) = self.pending.remove(&op) {
-                self.events.push_back(Event::Failed {
-                    op: OpId(op),
-                    kind: p.kind,
-                    peer: p.peer,
-                    error: OpError::TimedOut(timeout),
-                });
             }
         }
     }
@@ -985,43 +674,6 @@ fn post_copy_engine(
     Ok(())
 }
 
-/// Parses complete frames off the front of `buf` into events; true when the stream is malformed
-/// (the connection is then dropped).
-fn parse_frames(buf: &mut Vec<u8>, events: &mut VecDeque<Event>) -> bool {
-    let mut at = 0;
-    let malformed = loop {
-        let rest = &buf[at..];
-        match rest.first() {
-            None => break false,
-            Some(&FRAME_NOTICE) => {
-                if rest.len() < 9 {
-                    break false;
-                }
-                let n = u64::from_le_bytes(rest[1..9].try_into().unwrap_or_default());
-                events.push_back(Event::Notice(Notice(n)));
-                at += 9;
-            }
-            Some(&FRAME_MESSAGE) => {
-                if rest.len() < 5 {
-                    break false;
-                }
-                let len = u32::from_le_bytes(rest[1..5].try_into().unwrap_or_default()) as usize;
-                if len > MAX_MESSAGE_LEN {
-                    break true;
-                }
-                if rest.len() < 5 + len {
-                    break false;
-                }
-                events.push_back(Event::Message(rest[5..5 + len].to_vec()));
-                at += 5 + len;
-            }
-            Some(_) => break true,
-        }
-    };
-    buf.drain(..at);
-    malformed
-}
-
 impl Transport for CudaIpcTransport {
     fn backend(&self) -> &'static str {
         BACKEND
@@ -1107,11 +759,7 @@ impl Transport for CudaIpcTransport {
         if !self.regions.contains_key(&index) {
             return Err(DeregisterError::Unknown(index));
         }
-        let ops = self
-            .pending
-            .values()
-            .filter(|p| p.regions.contains(&index))
-            .count();
+        let ops = self.ledger.using(index);
         if ops > 0 {
             return Err(DeregisterError::InUse { index, ops });
         }
@@ -1149,35 +797,30 @@ impl Transport for CudaIpcTransport {
         }
         let bad = |e: IpcError| ConnectError::BadAddress { source: boxed(e) };
         let address = Address::decode(&desc.address).map_err(bad)?;
-        let same_process = address.pid == std::process::id();
+        let same_process = address.who.is_this_process();
         let existing = self.peers.iter().position(|p| {
-            p.as_ref()
-                .is_some_and(|p| p.socket == address.socket && p.incarnation == address.incarnation)
+            p.as_ref().is_some_and(|p| {
+                p.socket == address.who.socket && p.incarnation == address.who.incarnation
+            })
         });
         let id = match existing {
             Some(i) => i,
             None => {
-                let addr = SocketAddr::from_abstract_name(address.socket.as_bytes())
-                    .map_err(|e| bad(socket_error("naming the peer socket")(e)))?;
-                let conn =
-                    UnixStream::connect_addr(&addr).map_err(|e| ConnectError::Unreachable {
+                let link =
+                    Link::connect(&address.who.socket).map_err(|e| ConnectError::Unreachable {
                         source: boxed(socket_error("connecting to the peer")(e)),
                     })?;
-                let _ = conn.set_write_timeout(Some(Duration::from_secs(5)));
-                let conn = Arc::new(Mutex::new(conn));
                 let stream = Stream::new(&self.gpu).map_err(|e| bad(e.into()))?;
                 self.peers.push(Some(Peer {
-                    socket: address.socket.clone(),
-                    pid: address.pid,
-                    incarnation: address.incarnation,
-                    conn,
-                    checked: None,
+                    socket: address.who.socket.clone(),
+                    pid: address.who.pid,
+                    incarnation: address.who.incarnation,
+                    link,
                     regions: HashMap::new(),
                     mappings: HashMap::new(),
                     stream,
                     kernels: None,
                     kernels_unavailable: false,
-                    closed: false,
                     unflushed: Vec::new(),
                     last_on_kernels: false,
                 }));
@@ -1249,8 +892,8 @@ impl Transport for CudaIpcTransport {
             |r| self.regions.get(&r).map(|l| l.region.len()),
             |r| p.regions.get(&r).map(|x| x.1),
         )?;
-        if !self.peer_mut(peer).is_some_and(Peer::check_alive) {
-            return Ok(self.fail_now(peer, OpKind::Write));
+        if !self.peer_mut(peer).is_some_and(|p| p.link.alive()) {
+            return Ok(self.ledger.done_now(peer, OpKind::Write, Err(peer_gone())));
         }
         self.post(peer, OpKind::Write, ops, notice, bytes)
             .map_err(WriteError::Backend)
@@ -1265,86 +908,46 @@ impl Transport for CudaIpcTransport {
             |r| p.regions.get(&r).map(|x| x.1),
             |r| self.regions.get(&r).map(|l| l.region.len()),
         )?;
-        if !self.peer_mut(peer).is_some_and(Peer::check_alive) {
-            return Ok(self.fail_now(peer, OpKind::Read));
+        if !self.peer_mut(peer).is_some_and(|p| p.link.alive()) {
+            return Ok(self.ledger.done_now(peer, OpKind::Read, Err(peer_gone())));
         }
         self.post(peer, OpKind::Read, ops, None, bytes)
             .map_err(ReadError::Backend)
     }
 
     fn send(&mut self, peer: PeerId, message: &[u8]) -> Result<OpId, SendError> {
-        if message.len() > MAX_MESSAGE_LEN {
-            return Err(SendError::TooLarge {
-                len: message.len(),
-                max: MAX_MESSAGE_LEN,
-            });
-        }
-        let op = self.next_op;
-        let Some(p) = self.peer_mut(peer) else {
-            return Err(SendError::UnknownPeer(peer));
-        };
-        let mut frame = Vec::with_capacity(5 + message.len());
-        frame.push(FRAME_MESSAGE);
-        frame.extend_from_slice(&(message.len() as u32).to_le_bytes());
-        frame.extend_from_slice(message);
-        let event = match p.send_frame(&frame) {
-            Ok(()) => Event::SendDone { op: OpId(op), peer },
-            Err(e) => Event::Failed {
-                op: OpId(op),
-                kind: OpKind::Send,
-                peer,
-                error: OpError::PeerUnreachable { source: boxed(e) },
-            },
-        };
-        self.next_op += 1;
-        self.events.push_back(event);
-        Ok(OpId(op))
+        let link = self
+            .peers
+            .get_mut(peer.0 as usize)
+            .and_then(Option::as_mut)
+            .map(|p| &mut p.link);
+        local::send(link, &mut self.ledger, peer, message)
     }
 
     fn poll(&mut self, events: &mut Vec<Event>) -> Result<usize, PollError> {
-        self.flush();
-        self.accept_and_read();
-        self.finish_completed();
-        let n = self.events.len();
-        events.extend(self.events.drain(..));
-        Ok(n)
+        self.poll_now(events)
     }
 
     fn wait(&mut self, events: &mut Vec<Event>, timeout: Duration) -> Result<usize, PollError> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let n = self.poll(events)?;
-            if n > 0 {
-                return Ok(n);
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return Ok(0);
-            }
-            let mut fds: Vec<libc::pollfd> = [self.listener.as_raw_fd(), self.wake_rx.as_raw_fd()]
-                .into_iter()
-                .chain(self.inbound.iter().map(|i| i.conn.as_raw_fd()))
-                .map(|fd| libc::pollfd {
-                    fd,
-                    events: libc::POLLIN,
-                    revents: 0,
-                })
-                .collect();
-            // Wake at least every 100 ms while operations are pending, for their timeouts.
-            let mut slice = deadline - now;
-            if !self.pending.is_empty() {
-                slice = slice.min(Duration::from_millis(100));
-            }
-            let ms = slice.as_millis().clamp(1, i32::MAX as u128) as i32;
-            // SAFETY: `fds` is a live array of `fds.len()` pollfd entries.
-            let r = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
-            if r < 0 {
-                let err = std::io::Error::last_os_error();
-                if err.kind() != ErrorKind::Interrupted {
-                    return Err(PollError::Backend(boxed(socket_error("poll")(err))));
-                }
-            }
-        }
+        local::wait(self, events, timeout)
+    }
+}
+
+impl SameHost for CudaIpcTransport {
+    fn control(&self) -> &Control {
+        &self.control
+    }
+
+    fn busy(&self) -> bool {
+        self.ledger.busy()
+    }
+
+    fn poll_now(&mut self, events: &mut Vec<Event>) -> Result<usize, PollError> {
+        self.flush();
+        self.control.receive(self.ledger.inbox());
+        let done = self.control.completed();
+        self.ledger.settle(done, self.config.op_timeout);
+        Ok(self.ledger.drain_into(events))
     }
 }
 
@@ -1366,10 +969,12 @@ mod tests {
 
     fn sample() -> Address {
         Address {
-            pid: 4242,
-            incarnation: 0xdead_beef,
+            who: Identity {
+                pid: 4242,
+                incarnation: 0xdead_beef,
+                socket: "kvx-cuda-ipc/4242/0/00000000deadbeef".into(),
+            },
             device: 1,
-            socket: "kvx-cuda-ipc/4242/0/00000000deadbeef".into(),
             regions: vec![
                 ExportedRegion {
                     index: 0,
@@ -1402,29 +1007,6 @@ mod tests {
         let mut version = bytes;
         version[4] = 9;
         assert!(Address::decode(&version).is_err());
-    }
-
-    #[test]
-    fn frames_parse_across_partial_reads_and_reject_garbage() {
-        let mut events = VecDeque::new();
-        let mut stream = vec![FRAME_NOTICE];
-        stream.extend_from_slice(&42u64.to_le_bytes());
-        stream.push(FRAME_MESSAGE);
-        stream.extend_from_slice(&3u32.to_le_bytes());
-        stream.extend_from_slice(b"abc");
-        let mut buf = Vec::new();
-        for byte in &stream {
-            buf.push(*byte);
-            assert!(!parse_frames(&mut buf, &mut events));
-        }
-        assert!(buf.is_empty());
-        assert!(matches!(events[0], Event::Notice(Notice(42))));
-        assert!(matches!(&events[1], Event::Message(m) if m == b"abc"));
-        let mut garbage = vec![0x77, 1, 2];
-        assert!(parse_frames(&mut garbage, &mut events));
-        let mut huge = vec![FRAME_MESSAGE];
-        huge.extend_from_slice(&u32::MAX.to_le_bytes());
-        assert!(parse_frames(&mut huge, &mut events));
     }
 
     #[test]

@@ -1,0 +1,713 @@
+//! The control plane of the same-host backends (`cuda-ipc`, `cma`): a Unix stream socket per
+//! endpoint in the abstract namespace (nothing left on disk) that carries framed completion
+//! notices and control messages, the completions a backend's worker thread reports, and the
+//! blocking wait over all of it (`poll(2)` on the listener, the connections and a wake pipe: no
+//! thread spins).
+
+use std::collections::{HashMap, VecDeque};
+use std::io::{ErrorKind, Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use crate::error::{OpError, PollError, SendError};
+use crate::transport::{Event, Notice, OpId, OpKind, PeerId};
+
+/// Longest control message.
+pub(crate) const MAX_MESSAGE_LEN: usize = 64 << 10;
+const FRAME_NOTICE: u8 = 1;
+const FRAME_MESSAGE: u8 = 2;
+
+/// Who an endpoint is and where its socket is: the common head of the same-host backends'
+/// addresses.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Identity {
+    pub(crate) pid: u32,
+    pub(crate) incarnation: u64,
+    pub(crate) socket: String,
+}
+
+impl Identity {
+    pub(crate) fn encode_into(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.pid.to_le_bytes());
+        out.extend_from_slice(&self.incarnation.to_le_bytes());
+        out.push(self.socket.len() as u8);
+        out.extend_from_slice(self.socket.as_bytes());
+    }
+
+    pub(crate) fn decode(reader: &mut Reader<'_>) -> Result<Self, String> {
+        let pid = reader.u32("pid")?;
+        let incarnation = reader.u64("incarnation")?;
+        let len = reader.take(1, "socket length")?[0] as usize;
+        let socket = String::from_utf8(reader.take(len, "socket")?.to_vec())
+            .map_err(|_| "socket name is not UTF-8".to_owned())?;
+        Ok(Self {
+            pid,
+            incarnation,
+            socket,
+        })
+    }
+
+    /// Whether the endpoint lives in this process.
+    pub(crate) fn is_this_process(&self) -> bool {
+        self.pid == std::process::id()
+    }
+}
+
+/// Reads a little-endian address blob front to back; every short read is an error naming the
+/// field.
+pub(crate) struct Reader<'a> {
+    bytes: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    /// Starts at the beginning of `bytes`, after checking its magic and version.
+    pub(crate) fn open(bytes: &'a [u8], magic: [u8; 4], version: u8) -> Result<Self, String> {
+        let mut reader = Self { bytes, at: 0 };
+        if reader.take(4, "magic")? != magic {
+            return Err("bad magic".into());
+        }
+        let found = reader.take(1, "version")?[0];
+        if found != version {
+            return Err(format!("unsupported version {found}"));
+        }
+        Ok(reader)
+    }
+
+    pub(crate) fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8], String> {
+        let piece = self
+            .bytes
+            .get(self.at..self.at + n)
+            .ok_or_else(|| format!("truncated at {what}"))?;
+        self.at += n;
+        Ok(piece)
+    }
+
+    pub(crate) fn u32(&mut self, what: &str) -> Result<u32, String> {
+        Ok(u32::from_le_bytes(
+            self.take(4, what)?.try_into().unwrap_or_default(),
+        ))
+    }
+
+    pub(crate) fn u64(&mut self, what: &str) -> Result<u64, String> {
+        Ok(u64::from_le_bytes(
+            self.take(8, what)?.try_into().unwrap_or_default(),
+        ))
+    }
+
+    /// Bytes left.
+    pub(crate) fn remaining(&self) -> usize {
+        self.bytes.len() - self.at
+    }
+
+    /// Fails if bytes are left over.
+    pub(crate) fn finish(self) -> Result<(), String> {
+        match self.remaining() {
+            0 => Ok(()),
+            n => Err(format!("{n} trailing bytes")),
+        }
+    }
+}
+
+/// The magic and version that open every same-host address, then the identity.
+pub(crate) fn encode_head(magic: [u8; 4], version: u8, who: &Identity) -> Vec<u8> {
+    let mut out = Vec::with_capacity(64);
+    out.extend_from_slice(&magic);
+    out.push(version);
+    who.encode_into(&mut out);
+    out
+}
+
+/// Operations finished by a backend's worker, with their outcome; the pipe wakes `wait`.
+pub(crate) struct Completions {
+    done: Mutex<Vec<(u64, Result<(), OpError>)>>,
+    wake: OwnedFd,
+}
+
+impl Completions {
+    /// Reports finished operations and wakes the endpoint once.
+    pub(crate) fn push_all(&self, results: impl IntoIterator<Item = (u64, Result<(), OpError>)>) {
+        self.done
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .extend(results);
+        // SAFETY: writes one byte from a live local to an fd this struct owns; a full pipe
+        // (EAGAIN) already guarantees a wake-up.
+        let _ = unsafe { libc::write(self.wake.as_raw_fd(), [1u8].as_ptr().cast(), 1) };
+    }
+}
+
+/// Sends completion notices to one peer (shareable with a worker thread).
+#[derive(Clone)]
+pub(crate) struct NoticeSender(Arc<Mutex<UnixStream>>);
+
+impl NoticeSender {
+    /// Sends `notice` as one frame.
+    pub(crate) fn send(&self, notice: u64) -> std::io::Result<()> {
+        let mut frame = [0u8; 9];
+        frame[0] = FRAME_NOTICE;
+        frame[1..].copy_from_slice(&notice.to_le_bytes());
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .write_all(&frame)
+    }
+}
+
+/// This endpoint's connection to one peer's socket.
+pub(crate) struct Link {
+    conn: Arc<Mutex<UnixStream>>,
+    checked: Option<Instant>,
+    closed: bool,
+}
+
+impl Link {
+    /// Connects to the socket named `socket`.
+    pub(crate) fn connect(socket: &str) -> std::io::Result<Self> {
+        let addr = SocketAddr::from_abstract_name(socket.as_bytes())?;
+        let conn = UnixStream::connect_addr(&addr)?;
+        conn.set_write_timeout(Some(Duration::from_secs(5)))?;
+        Ok(Self {
+            conn: Arc::new(Mutex::new(conn)),
+            checked: None,
+            closed: false,
+        })
+    }
+
+    /// A handle that sends this peer's notices.
+    pub(crate) fn notices(&self) -> NoticeSender {
+        NoticeSender(Arc::clone(&self.conn))
+    }
+
+    /// Whether the peer still has its end open (a non-blocking peek, asked at most once a
+    /// millisecond so that back-to-back operations do not pay a system call each).
+    pub(crate) fn alive(&mut self) -> bool {
+        if self.closed {
+            return false;
+        }
+        if self
+            .checked
+            .is_some_and(|t| t.elapsed() < Duration::from_millis(1))
+        {
+            return true;
+        }
+        self.checked = Some(Instant::now());
+        let fd = self
+            .conn
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_raw_fd();
+        let mut byte = [0u8; 1];
+        // SAFETY: a one-byte peek into a live local buffer on a socket `self` keeps open.
+        let n = unsafe {
+            libc::recv(
+                fd,
+                byte.as_mut_ptr().cast(),
+                1,
+                libc::MSG_PEEK | libc::MSG_DONTWAIT,
+            )
+        };
+        if n == 0 {
+            self.closed = true;
+        } else if n < 0 {
+            let err = std::io::Error::last_os_error();
+            if err.kind() != ErrorKind::WouldBlock && err.kind() != ErrorKind::Interrupted {
+                self.closed = true;
+            }
+        }
+        !self.closed
+    }
+
+    /// Sends a control message as one frame.
+    pub(crate) fn send_message(&mut self, message: &[u8]) -> std::io::Result<()> {
+        if self.closed {
+            return Err(std::io::Error::new(
+                ErrorKind::BrokenPipe,
+                "the peer closed its connection",
+            ));
+        }
+        let mut frame = Vec::with_capacity(5 + message.len());
+        frame.push(FRAME_MESSAGE);
+        frame.extend_from_slice(&(message.len() as u32).to_le_bytes());
+        frame.extend_from_slice(message);
+        let sent = self
+            .conn
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .write_all(&frame);
+        if sent.is_err() {
+            self.closed = true;
+        }
+        sent
+    }
+}
+
+struct Inbound {
+    conn: UnixStream,
+    buf: Vec<u8>,
+}
+
+/// An endpoint's socket, its accepted connections and its completion pipe.
+pub(crate) struct Control {
+    identity: Identity,
+    listener: UnixListener,
+    inbound: Vec<Inbound>,
+    completions: Arc<Completions>,
+    wake_rx: OwnedFd,
+}
+
+impl Control {
+    /// Binds a fresh socket named after `kind`, this process and a new incarnation.
+    pub(crate) fn open(kind: &str) -> std::io::Result<Self> {
+        static SERIAL: AtomicU64 = AtomicU64::new(0);
+        let pid = std::process::id();
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        let serial = SERIAL.fetch_add(1, Ordering::Relaxed);
+        let incarnation =
+            kvx_core::ids::fnv1a_64(&[nanos.to_le_bytes(), serial.to_le_bytes()].concat())
+                ^ u64::from(pid);
+        let socket = format!("kvx-{kind}/{pid}/{serial}/{incarnation:016x}");
+        let listener =
+            UnixListener::bind_addr(&SocketAddr::from_abstract_name(socket.as_bytes())?)?;
+        listener.set_nonblocking(true)?;
+        let mut fds = [0 as RawFd; 2];
+        // SAFETY: `fds` has room for the two descriptors pipe2 returns.
+        if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_NONBLOCK | libc::O_CLOEXEC) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: pipe2 returned two fresh descriptors that nothing else owns.
+        let (wake_rx, wake_tx) =
+            unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+        Ok(Self {
+            identity: Identity {
+                pid,
+                incarnation,
+                socket,
+            },
+            listener,
+            inbound: Vec::new(),
+            completions: Arc::new(Completions {
+                done: Mutex::new(Vec::new()),
+                wake: wake_tx,
+            }),
+            wake_rx,
+        })
+    }
+
+    /// Who this endpoint is.
+    pub(crate) fn identity(&self) -> &Identity {
+        &self.identity
+    }
+
+    /// Where workers report finished operations.
+    pub(crate) fn completions(&self) -> Arc<Completions> {
+        Arc::clone(&self.completions)
+    }
+
+    /// Accepts new connections and turns every complete frame received into an event; a
+    /// connection that closes or sends garbage is dropped.
+    pub(crate) fn receive(&mut self, events: &mut VecDeque<Event>) {
+        while let Ok((conn, _)) = self.listener.accept() {
+            if conn.set_nonblocking(true).is_ok() {
+                self.inbound.push(Inbound {
+                    conn,
+                    buf: Vec::new(),
+                });
+            }
+        }
+        let mut chunk = [0u8; 16 << 10];
+        let mut i = 0;
+        while i < self.inbound.len() {
+            let mut closed = false;
+            loop {
+                match self.inbound[i].conn.read(&mut chunk) {
+                    Ok(0) => {
+                        closed = true;
+                        break;
+                    }
+                    Ok(n) => self.inbound[i].buf.extend_from_slice(&chunk[..n]),
+                    Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                    Err(_) => {
+                        closed = true;
+                        break;
+                    }
+                }
+            }
+            let malformed = parse_frames(&mut self.inbound[i].buf, events);
+            if closed || malformed {
+                self.inbound.swap_remove(i);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// The operations finished since the last call.
+    pub(crate) fn completed(&mut self) -> Vec<(u64, Result<(), OpError>)> {
+        let mut drain = [0u8; 256];
+        // SAFETY: reads into a live local buffer from the pipe's read end (non-blocking).
+        while unsafe {
+            libc::read(
+                self.wake_rx.as_raw_fd(),
+                drain.as_mut_ptr().cast(),
+                drain.len(),
+            )
+        } > 0
+        {}
+        std::mem::take(
+            &mut *self
+                .completions
+                .done
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner),
+        )
+    }
+
+    /// Blocks until a connection, a frame or a completion may be ready, or `timeout` passes.
+    pub(crate) fn block(&self, timeout: Duration) -> std::io::Result<()> {
+        let mut fds: Vec<libc::pollfd> = [self.listener.as_raw_fd(), self.wake_rx.as_raw_fd()]
+            .into_iter()
+            .chain(self.inbound.iter().map(|i| i.conn.as_raw_fd()))
+            .map(|fd| libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            })
+            .collect();
+        let ms = timeout.as_millis().clamp(1, i32::MAX as u128) as i32;
+        // SAFETY: `fds` is a live array of `fds.len()` pollfd entries.
+        let r = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
+        if r < 0 {
+            let err = std::io::Error::last_os_error();
+            if err.kind() != ErrorKind::Interrupted {
+                return Err(err);
+            }
+        }
+        Ok(())
+    }
+}
+
+struct Pending {
+    peer: PeerId,
+    kind: OpKind,
+    bytes: u64,
+    /// Local regions the operation uses (they cannot be deregistered meanwhile).
+    regions: Vec<u32>,
+    started: Instant,
+}
+
+/// The operations of one endpoint: ids, what is in flight, and the events waiting for the next
+/// poll.
+#[derive(Default)]
+pub(crate) struct Ledger {
+    next: u64,
+    pending: HashMap<u64, Pending>,
+    events: VecDeque<Event>,
+}
+
+impl Ledger {
+    /// The id the next operation gets.
+    pub(crate) fn next_id(&self) -> u64 {
+        self.next
+    }
+
+    /// Records an accepted operation as in flight under [`Ledger::next_id`].
+    pub(crate) fn start(
+        &mut self,
+        peer: PeerId,
+        kind: OpKind,
+        bytes: u64,
+        regions: Vec<u32>,
+    ) -> OpId {
+        let op = self.next;
+        self.next += 1;
+        self.pending.insert(
+            op,
+            Pending {
+                peer,
+                kind,
+                bytes,
+                regions,
+                started: Instant::now(),
+            },
+        );
+        OpId(op)
+    }
+
+    /// An operation that completes at once (a sent message) or fails at once (a dead peer).
+    pub(crate) fn done_now(
+        &mut self,
+        peer: PeerId,
+        kind: OpKind,
+        result: Result<(), OpError>,
+    ) -> OpId {
+        let op = OpId(self.next);
+        self.next += 1;
+        self.events.push_back(match result {
+            Ok(()) => Event::SendDone { op, peer },
+            Err(error) => Event::Failed {
+                op,
+                kind,
+                peer,
+                error,
+            },
+        });
+        op
+    }
+
+    /// Fails an in-flight operation now (it could not be handed to the worker).
+    pub(crate) fn fail(&mut self, op: u64, error: OpError) {
+        if let Some(p) = self.pending.remove(&op) {
+            self.events.push_back(Event::Failed {
+                op: OpId(op),
+                kind: p.kind,
+                peer: p.peer,
+                error,
+            });
+        }
+    }
+
+    /// Turns the worker's results into events (results of operations that already timed out are
+    /// dropped), then fails what has been in flight longer than `timeout`.
+    pub(crate) fn settle(&mut self, results: Vec<(u64, Result<(), OpError>)>, timeout: Duration) {
+        for (op, result) in results {
+            let Some(p) = self.pending.remove(&op) else {
+                continue;
+            };
+            let (op, peer, bytes) = (OpId(op), p.peer, p.bytes);
+            self.events.push_back(match (result, p.kind) {
+                (Ok(()), OpKind::Read) => Event::ReadDone { op, peer, bytes },
+                (Ok(()), OpKind::Send) => Event::SendDone { op, peer },
+                (Ok(()), OpKind::Write) => Event::WriteDone { op, peer, bytes },
+                (Err(error), kind) => Event::Failed {
+                    op,
+                    kind,
+                    peer,
+                    error,
+                },
+            });
+        }
+        let expired: Vec<u64> = self
+            .pending
+            .iter()
+            .filter(|(_, p)| p.started.elapsed() > timeout)
+            .map(|(&op, _)| op)
+            .collect();
+        for op in expired {
+            self.fail(op, OpError::TimedOut(timeout));
+        }
+    }
+
+    /// Operations in flight that use local region `index`.
+    pub(crate) fn using(&self, index: u32) -> usize {
+        self.pending
+            .values()
+            .filter(|p| p.regions.contains(&index))
+            .count()
+    }
+
+    /// Whether anything is in flight.
+    pub(crate) fn busy(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
+    /// Moves the waiting events into `events`; returns how many.
+    pub(crate) fn drain_into(&mut self, events: &mut Vec<Event>) -> usize {
+        let n = self.events.len();
+        events.extend(self.events.drain(..));
+        n
+    }
+
+    /// Where received notices and messages go.
+    pub(crate) fn inbox(&mut self) -> &mut VecDeque<Event> {
+        &mut self.events
+    }
+}
+
+/// What the shared `send` and `wait` need from a same-host transport.
+pub(crate) trait SameHost {
+    /// The endpoint's control plane.
+    fn control(&self) -> &Control;
+    /// Whether operations are in flight.
+    fn busy(&self) -> bool;
+    /// One non-blocking poll.
+    fn poll_now(&mut self, events: &mut Vec<Event>) -> Result<usize, PollError>;
+}
+
+/// [`Transport::wait`](crate::Transport::wait) for a same-host transport: polls, then blocks in
+/// `poll(2)` until something arrives (at most 100 ms at a time while operations are in flight, so
+/// that their timeouts are noticed).
+pub(crate) fn wait<T: SameHost>(
+    transport: &mut T,
+    events: &mut Vec<Event>,
+    timeout: Duration,
+) -> Result<usize, PollError> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let n = transport.poll_now(events)?;
+        if n > 0 {
+            return Ok(n);
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return Ok(0);
+        }
+        let mut slice = deadline - now;
+        if transport.busy() {
+            slice = slice.min(Duration::from_millis(100));
+        }
+        transport
+            .control()
+            .block(slice)
+            .map_err(|e| PollError::Backend(Box::new(e)))?;
+    }
+}
+
+/// [`Transport::send`](crate::Transport::send) for a same-host transport: one frame on the
+/// peer's socket, reported at once.
+pub(crate) fn send(
+    link: Option<&mut Link>,
+    ledger: &mut Ledger,
+    peer: PeerId,
+    message: &[u8],
+) -> Result<OpId, SendError> {
+    if message.len() > MAX_MESSAGE_LEN {
+        return Err(SendError::TooLarge {
+            len: message.len(),
+            max: MAX_MESSAGE_LEN,
+        });
+    }
+    let link = link.ok_or(SendError::UnknownPeer(peer))?;
+    let result = link
+        .send_message(message)
+        .map_err(|e| OpError::PeerUnreachable {
+            source: Box::new(e),
+        });
+    Ok(ledger.done_now(peer, OpKind::Send, result))
+}
+
+/// The error of an operation towards a peer whose socket is closed.
+pub(crate) fn peer_gone() -> OpError {
+    OpError::PeerUnreachable {
+        source: "the peer closed its connection (it exited or dropped its endpoint)".into(),
+    }
+}
+
+/// Parses complete frames off the front of `buf` into events; true when the stream is malformed
+/// (the connection is then dropped).
+pub(crate) fn parse_frames(buf: &mut Vec<u8>, events: &mut VecDeque<Event>) -> bool {
+    let mut at = 0;
+    let malformed = loop {
+        let rest = &buf[at..];
+        match rest.first() {
+            None => break false,
+            Some(&FRAME_NOTICE) => {
+                if rest.len() < 9 {
+                    break false;
+                }
+                let n = u64::from_le_bytes(rest[1..9].try_into().unwrap_or_default());
+                events.push_back(Event::Notice(Notice(n)));
+                at += 9;
+            }
+            Some(&FRAME_MESSAGE) => {
+                if rest.len() < 5 {
+                    break false;
+                }
+                let len = u32::from_le_bytes(rest[1..5].try_into().unwrap_or_default()) as usize;
+                if len > MAX_MESSAGE_LEN {
+                    break true;
+                }
+                if rest.len() < 5 + len {
+                    break false;
+                }
+                events.push_back(Event::Message(rest[5..5 + len].to_vec()));
+                at += 5 + len;
+            }
+            Some(_) => break true,
+        }
+    };
+    buf.drain(..at);
+    malformed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_parse_across_partial_reads_and_reject_garbage() {
+        let mut events = VecDeque::new();
+        let mut stream = vec![FRAME_NOTICE];
+        stream.extend_from_slice(&42u64.to_le_bytes());
+        stream.push(FRAME_MESSAGE);
+        stream.extend_from_slice(&3u32.to_le_bytes());
+        stream.extend_from_slice(b"abc");
+        let mut buf = Vec::new();
+        for byte in &stream {
+            buf.push(*byte);
+            assert!(!parse_frames(&mut buf, &mut events));
+        }
+        assert!(buf.is_empty());
+        assert!(matches!(events[0], Event::Notice(Notice(42))));
+        assert!(matches!(&events[1], Event::Message(m) if m == b"abc"));
+        let mut garbage = vec![0x77, 1, 2];
+        assert!(parse_frames(&mut garbage, &mut events));
+        let mut huge = vec![FRAME_MESSAGE];
+        huge.extend_from_slice(&u32::MAX.to_le_bytes());
+        assert!(parse_frames(&mut huge, &mut events));
+    }
+
+    #[test]
+    fn identities_round_trip_and_truncation_is_named() {
+        let who = Identity {
+            pid: 7,
+            incarnation: 0xfeed,
+            socket: "kvx-test/7/0/feed".into(),
+        };
+        let bytes = encode_head(*b"KVXT", 3, &who);
+        let mut reader = Reader::open(&bytes, *b"KVXT", 3).unwrap();
+        assert_eq!(Identity::decode(&mut reader).unwrap(), who);
+        reader.finish().unwrap();
+        for cut in 0..bytes.len() {
+            let decoded =
+                Reader::open(&bytes[..cut], *b"KVXT", 3).and_then(|mut r| Identity::decode(&mut r));
+            assert!(decoded.is_err(), "prefix {cut}");
+        }
+        assert!(Reader::open(&bytes, *b"KVXT", 4).is_err());
+        assert!(Reader::open(&bytes, *b"XXXX", 3).is_err());
+    }
+
+    #[test]
+    fn messages_and_notices_cross_a_socket_and_wake_the_waiter() {
+        let mut control = Control::open("test").unwrap();
+        let mut link = Link::connect(&control.identity().socket).unwrap();
+        assert!(link.alive());
+        link.send_message(b"hello").unwrap();
+        link.notices().send(99).unwrap();
+        let mut events = VecDeque::new();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while events.len() < 2 {
+            control.block(Duration::from_millis(100)).unwrap();
+            control.receive(&mut events);
+            assert!(Instant::now() < deadline);
+        }
+        assert!(matches!(&events[0], Event::Message(m) if m == b"hello"));
+        assert!(matches!(events[1], Event::Notice(Notice(99))));
+        control.completions().push_all([(5, Ok(()))]);
+        control.block(Duration::from_secs(5)).unwrap();
+        let done = control.completed();
+        assert_eq!(done.len(), 1);
+        assert_eq!(done[0].0, 5);
+        drop(control);
+        // The peer's socket is gone: the link notices within a millisecond or two.
+        std::thread::sleep(Duration::from_millis(5));
+        assert!(!link.alive());
+    }
+}
