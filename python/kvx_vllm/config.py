@@ -19,7 +19,8 @@ KEYS: dict[str, tuple[Any, str]] = {
     "transport": (
         "libfabric:shm",
         "Data transport: libfabric:shm (one machine), libfabric:tcp, libfabric:efa, "
-        "libfabric:auto, cuda-ipc[:DEVICE] (CUDA KV caches of processes on one host), or "
+        "libfabric:auto, cma (host memory between processes of one host, one-sided), "
+        "cuda-ipc[:DEVICE] (CUDA KV caches of processes on one host), or "
         "loopback (one process only; tests).",
     ),
     "layout": (

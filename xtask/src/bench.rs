@@ -8,6 +8,10 @@ use anyhow::{bail, Context as _};
 
 use crate::{cargo, root, step};
 
+// Declared here rather than in main.rs: a child module, found beside this file.
+#[path = "vllm_bench.rs"]
+mod vllm_bench;
+
 /// (name, package, bench target, criterion groups, comma-separated)
 const BENCHES: &[(&str, &str, &str, &str)] = &[
     ("plan", "kvx-layout", "plan", "plan_qwen3_32b_16k"),
@@ -22,14 +26,15 @@ const BENCHES: &[(&str, &str, &str, &str)] = &[
     ("gpu", "kvx-rdma", "gpu", "gpu"),
 ];
 
-/// Runs the named benchmarks (all when `names` is empty).
+/// Runs the named benchmarks (all when `names` is empty, except `vllm`, which runs only when
+/// named: it needs the vLLM venv and takes about twenty minutes).
 pub(crate) fn run(names: &[String], quick: bool) -> anyhow::Result<()> {
     crate::setup::ensure_packages()?;
     for name in names {
-        if name != "pd" && !BENCHES.iter().any(|(n, ..)| n == name) {
+        if name != "pd" && name != "vllm" && !BENCHES.iter().any(|(n, ..)| n == name) {
             let known: Vec<&str> = BENCHES.iter().map(|(n, ..)| *n).collect();
             bail!(
-                "unknown benchmark `{name}` (known: pd, {})",
+                "unknown benchmark `{name}` (known: pd, vllm, {})",
                 known.join(", ")
             );
         }
@@ -95,6 +100,9 @@ pub(crate) fn run(names: &[String], quick: bool) -> anyhow::Result<()> {
     }
     if names.is_empty() || names.iter().any(|n| n == "pd") {
         crate::pd::run_sweep(quick)?;
+    }
+    if names.iter().any(|n| n == "vllm") {
+        vllm_bench::run_sweep(quick)?;
     }
     Ok(())
 }

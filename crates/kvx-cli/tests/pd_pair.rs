@@ -210,6 +210,29 @@ fn push_over_tcp_verifies_every_byte() {
 }
 
 #[test]
+fn push_and_pull_over_cma_verify_every_byte() {
+    // Cross-memory attach: prefill's writer copies straight into decode's cache.
+    let (report, _) = run_pair(&Run {
+        transport: "cma",
+        mode: "push",
+        prefill: &["--tp", "2"],
+        decode: &["--block-tokens", "32", "--order", "nhd"],
+        requests: 6,
+        tokens: "40,300",
+    });
+    check(&report, 6, 3 * 40 + 3 * 300);
+    let (report, _) = run_pair(&Run {
+        transport: "cma",
+        mode: "pull",
+        prefill: &[],
+        decode: &[],
+        requests: 6,
+        tokens: "200",
+    });
+    check(&report, 6, 1200);
+}
+
+#[test]
 fn heterogeneous_tp_block_size_and_order() {
     // Prefill TP 2, block 16, HND; decode TP 1, block 32, NHD (a receiver re-layout).
     let (report, _) = run_pair(&Run {

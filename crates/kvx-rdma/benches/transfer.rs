@@ -231,7 +231,10 @@ fn memcpy_seconds(plan: &[CopyOp], regions: usize, region_len: usize, reps: usiz
 type Factory = Box<dyn Fn() -> Option<(Box<dyn Transport>, Box<dyn Transport>)>>;
 
 fn backends() -> Vec<(&'static str, Factory)> {
-    #[cfg_attr(not(any(feature = "libfabric", feature = "nixl")), allow(unused_mut))]
+    #[cfg_attr(
+        not(any(feature = "libfabric", feature = "nixl", feature = "cma")),
+        allow(unused_mut)
+    )]
     let mut out: Vec<(&'static str, Factory)> = vec![(
         "loopback",
         Box::new(|| {
@@ -242,6 +245,25 @@ fn backends() -> Vec<(&'static str, Factory)> {
             ))
         }),
     )];
+    #[cfg(feature = "cma")]
+    {
+        use kvx_rdma::cma::{CmaConfig, CmaTransport};
+        out.push((
+            "cma",
+            Box::new(|| {
+                let open = || {
+                    CmaTransport::open(CmaConfig::default())
+                        .map_err(|e| eprintln!("cma: {e}"))
+                        .ok()
+                };
+                let (a, b) = (open()?, open()?);
+                Some((
+                    Box::new(a) as Box<dyn Transport>,
+                    Box::new(b) as Box<dyn Transport>,
+                ))
+            }),
+        ));
+    }
     #[cfg(feature = "libfabric")]
     {
         use kvx_rdma::libfabric::{LibfabricConfig, LibfabricTransport, Rails};

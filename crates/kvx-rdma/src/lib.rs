@@ -12,6 +12,8 @@
 //!   (`shm`, `tcp;ofi_rxm`, `efa`), through the own bindgen crate `libfabric-sys`;
 //! - `nixl` (feature `nixl`, off by default): NVIDIA NIXL (its UCX plugin) through `nixl-sys`,
 //!   with the runtime library loaded at run time;
+//! - [`cma`] (feature `cma`, on by default): host memory between processes of one host with
+//!   cross-memory attach (`process_vm_writev`), one-sided, no receiver-side work;
 //! - `cuda::ipc` (feature `cuda`, on by default): CUDA IPC between processes of one host, with
 //!   CUDA device memory as a region kind and NVRTC layout kernels ([`cuda`]).
 //!
@@ -64,6 +66,8 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+#[cfg(feature = "cma")]
+pub mod cma;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod desc;

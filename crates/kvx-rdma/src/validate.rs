@@ -82,7 +82,7 @@ pub fn check_ops(
 /// [`RegisterError::Duplicate`], [`RegisterError::Empty`], [`RegisterError::UnsupportedKind`] or
 /// [`RegisterError::Backend`] (too large).
 #[cfg_attr(
-    not(any(feature = "libfabric", feature = "nixl")),
+    not(any(feature = "libfabric", feature = "nixl", feature = "cma")),
     allow(
         dead_code,
         reason = "only the FFI backends register memory with a provider"

@@ -23,6 +23,8 @@ pub enum TransportSpec {
         /// Domain, e.g. `lo`.
         domain: Option<String>,
     },
+    /// Cross-memory attach between processes of one host (host memory; one-sided).
+    Cma,
     /// CUDA IPC between processes of one host, registering memory of this CUDA device.
     CudaIpc {
         /// CUDA device ordinal.
@@ -43,6 +45,7 @@ impl fmt::Display for TransportSpec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::Loopback => f.write_str("loopback"),
+            Self::Cma => f.write_str("cma"),
             Self::CudaIpc { device } => write!(f, "cuda-ipc:{device}"),
             Self::Libfabric { provider, domain } => {
                 let short = if provider == "tcp;ofi_rxm" {
@@ -64,11 +67,14 @@ impl fmt::Display for TransportSpec {
 #[non_exhaustive]
 pub enum TransportError {
     /// Unknown name.
-    #[error("unknown transport `{0}` (loopback, libfabric:shm, libfabric:tcp[@IFACE], libfabric:auto, libfabric:PROVIDER, cuda-ipc[:DEVICE])")]
+    #[error("unknown transport `{0}` (loopback, libfabric:shm, libfabric:tcp[@IFACE], libfabric:auto, libfabric:PROVIDER, cma, cuda-ipc[:DEVICE])")]
     Unknown(String),
     /// This build has no libfabric.
     #[error("this build has no libfabric support (feature `libfabric`)")]
     NoLibfabric,
+    /// This build has no CMA support.
+    #[error("this build has no CMA support (feature `cma`)")]
+    NoCma,
     /// This build has no CUDA support.
     #[error("this build has no CUDA support (feature `cuda`)")]
     NoCuda,
@@ -88,6 +94,9 @@ impl FromStr for TransportSpec {
     fn from_str(s: &str) -> Result<Self, TransportError> {
         if s == "loopback" {
             return Ok(Self::Loopback);
+        }
+        if s == "cma" {
+            return Ok(Self::Cma);
         }
         if let Some(rest) = s.strip_prefix("cuda-ipc") {
             let device = match rest.strip_prefix(':') {
@@ -156,6 +165,18 @@ impl TransportSpec {
             }
             #[cfg(not(feature = "libfabric"))]
             Self::Libfabric { .. } => Err(TransportError::NoLibfabric),
+            #[cfg(feature = "cma")]
+            Self::Cma => {
+                use kvx_rdma::cma::{CmaConfig, CmaTransport};
+                CmaTransport::open(CmaConfig::default())
+                    .map(|t| Box::new(t) as Box<dyn Transport>)
+                    .map_err(|e| TransportError::Open {
+                        spec: self.to_string(),
+                        source: Box::new(e),
+                    })
+            }
+            #[cfg(not(feature = "cma"))]
+            Self::Cma => Err(TransportError::NoCma),
             #[cfg(feature = "cuda")]
             Self::CudaIpc { device } => {
                 use kvx_rdma::cuda::ipc::{CudaIpcConfig, CudaIpcTransport};
@@ -202,6 +223,8 @@ mod tests {
             "cuda-ipc:0"
         );
         assert!("cuda-ipc:x".parse::<TransportSpec>().is_err());
+        assert_eq!("cma".parse::<TransportSpec>().unwrap(), TransportSpec::Cma);
+        assert_eq!(TransportSpec::Cma.to_string(), "cma");
         assert!("cuda-ipcx".parse::<TransportSpec>().is_err());
         assert!("carrier-pigeon".parse::<TransportSpec>().is_err());
         assert!("libfabric:".parse::<TransportSpec>().is_err());

@@ -1,0 +1,654 @@
+//! The CMA backend (`cma`, feature `cma`, Linux): host memory between processes of one host with
+//! cross-memory attach — `process_vm_writev` / `process_vm_readv` copy straight from one
+//! process's memory into another's, one system call for up to 1,024 pieces, with no bounce buffer
+//! and no work on the receiving side.
+//!
+//! - **One-sided**: the writer's worker thread does the whole copy; the consumer's engine loop
+//!   spends nothing on it (libfabric's `shm` provider, by contrast, copies through a bounce buffer
+//!   that the receiver's progress engine drains).
+//! - **Completion**: when the copy returned, the notice is sent on the same-host control socket
+//!   (`crate::local`), so the consumer sees it after every byte landed.
+//! - **Permission**: the kernel lets a process write into another one it may `ptrace` (same user,
+//!   and under Yama `ptrace_scope` 1 only a declared tracer): every endpoint declares any process
+//!   of the user as allowed (`PR_SET_PTRACER`), as libfabric's `shm` does for its CMA path. Where
+//!   that is not enough (`ptrace_scope` 2 or 3, other users), writes fail with
+//!   [`OpError::RemoteAccess`] naming the cause.
+//! - **Failures**: a dead peer (`ESRCH`, or its socket closed) fails operations with
+//!   [`OpError::PeerUnreachable`]; memory the peer no longer has (`EFAULT`) with
+//!   [`OpError::RemoteAccess`]. Bad plans are refused before anything moves.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::time::Duration;
+
+use kvx_core::{MemoryKind, RegionDesc};
+use kvx_layout::CopyOp;
+
+use crate::desc::EndpointDesc;
+use crate::error::{
+    ConnectError, DeregisterError, OpError, PollError, ReadError, RegisterError, SendError,
+    WriteError,
+};
+use crate::local::{self, peer_gone, Completions, Control, Identity, Ledger, Link, NoticeSender};
+use crate::local::{Reader, SameHost};
+use crate::region::LocalRegion;
+use crate::transport::{Capabilities, Event, Notice, OpId, OpKind, PeerId, Transport};
+
+/// Backend name in endpoint descriptions.
+pub const BACKEND: &str = "cma";
+const ADDRESS_MAGIC: [u8; 4] = *b"KVXM";
+const ADDRESS_VERSION: u8 = 1;
+/// Pieces per system call (the kernel's `UIO_MAXIOV`).
+const IOV_MAX: usize = 1024;
+
+/// Settings of a [`CmaTransport`].
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct CmaConfig {
+    /// An operation not finished after this long fails with [`OpError::TimedOut`].
+    pub op_timeout: Duration,
+}
+
+impl Default for CmaConfig {
+    fn default() -> Self {
+        Self {
+            op_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// A CMA endpoint could not be opened, or an address is malformed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CmaError {
+    /// A socket or thread could not be made.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: &'static str,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The peer's address blob is malformed.
+    #[error("malformed cma address: {0}")]
+    Address(String),
+    /// The peer is another host's or this machine cannot reach it with CMA.
+    #[error("the peer is not on this host")]
+    OtherHost,
+}
+
+/// One copy job for the worker: pieces (local address, remote address, length) in order.
+struct Job {
+    op: u64,
+    pid: libc::pid_t,
+    read: bool,
+    pieces: Vec<(u64, u64, u64)>,
+    notice: Option<(NoticeSender, u64)>,
+}
+
+/// The worker: runs each job's system calls, then sends its notice, and reports.
+fn work(jobs: &Receiver<Job>, completions: &Completions) {
+    while let Ok(job) = jobs.recv() {
+        let result = copy(job.pid, job.read, &job.pieces).and_then(|()| match &job.notice {
+            None => Ok(()),
+            Some((sender, notice)) => sender.send(*notice).map_err(|e| OpError::PeerUnreachable {
+                source: Box::new(e),
+            }),
+        });
+        completions.push_all([(job.op, result)]);
+    }
+}
+
+/// Moves `pieces` to (or, for `read`, from) process `pid`, up to [`IOV_MAX`] pieces per call,
+/// resuming after partial transfers.
+fn copy(pid: libc::pid_t, read: bool, pieces: &[(u64, u64, u64)]) -> Result<(), OpError> {
+    let mut local: Vec<libc::iovec> = Vec::with_capacity(IOV_MAX);
+    let mut remote: Vec<libc::iovec> = Vec::with_capacity(IOV_MAX);
+    for batch in pieces.chunks(IOV_MAX) {
+        // Skip what earlier calls of this batch already moved.
+        let mut skip: u64 = 0;
+        loop {
+            local.clear();
+            remote.clear();
+            let mut left = skip;
+            let mut want: u64 = 0;
+            for &(l, r, len) in batch {
+                if left >= len {
+                    left -= len;
+                    continue;
+                }
+                let (l, r, len) = (l + left, r + left, len - left);
+                left = 0;
+                local.push(libc::iovec {
+                    iov_base: l as *mut libc::c_void,
+                    iov_len: len as usize,
+                });
+                remote.push(libc::iovec {
+                    iov_base: r as *mut libc::c_void,
+                    iov_len: len as usize,
+                });
+                want += len;
+            }
+            if want == 0 {
+                break;
+            }
+            // SAFETY: every local iovec lies inside a region registered with this endpoint (a
+            // live `LocalRegion`, checked by `check_ops` when the operation was accepted, and
+            // kept registered while it is in flight); the kernel checks the remote ranges against
+            // the peer's address space and reports EFAULT instead of touching anything else.
+            let moved = unsafe {
+                if read {
+                    libc::process_vm_readv(
+                        pid,
+                        local.as_ptr(),
+                        local.len() as libc::c_ulong,
+                        remote.as_ptr(),
+                        remote.len() as libc::c_ulong,
+                        0,
+                    )
+                } else {
+                    libc::process_vm_writev(
+                        pid,
+                        local.as_ptr(),
+                        local.len() as libc::c_ulong,
+                        remote.as_ptr(),
+                        remote.len() as libc::c_ulong,
+                        0,
+                    )
+                }
+            };
+            if moved < 0 {
+                let err = std::io::Error::last_os_error();
+                if err.kind() == std::io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(os_error(err));
+            }
+            if moved == 0 {
+                return Err(OpError::RemoteAccess {
+                    source: "the peer's memory ended before the operation did".into(),
+                });
+            }
+            skip += moved as u64;
+            if moved as u64 == want {
+                break;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The typed error of a failed CMA system call.
+fn os_error(err: std::io::Error) -> OpError {
+    match err.raw_os_error() {
+        Some(libc::ESRCH) => OpError::PeerUnreachable {
+            source: Box::new(err),
+        },
+        Some(libc::EPERM) => OpError::RemoteAccess {
+            source: format!(
+                "{err}: this process may not write into the peer (different user, or Yama \
+                 ptrace_scope above 1; see /proc/sys/kernel/yama/ptrace_scope)"
+            )
+            .into(),
+        },
+        Some(libc::EFAULT) => OpError::RemoteAccess {
+            source: format!("{err}: the peer's memory is no longer mapped").into(),
+        },
+        _ => OpError::Backend {
+            source: Box::new(err),
+        },
+    }
+}
+
+struct Peer {
+    who: Identity,
+    link: Link,
+    /// Region index → (address in the peer's process, length).
+    regions: HashMap<u32, (u64, u64)>,
+}
+
+/// The CMA endpoint. See the [module documentation](self).
+pub struct CmaTransport {
+    config: CmaConfig,
+    control: Control,
+    regions: BTreeMap<u32, LocalRegion>,
+    peers: Vec<Peer>,
+    ledger: Ledger,
+    jobs: Option<Sender<Job>>,
+    worker: Option<std::thread::JoinHandle<()>>,
+}
+
+impl CmaTransport {
+    /// Opens an endpoint.
+    ///
+    /// # Errors
+    /// [`CmaError::Io`] when the control socket or the worker thread cannot be made.
+    pub fn open(config: CmaConfig) -> Result<Self, CmaError> {
+        let control = Control::open(BACKEND).map_err(|source| CmaError::Io {
+            what: "opening the control socket",
+            source,
+        })?;
+        // Let the peers of this user write into this process (Yama ptrace_scope 1); a kernel
+        // without Yama ignores it, and stricter settings make writes fail with a clear error.
+        // SAFETY: prctl with PR_SET_PTRACER takes a pid (or PR_SET_PTRACER_ANY) and no pointers.
+        let _ = unsafe { libc::prctl(libc::PR_SET_PTRACER, libc::PR_SET_PTRACER_ANY, 0, 0, 0) };
+        let (jobs, rx) = mpsc::channel();
+        let completions = control.completions();
+        let worker = std::thread::Builder::new()
+            .name("kvx-cma".into())
+            .spawn(move || work(&rx, &completions))
+            .map_err(|source| CmaError::Io {
+                what: "starting the copy worker",
+                source,
+            })?;
+        Ok(Self {
+            config,
+            control,
+            regions: BTreeMap::new(),
+            peers: Vec::new(),
+            ledger: Ledger::default(),
+            jobs: Some(jobs),
+            worker: Some(worker),
+        })
+    }
+
+    fn address(&self) -> Vec<u8> {
+        local::encode_head(ADDRESS_MAGIC, ADDRESS_VERSION, self.control.identity())
+    }
+
+    fn decode(bytes: &[u8]) -> Result<Identity, CmaError> {
+        let parse = || -> Result<Identity, String> {
+            let mut reader = Reader::open(bytes, ADDRESS_MAGIC, ADDRESS_VERSION)?;
+            let who = Identity::decode(&mut reader)?;
+            reader.finish()?;
+            Ok(who)
+        };
+        parse().map_err(CmaError::Address)
+    }
+
+    /// Checks `ops`, resolves them to (local, remote, len) pieces, and hands them to the worker.
+    fn post(
+        &mut self,
+        peer: PeerId,
+        kind: OpKind,
+        ops: &[CopyOp],
+        notice: Option<Notice>,
+    ) -> Result<OpId, OpPostError> {
+        let read = kind == OpKind::Read;
+        let Some(p) = self.peers.get_mut(peer.0 as usize) else {
+            return Err(OpPostError::UnknownPeer);
+        };
+        let local = |i: u32| self.regions.get(&i).map(|r| (r.addr() as u64, r.len()));
+        let remote = |i: u32| p.regions.get(&i).copied();
+        let bytes = if read {
+            crate::validate::check_ops(ops, |i| remote(i).map(|x| x.1), |i| local(i).map(|x| x.1))
+        } else {
+            crate::validate::check_ops(ops, |i| local(i).map(|x| x.1), |i| remote(i).map(|x| x.1))
+        }
+        .map_err(OpPostError::Plan)?;
+        if !p.link.alive() {
+            return Ok(self.ledger.done_now(peer, kind, Err(peer_gone())));
+        }
+        let mut pieces = Vec::new();
+        let mut used = Vec::new();
+        for op in ops {
+            let (src_base, _) = if read {
+                remote(op.src_region)
+            } else {
+                local(op.src_region)
+            }
+            .unwrap_or_default();
+            let (dst_base, _) = if read {
+                local(op.dst_region)
+            } else {
+                remote(op.dst_region)
+            }
+            .unwrap_or_default();
+            used.push(if read { op.dst_region } else { op.src_region });
+            let contiguous = op.count == 1 || (op.src_stride == op.len && op.dst_stride == op.len);
+            let rows: Box<dyn Iterator<Item = (u64, u64, u64)>> = if contiguous {
+                Box::new(std::iter::once((
+                    op.src_offset,
+                    op.dst_offset,
+                    op.len * op.count,
+                )))
+            } else {
+                Box::new(op.pieces())
+            };
+            for (s, d, len) in rows {
+                let (src, dst) = (src_base + s, dst_base + d);
+                // Pieces are (local, remote, len).
+                pieces.push(if read {
+                    (dst, src, len)
+                } else {
+                    (src, dst, len)
+                });
+            }
+        }
+        let job = Job {
+            op: self.ledger.next_id(),
+            pid: p.who.pid as libc::pid_t,
+            read,
+            pieces,
+            notice: notice.map(|Notice(n)| (p.link.notices(), n)),
+        };
+        let handed = self.jobs.as_ref().is_some_and(|j| j.send(job).is_ok());
+        if !handed {
+            return Err(OpPostError::Worker);
+        }
+        Ok(self.ledger.start(peer, kind, bytes, used))
+    }
+}
+
+/// Why [`CmaTransport::post`] refused an operation.
+enum OpPostError {
+    UnknownPeer,
+    Plan(crate::error::PlanError),
+    Worker,
+}
+
+fn worker_gone() -> crate::error::BackendError {
+    "the CMA copy worker has exited".into()
+}
+
+impl Transport for CmaTransport {
+    fn backend(&self) -> &'static str {
+        BACKEND
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            notice_bits: 64,
+            max_message_len: local::MAX_MESSAGE_LEN,
+            memory_kinds: vec![MemoryKind::Host],
+        }
+    }
+
+    fn register(&mut self, region: LocalRegion) -> Result<RegionDesc, RegisterError> {
+        crate::validate::check_registration(
+            &region,
+            self.regions.contains_key(&region.index()),
+            BACKEND,
+        )?;
+        let desc = RegionDesc {
+            index: region.index(),
+            kind: region.kind(),
+            addr: region.addr() as u64,
+            len: region.len(),
+            key: 0,
+        };
+        self.regions.insert(region.index(), region);
+        Ok(desc)
+    }
+
+    fn deregister(&mut self, index: u32) -> Result<(), DeregisterError> {
+        if !self.regions.contains_key(&index) {
+            return Err(DeregisterError::Unknown(index));
+        }
+        let ops = self.ledger.using(index);
+        if ops > 0 {
+            return Err(DeregisterError::InUse { index, ops });
+        }
+        self.regions.remove(&index);
+        Ok(())
+    }
+
+    fn local_desc(&self) -> EndpointDesc {
+        EndpointDesc {
+            backend: BACKEND.to_owned(),
+            provider: String::new(),
+            address: self.address(),
+            notice_slot: None,
+            regions: self
+                .regions
+                .values()
+                .map(|r| RegionDesc {
+                    index: r.index(),
+                    kind: r.kind(),
+                    addr: r.addr() as u64,
+                    len: r.len(),
+                    key: 0,
+                })
+                .collect(),
+        }
+    }
+
+    fn connect(&mut self, desc: &EndpointDesc) -> Result<PeerId, ConnectError> {
+        desc.validate().map_err(ConnectError::BadDescription)?;
+        if desc.backend != BACKEND {
+            return Err(ConnectError::Mismatch {
+                expected: BACKEND.to_owned(),
+                found: format!("{}/{}", desc.backend, desc.provider),
+            });
+        }
+        let who = Self::decode(&desc.address).map_err(|e| ConnectError::BadAddress {
+            source: Box::new(e),
+        })?;
+        if let Some(region) = desc.regions.iter().find(|r| r.kind != MemoryKind::Host) {
+            return Err(ConnectError::BadAddress {
+                source: format!(
+                    "region {} is {} memory; cma moves host memory",
+                    region.index, region.kind
+                )
+                .into(),
+            });
+        }
+        let regions = desc
+            .regions
+            .iter()
+            .map(|r| (r.index, (r.addr, r.len)))
+            .collect();
+        if let Some(i) = self.peers.iter().position(|p| p.who == who) {
+            self.peers[i].regions = regions;
+            return Ok(PeerId(i as u32));
+        }
+        let link = Link::connect(&who.socket).map_err(|e| ConnectError::Unreachable {
+            source: Box::new(CmaError::Io {
+                what: "connecting to the peer",
+                source: e,
+            }),
+        })?;
+        self.peers.push(Peer { who, link, regions });
+        Ok(PeerId(self.peers.len() as u32 - 1))
+    }
+
+    fn write(
+        &mut self,
+        peer: PeerId,
+        ops: &[CopyOp],
+        notice: Option<Notice>,
+    ) -> Result<OpId, WriteError> {
+        self.post(peer, OpKind::Write, ops, notice)
+            .map_err(|e| match e {
+                OpPostError::UnknownPeer => WriteError::UnknownPeer(peer),
+                OpPostError::Plan(p) => WriteError::Plan(p),
+                OpPostError::Worker => WriteError::Backend(worker_gone()),
+            })
+    }
+
+    fn read(&mut self, peer: PeerId, ops: &[CopyOp]) -> Result<OpId, ReadError> {
+        self.post(peer, OpKind::Read, ops, None)
+            .map_err(|e| match e {
+                OpPostError::UnknownPeer => ReadError::UnknownPeer(peer),
+                OpPostError::Plan(p) => ReadError::Plan(p),
+                OpPostError::Worker => ReadError::Backend(worker_gone()),
+            })
+    }
+
+    fn send(&mut self, peer: PeerId, message: &[u8]) -> Result<OpId, SendError> {
+        let link = self.peers.get_mut(peer.0 as usize).map(|p| &mut p.link);
+        local::send(link, &mut self.ledger, peer, message)
+    }
+
+    fn poll(&mut self, events: &mut Vec<Event>) -> Result<usize, PollError> {
+        self.poll_now(events)
+    }
+
+    fn wait(&mut self, events: &mut Vec<Event>, timeout: Duration) -> Result<usize, PollError> {
+        local::wait(self, events, timeout)
+    }
+}
+
+impl SameHost for CmaTransport {
+    fn control(&self) -> &Control {
+        &self.control
+    }
+
+    fn busy(&self) -> bool {
+        self.ledger.busy()
+    }
+
+    fn poll_now(&mut self, events: &mut Vec<Event>) -> Result<usize, PollError> {
+        self.control.receive(self.ledger.inbox());
+        let done = self.control.completed();
+        self.ledger.settle(done, self.config.op_timeout);
+        Ok(self.ledger.drain_into(events))
+    }
+}
+
+impl Drop for CmaTransport {
+    fn drop(&mut self) {
+        // The worker finishes the jobs it was given (their local memory is still registered:
+        // the regions drop after this) and exits.
+        drop(self.jobs.take());
+        if let Some(worker) = self.worker.take() {
+            let _ = worker.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::region::HostBuffer;
+    use kvx_core::Rank;
+    use std::sync::Arc;
+    use std::time::Instant;
+
+    fn op(src: u64, dst: u64, len: u64, count: u64, strides: (u64, u64)) -> CopyOp {
+        CopyOp {
+            producer: Rank(0),
+            src_region: 0,
+            src_offset: src,
+            dst_region: 0,
+            dst_offset: dst,
+            len,
+            count,
+            src_stride: strides.0,
+            dst_stride: strides.1,
+        }
+    }
+
+    fn wait_for(t: &mut CmaTransport, want: impl Fn(&Event) -> bool) -> Event {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut events = Vec::new();
+        loop {
+            events.clear();
+            t.wait(&mut events, Duration::from_millis(100)).unwrap();
+            if let Some(i) = events.iter().position(&want) {
+                return events.swap_remove(i);
+            }
+            assert!(Instant::now() < deadline, "no matching event");
+        }
+    }
+
+    /// Two endpoints of one process: CMA into the own process is allowed, so the whole path
+    /// (system calls, notices, reads, errors) runs here; tests/xproc_cma.rs crosses processes.
+    #[test]
+    fn write_read_notice_and_bad_plans_in_one_process() {
+        let mut a = CmaTransport::open(CmaConfig::default()).unwrap();
+        let mut b = CmaTransport::open(CmaConfig::default()).unwrap();
+        let src = Arc::new(HostBuffer::new(1 << 20).unwrap());
+        src.fill_with(|i| (i * 7 % 251) as u8);
+        let dst = Arc::new(HostBuffer::new(1 << 20).unwrap());
+        a.register(LocalRegion::host(0, Arc::clone(&src))).unwrap();
+        b.register(LocalRegion::host(0, Arc::clone(&dst))).unwrap();
+        let peer = a.connect(&b.local_desc()).unwrap();
+        // 3000 strided pieces: more than one system call's worth.
+        let strided = op(0, 0, 100, 3000, (300, 200));
+        let tail = op(1_000_000, (1 << 20) - 48_576, 48_576, 1, (0, 0));
+        a.write(peer, &[strided, tail], Some(Notice(7))).unwrap();
+        assert!(matches!(
+            wait_for(&mut a, |e| matches!(
+                e,
+                Event::WriteDone { .. } | Event::Failed { .. }
+            )),
+            Event::WriteDone { bytes: 348_576, .. }
+        ));
+        assert!(matches!(
+            wait_for(&mut b, |e| matches!(e, Event::Notice(_))),
+            Event::Notice(Notice(7))
+        ));
+        let got = dst.to_vec();
+        let want = src.to_vec();
+        for i in 0..3000 {
+            assert_eq!(
+                got[i * 200..i * 200 + 100],
+                want[i * 300..i * 300 + 100],
+                "row {i}"
+            );
+        }
+        assert_eq!(got[(1 << 20) - 48_576..], want[1_000_000..1_048_576]);
+        // Pull: read back from the peer.
+        let back = Arc::new(HostBuffer::new(4096).unwrap());
+        a.register(LocalRegion::host(1, Arc::clone(&back))).unwrap();
+        let read = CopyOp {
+            src_region: 0,
+            dst_region: 1,
+            ..op(200, 0, 4096, 1, (0, 0))
+        };
+        a.read(peer, &[read]).unwrap();
+        wait_for(&mut a, |e| matches!(e, Event::ReadDone { .. }));
+        assert_eq!(back.to_vec(), got[200..200 + 4096]);
+        // Refused before anything moves.
+        assert!(matches!(
+            a.write(peer, &[op(0, (1 << 20) - 10, 100, 1, (0, 0))], None),
+            Err(WriteError::Plan(_))
+        ));
+        assert!(matches!(
+            a.write(PeerId(9), &[op(0, 0, 1, 1, (0, 0))], None),
+            Err(WriteError::UnknownPeer(_))
+        ));
+        assert!(a.deregister(5).is_err());
+        // Messages both ways.
+        a.send(peer, b"hi").unwrap();
+        assert!(matches!(
+            wait_for(&mut b, |e| matches!(e, Event::Message(_))),
+            Event::Message(m) if m == b"hi"
+        ));
+        // The peer goes away: the next write fails as unreachable, with no notice.
+        drop(b);
+        std::thread::sleep(Duration::from_millis(5));
+        a.write(peer, &[op(0, 0, 64, 1, (0, 0))], Some(Notice(8)))
+            .unwrap();
+        assert!(matches!(
+            wait_for(&mut a, |e| matches!(
+                e,
+                Event::Failed { .. } | Event::WriteDone { .. }
+            )),
+            Event::Failed {
+                error: OpError::PeerUnreachable { .. },
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn addresses_are_checked() {
+        let t = CmaTransport::open(CmaConfig::default()).unwrap();
+        let desc = t.local_desc();
+        assert_eq!(
+            CmaTransport::decode(&desc.address).unwrap(),
+            *t.control.identity()
+        );
+        assert!(CmaTransport::decode(&desc.address[..desc.address.len() - 1]).is_err());
+        let mut other = desc.clone();
+        other.backend = "libfabric".into();
+        let mut t = t;
+        assert!(matches!(
+            t.connect(&other),
+            Err(ConnectError::Mismatch { .. })
+        ));
+    }
+}

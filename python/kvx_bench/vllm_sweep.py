@@ -1,0 +1,589 @@
+"""kvx against vLLM's own NIXL connectors, end to end on real vLLM (CPU), same machine, same run.
+
+Run by `cargo xtask bench vllm [--quick]` with the venv's Python (see xtask/src/vllm_bench.rs);
+standalone:
+
+    .kvx-cache/venv/bin/python -m kvx_bench.vllm_sweep --kvx-bin target/debug/kvx [--quick]
+        (from python/, or with python/ on PYTHONPATH)
+
+For each system — kvx push, kvx pull (the kvx_vllm connectors behind `kvx proxy`), vLLM's
+NixlConnector (pull) and NixlPushConnector, each of the vLLM ones "as shipped" and "corrected"
+(see nixl_site/sitecustomize.py) — it starts a prefill instance on core 0 and a decode instance
+on core 1 (the tiny float32 model of python/tests/tiny_model.py, prefix caching off on both),
+the router, sends warm-up requests, then for every input length and request rate a Poisson
+stream of streamed completions (random token ids, so nothing is cached; `ignore_eos`, fixed
+output length). TTFT (request sent to first streamed token) and TPOT ((last token - first
+token) / (output tokens - 1)) are measured by this client. A request that fails or takes longer
+than the cap counts as an error or a timeout: a result, not a crash.
+
+Routers: `kvx proxy --mode push|pull` for kvx and for NixlConnector (its pull protocol is the
+same: prefill with `do_remote_decode`, then decode with the `kv_transfer_params` prefill
+returned). NixlPushConnector needs the prefill instance's NIXL coordinates in decode's
+`kv_transfer_params` before prefill has run, which `kvx proxy` does not send, so a small router
+here (`nixl_push_router`, aiohttp) sends both legs at once with the same `X-Request-Id`.
+
+Output (--out, default target/kvx-bench): vllm.json (every point, every system, and the
+per-request samples), vllm.md (tables and the target check); logs of every process under
+vllm-logs/. The plots are drawn from vllm.json by xtask.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+sys.path.insert(0, str(REPO / "python" / "tests"))
+
+BLOCK = 32
+OUTPUT_TOKENS = 16
+REQUEST_CAP_S = 60.0
+START_TIMEOUT = 420.0
+P_CORES, D_CORES = "0", "1"
+NIXL_SITE = HERE / "nixl_site"
+
+# (name, router, connector, corrected)
+SYSTEMS = [
+    ("kvx-push", "kvx-push", "KvxPushConnector", None),
+    ("kvx-pull", "kvx-pull", "KvxPullConnector", None),
+    ("nixl-pull-shipped", "kvx-pull", "NixlConnector", False),
+    ("nixl-pull-corrected", "kvx-pull", "NixlConnector", True),
+    ("nixl-push-shipped", "nixl-push", "NixlPushConnector", False),
+    ("nixl-push-corrected", "nixl-push", "NixlPushConnector", True),
+]
+
+
+def log(msg: str) -> None:
+    print(f"[vllm-bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def quantiles(xs: list[float]) -> dict:
+    if not xs:
+        return {"mean": None, "p50": None, "p99": None, "n": 0}
+    s = sorted(xs)
+
+    def q(p: float) -> float:
+        # Linear interpolation between closest ranks (numpy's default).
+        k = (len(s) - 1) * p
+        lo = int(k)
+        hi = min(lo + 1, len(s) - 1)
+        return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+    return {"mean": statistics.fmean(s), "p50": q(0.5), "p99": q(0.99), "n": len(s)}
+
+
+# ---------------------------------------------------------------------------------------------
+# The router for NixlPushConnector (run as `python -m kvx_bench.vllm_sweep router ...`).
+
+
+async def nixl_push_router(listen_port: int, prefill: str, decode: str, p_engine: str,
+                           p_side_port: int) -> None:
+    import aiohttp
+    from aiohttp import web
+
+    timeout = aiohttp.ClientTimeout(total=600)
+    session = aiohttp.ClientSession(timeout=timeout,
+                                    connector=aiohttp.TCPConnector(limit=0))
+
+    async def health(_req):
+        return web.Response(text="ok")
+
+    async def completions(req: web.Request):
+        body = await req.json()
+        rid = f"nixlpush-{uuid.uuid4().hex}"
+        headers = {"X-Request-Id": rid}
+        p_body = dict(body)
+        p_body.update(max_tokens=1, stream=False,
+                      kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False})
+        p_body.pop("stream_options", None)
+        p_body.pop("max_completion_tokens", None)
+        d_body = dict(body)
+        d_body["kv_transfer_params"] = {
+            "do_remote_prefill": True, "do_remote_decode": False,
+            "remote_engine_id": p_engine, "remote_host": "127.0.0.1",
+            "remote_port": p_side_port, "tp_size": 1,
+            # Required by the decode side's metadata; in push mode it only names the request
+            # for heartbeats (prefill learns decode's id from the registration). vLLM names a
+            # completion `cmpl-<X-Request-Id>-<n>` plus a random suffix that it strips to match.
+            "remote_request_id": f"cmpl-{rid}-0",
+        }
+
+        async def p_leg():
+            async with session.post(f"{prefill}{req.path}", json=p_body, headers=headers) as r:
+                text = await r.read()
+                if r.status != 200:
+                    raise web.HTTPBadGateway(text=f"prefill {r.status}: {text[:300]!r}")
+
+        p_task = asyncio.create_task(p_leg())
+        try:
+            async with session.post(f"{decode}{req.path}", json=d_body, headers=headers) as r:
+                resp = web.StreamResponse(status=r.status, headers={
+                    "content-type": r.headers.get("content-type", "application/json")})
+                await resp.prepare(req)
+                async for chunk in r.content.iter_any():
+                    await resp.write(chunk)
+                await resp.write_eof()
+            await p_task
+            return resp
+        finally:
+            if not p_task.done():
+                p_task.cancel()
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", completions)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", listen_port).start()
+    await asyncio.Event().wait()
+
+
+# ---------------------------------------------------------------------------------------------
+# The load client.
+
+
+async def one_request(session, url: str, prompt: list[int], sent_at: float) -> dict:
+    import aiohttp
+
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": OUTPUT_TOKENS, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    first = last = None
+    pieces = 0
+    completion_tokens = None
+    try:
+        async with asyncio.timeout(REQUEST_CAP_S):
+            async with session.post(f"{url}/v1/completions", json=body) as r:
+                if r.status != 200:
+                    text = await r.text()
+                    return {"ok": False, "error": f"HTTP {r.status}: {text[:200]}"}
+                async for raw in r.content:
+                    line = raw.decode(errors="replace").strip()
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        return {"ok": False, "error": f"error event: {str(event)[:200]}"}
+                    if event.get("usage"):
+                        completion_tokens = event["usage"].get("completion_tokens")
+                    if event.get("choices"):
+                        now = time.perf_counter()
+                        if first is None:
+                            first = now
+                        last = now
+                        pieces += 1
+    except TimeoutError:
+        return {"ok": False, "timeout": True, "error": f"over {REQUEST_CAP_S:.0f} s",
+                "ttft_ms": None if first is None else (first - sent_at) * 1e3}
+    except (aiohttp.ClientError, OSError, ValueError) as e:
+        return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    if first is None:
+        return {"ok": False, "error": "no token streamed"}
+    n = completion_tokens or pieces
+    if n != OUTPUT_TOKENS:
+        return {"ok": False, "error": f"{n} output tokens, expected {OUTPUT_TOKENS}"}
+    return {"ok": True, "ttft_ms": (first - sent_at) * 1e3,
+            "tpot_ms": (last - first) * 1e3 / (n - 1), "e2e_ms": (last - sent_at) * 1e3,
+            "stream_pieces": pieces}
+
+
+VOCAB = 400  # set from the model's config in main()
+
+
+def make_prompt(rng: random.Random, length: int) -> list[int]:
+    # Random ids above the special tokens (the first few) of the tiny model's vocabulary.
+    return [rng.randrange(10, VOCAB) for _ in range(length)]
+
+
+async def run_point(url: str, length: int, rate: float, n: int, seed: int) -> dict:
+    import aiohttp
+
+    rng = random.Random(seed)
+    prompts = [make_prompt(rng, length) for _ in range(n)]
+    gaps = [rng.expovariate(rate) for _ in range(n)]
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        tasks = []
+        t0 = time.perf_counter()
+        at = t0
+        for prompt, gap in zip(prompts, gaps, strict=True):
+            at += gap
+            delay = at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            sent = time.perf_counter()
+            tasks.append(asyncio.create_task(one_request(session, url, prompt, sent)))
+        results = await asyncio.gather(*tasks)
+        wall = time.perf_counter() - t0
+    ok = [r for r in results if r["ok"]]
+    errors = [r for r in results if not r["ok"]]
+    return {
+        "input_tokens": length, "rate": rate, "requests": n, "ok": len(ok),
+        "timeouts": sum(1 for r in errors if r.get("timeout")),
+        "errors": len(errors), "wall_s": wall,
+        "achieved_rate": n / wall if wall > 0 else None,
+        "ttft_ms": quantiles([r["ttft_ms"] for r in ok]),
+        "tpot_ms": quantiles([r["tpot_ms"] for r in ok]),
+        "e2e_ms": quantiles([r["e2e_ms"] for r in ok]),
+        "error_samples": sorted({r["error"] for r in errors})[:5],
+        "samples": results,
+    }
+
+
+async def warm_up(url: str, lengths: list[int], per_length: int) -> dict:
+    import aiohttp
+
+    rng = random.Random(7)
+    out = {"sent": 0, "ok": 0, "errors": []}
+    async with aiohttp.ClientSession() as session:
+        for length in lengths:
+            for _ in range(per_length):
+                r = await one_request(session, url, make_prompt(rng, length), time.perf_counter())
+                out["sent"] += 1
+                if r["ok"]:
+                    out["ok"] += 1
+                else:
+                    out["errors"].append(r["error"])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Instances and routers.
+
+
+def kv_config(connector: str, role: str, engine: str, kvx_listen: str | None) -> dict:
+    if connector.startswith("Kvx"):
+        extra = {"listen": kvx_listen} if kvx_listen else {}
+        return {"kv_connector": connector, "kv_connector_module_path": "kvx_vllm",
+                "kv_role": role, "engine_id": engine, "kv_connector_extra_config": extra}
+    return {"kv_connector": connector, "kv_role": role, "engine_id": engine,
+            "kv_buffer_device": "cpu", "kv_connector_extra_config": {"backends": ["UCX"]}}
+
+
+def start_instance(name: str, model: Path, log_dir: Path, kv: dict, cores: str,
+                   extra_env: dict[str, str]):
+    from test_e2e_vllm import Server, free_port, vllm_env
+
+    port = free_port()
+    args = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model), "--served-model-name", "tiny",
+        "--dtype", "float32", "--enforce-eager", "--block-size", str(BLOCK),
+        "--max-model-len", "2048", "--max-num-seqs", "8", "--seed", "0",
+        "--host", "127.0.0.1", "--port", str(port), "--no-enable-prefix-caching",
+        "--kv-transfer-config", json.dumps(kv),
+    ]
+    env = vllm_env(cores)
+    env.update(extra_env)
+    url = f"http://127.0.0.1:{port}"
+    return Server(name, args, log_dir, env, f"{url}/health"), url
+
+
+def nixl_env(corrected: bool, side_port: int) -> dict[str, str]:
+    env = {
+        "PYTHONPATH": os.pathsep.join(
+            [str(NIXL_SITE)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
+        "KVX_BENCH_NIXL_CUDA_MAJOR": "12",
+        "UCX_TLS": "tcp",
+        "UCX_MODULES": "^ib,mlx5,efa",
+        "UCX_RCACHE_MAX_UNRELEASED": "1024",
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port),
+    }
+    if corrected:
+        env["KVX_BENCH_VLLM_CORRECTED"] = "1"
+    return env
+
+
+def run_system(system: tuple, args, model: Path, log_dir: Path, lengths, rates) -> dict:
+    # The end-to-end tests' helpers (imported here, not at the top: the router process
+    # runs this module too and needs neither them nor vLLM).
+    from test_e2e_vllm import Server, free_port
+
+    name, router, connector, corrected = system
+    log(f"=== {name}: {connector} behind {router} router")
+    extra_p: dict[str, str] = {}
+    extra_d: dict[str, str] = {}
+    kvx_port = None
+    p_side = d_side = None
+    if connector.startswith("Kvx"):
+        kvx_port = free_port()
+    else:
+        p_side, d_side = free_port(), free_port()
+        extra_p = nixl_env(bool(corrected), p_side)
+        extra_d = nixl_env(bool(corrected), d_side)
+    p_engine, d_engine = f"p-{name}", f"d-{name}"
+    p, p_url = start_instance(f"{name}-prefill", model, log_dir,
+                              kv_config(connector, "kv_producer", p_engine,
+                                        f"127.0.0.1:{kvx_port}" if kvx_port else None),
+                              P_CORES, extra_p)
+    d, d_url = start_instance(f"{name}-decode", model, log_dir,
+                              kv_config(connector, "kv_consumer", d_engine, None), D_CORES,
+                              extra_d)
+    router_port = free_port()
+    router_url = f"http://127.0.0.1:{router_port}"
+    if router == "nixl-push":
+        r_args = [sys.executable, "-m", "kvx_bench.vllm_sweep", "router",
+                  "--listen-port", str(router_port), "--prefill", p_url, "--decode", d_url,
+                  "--p-engine", p_engine, "--p-side-port", str(p_side)]
+        r_env = dict(os.environ)
+        r_env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent)] + [
+            q for q in os.environ.get("PYTHONPATH", "").split(os.pathsep) if q])
+    else:
+        mode = router.split("-")[1]
+        kvx_addr = f"127.0.0.1:{kvx_port}" if kvx_port else "127.0.0.1:9"
+        r_args = [str(args.kvx_bin), "proxy", "--mode", mode, "--listen",
+                  f"127.0.0.1:{router_port}", "--prefill", f"{p_url}@{kvx_addr}",
+                  "--decode", d_url]
+        r_env = dict(os.environ)
+    proxy = Server(f"{name}-router", r_args, log_dir, r_env, f"{router_url}/health")
+    servers = [p, d, proxy]
+    result = {"system": name, "connector": connector, "router": router,
+              "corrected": corrected, "points": []}
+    t_start = time.monotonic()
+    try:
+        for s in servers:
+            s.wait_ready(START_TIMEOUT)
+        result["startup_s"] = time.monotonic() - t_start
+        log(f"{name}: ready after {result['startup_s']:.0f} s; warming up")
+        result["warmup"] = asyncio.run(warm_up(router_url, lengths, args.warmup))
+        log(f"{name}: warm-up {result['warmup']['ok']}/{result['warmup']['sent']} ok")
+        for length in lengths:
+            saturated = False
+            for rate in rates:
+                if saturated:
+                    result["points"].append({"input_tokens": length, "rate": rate,
+                                             "skipped": "the previous rate already failed "
+                                                        "half of its requests"})
+                    continue
+                seed = hash((length, rate)) & 0xFFFF
+                pt = asyncio.run(run_point(router_url, length, rate, args.requests, seed))
+                result["points"].append(pt)
+                t, tp = pt["ttft_ms"], pt["tpot_ms"]
+                fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+                log(f"{name} {length} tok {rate}/s: ok {pt['ok']}/{pt['requests']} "
+                    f"(timeouts {pt['timeouts']}), TTFT p50 {fmt(t['p50'])} p99 {fmt(t['p99'])} "
+                    f"ms, TPOT p50 {fmt(tp['p50'])} ms"
+                    + (f"; errors: {pt['error_samples']}" if pt["errors"] else ""))
+                if pt["errors"] * 2 >= pt["requests"]:
+                    saturated = True
+    except Exception as e:  # a system that cannot start is a result too
+        result["failed"] = f"{type(e).__name__}: {e}"[:2000]
+        log(f"{name}: FAILED: {result['failed'][:500]}")
+    finally:
+        for s in reversed(servers):
+            s.kill()
+        for s in (p, d):
+            text = s.log.read_text(errors="replace")
+            result.setdefault("log_tracebacks", {})[s.name] = text.count("Traceback")
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Report.
+
+
+def fmt_ms(v) -> str:
+    return "–" if v is None else (f"{v:.0f}" if v >= 100 else f"{v:.1f}")
+
+
+def get(points: dict, system: str, length: int, rate: float):
+    return points.get((system, length, rate))
+
+
+def check_targets(report: dict) -> list[dict]:
+    pts = {(s["system"], p["input_tokens"], p["rate"]): p
+           for s in report["systems"] for p in s["points"] if "skipped" not in p}
+    lengths, rates = report["lengths"], report["rates"]
+    checks = []
+
+    def val(p, metric, q):
+        if p is None or p.get("ok", 0) == 0:
+            return None
+        return p[metric][q]
+
+    for length in lengths:
+        for rate in rates:
+            kp = get(pts, "kvx-push", length, rate)
+            npush = get(pts, "nixl-push-corrected", length, rate)
+            npull = get(pts, "nixl-pull-corrected", length, rate)
+            for q in ("p50", "p99"):
+                a, b = val(kp, "ttft_ms", q), val(npush, "ttft_ms", q)
+                checks.append({"what": f"TTFT {q} kvx push <= 0.8 x corrected NixlPushConnector",
+                               "input_tokens": length, "rate": rate, "kvx": a, "vllm": b,
+                               "ratio": None if a is None or not b else a / b,
+                               "met": a is not None and b is not None and a <= 0.8 * b})
+            if rate == max(rates):
+                for q in ("p50", "p99"):
+                    a, b = val(kp, "ttft_ms", q), val(npull, "ttft_ms", q)
+                    checks.append({"what": f"TTFT {q} kvx push < corrected NixlConnector "
+                                           "(highest load)",
+                                   "input_tokens": length, "rate": rate, "kvx": a, "vllm": b,
+                                   "ratio": None if a is None or not b else a / b,
+                                   "met": a is not None and b is not None and a < b})
+            for other, label in ((npush, "NixlPushConnector"), (npull, "NixlConnector")):
+                a, b = val(kp, "tpot_ms", "p50"), val(other, "tpot_ms", "p50")
+                checks.append({"what": f"TPOT p50 kvx push no worse than corrected {label} "
+                                       "(<= 1.05 x)",
+                               "input_tokens": length, "rate": rate, "kvx": a, "vllm": b,
+                               "ratio": None if a is None or not b else a / b,
+                               "met": a is not None and b is not None and a <= 1.05 * b})
+    return checks
+
+
+def markdown(report: dict) -> str:
+    systems = [s["system"] for s in report["systems"]]
+    pts = {(s["system"], p["input_tokens"], p["rate"]): p
+           for s in report["systems"] for p in s["points"]}
+    lines = [
+        f"# kvx against vLLM's NIXL connectors ({report['date']}, {report['machine']})",
+        "",
+        f"Tiny float32 Llama (2 layers, 2 KV heads, head dim 32), vLLM {report['vllm']} on CPU, "
+        f"prefill on core 0, decode on core 1; {report['requests_per_point']} requests per "
+        f"point, Poisson arrivals, {OUTPUT_TOKENS} output tokens, streamed; warm-up "
+        f"{report['warmup_per_length']} requests per input length first; requests capped at "
+        f"{REQUEST_CAP_S:.0f} s. TTFT and TPOT in ms (client side); `err` = failed or timed-out "
+        "requests of the point.",
+        "",
+    ]
+    for metric, title in (("ttft_ms", "TTFT p50 / p99 (ms)"), ("tpot_ms", "TPOT p50 / p99 (ms)")):
+        lines += [f"## {title}", "",
+                  "| input | req/s | " + " | ".join(systems) + " |",
+                  "|---:|---:|" + "---:|" * len(systems)]
+        for length in report["lengths"]:
+            for rate in report["rates"]:
+                cells = []
+                for s in systems:
+                    p = pts.get((s, length, rate))
+                    if p is None:
+                        cells.append("–")
+                    elif "skipped" in p:
+                        cells.append("skipped")
+                    else:
+                        c = f"{fmt_ms(p[metric]['p50'])} / {fmt_ms(p[metric]['p99'])}"
+                        if p["errors"]:
+                            c += f" ({p['errors']} err)"
+                        cells.append(c)
+                lines.append(f"| {length} | {rate:g} | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines += ["## TTFT mean (ms)", "",
+              "| input | req/s | " + " | ".join(systems) + " |",
+              "|---:|---:|" + "---:|" * len(systems)]
+    for length in report["lengths"]:
+        for rate in report["rates"]:
+            cells = []
+            for s in systems:
+                p = pts.get((s, length, rate))
+                cells.append("–" if p is None or "skipped" in p else fmt_ms(p["ttft_ms"]["mean"]))
+            lines.append(f"| {length} | {rate:g} | " + " | ".join(cells) + " |")
+    lines.append("")
+    failed = [s for s in report["systems"] if s.get("failed")]
+    if failed:
+        lines += ["## Systems that did not run", ""]
+        lines += [f"- {s['system']}: {s['failed'][:400]}" for s in failed]
+        lines.append("")
+    lines += ["## Targets (kvx push against corrected vLLM)", "",
+              "| check | input | req/s | kvx | vLLM | ratio | met |", "|---|---:|---:|---:|---:|---:|---|"]
+    for c in report["targets"]:
+        ratio = "–" if c["ratio"] is None else f"{c['ratio']:.2f}"
+        lines.append(f"| {c['what']} | {c['input_tokens']} | {c['rate']:g} | {fmt_ms(c['kvx'])} | "
+                     f"{fmt_ms(c['vllm'])} | {ratio} | {'yes' if c['met'] else 'NO'} |")
+    met = sum(c["met"] for c in report["targets"])
+    lines += ["", f"{met} of {len(report['targets'])} checks met.", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "router":
+        ap = argparse.ArgumentParser()
+        ap.add_argument("router")
+        ap.add_argument("--listen-port", type=int, required=True)
+        ap.add_argument("--prefill", required=True)
+        ap.add_argument("--decode", required=True)
+        ap.add_argument("--p-engine", required=True)
+        ap.add_argument("--p-side-port", type=int, required=True)
+        a = ap.parse_args()
+        asyncio.run(nixl_push_router(a.listen_port, a.prefill, a.decode, a.p_engine,
+                                     a.p_side_port))
+        return
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kvx-bin", type=Path, default=REPO / "target" / "debug" / "kvx")
+    ap.add_argument("--out", type=Path, default=REPO / "target" / "kvx-bench")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--systems", help="comma-separated subset of: "
+                    + ", ".join(s[0] for s in SYSTEMS))
+    ap.add_argument("--lengths")
+    ap.add_argument("--rates")
+    ap.add_argument("--requests", type=int)
+    ap.add_argument("--warmup", type=int)
+    args = ap.parse_args()
+    if args.quick:
+        lengths, rates, requests, warmup = [256, 1024], [1.0, 4.0], 10, 2
+    else:
+        lengths, rates, requests, warmup = [256, 1024], [1.0, 2.0, 4.0], 24, 3
+    if args.lengths:
+        lengths = [int(x) for x in args.lengths.split(",")]
+    if args.rates:
+        rates = [float(x) for x in args.rates.split(",")]
+    args.requests = args.requests or requests
+    args.warmup = args.warmup if args.warmup is not None else warmup
+    systems = SYSTEMS
+    if args.systems:
+        want = args.systems.split(",")
+        systems = [s for s in SYSTEMS if s[0] in want]
+    if not args.kvx_bin.exists():
+        sys.exit(f"no kvx binary at {args.kvx_bin}: cargo build -p kvx-cli")
+
+    from tiny_model import build
+
+    import vllm
+
+    out = args.out
+    log_dir = out / "vllm-logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    model = build(REPO / ".kvx-cache" / "bench-model", kv_heads=2)
+    global VOCAB
+    VOCAB = json.loads((model / "config.json").read_text())["vocab_size"]
+    t0 = time.monotonic()
+    results = []
+    for system in systems:
+        results.append(run_system(system, args, model, log_dir, lengths, rates))
+    report = {
+        "what": "kvx push/pull vs vLLM NixlConnector / NixlPushConnector, as shipped and "
+                "corrected, through a router, on real vLLM (CPU)",
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": f"{os.cpu_count()} cores",
+        "vllm": vllm.__version__,
+        "quick": args.quick,
+        "model": "tiny random Llama, float32: 2 layers, hidden 64, 2 KV heads, head dim 32, "
+                 "block size 32",
+        "lengths": lengths, "rates": rates, "requests_per_point": args.requests,
+        "warmup_per_length": args.warmup, "output_tokens": OUTPUT_TOKENS,
+        "request_cap_s": REQUEST_CAP_S,
+        "corrections": "nixl_site/sitecustomize.py: KVX_BENCH_VLLM_CORRECTED=1 skips "
+                       "os.sched_setaffinity in vLLM's NIXL worker and sets NIXL's progress "
+                       "thread delay (pthrDelay) to 1000 us instead of 0",
+        "routers": {"kvx-push": "kvx proxy --mode push", "kvx-pull": "kvx proxy --mode pull",
+                    "nixl-push": "kvx_bench.vllm_sweep router (aiohttp, both legs at once, "
+                                 "same X-Request-Id)"},
+        "sweep_s": time.monotonic() - t0,
+        "systems": results,
+    }
+    report["targets"] = check_targets(report)
+    (out / "vllm.json").write_text(json.dumps(report, indent=1))
+    (out / "vllm.md").write_text(markdown(report))
+    log(f"sweep took {report['sweep_s'] / 60:.1f} min; results: {out / 'vllm.json'}, "
+        f"{out / 'vllm.md'}")
+    print(markdown(report))
+
+
+if __name__ == "__main__":
+    main()
