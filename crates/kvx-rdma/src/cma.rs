@@ -491,6 +491,10 @@ impl Transport for CmaTransport {
 }
 
 impl SameHost for CmaTransport {
+    fn parts(&mut self) -> (&mut Control, &mut Ledger) {
+        (&mut self.control, &mut self.ledger)
+    }
+
     fn control(&self) -> &Control {
         &self.control
     }
@@ -499,11 +503,8 @@ impl SameHost for CmaTransport {
         self.ledger.busy()
     }
 
-    fn poll_now(&mut self, events: &mut Vec<Event>) -> Result<usize, PollError> {
-        self.control.receive(self.ledger.inbox());
-        let done = self.control.completed();
-        self.ledger.settle(done, self.config.op_timeout);
-        Ok(self.ledger.drain_into(events))
+    fn op_timeout(&self) -> Duration {
+        self.config.op_timeout
     }
 }
 

@@ -531,14 +531,29 @@ impl Ledger {
     }
 }
 
-/// What the shared `send` and `wait` need from a same-host transport.
+/// What the shared poll and wait need from a same-host transport.
 pub(crate) trait SameHost {
-    /// The endpoint's control plane.
+    /// The endpoint's control plane and operation ledger.
+    fn parts(&mut self) -> (&mut Control, &mut Ledger);
+    /// The control plane alone.
     fn control(&self) -> &Control;
     /// Whether operations are in flight.
     fn busy(&self) -> bool;
-    /// One non-blocking poll.
-    fn poll_now(&mut self, events: &mut Vec<Event>) -> Result<usize, PollError>;
+    /// How long an operation may stay in flight.
+    fn op_timeout(&self) -> Duration;
+    /// Work to do first on every poll (hand batched operations to the worker).
+    fn before_poll(&mut self) {}
+
+    /// One non-blocking poll: received frames, finished operations, expired ones.
+    fn poll_now(&mut self, events: &mut Vec<Event>) -> Result<usize, PollError> {
+        self.before_poll();
+        let timeout = self.op_timeout();
+        let (control, ledger) = self.parts();
+        control.receive(ledger.inbox());
+        let done = control.completed();
+        ledger.settle(done, timeout);
+        Ok(ledger.drain_into(events))
+    }
 }
 
 /// [`Transport::wait`](crate::Transport::wait) for a same-host transport: polls, then blocks in

@@ -934,6 +934,10 @@ impl Transport for CudaIpcTransport {
 }
 
 impl SameHost for CudaIpcTransport {
+    fn parts(&mut self) -> (&mut Control, &mut Ledger) {
+        (&mut self.control, &mut self.ledger)
+    }
+
     fn control(&self) -> &Control {
         &self.control
     }
@@ -942,12 +946,12 @@ impl SameHost for CudaIpcTransport {
         self.ledger.busy()
     }
 
-    fn poll_now(&mut self, events: &mut Vec<Event>) -> Result<usize, PollError> {
+    fn op_timeout(&self) -> Duration {
+        self.config.op_timeout
+    }
+
+    fn before_poll(&mut self) {
         self.flush();
-        self.control.receive(self.ledger.inbox());
-        let done = self.control.completed();
-        self.ledger.settle(done, self.config.op_timeout);
-        Ok(self.ledger.drain_into(events))
     }
 }
 
