@@ -44,6 +44,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(REPO / "python" / "tests"))
 
+DEBUG = bool(os.environ.get("KVX_BENCH_ROUTER_DEBUG"))
 BLOCK = 32
 OUTPUT_TOKENS = 16
 REQUEST_CAP_S = 60.0
@@ -130,6 +131,9 @@ async def nixl_push_router(listen_port: int, prefill: str, decode: str, p_engine
                     "content-type": r.headers.get("content-type", "application/json")})
                 await resp.prepare(req)
                 async for chunk in r.content.iter_any():
+                    if DEBUG:
+                        print(f"{time.perf_counter():.4f} {rid} {len(chunk)}", file=sys.stderr,
+                              flush=True)
                     await resp.write(chunk)
                 await resp.write_eof()
             await p_task
