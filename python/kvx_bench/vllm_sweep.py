@@ -458,7 +458,8 @@ def markdown(report: dict) -> str:
         "requests of the point.",
         "",
     ]
-    for metric, title in (("ttft_ms", "TTFT p50 / p99 (ms)"), ("tpot_ms", "TPOT p50 / p99 (ms)")):
+    for metric, title in (("ttft_ms", "TTFT p50 / p99 (ms)"), ("tpot_ms", "TPOT p50 / p99 (ms)"),
+                          ("e2e_ms", "End-to-end latency p50 / p99 (ms)")):
         lines += [f"## {title}", "",
                   "| input | req/s | " + " | ".join(systems) + " |",
                   "|---:|---:|" + "---:|" * len(systems)]
@@ -530,9 +531,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int)
     args = ap.parse_args()
     if args.quick:
-        lengths, rates, requests, warmup = [256, 1024], [1.0, 4.0], 10, 2
+        lengths, rates, requests, warmup = [256, 1024], [1.0, 4.0], 10, 4
     else:
-        lengths, rates, requests, warmup = [256, 1024], [1.0, 2.0, 4.0], 24, 3
+        lengths, rates, requests, warmup = [256, 1024], [1.0, 2.0, 4.0], 24, 4
     if args.lengths:
         lengths = [int(x) for x in args.lengths.split(",")]
     if args.rates:

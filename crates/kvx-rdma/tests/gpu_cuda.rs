@@ -199,7 +199,9 @@ fn child_role() {
         "consumer" => {
             let consumer = s.consumer(rank);
             let mut config = CudaIpcConfig::new(device_for(rank, 1, n));
-            config.copy = s.copy;
+            if s.copy != CopyMethod::Auto {
+                config.copy = s.copy;
+            }
             let mut transport = CudaIpcTransport::open(config).expect("open");
             let gpu = Arc::clone(transport.gpu());
             let regions = alloc_regions(&gpu, &consumer);
@@ -249,7 +251,9 @@ fn child_role() {
             let producers = s.producers();
             let me = &producers[rank as usize];
             let mut config = CudaIpcConfig::new(device_for(rank, 0, n));
-            config.copy = s.copy;
+            if s.copy != CopyMethod::Auto {
+                config.copy = s.copy;
+            }
             let mut transport = CudaIpcTransport::open(config).expect("open");
             let gpu = Arc::clone(transport.gpu());
             let pblocks = blocks(me, s.num_tokens);

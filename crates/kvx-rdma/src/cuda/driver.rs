@@ -357,8 +357,15 @@ impl DeviceBuffer {
             ptr,
             len,
         };
-        // SAFETY: `ptr..ptr+bytes` was just allocated; synchronous memset.
+        // SAFETY: `ptr..ptr+bytes` was just allocated.
         check("cuMemsetD8", unsafe { sys::cuMemsetD8_v2(ptr, 0, bytes) })?;
+        // A memset of device memory may still be running on the default stream when it returns,
+        // and kvx's streams do not wait for that stream: without this, the zeroing could land
+        // after a peer's (or a kernel table's) first write into the buffer.
+        // SAFETY: the null stream is the context's default stream, always valid.
+        check("cuStreamSynchronize", unsafe {
+            sys::cuStreamSynchronize(std::ptr::null_mut())
+        })?;
         Ok(buffer)
     }
 
@@ -412,6 +419,12 @@ impl DeviceBuffer {
                 bytes.as_ptr().cast::<c_void>(),
                 bytes.len(),
             )
+        })?;
+        // From pageable memory the call may return before the data reached the device, on the
+        // default stream, which kvx's streams do not wait for: finish it here.
+        // SAFETY: the null stream is the context's default stream, always valid.
+        check("cuStreamSynchronize", unsafe {
+            sys::cuStreamSynchronize(std::ptr::null_mut())
         })
     }
 

@@ -75,12 +75,18 @@ pub struct CudaIpcConfig {
 }
 
 impl CudaIpcConfig {
-    /// Defaults for device `device`.
+    /// Defaults for device `device`; `KVX_CUDA_IPC_COPY=engine|kernel|auto` overrides the copy
+    /// method (for operators and benchmarks).
     #[must_use]
     pub fn new(device: u32) -> Self {
+        let copy = match std::env::var("KVX_CUDA_IPC_COPY").as_deref() {
+            Ok("engine") => CopyMethod::CopyEngine,
+            Ok("kernel") => CopyMethod::Kernel,
+            _ => CopyMethod::Auto,
+        };
         Self {
             device,
-            copy: CopyMethod::Auto,
+            copy,
             op_timeout: Duration::from_secs(30),
         }
     }
