@@ -306,8 +306,10 @@ def run_pair(mode: str, model: Path, workdir: Path, reference: dict, *, p_extra=
     return p, p_url, d, d_url, proxy, proxy_url
 
 
-def check_pair_matches_reference(mode, model, workdir, reference):
-    p, p_url, d, d_url, proxy, proxy_url = run_pair(mode, model, workdir, reference)
+def check_pair_matches_reference(mode, model, workdir, reference, transport=None):
+    extra = {"transport": transport} if transport else None
+    p, p_url, d, d_url, proxy, proxy_url = run_pair(mode, model, workdir, reference,
+                                                    p_extra=extra, d_extra=extra)
     try:
         for s in (p, d, proxy):
             s.wait_ready()
@@ -349,8 +351,9 @@ def test_push_matches_a_single_instance(model, workdir, reference):
 
 
 def test_pull_matches_a_single_instance(model, workdir, reference):
-    """The same through pull mode (prefill first, decode reads)."""
-    check_pair_matches_reference("pull", model, workdir, reference)
+    """The same through pull mode (prefill first, decode reads), over the CMA transport (decode
+    reads prefill's cache with process_vm_readv; push runs over the default libfabric shm)."""
+    check_pair_matches_reference("pull", model, workdir, reference, transport="cma")
 
 
 def test_failures_never_hang_and_never_leak(model, workdir, reference):
