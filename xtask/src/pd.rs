@@ -1,11 +1,12 @@
 //! `cargo xtask bench pd`: push against pull through the `kvx pd` pair, side by side in one run.
 //!
-//! For every input length and request rate, a prefill and a decode process run a Poisson request
-//! stream over libfabric shm, once in push mode and once in pull mode. Results (TTFT, the
-//! post-prefill critical path, TPOT, and the decode engine loop's time on transfer work per
-//! step) go to `target/kvx-bench/pd.json`, with plots shaped like the seed's figures (TTFT and
-//! TPOT against the request rate, one line per mode and input length) in `pd-ttft.svg` and
-//! `pd-tpot.svg`.
+//! For every transport (`KVX_PD_TRANSPORTS`, default `cma,libfabric:shm`), input length and
+//! request rate, a prefill and a decode process run a Poisson request stream, once in push mode
+//! and once in pull mode. Results (TTFT, the post-prefill critical path and its ratio to the bare
+//! transfer time of the request's bytes on that transport — `kvx pd raw` — TPOT, and the decode
+//! engine loop's time on transfer work per step) go to `target/kvx-bench/pd.json`, with plots
+//! shaped like the seed's figures (TTFT and TPOT against the request rate, one line per mode and
+//! input length) in `pd-<transport>-ttft.svg` and `pd-<transport>-tpot.svg`.
 
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
@@ -40,6 +41,7 @@ impl Drop for Guard {
 
 fn point(
     kvx: &Path,
+    transport: &str,
     mode: &str,
     length: u64,
     rate: f64,
@@ -54,7 +56,7 @@ fn point(
         "--blocks",
         "8192",
         "--transport",
-        "libfabric:shm",
+        transport,
     ];
     let prefill = Command::new(kvx)
         .args(["pd", "prefill"])
@@ -146,66 +148,126 @@ pub(crate) fn run_sweep(quick: bool) -> anyhow::Result<()> {
     let kvx = root().join("target/release/kvx");
     let out_dir = root().join("target/kvx-bench");
     std::fs::create_dir_all(&out_dir)?;
+    let transports: Vec<String> = std::env::var("KVX_PD_TRANSPORTS")
+        .unwrap_or_else(|_| "cma,libfabric:shm".into())
+        .split(',')
+        .map(str::to_owned)
+        .collect();
     let scratch = out_dir.join("pd-point.json");
-    let mut points = Vec::new();
-    println!(
-        "\n{:>7} {:>5} | {:>21} | {:>21} | {:>17} | {:>15} | {:>17}",
-        "tokens",
-        "req/s",
-        "TTFT p50/p99 push ms",
-        "TTFT p50/p99 pull ms",
-        "crit. path p50 ms",
-        "TPOT p50 ms",
-        "loop work us/step"
-    );
-    for &length in &sweep.lengths {
-        for &rate in &sweep.rates {
-            let push = point(&kvx, "push", length, rate, sweep.requests, &scratch)?;
-            let pull = point(&kvx, "pull", length, rate, sweep.requests, &scratch)?;
-            let s = |v: &Value, k: &str, q: &str| get(v, &["summary", k, q]);
-            println!(
-                "{length:>7} {rate:>5} | {:>9.1} / {:>9.1} | {:>9.1} / {:>9.1} | {:>7.2} / {:>7.2} | {:>6.2} / {:>6.2} | {:>7.1} / {:>7.1}",
-                s(&push, "ttft_ms", "p50"),
-                s(&push, "ttft_ms", "p99"),
-                s(&pull, "ttft_ms", "p50"),
-                s(&pull, "ttft_ms", "p99"),
-                s(&push, "critical_path_ms", "p50"),
-                s(&pull, "critical_path_ms", "p50"),
-                s(&push, "tpot_ms", "p50"),
-                s(&pull, "tpot_ms", "p50"),
-                s(&push, "loop_transfer_us_per_step", "mean"),
-                s(&pull, "loop_transfer_us_per_step", "mean"),
-            );
-            points.push(json!({ "input_tokens": length, "rate": rate, "push": push["summary"], "pull": pull["summary"] }));
+    let mut sections = Vec::new();
+    for transport in &transports {
+        step(&format!("benchmark pd over {transport}"));
+        // The bare transfer of each length's request on this transport, for the critical path's
+        // ratio.
+        let mut raw = std::collections::BTreeMap::new();
+        for &length in &sweep.lengths {
+            let out = Command::new(&kvx)
+                .args(["pd", "raw", "--model", "qwen2.5-0.5b", "--blocks", "8192"])
+                .args([
+                    "--transport",
+                    transport,
+                    "--input-tokens",
+                    &length.to_string(),
+                ])
+                .output()
+                .context("cannot run kvx pd raw")?;
+            if !out.status.success() {
+                bail!(
+                    "kvx pd raw failed: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
+            let v: Value = serde_json::from_slice(&out.stdout)?;
+            raw.insert(length, v);
         }
+        println!(
+            "\n{:>7} {:>5} | {:>21} | {:>21} | {:>9} | {:>17} | {:>13} | {:>15} | {:>17}",
+            "tokens",
+            "req/s",
+            "TTFT p50/p99 push ms",
+            "TTFT p50/p99 pull ms",
+            "raw ms",
+            "crit. path p50 ms",
+            "push/raw",
+            "TPOT p50 ms",
+            "loop work us/step"
+        );
+        let mut points = Vec::new();
+        for &length in &sweep.lengths {
+            let raw_ms = get(&raw[&length], &["transfer_ms_p50"]);
+            for &rate in &sweep.rates {
+                let push = point(
+                    &kvx,
+                    transport,
+                    "push",
+                    length,
+                    rate,
+                    sweep.requests,
+                    &scratch,
+                )?;
+                let pull = point(
+                    &kvx,
+                    transport,
+                    "pull",
+                    length,
+                    rate,
+                    sweep.requests,
+                    &scratch,
+                )?;
+                let s = |v: &Value, k: &str, q: &str| get(v, &["summary", k, q]);
+                println!(
+                    "{length:>7} {rate:>5} | {:>9.1} / {:>9.1} | {:>9.1} / {:>9.1} | {raw_ms:>9.2} | {:>7.2} / {:>7.2} | {:>13.2} | {:>6.2} / {:>6.2} | {:>7.1} / {:>7.1}",
+                    s(&push, "ttft_ms", "p50"),
+                    s(&push, "ttft_ms", "p99"),
+                    s(&pull, "ttft_ms", "p50"),
+                    s(&pull, "ttft_ms", "p99"),
+                    s(&push, "critical_path_ms", "p50"),
+                    s(&pull, "critical_path_ms", "p50"),
+                    s(&push, "critical_path_ms", "p50") / raw_ms,
+                    s(&push, "tpot_ms", "p50"),
+                    s(&pull, "tpot_ms", "p50"),
+                    s(&push, "loop_transfer_us_per_step", "mean"),
+                    s(&pull, "loop_transfer_us_per_step", "mean"),
+                );
+                points.push(json!({
+                    "input_tokens": length,
+                    "rate": rate,
+                    "raw_transfer": raw[&length],
+                    "push": push["summary"],
+                    "pull": pull["summary"],
+                }));
+            }
+        }
+        let section = json!({ "transport": transport, "points": points });
+        let name = transport.replace([':', ';'], "-");
+        plot(
+            &section,
+            &out_dir.join(format!("pd-{name}-ttft.svg")),
+            "ttft_ms",
+            &format!("TTFT p50 (ms), {transport}"),
+        )?;
+        plot(
+            &section,
+            &out_dir.join(format!("pd-{name}-tpot.svg")),
+            "tpot_ms",
+            &format!("TPOT p50 (ms), {transport}"),
+        )?;
+        sections.push(section);
     }
     let _ = std::fs::remove_file(&scratch);
     let report = json!({
-        "what": "kvx pd pair, push vs pull, side by side in one run",
+        "what": "kvx pd pair, push vs pull, side by side in one run, per transport",
         "model_kv": "Qwen2.5-0.5B shape: 24 layers, 2 KV heads, head dim 64, bf16 (12 KiB per token)",
-        "transport": "libfabric:shm",
         "prefill_compute_us_per_token": 10,
         "decode_step_ms": 5,
         "output_tokens": 32,
         "requests_per_point": sweep.requests,
-        "points": points,
+        "transports": sections,
     });
     let json_path = out_dir.join("pd.json");
     std::fs::write(&json_path, serde_json::to_string_pretty(&report)?)?;
-    plot(
-        &report,
-        &out_dir.join("pd-ttft.svg"),
-        "ttft_ms",
-        "TTFT p50 (ms)",
-    )?;
-    plot(
-        &report,
-        &out_dir.join("pd-tpot.svg"),
-        "tpot_ms",
-        "TPOT p50 (ms)",
-    )?;
     println!(
-        "    results: {}, pd-ttft.svg, pd-tpot.svg",
+        "    results: {} and pd-<transport>-ttft.svg / -tpot.svg beside it",
         json_path.display()
     );
     Ok(())

@@ -374,3 +374,22 @@ impl OutputAfterExit for Child {
         s
     }
 }
+
+#[test]
+fn raw_transfer_reports_the_requests_bytes() {
+    let out = Command::new(KVX)
+        .args(["pd", "raw", "--model", "tiny", "--transport", "cma"])
+        .args(["--input-tokens", "100", "--repeats", "3"])
+        .output()
+        .expect("kvx pd raw");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    // tiny: 2 layers × K,V × 4 heads × 16 dims × 4 bytes = 1 KiB per token.
+    assert_eq!(v["bytes"], 100 * 1024);
+    assert_eq!(v["transport"], "cma");
+    assert!(v["transfer_ms_p50"].as_f64().unwrap() > 0.0);
+}

@@ -14,6 +14,7 @@ use kvx_core::{Arrangement, Dtype, LayoutSpec, MemoryOrder};
 
 pub(crate) mod decode;
 pub(crate) mod prefill;
+pub(crate) mod raw;
 
 /// Arguments of `kvx pd`.
 #[derive(clap::Args, Debug)]
@@ -28,6 +29,8 @@ enum PdRole {
     Prefill(prefill::PrefillArgs),
     /// Run the decode instance and the request stream; prints and writes the results.
     Decode(decode::DecodeArgs),
+    /// Time the bare transfer of one request's KV on the transport (no connector, no engine).
+    Raw(raw::RawArgs),
 }
 
 /// Runs `kvx pd`.
@@ -35,6 +38,7 @@ pub(crate) fn run(args: &PdArgs) -> anyhow::Result<()> {
     match &args.role {
         PdRole::Prefill(a) => prefill::run(a),
         PdRole::Decode(a) => decode::run(a),
+        PdRole::Raw(a) => raw::run(a),
     }
 }
 
@@ -57,7 +61,7 @@ pub(crate) struct ModelArgs {
     /// Memory order: nhd or hnd.
     #[arg(long, default_value = "hnd")]
     pub(crate) order: String,
-    /// Transport: libfabric:shm, libfabric:tcp, libfabric:auto, loopback.
+    /// Transport: libfabric:shm, cma, libfabric:tcp, libfabric:auto, loopback.
     #[arg(long, default_value = "libfabric:shm")]
     pub(crate) transport: String,
 }
