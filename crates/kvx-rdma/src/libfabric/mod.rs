@@ -669,7 +669,7 @@ fn open_rail(
 }
 
 impl LibfabricTransport {
-    /// Opens an endpoint with one rail per [`LibfabricConfig::rails`] (see [`open_rail`]), registers
+    /// Opens an endpoint with one rail per [`LibfabricConfig::rails`], registers
     /// each rail's own message buffers and posts its receives.
     ///
     /// # Errors
