@@ -593,14 +593,17 @@ fn permute_kernels_match_the_cpu_reference() {
         rng ^= rng << 17;
         rng % m
     };
-    // Head sizes for every vector width (16, 4 and 1 byte), block sizes past the shared-memory
-    // limit (the scratch path) and partial blocks.
+    // Head sizes for every vector width (16, 4 and 1 byte), chunks past one block's shared
+    // memory (the cluster path on Hopper: 1 MiB over 8 blocks, 256 KiB over 2; the scratch path
+    // elsewhere, and for 5 heads, which no cluster splits), and partial blocks.
     for (head_bytes, block_tokens, heads) in [
         (256, 16, 8),
         (128, 64, 4),
         (12, 16, 3),
         (7, 8, 5),
         (256, 512, 8),
+        (256, 128, 8),
+        (16, 4096, 5),
     ] {
         let chunk = u64::from(block_tokens) * u64::from(heads) * head_bytes;
         let chunks = 24u64;

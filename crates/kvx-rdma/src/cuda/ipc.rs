@@ -632,8 +632,10 @@ fn post_copy_engine(
         if contiguous {
             // SAFETY: both ranges lie inside live regions (checked above); the caller keeps
             // them alive until the stream has run.
-            check("cuMemcpyAsync", unsafe {
-                sys::cuMemcpyAsync(
+            // Device to device (both sides are device memory: local, or a peer's mapped through
+            // IPC), which spares the driver the unified-address lookup of `cuMemcpyAsync`.
+            check("cuMemcpyDtoDAsync", unsafe {
+                sys::cuMemcpyDtoDAsync_v2(
                     dst_base + op.dst_offset,
                     src_base + op.src_offset,
                     (op.len * op.count) as usize,

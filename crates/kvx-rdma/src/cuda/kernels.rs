@@ -157,6 +157,45 @@ __device__ void permute_out_of_place(const Chunk* chunks, unsigned int n, Geo g)
     }
 }
 
+#if __CUDA_ARCH__ >= 900
+// Chunks larger than one block's shared memory, in place: a cluster of C blocks takes one chunk,
+// each block loads the vectors of its share of the heads (every slot) into its own shared memory,
+// the cluster waits until all have loaded, then each writes its heads in the target order. The
+// chunk's bytes are read once and written once, like a copy.
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+template <unsigned int C>
+__device__ void permute_cluster(const Chunk* chunks, unsigned int n, Geo g) {
+    extern __shared__ uint4 shared[];
+    unsigned int rank = blockIdx.x % C;
+    unsigned int heads = g.heads / C;
+    unsigned int h0 = rank * heads;
+    for (unsigned int k = blockIdx.x / C; k < n; k += gridDim.x / C) {
+        Chunk c = chunks[k];
+        uint4* data = reinterpret_cast<uint4*>(c.dst);
+        unsigned int work = c.slots * heads * g.head_units;
+        for (unsigned int i = threadIdx.x; i < work; i += blockDim.x) {
+            unsigned int v = i % g.head_units, rest = i / g.head_units;
+            unsigned int slot = c.first_slot + rest / heads, head = h0 + rest % heads;
+            shared[i] = data[vec_at(g, g.from_hnd, slot, head) + v];
+        }
+        cluster_sync();
+        for (unsigned int i = threadIdx.x; i < work; i += blockDim.x) {
+            unsigned int v = i % g.head_units, rest = i / g.head_units;
+            unsigned int slot = c.first_slot + rest / heads, head = h0 + rest % heads;
+            data[vec_at(g, g.to_hnd, slot, head) + v] = shared[i];
+        }
+        cluster_sync();
+    }
+}
+
+extern "C" __global__ void __cluster_dims__(2, 1, 1) kvx_permute_cluster_2(const Chunk* c, unsigned int n, Geo g) { permute_cluster<2>(c, n, g); }
+extern "C" __global__ void __cluster_dims__(4, 1, 1) kvx_permute_cluster_4(const Chunk* c, unsigned int n, Geo g) { permute_cluster<4>(c, n, g); }
+extern "C" __global__ void __cluster_dims__(8, 1, 1) kvx_permute_cluster_8(const Chunk* c, unsigned int n, Geo g) { permute_cluster<8>(c, n, g); }
+#endif
+
 extern "C" __global__ void kvx_permute_shared_16(const Chunk* c, unsigned int n, Geo g) { permute_in_place<uint4>(c, n, g); }
 extern "C" __global__ void kvx_permute_shared_4(const Chunk* c, unsigned int n, Geo g) { permute_in_place<unsigned int>(c, n, g); }
 extern "C" __global__ void kvx_permute_shared_1(const Chunk* c, unsigned int n, Geo g) { permute_in_place<unsigned char>(c, n, g); }
@@ -227,7 +266,7 @@ const THREADS: u32 = 512;
 /// Threads per block of the permute kernels.
 const PERMUTE_THREADS: u32 = 256;
 /// Function names, in the order of [`Module::functions`].
-const NAMES: [&str; 8] = [
+const NAMES: [&str; 11] = [
     "kvx_copy_pieces",
     "kvx_permute_shared_16",
     "kvx_permute_shared_4",
@@ -236,13 +275,19 @@ const NAMES: [&str; 8] = [
     "kvx_permute_copy_4",
     "kvx_permute_copy_1",
     "kvx_copy_ops",
+    // Hopper and later only (absent from the module below compute capability 9.0).
+    "kvx_permute_cluster_2",
+    "kvx_permute_cluster_4",
+    "kvx_permute_cluster_8",
 ];
+/// Index of the first cluster permute in [`NAMES`].
+const CLUSTER: usize = 8;
 
 /// The compiled module of one device (compiled once per process and device).
 struct Module {
     gpu: Arc<Gpu>,
     raw: sys::CUmodule,
-    functions: [sys::CUfunction; 8],
+    functions: [sys::CUfunction; 11],
     shared_limit: Mutex<u32>,
 }
 
@@ -343,10 +388,13 @@ fn compile(gpu: &Arc<Gpu>) -> Result<Module, CudaError> {
     let mut module = Module {
         gpu: Arc::clone(gpu),
         raw,
-        functions: [std::ptr::null_mut(); 8],
+        functions: [std::ptr::null_mut(); 11],
         shared_limit: Mutex::new(0),
     };
-    for (slot, name) in module.functions.iter_mut().zip(NAMES) {
+    for (i, (slot, name)) in module.functions.iter_mut().zip(NAMES).enumerate() {
+        if i >= CLUSTER && major < 9 {
+            continue; // compiled out: no thread block clusters before Hopper
+        }
         let cname = CString::new(name).unwrap_or_default();
         // SAFETY: live module, NUL-terminated name, valid out-pointer.
         check("cuModuleGetFunction", unsafe {
@@ -491,6 +539,19 @@ impl LayoutKernels {
         geo: Option<Geo>,
         shared: u32,
     ) -> Result<(), CudaError> {
+        self.launch_clustered(function, table, count, geo, shared, 1)
+    }
+
+    /// [`LayoutKernels::launch`] with `cluster` blocks per work item (the cluster permutes).
+    fn launch_clustered(
+        &self,
+        function: usize,
+        table: u64,
+        count: usize,
+        geo: Option<Geo>,
+        shared: u32,
+        cluster: u32,
+    ) -> Result<(), CudaError> {
         let mut table = table;
         let mut n = u32::try_from(count)
             .map_err(|_| CudaError::Invalid(format!("{count} work items in one launch")))?;
@@ -504,7 +565,7 @@ impl LayoutKernels {
             } else {
                 PERMUTE_THREADS
             };
-            (n.max(1), threads)
+            (n.max(1).saturating_mul(cluster), threads)
         } else {
             let limit = self.stream.gpu().multiprocessors().max(1) * 16;
             (n.div_ceil(THREADS / 32).clamp(1, limit), THREADS)
@@ -696,6 +757,19 @@ impl LayoutKernels {
                 self.allow_shared(shared)?;
                 let table = self.upload(&chunks)?;
                 self.launch(1 + variant, table, chunks.len(), Some(geo), shared)?;
+            } else if let Some(c) = self.cluster_for(&geo, width, bytes, limit) {
+                // Hopper: a cluster of `c` blocks shares each chunk; one pass, in place.
+                let shared = (bytes / u64::from(c)) as u32;
+                self.allow_shared_for(CLUSTER + c.trailing_zeros() as usize - 1, shared)?;
+                let table = self.upload(&chunks)?;
+                self.launch_clustered(
+                    CLUSTER + c.trailing_zeros() as usize - 1,
+                    table,
+                    chunks.len(),
+                    Some(geo),
+                    shared,
+                    c,
+                )?;
             } else {
                 let total = bytes * chunks.len() as u64;
                 if self.scratch.as_ref().is_none_or(|s| s.len() < total) {
@@ -726,6 +800,35 @@ impl LayoutKernels {
             }
         }
         Ok(())
+    }
+
+    /// The cluster size (2, 4 or 8 blocks) that holds a chunk of `bytes` in shared memory, on a
+    /// device with thread block clusters, for 16-byte vectors and heads that split evenly.
+    fn cluster_for(&self, geo: &Geo, width: u64, bytes: u64, limit: u64) -> Option<u32> {
+        if self.module.gpu.compute_capability().0 < 9 || width != 16 {
+            return None;
+        }
+        // Prefer shares of at most 64 KiB (several blocks per multiprocessor hide the loads'
+        // latency), else the smallest cluster that fits.
+        let fits = |cap: u64| {
+            [2u32, 4, 8]
+                .into_iter()
+                .find(|&c| geo.heads.is_multiple_of(c) && bytes / u64::from(c) <= cap)
+        };
+        fits(limit.min(64 << 10)).or_else(|| fits(limit))
+    }
+
+    /// Raises the dynamic shared memory of one function (the cluster permutes; each once).
+    fn allow_shared_for(&self, function: usize, bytes: u32) -> Result<(), CudaError> {
+        // SAFETY: a live function of the module (present: `cluster_for` checked the device);
+        // the size is within the device's opt-in limit (checked by the caller).
+        check("cuFuncSetAttribute", unsafe {
+            sys::cuFuncSetAttribute(
+                self.module.functions[function],
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+        })
     }
 
     /// Raises the dynamic shared memory the in-place permute functions may use.
