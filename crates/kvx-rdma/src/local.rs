@@ -724,6 +724,47 @@ mod tests {
     }
 
     #[test]
+    fn the_ledger_reports_each_operation_once_and_times_out_the_rest() {
+        let mut ledger = Ledger::default();
+        let a = ledger.start(PeerId(0), OpKind::Write, 100, vec![3]);
+        let b = ledger.start(PeerId(1), OpKind::Read, 50, vec![4]);
+        assert_eq!((a, b), (OpId(0), OpId(1)));
+        assert_eq!(ledger.using(3), 1);
+        assert_eq!(ledger.using(9), 0);
+        // `a` finishes, an unknown id is ignored, `b` stays in flight.
+        ledger.settle(vec![(0, Ok(())), (77, Ok(()))], Duration::from_secs(60));
+        let mut events = Vec::new();
+        assert_eq!(ledger.drain_into(&mut events), 1);
+        assert!(matches!(
+            events[0],
+            Event::WriteDone {
+                op: OpId(0),
+                bytes: 100,
+                ..
+            }
+        ));
+        assert!(ledger.busy());
+        // A zero timeout expires `b`; its late result is dropped, not reported twice.
+        ledger.settle(Vec::new(), Duration::ZERO);
+        ledger.settle(vec![(1, Ok(()))], Duration::ZERO);
+        events.clear();
+        assert_eq!(ledger.drain_into(&mut events), 1);
+        assert!(matches!(
+            events[0],
+            Event::Failed {
+                op: OpId(1),
+                error: OpError::TimedOut(_),
+                ..
+            }
+        ));
+        assert!(!ledger.busy());
+        assert_eq!(ledger.using(4), 0);
+        // Immediate outcomes get ids of their own.
+        let c = ledger.done_now(PeerId(0), OpKind::Send, Ok(()));
+        assert_eq!(c, OpId(2));
+    }
+
+    #[test]
     fn messages_and_notices_cross_a_socket_and_wake_the_waiter() {
         let mut control = Control::open("test").unwrap();
         let mut link = Link::connect(&control.identity().socket).unwrap();
