@@ -551,9 +551,13 @@ def main() -> None:
 
     import vllm
 
-    out = args.out
+    args.kvx_bin = args.kvx_bin.resolve()
+    out = args.out.resolve()
     log_dir = out / "vllm-logs"
     log_dir.mkdir(parents=True, exist_ok=True)
+    # Every process starts in the log folder: a crash report written to the working directory
+    # (libinfinipath's `.<pid>,vm.btr` when a process is killed) lands there, not in the checkout.
+    os.chdir(log_dir)
     model = build(REPO / ".kvx-cache" / "bench-model", kv_heads=2)
     global VOCAB
     VOCAB = json.loads((model / "config.json").read_text())["vocab_size"]

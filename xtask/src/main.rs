@@ -38,7 +38,8 @@ enum Task {
     /// Run benchmarks and write results under target/kvx-bench/.
     Bench {
         /// Which benchmarks (default: all). Known: pd (push vs pull), plan, codec, rendezvous, transfer,
-        /// gpu (CUDA IPC and kernels; skipped without a GPU).
+        /// gpu (CUDA IPC and kernels; skipped without a GPU), vllm (kvx against vLLM's NIXL
+        /// connectors on real vLLM; only when named).
         names: Vec<String>,
         /// Shorter measurement (for a quick look; figures are noisier).
         #[arg(long)]
