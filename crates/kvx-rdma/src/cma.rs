@@ -18,7 +18,9 @@
 //!   [`OpError::RemoteAccess`]. Bad plans are refused before anything moves.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kvx_core::{MemoryKind, RegionDesc};
@@ -47,12 +49,20 @@ const IOV_MAX: usize = 1024;
 pub struct CmaConfig {
     /// An operation not finished after this long fails with [`OpError::TimedOut`].
     pub op_timeout: Duration,
+    /// Copy threads: an operation of at least [`CmaConfig::split_bytes`] is cut into this many
+    /// shares copied in parallel (the kernel's per-page copy, not memory bandwidth, limits one
+    /// thread). Default: the machine's cores, at most 4.
+    pub workers: usize,
+    /// Operations smaller than this go to one thread whole.
+    pub split_bytes: u64,
 }
 
 impl Default for CmaConfig {
     fn default() -> Self {
         Self {
             op_timeout: Duration::from_secs(30),
+            workers: std::thread::available_parallelism().map_or(1, |n| n.get().min(4)),
+            split_bytes: 2 << 20,
         }
     }
 }
@@ -78,26 +88,89 @@ pub enum CmaError {
     OtherHost,
 }
 
-/// One copy job for the worker: pieces (local address, remote address, length) in order.
+/// One accepted operation, shared by the threads that copy its shares.
 struct Job {
     op: u64,
     pid: libc::pid_t,
     read: bool,
-    pieces: Vec<(u64, u64, u64)>,
     notice: Option<(NoticeSender, u64)>,
+    /// Shares not finished yet; the thread that finishes the last one reports the operation.
+    left: AtomicUsize,
+    failed: Mutex<Option<OpError>>,
 }
 
-/// The worker: runs each job's system calls, then sends its notice, and reports.
-fn work(jobs: &Receiver<Job>, completions: &Completions) {
-    while let Ok(job) = jobs.recv() {
-        let result = copy(job.pid, job.read, &job.pieces).and_then(|()| match &job.notice {
-            None => Ok(()),
-            Some((sender, notice)) => sender.send(*notice).map_err(|e| OpError::PeerUnreachable {
-                source: Box::new(e),
-            }),
-        });
+/// Part of a job for one copy thread: pieces (local address, remote address, length).
+struct Share {
+    job: Arc<Job>,
+    pieces: Vec<(u64, u64, u64)>,
+}
+
+/// A copy thread: takes shares off the common queue, copies them, and for the last share of a
+/// job sends its notice (only if every share succeeded) and reports it.
+fn work(shares: &Mutex<Receiver<Share>>, completions: &Completions) {
+    loop {
+        let next = shares
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .recv();
+        let Ok(share) = next else { return };
+        let job = &share.job;
+        if let Err(e) = copy(job.pid, job.read, &share.pieces) {
+            let mut failed = job
+                .failed
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            failed.get_or_insert(e);
+        }
+        if job.left.fetch_sub(1, Ordering::AcqRel) != 1 {
+            continue;
+        }
+        let failed = job
+            .failed
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        let result = match (failed, &job.notice) {
+            (Some(e), _) => Err(e),
+            (None, None) => Ok(()),
+            (None, Some((sender, notice))) => {
+                sender.send(*notice).map_err(|e| OpError::PeerUnreachable {
+                    source: Box::new(e),
+                })
+            }
+        };
         completions.push_all([(job.op, result)]);
     }
+}
+
+/// Cuts `pieces` into at most `parts` shares of about equal bytes (splitting a piece where a
+/// share ends), in order.
+fn split(pieces: Vec<(u64, u64, u64)>, parts: usize) -> Vec<Vec<(u64, u64, u64)>> {
+    let total: u64 = pieces.iter().map(|p| p.2).sum();
+    let parts = parts.max(1) as u64;
+    if parts == 1 || total == 0 {
+        return vec![pieces];
+    }
+    let target = total.div_ceil(parts);
+    let mut shares = vec![Vec::new()];
+    let mut room = target;
+    for (mut l, mut r, mut len) in pieces {
+        while len > 0 {
+            if room == 0 {
+                shares.push(Vec::new());
+                room = target;
+            }
+            let n = len.min(room);
+            if let Some(share) = shares.last_mut() {
+                share.push((l, r, n));
+            }
+            l += n;
+            r += n;
+            len -= n;
+            room -= n;
+        }
+    }
+    shares
 }
 
 /// Moves `pieces` to (or, for `read`, from) process `pid`, up to [`IOV_MAX`] pieces per call,
@@ -215,8 +288,8 @@ pub struct CmaTransport {
     regions: BTreeMap<u32, LocalRegion>,
     peers: Vec<Peer>,
     ledger: Ledger,
-    jobs: Option<Sender<Job>>,
-    worker: Option<std::thread::JoinHandle<()>>,
+    shares: Option<Sender<Share>>,
+    workers: Vec<std::thread::JoinHandle<()>>,
 }
 
 impl CmaTransport {
@@ -233,23 +306,29 @@ impl CmaTransport {
         // without Yama ignores it, and stricter settings make writes fail with a clear error.
         // SAFETY: prctl with PR_SET_PTRACER takes a pid (or PR_SET_PTRACER_ANY) and no pointers.
         let _ = unsafe { libc::prctl(libc::PR_SET_PTRACER, libc::PR_SET_PTRACER_ANY, 0, 0, 0) };
-        let (jobs, rx) = mpsc::channel();
-        let completions = control.completions();
-        let worker = std::thread::Builder::new()
-            .name("kvx-cma".into())
-            .spawn(move || work(&rx, &completions))
-            .map_err(|source| CmaError::Io {
-                what: "starting the copy worker",
-                source,
-            })?;
+        let (shares, rx) = mpsc::channel();
+        let rx = Arc::new(Mutex::new(rx));
+        let mut workers = Vec::new();
+        for i in 0..config.workers.max(1) {
+            let (rx, completions) = (Arc::clone(&rx), control.completions());
+            workers.push(
+                std::thread::Builder::new()
+                    .name(format!("kvx-cma-{i}"))
+                    .spawn(move || work(&rx, &completions))
+                    .map_err(|source| CmaError::Io {
+                        what: "starting the copy threads",
+                        source,
+                    })?,
+            );
+        }
         Ok(Self {
             config,
             control,
             regions: BTreeMap::new(),
             peers: Vec::new(),
             ledger: Ledger::default(),
-            jobs: Some(jobs),
-            worker: Some(worker),
+            shares: Some(shares),
+            workers,
         })
     }
 
@@ -326,16 +405,29 @@ impl CmaTransport {
                 });
             }
         }
-        let job = Job {
+        let parts = if bytes >= self.config.split_bytes {
+            self.config.workers
+        } else {
+            1
+        };
+        let shares = split(pieces, parts);
+        let job = Arc::new(Job {
             op: self.ledger.next_id(),
             pid: p.who.pid as libc::pid_t,
             read,
-            pieces,
             notice: notice.map(|Notice(n)| (p.link.notices(), n)),
-        };
-        let handed = self.jobs.as_ref().is_some_and(|j| j.send(job).is_ok());
-        if !handed {
-            return Err(OpPostError::Worker);
+            left: AtomicUsize::new(shares.len()),
+            failed: Mutex::new(None),
+        });
+        let queue = self.shares.as_ref().ok_or(OpPostError::Worker)?;
+        for pieces in shares {
+            let share = Share {
+                job: Arc::clone(&job),
+                pieces,
+            };
+            if queue.send(share).is_err() {
+                return Err(OpPostError::Worker);
+            }
         }
         Ok(self.ledger.start(peer, kind, bytes, used))
     }
@@ -510,10 +602,10 @@ impl SameHost for CmaTransport {
 
 impl Drop for CmaTransport {
     fn drop(&mut self) {
-        // The worker finishes the jobs it was given (their local memory is still registered:
-        // the regions drop after this) and exits.
-        drop(self.jobs.take());
-        if let Some(worker) = self.worker.take() {
+        // The copy threads finish the shares they were given (their local memory is still
+        // registered: the regions drop after this) and exit.
+        drop(self.shares.take());
+        for worker in self.workers.drain(..) {
             let _ = worker.join();
         }
     }
@@ -633,6 +725,28 @@ mod tests {
                 ..
             }
         ));
+    }
+
+    #[test]
+    fn shares_cover_the_pieces_in_order_and_balance_the_bytes() {
+        let pieces = vec![(0, 1000, 10), (100, 2000, 25), (500, 3000, 5)];
+        for parts in 1..6 {
+            let shares = split(pieces.clone(), parts);
+            assert!(shares.len() <= parts);
+            let flat: Vec<_> = shares.iter().flatten().copied().collect();
+            // Re-joined, the shares are the pieces, byte for byte, in order.
+            let bytes = |v: &[(u64, u64, u64)]| -> Vec<(u64, u64)> {
+                v.iter()
+                    .flat_map(|&(l, r, n)| (0..n).map(move |i| (l + i, r + i)))
+                    .collect()
+            };
+            assert_eq!(bytes(&flat), bytes(&pieces));
+            let sizes: Vec<u64> = shares.iter().map(|s| s.iter().map(|p| p.2).sum()).collect();
+            assert!(
+                sizes.iter().all(|&n| n <= 40_u64.div_ceil(parts as u64)),
+                "{sizes:?}"
+            );
+        }
     }
 
     #[test]
