@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::{self, JoinHandle};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use kvx_core::wire::{Abort, Completion, Heartbeat, Hello, Message, Registration, Role};
 use kvx_core::{Attempt, BlockId, Rank, RequestId, TransferId};
@@ -134,7 +134,7 @@ struct Instance {
 /// ```
 pub struct Consumer {
     tx: Sender<Command>,
-    events: Arc<Mutex<Vec<RecvEvent>>>,
+    events: Arc<Mutex<Vec<(RecvEvent, SystemTime)>>>,
     stats: Arc<Stats>,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
@@ -224,6 +224,16 @@ impl Consumer {
     /// What happened since the last call.
     #[must_use]
     pub fn take_events(&self) -> Vec<RecvEvent> {
+        self.take_events_timed()
+            .into_iter()
+            .map(|(event, _)| event)
+            .collect()
+    }
+
+    /// Like [`Consumer::take_events`], with the time each event was decided (a ready request:
+    /// when its last notice arrived and any re-layout was done), for engines and benchmarks that
+    /// poll less often than transfers finish.
+    pub fn take_events_timed(&self) -> Vec<(RecvEvent, SystemTime)> {
         std::mem::take(&mut *self.events.lock().unwrap_or_else(PoisonError::into_inner))
     }
 
@@ -269,7 +279,7 @@ struct Driver {
     next_notice: u64,
     next_heartbeat: Option<Timestamp>,
     tx: Sender<Command>,
-    events: Arc<Mutex<Vec<RecvEvent>>>,
+    events: Arc<Mutex<Vec<(RecvEvent, SystemTime)>>>,
     stats: Arc<Stats>,
     /// The re-layout kernels, for a CUDA cache that needs them (made on first use).
     #[cfg(feature = "cuda")]
@@ -806,6 +816,7 @@ impl Driver {
     }
 
     fn push_event(&self, event: RecvEvent) {
+        let event = (event, SystemTime::now());
         self.events
             .lock()
             .unwrap_or_else(PoisonError::into_inner)

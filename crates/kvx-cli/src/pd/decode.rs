@@ -291,9 +291,12 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
         }
         // Completions.
         let t = Instant::now();
-        let events: Vec<RecvEvent> = consumers.iter().flat_map(Consumer::take_events).collect();
+        let events: Vec<(RecvEvent, std::time::SystemTime)> = consumers
+            .iter()
+            .flat_map(Consumer::take_events_timed)
+            .collect();
         transfer_work += t.elapsed();
-        for event in events {
+        for (event, at) in events {
             match event {
                 RecvEvent::Ready { key, .. } => {
                     let Some(&index) = by_key.get(&key) else {
@@ -301,9 +304,14 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
                     };
                     let r = &mut requests[index];
                     r.ranks_ready += 1;
+                    // The critical path ends when the connector decided the last rank's KV was
+                    // in place, not when this loop polled (that is the engine's step).
+                    let at_us = at
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or_else(|_| unix_micros(), |d| d.as_micros() as u64);
+                    r.ready_us = Some(r.ready_us.map_or(at_us, |prev| prev.max(at_us)));
                     if r.ranks_ready == args.model.tp && r.failed.is_none() {
                         r.ready = Some(Instant::now());
-                        r.ready_us = Some(unix_micros());
                         verify_tx.send((key, r.blocks.clone(), r.tokens))?;
                         running.push(index);
                     }
