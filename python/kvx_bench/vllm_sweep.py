@@ -263,9 +263,15 @@ async def warm_up(url: str, lengths: list[int], per_length: int) -> dict:
 # Instances and routers.
 
 
+# The kvx data transport (`--kvx-transport`); the connector's default when None.
+KVX_TRANSPORT: str | None = None
+
+
 def kv_config(connector: str, role: str, engine: str, kvx_listen: str | None) -> dict:
     if connector.startswith("Kvx"):
         extra = {"listen": kvx_listen} if kvx_listen else {}
+        if KVX_TRANSPORT:
+            extra["transport"] = KVX_TRANSPORT
         return {"kv_connector": connector, "kv_connector_module_path": "kvx_vllm",
                 "kv_role": role, "engine_id": engine, "kv_connector_extra_config": extra}
     return {"kv_connector": connector, "kv_role": role, "engine_id": engine,
@@ -529,7 +535,11 @@ def main() -> None:
     ap.add_argument("--rates")
     ap.add_argument("--requests", type=int)
     ap.add_argument("--warmup", type=int)
+    ap.add_argument("--kvx-transport", help="kvx's data transport (default: the connector's, "
+                    "libfabric:shm); e.g. cma")
     args = ap.parse_args()
+    global KVX_TRANSPORT
+    KVX_TRANSPORT = args.kvx_transport
     if args.quick:
         lengths, rates, requests, warmup = [256, 1024], [1.0, 4.0], 10, 4
     else:
