@@ -1,7 +1,8 @@
 //! `kvx pd raw`: the bare transfer time of one request's KV on a transport — the plan the
-//! connector would post (same model, layouts and block ids), written from one endpoint to another
-//! of the same process with a notice, no connector, no rendezvous, no engine. `cargo xtask bench
-//! pd` divides the connector's post-prefill critical path by it.
+//! connector would post (same model, layouts and block ids), written from this process into a
+//! second one (`kvx pd raw --serve`, started here) with a notice: no connector, no rendezvous, no
+//! engine. The time runs from the post to the notice's arrival in the other process (one clock:
+//! the same machine). `cargo xtask bench pd` divides the connector's critical path by it.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -26,6 +27,54 @@ pub(crate) struct RawArgs {
     /// Transfers to time (the median is reported).
     #[arg(long, default_value_t = 20)]
     repeats: usize,
+    /// Be the receiving process (started by `kvx pd raw` itself).
+    #[arg(long, hide = true)]
+    serve: bool,
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len() / 2)
+        .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap_or(0))
+        .collect()
+}
+
+/// Registers a cache like the sender's (every page touched, as an engine's), prints its
+/// description, and reports each notice's arrival (Unix microseconds) until stdin closes.
+fn serve(layout: &Layout, spec: &TransportSpec) -> anyhow::Result<()> {
+    use std::io::Write as _;
+    let mut transport = spec.open()?;
+    let mut buffers = Vec::new();
+    for index in 0..layout.region_count() {
+        let buffer = Arc::new(HostBuffer::new(layout.region_len() as usize)?);
+        buffer.fill_with(|_| 0);
+        transport.register(LocalRegion::host(index, Arc::clone(&buffer)))?;
+        buffers.push(buffer);
+    }
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "DESC {}", hex(&transport.local_desc().to_bytes()))?;
+    out.flush()?;
+    let (closed_tx, closed) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        let _ = std::io::stdin().read_line(&mut line);
+        let _ = closed_tx.send(());
+    });
+    let mut events = Vec::new();
+    while closed.try_recv().is_err() {
+        events.clear();
+        transport.wait(&mut events, Duration::from_millis(20))?;
+        for e in &events {
+            if let Event::Notice(Notice(n)) = e {
+                writeln!(out, "N {n} {}", super::unix_micros())?;
+                out.flush()?;
+            }
+        }
+    }
+    Ok(())
 }
 
 fn wait_for(
@@ -51,6 +100,55 @@ fn wait_for(
     }
 }
 
+/// Writes the plan `repeats + 1` times into the child and returns the times of all but the first
+/// (post → notice arrival), in milliseconds.
+fn time_into(
+    child: &mut std::process::Child,
+    spec: &TransportSpec,
+    layout: &Layout,
+    plan: &kvx_layout::Plan,
+    repeats: usize,
+) -> anyhow::Result<Vec<f64>> {
+    use std::io::BufRead as _;
+    let stdout = child.stdout.take().context("no stdout from the receiver")?;
+    let mut lines = std::io::BufReader::new(stdout).lines();
+    let desc = loop {
+        let line = lines.next().context("the receiver exited")??;
+        if let Some(h) = line.strip_prefix("DESC ") {
+            break kvx_rdma::EndpointDesc::from_bytes(&unhex(h))?;
+        }
+    };
+    let mut producer = spec.open()?;
+    let mut buffers = Vec::new();
+    for index in 0..layout.region_count() {
+        let buffer = Arc::new(HostBuffer::new(layout.region_len() as usize)?);
+        buffer.fill_with(|i| i as u8);
+        producer.register(LocalRegion::host(index, Arc::clone(&buffer)))?;
+        buffers.push(buffer);
+    }
+    let peer = producer.connect(&desc)?;
+    let ops = plan.ops_for(Rank(0));
+    let mut times = Vec::new();
+    for i in 0..=repeats {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let start_us = super::unix_micros();
+        producer.write(peer, ops, Some(Notice(i as u64)))?;
+        wait_for(producer.as_mut(), deadline, |e| {
+            matches!(e, Event::WriteDone { .. })
+        })?;
+        let line = lines.next().context("the receiver exited")??;
+        let at_us: u64 = line
+            .rsplit(' ')
+            .next()
+            .and_then(|t| t.parse().ok())
+            .context("bad notice line from the receiver")?;
+        if i > 0 {
+            times.push(at_us.saturating_sub(start_us) as f64 / 1e3);
+        }
+    }
+    Ok(times)
+}
+
 /// Runs `kvx pd raw` and prints one JSON line.
 pub(crate) fn run(args: &RawArgs) -> anyhow::Result<()> {
     let spec: TransportSpec = args.model.transport.parse()?;
@@ -73,71 +171,24 @@ pub(crate) fn run(args: &RawArgs) -> anyhow::Result<()> {
         consumer_blocks: &block_ids,
         only_producer: None,
     })?;
-    let mut producer = spec.open()?;
-    let mut consumer = spec.open()?;
-    let mut buffers = Vec::new();
-    for index in 0..layout.region_count() {
-        for side in [&mut producer, &mut consumer] {
-            let buffer = Arc::new(HostBuffer::new(layout.region_len() as usize)?);
-            buffer.fill_with(|i| i as u8);
-            side.register(LocalRegion::host(index, Arc::clone(&buffer)))?;
-            buffers.push(buffer);
-        }
+    if args.serve {
+        return serve(&layout, &spec);
     }
-    let peer = producer.connect(&consumer.local_desc())?;
-    let ops = plan.ops_for(Rank(0));
-    // The consumer waits on its own thread, as the connector's decode side does (some providers
-    // need both sides to make progress); it reports when each notice arrived.
-    let (arrived_tx, arrived) = std::sync::mpsc::channel();
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let consumer_thread = {
-        let stop = Arc::clone(&stop);
-        std::thread::spawn(move || {
-            let mut events = Vec::new();
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                events.clear();
-                if consumer
-                    .wait(&mut events, Duration::from_millis(20))
-                    .is_err()
-                {
-                    return;
-                }
-                for e in &events {
-                    if matches!(e, Event::Notice(_)) {
-                        let _ = arrived_tx.send(Instant::now());
-                    }
-                }
-            }
-        })
-    };
-    let mut times = Vec::new();
-    let mut result = Ok(());
-    for i in 0..=args.repeats {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        let start = Instant::now();
-        if let Err(e) = producer.write(peer, ops, Some(Notice(i as u64))) {
-            result = Err(e.into());
-            break;
-        }
-        if let Err(e) = wait_for(producer.as_mut(), deadline, |e| {
-            matches!(e, Event::WriteDone { .. })
-        }) {
-            result = Err(e);
-            break;
-        }
-        // The consumer's notice is the end of the transfer (what the connector waits for).
-        match arrived.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-            Ok(at) if i > 0 => times.push(at.duration_since(start).as_secs_f64() * 1e3),
-            Ok(_) => {}
-            Err(_) => {
-                result = Err(anyhow::anyhow!("no notice within 60 s"));
-                break;
-            }
-        }
-    }
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let _ = consumer_thread.join();
-    result?;
+    let mut child = std::process::Command::new(std::env::current_exe()?)
+        .args(["pd", "raw", "--serve", "--model", &args.model.model])
+        .args(["--transport", &args.model.transport])
+        .args(["--blocks", &args.model.blocks.to_string()])
+        .args(["--block-tokens", &args.model.block_tokens.to_string()])
+        .args(["--order", &args.model.order])
+        .args(["--input-tokens", &tokens.to_string()])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .context("cannot start the receiving process")?;
+    let result = time_into(&mut child, &spec, &layout, &plan, args.repeats);
+    drop(child.stdin.take());
+    let _ = child.wait();
+    let mut times = result?;
     times.sort_by(f64::total_cmp);
     let median = times[times.len() / 2];
     println!(
@@ -146,7 +197,7 @@ pub(crate) fn run(args: &RawArgs) -> anyhow::Result<()> {
             "transport": spec.to_string(),
             "input_tokens": tokens,
             "bytes": plan.bytes(),
-            "ops": ops.len(),
+            "ops": plan.ops_for(Rank(0)).len(),
             "transfer_ms_p50": median,
             "transfer_ms_min": times[0],
         })
