@@ -30,23 +30,13 @@ const MIB: u64 = 1 << 20;
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len() / 2)
-        .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap_or(0))
-        .collect()
-}
-
 /// The consumer process: one region, notices counted until stdin closes.
 fn consumer(device: u32) -> Res<()> {
     let mut t = CudaIpcTransport::open(CudaIpcConfig::new(device))?;
     let gpu = Arc::clone(t.gpu());
     let region = Arc::new(DeviceBuffer::new(&gpu, REGION)?);
     t.register(LocalRegion::cuda(0, region))?;
-    println!("DESC {}", hex(&t.local_desc().to_bytes()));
+    println!("DESC {}", t.local_desc().to_hex());
     std::io::stdout().flush()?;
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
@@ -115,7 +105,7 @@ fn ipc_rows(gpus: u32, rows: &mut Vec<Row>) -> Res<()> {
     let desc = loop {
         let line = lines.next().ok_or("consumer exited")??;
         if let Some(d) = line.strip_prefix("DESC ") {
-            break EndpointDesc::from_bytes(&unhex(d))?;
+            break EndpointDesc::from_hex(d)?;
         }
     };
     let mut config = CudaIpcConfig::new(0);

@@ -52,6 +52,9 @@ pub struct EndpointDesc {
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum DescError {
+    /// A hex form ([`EndpointDesc::from_hex`]) has an odd length or a non-hex digit.
+    #[error("not a hex-encoded endpoint description")]
+    NotHex,
     /// The bytes do not start with the description magic.
     #[error("not an endpoint description (bad magic)")]
     BadMagic,
@@ -186,6 +189,29 @@ impl EndpointDesc {
             out.extend_from_slice(&r.key.to_le_bytes());
         }
         out
+    }
+
+    /// [`EndpointDesc::to_bytes`] as lower-case hex, for text channels (a child process's
+    /// stdout, a command line).
+    #[must_use]
+    pub fn to_hex(&self) -> String {
+        self.to_bytes().iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    /// Decodes the form [`EndpointDesc::to_hex`] makes (surrounding whitespace ignored).
+    ///
+    /// # Errors
+    /// [`DescError::NotHex`], or what [`EndpointDesc::from_bytes`] finds.
+    pub fn from_hex(text: &str) -> Result<Self, DescError> {
+        let text = text.trim();
+        if !text.len().is_multiple_of(2) {
+            return Err(DescError::NotHex);
+        }
+        let bytes = (0..text.len() / 2)
+            .map(|i| u8::from_str_radix(text.get(2 * i..2 * i + 2).unwrap_or("x"), 16))
+            .collect::<Result<Vec<u8>, _>>()
+            .map_err(|_| DescError::NotHex)?;
+        Self::from_bytes(&bytes)
     }
 
     /// Decodes and validates a description made by [`EndpointDesc::to_bytes`].
@@ -350,6 +376,19 @@ mod tests {
                 },
             ],
         }
+    }
+
+    #[test]
+    fn hex_form_round_trips_and_rejects_non_hex() {
+        let d = sample();
+        let text = d.to_hex();
+        assert_eq!(EndpointDesc::from_hex(&format!(" {text}\n")).unwrap(), d);
+        assert_eq!(EndpointDesc::from_hex(&text[1..]), Err(DescError::NotHex));
+        assert_eq!(
+            EndpointDesc::from_hex(&text.replacen('0', "g", 1)),
+            Err(DescError::NotHex)
+        );
+        assert!(EndpointDesc::from_hex(&text[..text.len() - 2]).is_err());
     }
 
     #[test]

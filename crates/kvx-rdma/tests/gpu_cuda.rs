@@ -170,16 +170,6 @@ fn wait_for(transport: &mut CudaIpcTransport, mut want: impl FnMut(&Event) -> bo
     }
 }
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len() / 2)
-        .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap_or(0))
-        .collect()
-}
-
 /// A child process of the cross-process tests (selected by `KVX_GPU_ROLE`).
 #[test]
 #[ignore = "child role of the cross-process GPU tests; started by them"]
@@ -210,12 +200,7 @@ fn child_role() {
                     .register(LocalRegion::cuda(i as u32, Arc::clone(buffer)))
                     .expect("register");
             }
-            writeln!(
-                stdout.lock(),
-                "DESC {}",
-                hex(&transport.local_desc().to_bytes())
-            )
-            .ok();
+            writeln!(stdout.lock(), "DESC {}", transport.local_desc().to_hex()).ok();
             let writers = kvx_layout::writers_for(&consumer, s.producer_tp).expect("writers");
             let mut seen = Vec::new();
             while seen.len() < writers.len() {
@@ -278,7 +263,7 @@ fn child_role() {
                 let mut line = String::new();
                 stdin.lock().read_line(&mut line).expect("desc line");
                 let consumer = s.consumer(c);
-                let desc = EndpointDesc::from_bytes(&unhex(line.trim())).expect("desc");
+                let desc = EndpointDesc::from_hex(line.trim()).expect("desc");
                 let plan = kvx_layout::plan(&PlanRequest {
                     producers: &producers,
                     consumer: &consumer,
@@ -317,12 +302,7 @@ fn child_role() {
             transport
                 .register(LocalRegion::cuda(0, buffer))
                 .expect("register");
-            writeln!(
-                stdout.lock(),
-                "DESC {}",
-                hex(&transport.local_desc().to_bytes())
-            )
-            .ok();
+            writeln!(stdout.lock(), "DESC {}", transport.local_desc().to_hex()).ok();
             std::process::exit(0);
         }
         other => panic!("unknown role {other}"),
@@ -464,7 +444,7 @@ fn ipc_write_to_an_exited_peer_is_a_typed_error() {
         return;
     };
     let dead = Kid::spawn("dead", "same-layout", 0);
-    let desc = EndpointDesc::from_bytes(&unhex(&dead.expect_line(&["DESC "])[5..])).expect("desc");
+    let desc = EndpointDesc::from_hex(&dead.expect_line(&["DESC "])[5..]).expect("desc");
     let mut kid = dead;
     let _ = kid.child.wait();
     let mut transport = CudaIpcTransport::open(CudaIpcConfig::new(0)).expect("open");

@@ -71,16 +71,6 @@ fn expected() -> Vec<Vec<u8>> {
     out
 }
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len() / 2)
-        .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap_or(0))
-        .collect()
-}
-
 fn wait_for(t: &mut CmaTransport, want: impl Fn(&Event) -> bool) -> Event {
     let deadline = Instant::now() + DEADLINE;
     let mut events = Vec::new();
@@ -115,7 +105,7 @@ fn child_role() {
         t.register(LocalRegion::host(index, Arc::clone(buffer)))
             .expect("register");
     }
-    println!("KVX:DESC {}", hex(&t.local_desc().to_bytes()));
+    println!("KVX:DESC {}", t.local_desc().to_hex());
     match role.as_str() {
         "verify" => {
             let event = wait_for(&mut t, |e| matches!(e, Event::Notice(_)));
@@ -163,7 +153,7 @@ impl Kid {
     fn desc(&self) -> EndpointDesc {
         let line = self.line();
         let hex = line.strip_prefix("DESC ").expect("DESC line");
-        EndpointDesc::from_bytes(&unhex(hex)).expect("description")
+        EndpointDesc::from_hex(hex).expect("description")
     }
 }
 

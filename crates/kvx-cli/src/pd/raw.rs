@@ -32,16 +32,6 @@ pub(crate) struct RawArgs {
     serve: bool,
 }
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Vec<u8> {
-    (0..s.len() / 2)
-        .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap_or(0))
-        .collect()
-}
-
 /// Registers a cache like the sender's (every page touched, as an engine's), prints its
 /// description, and reports each notice's arrival (Unix microseconds) until stdin closes.
 fn serve(layout: &Layout, spec: &TransportSpec) -> anyhow::Result<()> {
@@ -55,7 +45,7 @@ fn serve(layout: &Layout, spec: &TransportSpec) -> anyhow::Result<()> {
         buffers.push(buffer);
     }
     let mut out = std::io::stdout().lock();
-    writeln!(out, "DESC {}", hex(&transport.local_desc().to_bytes()))?;
+    writeln!(out, "DESC {}", transport.local_desc().to_hex())?;
     out.flush()?;
     let (closed_tx, closed) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
@@ -115,7 +105,7 @@ fn time_into(
     let desc = loop {
         let line = lines.next().context("the receiver exited")??;
         if let Some(h) = line.strip_prefix("DESC ") {
-            break kvx_rdma::EndpointDesc::from_bytes(&unhex(h))?;
+            break kvx_rdma::EndpointDesc::from_hex(h)?;
         }
     };
     let mut producer = spec.open()?;

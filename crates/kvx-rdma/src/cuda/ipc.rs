@@ -613,7 +613,8 @@ fn sync_streams(earlier: &Stream, later: &Stream) -> Result<(), CudaError> {
     result
 }
 
-/// Queues `ops` on `stream` as copy-engine copies: one `cuMemcpyAsync` per contiguous operation,
+/// Queues `ops` (already checked against `src` and `dst` by the caller) on `stream` as
+/// copy-engine copies: one `cuMemcpyAsync` per contiguous operation,
 /// one `cuMemcpy2DAsync` per strided one (per piece where the pitch is out of the 2-D limits).
 fn post_copy_engine(
     stream: &Stream,
@@ -622,15 +623,14 @@ fn post_copy_engine(
     dst: &dyn Fn(u32) -> Option<(u64, u64)>,
     max_pitch: u64,
 ) -> Result<(), CudaError> {
-    crate::validate::check_ops(ops, |r| src(r).map(|x| x.1), |r| dst(r).map(|x| x.1))
-        .map_err(|e| CudaError::Invalid(e.to_string()))?;
+    // `write`/`read` checked every operation against these same regions before posting.
     stream.gpu().bind()?;
     for op in ops {
         let (src_base, _) = src(op.src_region).unwrap_or_default();
         let (dst_base, _) = dst(op.dst_region).unwrap_or_default();
         let contiguous = op.count == 1 || (op.src_stride == op.len && op.dst_stride == op.len);
         if contiguous {
-            // SAFETY: both ranges lie inside live regions (checked above); the caller keeps
+            // SAFETY: both ranges lie inside live regions (checked by `write`/`read`); the caller keeps
             // them alive until the stream has run.
             // Device to device (both sides are device memory: local, or a peer's mapped through
             // IPC), which spares the driver the unified-address lookup of `cuMemcpyAsync`.
@@ -665,7 +665,7 @@ fn post_copy_engine(
                 WidthInBytes: op.len as usize,
                 Height: op.count as usize,
             };
-            // SAFETY: every row lies inside live regions (checked above); the descriptor is
+            // SAFETY: every row lies inside live regions (checked by `write`/`read`); the descriptor is
             // read during the call.
             check("cuMemcpy2DAsync", unsafe {
                 sys::cuMemcpy2DAsync_v2(&raw const copy, stream.raw())
