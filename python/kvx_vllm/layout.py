@@ -4,15 +4,16 @@ vLLM's CPU attention backend gives every attention layer one tensor of shape
 ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``, contiguous. Its kernels (ISA ``vec``,
 measured with ``cpu_attn_reshape_and_cache``) store, per block and head, the block's K vectors
 *dimension-major* (``K[dim][token]``) and then its V vectors token-major (``V[token][dim]``).
-kvx's layouts keep the elements of one (layer, K/V, block) chunk in ``[token][head][dim]`` or
-``[head][token][dim]`` order, so no kvx layout describes the CPU cache token by token. It is
-therefore described at **block granularity**: each engine block is one kvx "token" whose K half
-and V half are the first and second half of the block's bytes (``head_dim = local_heads *
-block_size * head_size``, ``block_tokens = 1``, ``total_kv_heads = tp_size``), and token counts
-are rounded up to whole blocks (``token_unit = block_size``). Whole blocks move byte for byte,
-which is exact when both sides have the same block size, KV heads per rank and TP degree — and
-kvx's handshake refuses any other pairing, because those enter the layout's compatibility hash
-(``head_dim``, ``total_kv_heads``).
+kvx describes exactly that (mode ``exact``, the default): memory order ``hnd-kt`` (head-major,
+keys dimension-major) in arrangement ``per-layer-head-kv`` (each head's K then its V, per
+block). Token by token, so prefill and decode may use different block sizes and TP degrees.
+
+Mode ``block`` describes the CPU cache at block granularity instead: each engine block is one
+kvx "token" whose K half and V half are the first and second half of the block's bytes
+(``head_dim = local_heads * block_size * head_size``, ``block_tokens = 1``,
+``total_kv_heads = tp_size``), token counts rounded up to whole blocks (``token_unit =
+block_size``). Whole blocks move byte for byte, which needs the same block size, KV heads per
+rank and TP degree on both sides; the handshake refuses any other pairing.
 
 vLLM's FlashAttention layout ``(2, num_blocks, block_size, num_kv_heads, head_size)`` (contiguous)
 maps exactly onto ``per-layer-kv-halves`` in NHD order.
@@ -113,23 +114,31 @@ def describe(
         "tp_rank": tp_rank,
     }
     if len(shape) == 4 and shape[3] == 2 * head_size and shape[2] == block_size:
-        # CPU attention: [num_blocks, local_heads, block_size, 2 * head_size]; K dim-major.
-        if mode == "exact":
-            raise ValueError(
-                "layout 'exact' is impossible for vLLM's CPU attention cache (its K vectors are "
-                "stored dimension-major inside a block): use 'auto' or 'block'"
-            )
+        # CPU attention: [num_blocks, local_heads, block_size, 2 * head_size]; per block and
+        # head, K dimension-major then V token-major.
         num_blocks, local_heads = shape[0], shape[1]
-        layout = dict(
-            base,
-            total_kv_heads=tp_size,
-            head_dim=local_heads * block_size * head_size,
-            block_tokens=1,
-            num_blocks=num_blocks,
-            order="nhd",
-            arrangement="per-layer-kv-in-block",
-        )
-        unit, chosen = block_size, "block"
+        if mode == "block":
+            layout = dict(
+                base,
+                total_kv_heads=tp_size,
+                head_dim=local_heads * block_size * head_size,
+                block_tokens=1,
+                num_blocks=num_blocks,
+                order="nhd",
+                arrangement="per-layer-kv-in-block",
+            )
+            unit, chosen = block_size, "block"
+        else:
+            layout = dict(
+                base,
+                total_kv_heads=total_kv_heads,
+                head_dim=head_size,
+                block_tokens=block_size,
+                num_blocks=num_blocks,
+                order="hnd-kt",
+                arrangement="per-layer-head-kv",
+            )
+            unit, chosen = 1, "exact"
     elif len(shape) == 5 and shape[0] == 2 and shape[2] == block_size and shape[4] == head_size:
         # FlashAttention: (2, num_blocks, block_size, local_heads, head_size).
         if mode == "block":

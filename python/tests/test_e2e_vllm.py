@@ -266,7 +266,8 @@ def workdir(tmp_path_factory) -> Path:
 def model(workdir) -> Path:
     from tiny_model import build
 
-    # Two KV heads: the CPU cache is moved block by block (see kvx_vllm/layout.py).
+    # Two KV heads: the CPU cache is moved token by token, heads one by one (see
+    # kvx_vllm/layout.py).
     return build(workdir / "model", kv_heads=2)
 
 
@@ -306,10 +307,11 @@ def run_pair(mode: str, model: Path, workdir: Path, reference: dict, *, p_extra=
     return p, p_url, d, d_url, proxy, proxy_url
 
 
-def check_pair_matches_reference(mode, model, workdir, reference, transport=None):
+def check_pair_matches_reference(mode, model, workdir, reference, transport=None, d_block=BLOCK):
     extra = {"transport": transport} if transport else None
     p, p_url, d, d_url, proxy, proxy_url = run_pair(mode, model, workdir, reference,
-                                                    p_extra=extra, d_extra=extra)
+                                                    p_extra=extra, d_extra=extra,
+                                                    d_block=d_block)
     try:
         for s in (p, d, proxy):
             s.wait_ready()
@@ -346,21 +348,24 @@ def check_pair_matches_reference(mode, model, workdir, reference, transport=None
 def test_push_matches_a_single_instance(model, workdir, reference):
     """Push through the proxy: same greedy tokens and logprobs as one instance, for prompts of
     one to ten blocks and a streamed chat completion; decode's own counters show that it
-    computed no prompt token (all came over kvx)."""
-    check_pair_matches_reference("push", model, workdir, reference)
+    computed no prompt token (all came over kvx). Decode uses blocks of 64 tokens against
+    prefill's 32: the CPU cache is moved token by token."""
+    check_pair_matches_reference("push", model, workdir, reference, d_block=2 * BLOCK)
 
 
 def test_pull_matches_a_single_instance(model, workdir, reference):
     """The same through pull mode (prefill first, decode reads), over the CMA transport (decode
-    reads prefill's cache with process_vm_readv; push runs over the default libfabric shm)."""
-    check_pair_matches_reference("pull", model, workdir, reference, transport="cma")
+    reads prefill's cache with process_vm_readv; push runs over the default libfabric shm), with
+    decode's blocks half the size of prefill's."""
+    check_pair_matches_reference("pull", model, workdir, reference, transport="cma",
+                                 d_block=BLOCK // 2)
 
 
 def test_failures_never_hang_and_never_leak(model, workdir, reference):
     """With one push pair:
-    1. different block sizes on P (32) and D (64): kvx refuses the pairing (the CPU cache moves
-       whole blocks), decode's `recompute` policy recomputes — and the answer is still exact,
-       never decoded on garbage;
+    1. decode describes its cache block by block (`layout = block`) with blocks of 64 tokens
+       against prefill's token-exact 32: kvx refuses the pairing at the handshake, decode's
+       `recompute` policy recomputes — and the answer is still exact, never decoded on garbage;
     2. a prefill whose decode never registers (an aborted or lost decode request) and one whose
        decode was killed after registering both give their blocks back after the producer lease
        (prefill's KV-cache usage returns to zero);
@@ -369,7 +374,8 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
     lease = 4.0
     p_cfg = kv_config("KvxPushConnector", "kv_producer", "p-f", listen=f"127.0.0.1:{kvx_port}",
                       producer_lease_s=lease)
-    d_cfg = kv_config("KvxPushConnector", "kv_consumer", "d-f", _policy="recompute")
+    d_cfg = kv_config("KvxPushConnector", "kv_consumer", "d-f", _policy="recompute",
+                      layout="block")
     p, p_url = start_vllm("prefill-f", model, workdir, kv=p_cfg, cores=P_CORES)
     d, d_url = start_vllm("decode-f", model, workdir, kv=d_cfg, prefix_caching=False,
                           block_size=2 * BLOCK, cores=D_CORES)
@@ -394,11 +400,11 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
     try:
         for s in servers:
             s.wait_ready()
-        # 1. Block sizes differ: recomputed on decode, still exact.
+        # 1. Layouts that cannot be paired: recomputed on decode, still exact.
         n = PROMPT_WORDS[2]
         before = prompt_sources(d_url)
         got = complete(proxy_url, prompt(n))
-        assert_same(got, reference[n], "P block 32 / D block 64, recompute policy")
+        assert_same(got, reference[n], "refused layout pairing, recompute policy")
         after = prompt_sources(d_url)
         assert after["local_compute"] - before["local_compute"] >= got["prompt_tokens"] - 1
         assert "refusing consumer" in p.log.read_text(errors="replace") or \

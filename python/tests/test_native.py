@@ -58,16 +58,23 @@ def wait_events(consumer, n: int, timeout: float = 10.0):
     return events
 
 
-@pytest.mark.parametrize("heads,p_bs,d_bs,mode", [(1, 32, 32, "block"), (2, 64, 64, "block")])
+@pytest.mark.parametrize("heads,p_bs,d_bs,mode", [
+    (1, 32, 32, "exact"),
+    (2, 64, 64, "exact"),
+    (2, 16, 32, "exact"),
+    (4, 64, 16, "exact"),
+    (2, 32, 32, "block"),
+])
 def test_push_moves_the_right_bytes(heads, p_bs, d_bs, mode):
+    """Token-exact (the default) across block sizes, and block-granular with equal ones."""
     p_caches = cpu_caches(3, 16, heads, p_bs, fill=True)
     d_caches = cpu_caches(3, 16, heads, d_bs, fill=False)
     producer, consumer, p_desc, d_desc = start_pair(p_caches, d_caches, heads=heads,
-                                                    p_bs=p_bs, d_bs=d_bs)
+                                                    p_bs=p_bs, d_bs=d_bs, mode=mode)
     assert p_desc.mode == mode and d_desc.mode == mode
     tokens = 100
-    p_blocks = [7, 2, 9, 4][: -(-tokens // p_bs)]
-    d_blocks = [3, 11, 5, 8, 1][: -(-tokens // d_bs)]
+    p_blocks = [7, 2, 9, 4, 12, 0, 15, 6][: -(-tokens // p_bs)]
+    d_blocks = [3, 11, 5, 8, 1, 14, 10, 2][: -(-tokens // d_bs)]
     consumer.request_allocated("t-1", "dreq", producer.control_addr, tokens, 0, d_blocks)
     producer.request_finished("t-1", "preq", p_blocks, tokens)
     assert wait_events(consumer, 1) == [("dreq", True, "", "")]
@@ -95,7 +102,8 @@ def test_push_moves_the_right_bytes(heads, p_bs, d_bs, mode):
 def test_block_granular_refuses_different_block_sizes():
     p_caches = cpu_caches(2, 8, 2, 32, fill=True)
     d_caches = cpu_caches(2, 8, 2, 64, fill=False)
-    producer, consumer, _, _ = start_pair(p_caches, d_caches, heads=2, p_bs=32, d_bs=64)
+    producer, consumer, _, _ = start_pair(p_caches, d_caches, heads=2, p_bs=32, d_bs=64,
+                                          mode="block")
     consumer.request_allocated("t-2", "dreq", producer.control_addr, 40, 0, [1])
     producer.request_finished("t-2", "preq", [3, 4], 40)
     [(rid, ok, reason, detail)] = wait_events(consumer, 1)
@@ -105,10 +113,16 @@ def test_block_granular_refuses_different_block_sizes():
     consumer.shutdown()
 
 
-def test_exact_mode_is_refused_for_the_cpu_cache():
-    with pytest.raises(ValueError, match="dimension-major"):
-        describe(cpu_caches(1, 4, 2, 32, fill=False), head_size=HEAD, total_kv_heads=2,
-                 block_size=32, tp_size=1, tp_rank=0, mode="exact")
+def test_cpu_cache_is_described_token_by_token():
+    desc = describe(cpu_caches(2, 4, 2, 32, fill=False), head_size=HEAD, total_kv_heads=4,
+                    block_size=32, tp_size=2, tp_rank=1)
+    assert desc.mode == "exact" and desc.token_unit == 1
+    layout = desc.layout
+    assert (layout["order"], layout["arrangement"]) == ("hnd-kt", "per-layer-head-kv")
+    assert (layout["head_dim"], layout["block_tokens"], layout["total_kv_heads"]) == (HEAD, 32, 4)
+    with pytest.raises(ValueError, match="only for the CPU"):
+        describe(flash_caches(1, 4, 2, 16, fill=False), head_size=HEAD, total_kv_heads=2,
+                 block_size=16, tp_size=1, tp_rank=0, mode="block")
 
 
 def test_unclaimed_blocks_come_back_after_the_producer_lease():

@@ -90,25 +90,8 @@ impl FromStr for SideSpec {
                 "tp" => spec.tp = number()?,
                 "block" => spec.block_tokens = number()?,
                 "blocks" => spec.num_blocks = number()?,
-                "order" => {
-                    spec.order = match value {
-                        "nhd" => MemoryOrder::Nhd,
-                        "hnd" => MemoryOrder::Hnd,
-                        _ => bail!("order must be nhd or hnd, got `{value}`"),
-                    }
-                }
-                "arrangement" => {
-                    spec.arrangement = match value {
-                        "per-layer-split" => Arrangement::PerLayerSplit,
-                        "per-layer-kv-halves" => Arrangement::PerLayerKvHalves,
-                        "per-layer-kv-in-block" => Arrangement::PerLayerKvInBlock,
-                        "cross-layer" => Arrangement::CrossLayer,
-                        _ => bail!(
-                            "arrangement must be per-layer-split, per-layer-kv-halves, \
-                             per-layer-kv-in-block or cross-layer, got `{value}`"
-                        ),
-                    }
-                }
+                "order" => spec.order = value.parse()?,
+                "arrangement" => spec.arrangement = value.parse()?,
                 _ => bail!("unknown key `{key}` (keys: tp, block, blocks, order, arrangement)"),
             }
         }

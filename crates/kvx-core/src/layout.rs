@@ -2,6 +2,7 @@
 //! interprets it (validation, addressing, planning); this module only says what it is.
 
 use std::fmt;
+use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
@@ -73,14 +74,41 @@ pub enum MemoryOrder {
     Nhd,
     /// `[head][token][dim]`: one head's tokens are adjacent.
     Hnd,
+    /// `[head][token][dim]` for V, but K *dimension-major*, `[head][dim][token]`: vLLM's CPU
+    /// attention backend, whose kernels read a block's keys one dimension at a time.
+    HndKt,
+}
+
+impl MemoryOrder {
+    /// All orders, in wire-code order.
+    pub const ALL: [Self; 3] = [Self::Nhd, Self::Hnd, Self::HndKt];
+
+    /// The name used on the command line and in configuration.
+    #[must_use]
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::Nhd => "nhd",
+            Self::Hnd => "hnd",
+            Self::HndKt => "hnd-kt",
+        }
+    }
 }
 
 impl fmt::Display for MemoryOrder {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Self::Nhd => "nhd",
-            Self::Hnd => "hnd",
-        })
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for MemoryOrder {
+    type Err = UnknownName;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let lower = s.to_ascii_lowercase();
+        Self::ALL
+            .into_iter()
+            .find(|o| o.name() == lower)
+            .ok_or_else(|| UnknownName::new("memory order", s, Self::ALL.map(Self::name)))
     }
 }
 
@@ -100,16 +128,71 @@ pub enum Arrangement {
     /// One region for the whole cache, each block holding every layer's K and V chunks:
     /// `(num_blocks, layers, 2, …)`.
     CrossLayer,
+    /// One region per layer, each block holding, head by head, that head's K then its V: vLLM's
+    /// CPU tensor `[num_blocks, heads, block_size, 2·head_size]`. A chunk's heads are therefore
+    /// not adjacent; the memory order must be head-major (`hnd` or `hnd-kt`).
+    PerLayerHeadKv,
 }
 
-impl fmt::Display for Arrangement {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
+impl Arrangement {
+    /// All arrangements, in wire-code order.
+    pub const ALL: [Self; 5] = [
+        Self::PerLayerSplit,
+        Self::PerLayerKvHalves,
+        Self::PerLayerKvInBlock,
+        Self::CrossLayer,
+        Self::PerLayerHeadKv,
+    ];
+
+    /// The name used on the command line and in configuration.
+    #[must_use]
+    pub const fn name(self) -> &'static str {
+        match self {
             Self::PerLayerSplit => "per-layer-split",
             Self::PerLayerKvHalves => "per-layer-kv-halves",
             Self::PerLayerKvInBlock => "per-layer-kv-in-block",
             Self::CrossLayer => "cross-layer",
-        })
+            Self::PerLayerHeadKv => "per-layer-head-kv",
+        }
+    }
+}
+
+impl fmt::Display for Arrangement {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Arrangement {
+    type Err = UnknownName;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::ALL
+            .into_iter()
+            .find(|a| a.name() == s)
+            .ok_or_else(|| UnknownName::new("arrangement", s, Self::ALL.map(Self::name)))
+    }
+}
+
+/// A name that is not one of a kind's names ([`MemoryOrder`], [`Arrangement`]).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("unknown {kind} `{given}` (one of: {})", .expected.join(", "))]
+pub struct UnknownName {
+    /// What was being named.
+    pub kind: &'static str,
+    /// The name given.
+    pub given: String,
+    /// The valid names.
+    pub expected: Vec<&'static str>,
+}
+
+impl UnknownName {
+    fn new<const N: usize>(kind: &'static str, given: &str, expected: [&'static str; N]) -> Self {
+        Self {
+            kind,
+            given: given.to_owned(),
+            expected: expected.to_vec(),
+        }
     }
 }
 
@@ -139,4 +222,26 @@ pub struct LayoutSpec {
     pub order: MemoryOrder,
     /// Placement of chunks in regions.
     pub arrangement: Arrangement,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip_and_unknown_names_list_the_valid_ones() {
+        for order in MemoryOrder::ALL {
+            assert_eq!(order.name().parse::<MemoryOrder>(), Ok(order));
+        }
+        assert_eq!("HND".parse::<MemoryOrder>(), Ok(MemoryOrder::Hnd));
+        for arrangement in Arrangement::ALL {
+            assert_eq!(arrangement.name().parse::<Arrangement>(), Ok(arrangement));
+        }
+        let err = "dhn".parse::<MemoryOrder>().unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "unknown memory order `dhn` (one of: nhd, hnd, hnd-kt)"
+        );
+        assert!("per-layer".parse::<Arrangement>().is_err());
+    }
 }

@@ -36,7 +36,7 @@ pub mod memory;
 pub mod wire;
 
 pub use ids::{Attempt, BlockId, EngineId, Incarnation, Rank, RequestId, TransferId};
-pub use layout::{Arrangement, Dtype, LayoutSpec, MemoryOrder};
+pub use layout::{Arrangement, Dtype, LayoutSpec, MemoryOrder, UnknownName};
 pub use memory::{MemoryKind, RegionDesc};
 
 impl LayoutSpec {

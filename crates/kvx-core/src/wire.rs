@@ -534,12 +534,14 @@ impl Writer<'_> {
         self.u8(match l.order {
             MemoryOrder::Nhd => 0,
             MemoryOrder::Hnd => 1,
+            MemoryOrder::HndKt => 2,
         });
         self.u8(match l.arrangement {
             Arrangement::PerLayerSplit => 0,
             Arrangement::PerLayerKvHalves => 1,
             Arrangement::PerLayerKvInBlock => 2,
             Arrangement::CrossLayer => 3,
+            Arrangement::PerLayerHeadKv => 4,
         });
     }
     fn region(&mut self, r: &RegionDesc) {
@@ -734,6 +736,7 @@ impl<'a> Reader<'a> {
         let order = match self.u8()? {
             0 => MemoryOrder::Nhd,
             1 => MemoryOrder::Hnd,
+            2 => MemoryOrder::HndKt,
             v => {
                 return Err(DecodeError::InvalidField {
                     field: "layout.order",
@@ -746,6 +749,7 @@ impl<'a> Reader<'a> {
             1 => Arrangement::PerLayerKvHalves,
             2 => Arrangement::PerLayerKvInBlock,
             3 => Arrangement::CrossLayer,
+            4 => Arrangement::PerLayerHeadKv,
             v => {
                 return Err(DecodeError::InvalidField {
                     field: "layout.arrangement",

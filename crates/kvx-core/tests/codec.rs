@@ -25,10 +25,10 @@ fn layout() -> impl Strategy<Value = LayoutSpec> {
             any::<u32>(),
             any::<u32>(),
         ),
-        (any::<bool>(), 0..4u8),
+        (0..3usize, 0..5usize),
     )
         .prop_map(
-            |((layers, heads, dim, dtype), (mla, bt, nb, tp, rank), (hnd, arr))| LayoutSpec {
+            |((layers, heads, dim, dtype), (mla, bt, nb, tp, rank), (order, arr))| LayoutSpec {
                 num_layers: layers,
                 total_kv_heads: heads,
                 head_dim: dim,
@@ -38,17 +38,8 @@ fn layout() -> impl Strategy<Value = LayoutSpec> {
                 num_blocks: nb,
                 tp_size: tp,
                 tp_rank: rank,
-                order: if hnd {
-                    MemoryOrder::Hnd
-                } else {
-                    MemoryOrder::Nhd
-                },
-                arrangement: [
-                    Arrangement::PerLayerSplit,
-                    Arrangement::PerLayerKvHalves,
-                    Arrangement::PerLayerKvInBlock,
-                    Arrangement::CrossLayer,
-                ][usize::from(arr)],
+                order: MemoryOrder::ALL[order],
+                arrangement: Arrangement::ALL[arr],
             },
         )
 }

@@ -29,6 +29,14 @@ pub enum LayoutError {
     /// The cache would exceed the address space.
     #[error("layout sizes overflow 64 bits")]
     TooLarge,
+    /// The arrangement keeps a chunk's heads apart, which only a head-major order can describe.
+    #[error("arrangement {arrangement} needs a head-major memory order (hnd or hnd-kt), not {order}")]
+    OrderArrangement {
+        /// The order given.
+        order: kvx_core::MemoryOrder,
+        /// The arrangement given.
+        arrangement: kvx_core::Arrangement,
+    },
 }
 
 /// Which side of a plan a problem is on.
@@ -123,5 +131,20 @@ pub enum PlanError {
         skip: u64,
         /// Consumer block size.
         block_tokens: u32,
+    },
+    /// The two sides' memory orders differ in a way no receiver permute handles: the
+    /// dimension-major keys of `hnd-kt`, or a consumer whose heads are spread over the block
+    /// (`per-layer-head-kv`) receiving another order.
+    #[error(
+        "no re-layout from producer order {producer} to consumer order {consumer} \
+         (consumer arrangement {arrangement}); use the same order on both sides"
+    )]
+    UnsupportedReLayout {
+        /// Producer's order.
+        producer: kvx_core::MemoryOrder,
+        /// Consumer's order.
+        consumer: kvx_core::MemoryOrder,
+        /// Consumer's arrangement.
+        arrangement: kvx_core::Arrangement,
     },
 }

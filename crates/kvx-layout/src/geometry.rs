@@ -13,6 +13,7 @@ pub struct Layout {
     local_heads: u32,
     first_head: u32,
     head_bytes: u64,
+    head_pitch: u64,
     chunk_bytes: u64,
     block_stride: u64,
     region_len: u64,
@@ -69,13 +70,19 @@ impl Layout {
                 (2, heads, 1, spec.tp_rank / (tp / heads))
             }
         };
+        if spec.arrangement == Arrangement::PerLayerHeadKv && spec.order == MemoryOrder::Nhd {
+            return Err(LayoutError::OrderArrangement {
+                order: spec.order,
+                arrangement: spec.arrangement,
+            });
+        }
         let head_bytes = u64::from(spec.head_dim) * u64::from(spec.dtype.size());
         let chunk_bytes = head_bytes
             .checked_mul(u64::from(local_heads) * u64::from(spec.block_tokens))
             .ok_or(LayoutError::TooLarge)?;
         let per_block_chunks = match spec.arrangement {
             Arrangement::PerLayerSplit | Arrangement::PerLayerKvHalves => 1,
-            Arrangement::PerLayerKvInBlock => u64::from(kv_parts),
+            Arrangement::PerLayerKvInBlock | Arrangement::PerLayerHeadKv => u64::from(kv_parts),
             Arrangement::CrossLayer => u64::from(kv_parts) * u64::from(spec.num_layers),
         };
         let block_stride = chunk_bytes
@@ -83,8 +90,18 @@ impl Layout {
             .ok_or(LayoutError::TooLarge)?;
         let chunks_per_region = match spec.arrangement {
             Arrangement::PerLayerSplit => 1,
-            Arrangement::PerLayerKvHalves | Arrangement::PerLayerKvInBlock => u64::from(kv_parts),
+            Arrangement::PerLayerKvHalves
+            | Arrangement::PerLayerKvInBlock
+            | Arrangement::PerLayerHeadKv => u64::from(kv_parts),
             Arrangement::CrossLayer => u64::from(kv_parts) * u64::from(spec.num_layers),
+        };
+        // Head-major orders: one head's tokens of a chunk, then the next head's; with K and V
+        // interleaved per head, the next head comes after this head's V.
+        let head_span = head_bytes * u64::from(spec.block_tokens);
+        let head_pitch = if spec.arrangement == Arrangement::PerLayerHeadKv {
+            head_span * u64::from(kv_parts)
+        } else {
+            head_span
         };
         let region_len = chunk_bytes
             .checked_mul(chunks_per_region)
@@ -97,6 +114,7 @@ impl Layout {
             local_heads,
             first_head,
             head_bytes,
+            head_pitch,
             chunk_bytes,
             block_stride,
             region_len,
@@ -151,6 +169,27 @@ impl Layout {
         self.head_bytes
     }
 
+    /// In a head-major order, the distance between consecutive heads of a chunk: a head's tokens
+    /// (`block_tokens × head_bytes`), times 2 where each head's V follows its K
+    /// ([`Arrangement::PerLayerHeadKv`]).
+    #[must_use]
+    pub fn head_pitch(&self) -> u64 {
+        self.head_pitch
+    }
+
+    /// Distance between consecutive elements of one head vector of part `kv`: the element size,
+    /// except for the dimension-major keys of [`MemoryOrder::HndKt`], whose elements are a
+    /// block's tokens apart.
+    #[must_use]
+    pub fn element_stride(&self, kv: u32) -> u64 {
+        let element = u64::from(self.spec.dtype.size());
+        if self.spec.order == MemoryOrder::HndKt && kv == 0 {
+            element * u64::from(self.spec.block_tokens)
+        } else {
+            element
+        }
+    }
+
     /// Bytes of one (layer, K/V, block) chunk.
     #[must_use]
     pub fn chunk_bytes(&self) -> u64 {
@@ -168,7 +207,9 @@ impl Layout {
     pub fn region_count(&self) -> u32 {
         match self.spec.arrangement {
             Arrangement::PerLayerSplit => self.spec.num_layers * self.kv_parts,
-            Arrangement::PerLayerKvHalves | Arrangement::PerLayerKvInBlock => self.spec.num_layers,
+            Arrangement::PerLayerKvHalves
+            | Arrangement::PerLayerKvInBlock
+            | Arrangement::PerLayerHeadKv => self.spec.num_layers,
             Arrangement::CrossLayer => 1,
         }
     }
@@ -200,21 +241,32 @@ impl Layout {
                 region: 0,
                 base: u64::from(layer * parts + kv) * self.chunk_bytes,
             },
+            // Head 0's K, then its V, then head 1's K …: the V "chunk" starts one head span in.
+            Arrangement::PerLayerHeadKv => ChunkPlace {
+                region: layer,
+                base: u64::from(kv) * self.head_bytes * u64::from(self.spec.block_tokens),
+            },
         }
     }
 
-    /// Offset of (`slot`, local head `head`) inside a chunk, in `order`.
+    /// Offset of the first element of (`slot`, local head `head`) of part `kv` inside a chunk,
+    /// in `order` (its other elements follow at [`Layout::element_stride`]).
     #[must_use]
-    pub fn inner_offset(&self, order: MemoryOrder, slot: u32, head: u32) -> u64 {
+    pub fn inner_offset(&self, order: MemoryOrder, kv: u32, slot: u32, head: u32) -> u64 {
         let (slot, head) = (u64::from(slot), u64::from(head));
         match order {
             MemoryOrder::Nhd => (slot * u64::from(self.local_heads) + head) * self.head_bytes,
-            MemoryOrder::Hnd => (head * u64::from(self.spec.block_tokens) + slot) * self.head_bytes,
+            MemoryOrder::Hnd => head * self.head_pitch + slot * self.head_bytes,
+            MemoryOrder::HndKt if kv == 0 => {
+                head * self.head_pitch + slot * u64::from(self.spec.dtype.size())
+            }
+            MemoryOrder::HndKt => head * self.head_pitch + slot * self.head_bytes,
         }
     }
 
-    /// Region and byte offset of one head vector: layer, K/V part, block id, token slot within
-    /// the block, local head.
+    /// Region and byte offset of the first element of one head vector: layer, K/V part, block
+    /// id, token slot within the block, local head. The vector is contiguous unless
+    /// [`Layout::element_stride`] exceeds the element size.
     #[must_use]
     pub fn head_vector(
         &self,
@@ -229,7 +281,7 @@ impl Layout {
             place.region,
             place.base
                 + u64::from(block.0) * self.block_stride
-                + self.inner_offset(self.spec.order, slot, head),
+                + self.inner_offset(self.spec.order, kv, slot, head),
         )
     }
 }

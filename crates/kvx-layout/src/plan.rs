@@ -82,7 +82,9 @@ impl Permute {
     fn at(&self, order: MemoryOrder, slot: u64, head: u64) -> usize {
         let index = match order {
             MemoryOrder::Nhd => slot * u64::from(self.heads) + head,
-            MemoryOrder::Hnd => head * u64::from(self.block_tokens) + slot,
+            // The planner never re-lays-out dimension-major keys (it refuses with
+            // `PlanError::UnsupportedReLayout`); their V half is head-major.
+            MemoryOrder::Hnd | MemoryOrder::HndKt => head * u64::from(self.block_tokens) + slot,
         };
         (index * self.head_bytes) as usize
     }

@@ -13,7 +13,7 @@
 
 use std::ops::Range;
 
-use kvx_core::{BlockId, MemoryOrder, Rank};
+use kvx_core::{Arrangement, BlockId, MemoryOrder, Rank};
 
 use crate::error::{PlanError, Side};
 use crate::geometry::Layout;
@@ -350,10 +350,55 @@ fn check_blocks(
     Ok(())
 }
 
-/// The order a layout's chunks are effectively in: `None` where both orders coincide (one head
-/// per rank, or one token per block).
+/// The order a layout's chunks are effectively in: `None` where every order coincides (one
+/// head per rank, or one token per block, in a standard arrangement).
 fn effective_order(layout: &Layout) -> Option<MemoryOrder> {
-    (layout.local_heads() > 1 && layout.spec().block_tokens > 1).then_some(layout.spec().order)
+    let spec = layout.spec();
+    let (heads, tokens) = (layout.local_heads() > 1, spec.block_tokens > 1);
+    match spec.order {
+        // Dimension-major keys differ from token-major ones whenever a block holds two tokens.
+        MemoryOrder::HndKt if tokens => Some(MemoryOrder::HndKt),
+        // Heads spread over the block (K, V interleaved per head) are head-major at any size.
+        _ if heads && spec.arrangement == Arrangement::PerLayerHeadKv => Some(MemoryOrder::Hnd),
+        MemoryOrder::HndKt => None,
+        order => (heads && tokens).then_some(order),
+    }
+}
+
+/// The order bytes travel in, and the order the consumer re-lays-out from afterwards (`None`
+/// when no permute is needed). Dimension-major keys and a consumer whose heads are spread over
+/// the block have no permute: both sides must then agree.
+fn transfer_order(
+    producer: &Layout,
+    consumer: &Layout,
+) -> Result<(MemoryOrder, Option<MemoryOrder>), PlanError> {
+    let (p, c) = (effective_order(producer), effective_order(consumer));
+    let arrangement = consumer.spec().arrangement;
+    let unsupported = Err(PlanError::UnsupportedReLayout {
+        producer: producer.spec().order,
+        consumer: consumer.spec().order,
+        arrangement,
+    });
+    if p == Some(MemoryOrder::HndKt) || c == Some(MemoryOrder::HndKt) {
+        // Only a one-token block (where keys are both dimension- and token-major) follows
+        // dimension-major keys; nothing re-lays them out.
+        let follows =
+            |side: &Layout, own| own == Some(MemoryOrder::HndKt) || side.spec().block_tokens == 1;
+        if follows(producer, p) && follows(consumer, c) {
+            return Ok((MemoryOrder::HndKt, None));
+        }
+        return unsupported;
+    }
+    let order = p.or(c).unwrap_or(MemoryOrder::Nhd);
+    match (p, c) {
+        (Some(p), Some(c)) if p != c => {
+            if arrangement == Arrangement::PerLayerHeadKv {
+                return unsupported;
+            }
+            Ok((order, Some(p)))
+        }
+        _ => Ok((order, None)),
+    }
 }
 
 fn head_groups(
@@ -491,19 +536,25 @@ pub fn plan(req: &PlanRequest<'_>) -> Result<Plan, PlanError> {
     check_blocks(Side::Producer, reference, req.producer_blocks, used(bp))?;
     check_blocks(Side::Consumer, consumer, req.consumer_blocks, used(bc))?;
 
-    let (p_order, c_order) = (effective_order(reference), effective_order(consumer));
-    let needs_permute = matches!((p_order, c_order), (Some(p), Some(c)) if p != c);
+    // Bytes travel in the producer's order; the consumer re-lays-out afterwards if needed.
+    let (order, permute_from) = transfer_order(reference, consumer)?;
+    let needs_permute = permute_from.is_some();
     if needs_permute && skip % bc != 0 {
         return Err(PlanError::UnalignedSkip {
             skip,
             block_tokens: consumer.spec().block_tokens,
         });
     }
-    // Bytes travel in the producer's order; the consumer re-lays-out afterwards if needed.
-    let order = p_order.or(c_order).unwrap_or(MemoryOrder::Nhd);
 
     let groups = head_groups(req, &by_rank)?;
-    let templates = build_templates(req, &groups, order, bp, bc);
+    // Dimension-major keys need their own template; otherwise K and V share one.
+    let kv_templates: Vec<Vec<Vec<Piece>>> = if order == MemoryOrder::HndKt {
+        (0..consumer.kv_parts())
+            .map(|kv| build_templates(req, &groups, order, kv, bp, bc))
+            .collect()
+    } else {
+        vec![build_templates(req, &groups, order, 0, bp, bc)]
+    };
 
     let mut ops = Vec::new();
     let mut writers: Vec<(Rank, Range<usize>)> = Vec::new();
@@ -515,8 +566,9 @@ pub fn plan(req: &PlanRequest<'_>) -> Result<Plan, PlanError> {
     ranks.dedup();
     let layers = consumer.spec().num_layers;
     let parts = consumer.kv_parts();
-    let template_ops: usize = templates.iter().map(Vec::len).sum();
-    ops.reserve(template_ops * (layers * parts) as usize);
+    let template_ops: usize = kv_templates.iter().flatten().map(Vec::len).sum();
+    let per_kv = kv_templates.len() as u32;
+    ops.reserve(template_ops * (layers * parts / per_kv) as usize);
     for (rank, producer_index) in ranks {
         let producer = &req.producers[producer_index];
         let start = ops.len();
@@ -524,7 +576,8 @@ pub fn plan(req: &PlanRequest<'_>) -> Result<Plan, PlanError> {
             for kv in 0..parts {
                 let src = producer.chunk_place(layer, kv);
                 let dst = consumer.chunk_place(layer, kv);
-                for (group, template) in groups.iter().zip(&templates) {
+                let templates = &kv_templates[if per_kv > 1 { kv as usize } else { 0 }];
+                for (group, template) in groups.iter().zip(templates) {
                     if group.producer != rank {
                         continue;
                     }
@@ -549,6 +602,7 @@ pub fn plan(req: &PlanRequest<'_>) -> Result<Plan, PlanError> {
     let bytes = ops.iter().map(CopyOp::bytes).sum();
     let permute = (needs_permute && req.only_producer.is_none() && n > skip)
         .then(|| permute_plan(consumer, req.consumer_blocks, n, skip, order));
+    debug_assert!(permute_from.is_none_or(|from| from == order));
     Ok(Plan {
         ops,
         writers,
@@ -557,10 +611,12 @@ pub fn plan(req: &PlanRequest<'_>) -> Result<Plan, PlanError> {
     })
 }
 
+/// The template of part `kv` (which matters only for [`MemoryOrder::HndKt`]).
 fn build_templates(
     req: &PlanRequest<'_>,
     groups: &[HeadGroup],
     order: MemoryOrder,
+    kv: u32,
     bp: u64,
     bc: u64,
 ) -> Vec<Vec<Piece>> {
@@ -570,6 +626,9 @@ fn build_templates(
     let head_bytes = consumer.head_bytes();
     let hc = u64::from(consumer.local_heads());
     let c_stride = consumer.block_stride();
+    let c_pitch = consumer.head_pitch();
+    let element = u64::from(consumer.spec().dtype.size());
+    let dims = head_bytes / element;
     let mut t = req.skip_tokens;
     while t < req.num_tokens {
         let (pbi, ps) = (t / bp, t % bp);
@@ -579,6 +638,7 @@ fn build_templates(
         for (gi, group) in groups.iter().enumerate() {
             let producer = &req.producers[group.producer_index];
             let hp = u64::from(producer.local_heads());
+            let p_pitch = producer.head_pitch();
             let p_chunk = u64::from(req.producer_blocks[pbi as usize].0) * producer.block_stride();
             let (jp, jc, nh) = (
                 u64::from(group.producer_head),
@@ -595,14 +655,30 @@ fn build_templates(
                     hp * head_bytes,
                     hc * head_bytes,
                 ),
+                // Dimension-major keys: per head, one piece per dimension, each the segment's
+                // tokens of that dimension.
+                MemoryOrder::HndKt if kv == 0 => {
+                    for i in 0..nh {
+                        let piece = Piece::strided(
+                            p_chunk + (jp + i) * p_pitch + ps * element,
+                            c_chunk + (jc + i) * c_pitch + cs * element,
+                            len * element,
+                            dims,
+                            bp * element,
+                            bc * element,
+                        );
+                        mergers[gi].push(piece, &mut templates[gi]);
+                    }
+                    continue;
+                }
                 // One piece per head: the segment's tokens of that head.
-                MemoryOrder::Hnd => Piece::strided(
-                    p_chunk + (jp * bp + ps) * head_bytes,
-                    c_chunk + (jc * bc + cs) * head_bytes,
+                MemoryOrder::Hnd | MemoryOrder::HndKt => Piece::strided(
+                    p_chunk + jp * p_pitch + ps * head_bytes,
+                    c_chunk + jc * c_pitch + cs * head_bytes,
                     len * head_bytes,
                     nh,
-                    bp * head_bytes,
-                    bc * head_bytes,
+                    p_pitch,
+                    c_pitch,
                 ),
             };
             mergers[gi].push(piece, &mut templates[gi]);
@@ -672,8 +748,8 @@ pub fn permute_for(
             tokens: num_tokens,
         });
     }
-    let (p, c) = (effective_order(producer), effective_order(consumer));
-    let Some(from) = p.filter(|p| c.is_some_and(|c| c != *p)) else {
+    let (_, from) = transfer_order(producer, consumer)?;
+    let Some(from) = from else {
         return Ok(None);
     };
     let bc = u64::from(consumer.spec().block_tokens);

@@ -54,8 +54,48 @@ pub struct HeadVectorAt {
     pub head: u32,
     /// Region holding it.
     pub region: u32,
-    /// Byte offset in that region.
+    /// Byte offset of its first element in that region.
     pub offset: u64,
+    /// Bytes per element.
+    pub element_bytes: u64,
+    /// Distance between consecutive elements (`element_bytes` where the vector is contiguous).
+    pub element_stride: u64,
+}
+
+impl HeadVectorAt {
+    /// The vector's bytes in its region, as `(region offset, vector offset, len)` runs: one run
+    /// where the vector is contiguous, one per element otherwise.
+    pub fn runs(&self, head_bytes: u64) -> impl Iterator<Item = (u64, u64, u64)> + '_ {
+        let contiguous = self.element_stride == self.element_bytes;
+        let (len, count) = if contiguous {
+            (head_bytes, 1)
+        } else {
+            (self.element_bytes, head_bytes / self.element_bytes)
+        };
+        (0..count).map(move |i| (self.offset + i * self.element_stride, i * len, len))
+    }
+
+    /// Writes `vector` to its place in `region`.
+    ///
+    /// # Panics
+    /// If the place lies beyond `region`.
+    pub fn store(&self, region: &mut [u8], vector: &[u8]) {
+        for (at, from, len) in self.runs(vector.len() as u64) {
+            let (at, from, len) = (at as usize, from as usize, len as usize);
+            region[at..at + len].copy_from_slice(&vector[from..from + len]);
+        }
+    }
+
+    /// Reads the vector from `region` into `out`.
+    ///
+    /// # Panics
+    /// If the place lies beyond `region`.
+    pub fn load(&self, region: &[u8], out: &mut [u8]) {
+        for (at, to, len) in self.runs(out.len() as u64) {
+            let (at, to, len) = (at as usize, to as usize, len as usize);
+            out[to..to + len].copy_from_slice(&region[at..at + len]);
+        }
+    }
 }
 
 /// Calls `f` for every head vector this rank holds of `tokens` of a request stored in `blocks`,
@@ -71,6 +111,7 @@ pub fn for_each_head_vector(
     mut f: impl FnMut(HeadVectorAt) -> bool,
 ) {
     let bt = u64::from(layout.spec().block_tokens);
+    let element_bytes = u64::from(layout.spec().dtype.size());
     for token in tokens {
         let block = blocks[(token / bt) as usize];
         let slot = (token % bt) as u32;
@@ -85,6 +126,8 @@ pub fn for_each_head_vector(
                         head: layout.first_head() + local,
                         region,
                         offset,
+                        element_bytes,
+                        element_stride: layout.element_stride(kv),
                     };
                     if !f(at) {
                         return;
@@ -107,11 +150,10 @@ pub fn fill_request(
     num_tokens: u64,
     seed: u64,
 ) {
-    let hb = layout.head_bytes() as usize;
+    let mut vector = vec![0u8; layout.head_bytes() as usize];
     for_each_head_vector(layout, blocks, 0..num_tokens, |v| {
-        let at = v.offset as usize;
-        let out = &mut regions[v.region as usize][at..at + hb];
-        head_vector(seed, v.layer, v.kv, v.token, v.head, out);
+        head_vector(seed, v.layer, v.kv, v.token, v.head, &mut vector);
+        v.store(regions[v.region as usize], &vector);
         true
     });
 }
@@ -129,12 +171,12 @@ pub fn verify_request(
     seed: u64,
 ) -> Result<(), Mismatch> {
     let hb = layout.head_bytes() as usize;
-    let mut expected = vec![0u8; hb];
+    let (mut expected, mut held) = (vec![0u8; hb], vec![0u8; hb]);
     let mut found = None;
     for_each_head_vector(layout, blocks, skip_tokens..num_tokens, |v| {
         head_vector(seed, v.layer, v.kv, v.token, v.head, &mut expected);
-        let at = v.offset as usize;
-        if regions[v.region as usize][at..at + hb] != expected[..] {
+        v.load(regions[v.region as usize], &mut held);
+        if held != expected {
             found = Some(Mismatch {
                 layer: v.layer,
                 kv: v.kv,

@@ -8,12 +8,15 @@ use kvx_layout::synth::{fill_request, verify_request};
 use kvx_layout::{plan, Layout, PlanError, PlanRequest};
 use proptest::prelude::*;
 
-const ARRANGEMENTS: [Arrangement; 4] = [
-    Arrangement::PerLayerSplit,
-    Arrangement::PerLayerKvHalves,
-    Arrangement::PerLayerKvInBlock,
-    Arrangement::CrossLayer,
-];
+const ARRANGEMENTS: [Arrangement; 5] = Arrangement::ALL;
+const ORDERS: [MemoryOrder; 3] = MemoryOrder::ALL;
+
+/// `per-layer-head-kv` needs a head-major order; `nhd` becomes `hnd` there.
+fn fit_order(side: &mut SideParams) {
+    if side.arrangement == Arrangement::PerLayerHeadKv && side.order == MemoryOrder::Nhd {
+        side.order = MemoryOrder::Hnd;
+    }
+}
 
 #[derive(Clone, Debug)]
 struct SideParams {
@@ -55,25 +58,25 @@ fn side(heads: u32, mla: bool) -> impl Strategy<Value = SideParams> {
     (
         tp_for(heads, mla),
         1u32..=8,
-        any::<bool>(),
+        0..ORDERS.len(),
         0..ARRANGEMENTS.len(),
         0u32..4,
         any::<bool>(),
         0u32..5,
     )
         .prop_map(
-            |(tp, block_tokens, hnd, arr, extra_blocks, fragmented, first_block)| SideParams {
-                tp,
-                block_tokens,
-                order: if hnd {
-                    MemoryOrder::Hnd
-                } else {
-                    MemoryOrder::Nhd
-                },
-                arrangement: ARRANGEMENTS[arr],
-                extra_blocks,
-                fragmented,
-                first_block,
+            |(tp, block_tokens, order, arr, extra_blocks, fragmented, first_block)| {
+                let mut side = SideParams {
+                    tp,
+                    block_tokens,
+                    order: ORDERS[order],
+                    arrangement: ARRANGEMENTS[arr],
+                    extra_blocks,
+                    fragmented,
+                    first_block,
+                };
+                fit_order(&mut side);
+                side
             },
         )
 }
@@ -91,29 +94,37 @@ fn case() -> impl Strategy<Value = Case> {
             any::<prop::sample::Index>(),
             0u64..=40,
             any::<prop::sample::Index>(),
-            any::<u64>(),
+            (any::<u64>(), any::<bool>()),
         )
             .prop_map(
                 move |(
                     (layers, head_dim, dtype),
                     producer,
-                    consumer,
+                    mut consumer,
                     rank,
                     tokens,
                     skip,
-                    shuffle_seed,
-                )| Case {
-                    layers,
-                    heads,
-                    head_dim,
-                    dtype,
-                    mla,
-                    consumer_rank: rank.index(consumer.tp as usize) as u32,
-                    producer,
-                    consumer,
-                    tokens,
-                    skip: skip.index(tokens as usize + 1) as u64,
-                    shuffle_seed,
+                    (shuffle_seed, same_order),
+                )| {
+                    // Half the cases use one order on both sides, so that orders without a
+                    // re-layout (`hnd-kt`) are planned, not only refused.
+                    if same_order {
+                        consumer.order = producer.order;
+                        fit_order(&mut consumer);
+                    }
+                    Case {
+                        layers,
+                        heads,
+                        head_dim,
+                        dtype,
+                        mla,
+                        consumer_rank: rank.index(consumer.tp as usize) as u32,
+                        producer,
+                        consumer,
+                        tokens,
+                        skip: skip.index(tokens as usize + 1) as u64,
+                        shuffle_seed,
+                    }
                 },
             )
     })
@@ -201,6 +212,20 @@ fn simulate(case: &Case) -> Result<usize, TestCaseError> {
         only_producer: None,
     };
     let planned = match plan(&request(skip)) {
+        Err(PlanError::UnsupportedReLayout { .. }) => {
+            let (p, c) = (&case.producer, &case.consumer);
+            prop_assert!(p.order != c.order || p.arrangement != c.arrangement);
+            prop_assert!(
+                p.order == MemoryOrder::HndKt
+                    || c.order == MemoryOrder::HndKt
+                    || c.arrangement == Arrangement::PerLayerHeadKv
+            );
+            prop_assert!(
+                kvx_layout::permute_for(&producers[0], &consumer, case.tokens, 0, &c_blocks)
+                    .is_err()
+            );
+            return Ok(0);
+        }
         Err(PlanError::UnalignedSkip { .. }) => {
             prop_assert!(
                 !skip.is_multiple_of(cb) && consumer.spec().order != producers[0].spec().order
@@ -294,9 +319,14 @@ fn simulate(case: &Case) -> Result<usize, TestCaseError> {
             let block = c_blocks[(token / cb) as usize];
             for layer in 0..case.layers {
                 for kv in 0..consumer.kv_parts() {
+                    let stride = consumer.element_stride(kv) as usize;
+                    let element = case.dtype.size() as usize;
                     for h in 0..consumer.local_heads() {
                         let (r, o) = consumer.head_vector(layer, kv, block, (token % cb) as u32, h);
-                        may_change[r as usize][o as usize..o as usize + hb].fill(true);
+                        for e in 0..hb / element {
+                            let at = o as usize + e * stride;
+                            may_change[r as usize][at..at + element].fill(true);
+                        }
                     }
                 }
             }
@@ -482,4 +512,62 @@ fn same_geometry_needs_one_op_per_layer_and_kv() {
     );
     // Rank 1 of TP 2 with 4 heads and a TP-2 producer: the whole request is one run per family.
     let _ = Rank(0);
+}
+
+/// vLLM's CPU cache (`hnd-kt` in `per-layer-head-kv`) moves token-exactly between any block
+/// sizes and TP degrees, as long as both sides use it.
+#[test]
+fn vllm_cpu_layout_moves_token_exactly_across_block_sizes() {
+    for (p_bt, c_bt) in [(16, 16), (16, 32), (32, 16), (3, 5)] {
+        for (p_tp, c_tp) in [(2, 2), (4, 2), (1, 2), (2, 1)] {
+            for fragmented in [false, true] {
+                for skip in [0, 16] {
+                    let mut case = base_case();
+                    case.tokens = 70;
+                    case.skip = skip;
+                    case.consumer_rank = c_tp - 1;
+                    for (side, tp, bt) in [
+                        (&mut case.producer, p_tp, p_bt),
+                        (&mut case.consumer, c_tp, c_bt),
+                    ] {
+                        side.tp = tp;
+                        side.block_tokens = bt;
+                        side.order = MemoryOrder::HndKt;
+                        side.arrangement = Arrangement::PerLayerHeadKv;
+                        side.fragmented = fragmented;
+                    }
+                    let ops = simulate(&case).unwrap();
+                    assert!(ops > 0, "refused: {case:?}");
+                    if p_bt == c_bt && p_tp == c_tp && !fragmented {
+                        case.tokens = 64;
+                        let ops = simulate(&case).unwrap();
+                        assert_eq!(ops, 2 * 2, "one op per (layer, K/V) for {case:?}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Dimension-major keys have no receiver permute: a pairing with a token-major side is refused
+/// (`simulate` checks that the refusal is `UnsupportedReLayout` and returns no ops), unless that
+/// side's blocks hold one token.
+#[test]
+fn dimension_major_keys_pair_only_with_themselves() {
+    for (order, arrangement) in [
+        (MemoryOrder::Hnd, Arrangement::PerLayerSplit),
+        (MemoryOrder::Nhd, Arrangement::PerLayerKvInBlock),
+        (MemoryOrder::Hnd, Arrangement::PerLayerHeadKv),
+    ] {
+        for consumer_tokens in [4, 1] {
+            let mut case = base_case();
+            case.producer.order = MemoryOrder::HndKt;
+            case.producer.arrangement = Arrangement::PerLayerHeadKv;
+            case.consumer.order = order;
+            case.consumer.arrangement = arrangement;
+            case.consumer.block_tokens = consumer_tokens;
+            let ops = simulate(&case).unwrap();
+            assert_eq!(ops > 0, consumer_tokens == 1, "{case:?}");
+        }
+    }
 }

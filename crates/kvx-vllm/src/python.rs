@@ -51,27 +51,11 @@ fn parse_dtype(s: &str) -> PyResult<Dtype> {
 }
 
 fn parse_order(s: &str) -> PyResult<MemoryOrder> {
-    match s {
-        "nhd" | "NHD" => Ok(MemoryOrder::Nhd),
-        "hnd" | "HND" => Ok(MemoryOrder::Hnd),
-        _ => Err(value_err(format!("unknown memory order `{s}` (nhd, hnd)"))),
-    }
+    s.parse().map_err(|e: kvx_core::UnknownName| value_err(e.to_string()))
 }
 
 fn parse_arrangement(s: &str) -> PyResult<Arrangement> {
-    [
-        Arrangement::PerLayerSplit,
-        Arrangement::PerLayerKvHalves,
-        Arrangement::PerLayerKvInBlock,
-        Arrangement::CrossLayer,
-    ]
-    .into_iter()
-    .find(|a| a.to_string() == s)
-    .ok_or_else(|| {
-        value_err(format!(
-            "unknown arrangement `{s}` (per-layer-split, per-layer-kv-halves, per-layer-kv-in-block, cross-layer)"
-        ))
-    })
+    s.parse().map_err(|e: kvx_core::UnknownName| value_err(e.to_string()))
 }
 
 fn parse_addr(s: &str) -> PyResult<SocketAddr> {

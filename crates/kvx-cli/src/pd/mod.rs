@@ -58,7 +58,7 @@ pub(crate) struct ModelArgs {
     /// Blocks in each rank's cache.
     #[arg(long, default_value_t = 4096)]
     pub(crate) blocks: u32,
-    /// Memory order: nhd or hnd.
+    /// Memory order: nhd, hnd or hnd-kt.
     #[arg(long, default_value = "hnd")]
     pub(crate) order: String,
     /// Transport: libfabric:shm, cma, libfabric:tcp, libfabric:auto, loopback.
@@ -74,11 +74,7 @@ impl ModelArgs {
             "tiny" => (2, 4, 16, Dtype::F32),
             other => bail!("unknown model `{other}` (qwen2.5-0.5b, tiny)"),
         };
-        let order = match self.order.as_str() {
-            "nhd" => MemoryOrder::Nhd,
-            "hnd" => MemoryOrder::Hnd,
-            other => bail!("unknown order `{other}` (nhd, hnd)"),
-        };
+        let order: MemoryOrder = self.order.parse()?;
         Ok(LayoutSpec {
             num_layers,
             total_kv_heads,

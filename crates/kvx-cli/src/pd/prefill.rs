@@ -73,11 +73,15 @@ impl RankMemory {
 
     /// Writes the synthetic KV of `tokens` tokens into `blocks` (this rank's heads).
     pub(crate) fn fill(&self, blocks: &[BlockId], tokens: u64, seed: u64) -> anyhow::Result<()> {
-        let mut vector = vec![0u8; self.layout.head_bytes() as usize];
+        let hb = self.layout.head_bytes();
+        let mut vector = vec![0u8; hb as usize];
         let mut result = Ok(());
         for_each_head_vector(&self.layout, blocks, 0..tokens, |v| {
             head_vector(seed, v.layer, v.kv, v.token, v.head, &mut vector);
-            result = self.buffers[v.region as usize].write_at(v.offset as usize, &vector);
+            let buffer = &self.buffers[v.region as usize];
+            result = v.runs(hb).try_for_each(|(at, from, len)| {
+                buffer.write_at(at as usize, &vector[from as usize..(from + len) as usize])
+            });
             result.is_ok()
         });
         Ok(result?)
@@ -92,8 +96,12 @@ impl RankMemory {
         let mut result = Ok(());
         for_each_head_vector(&self.layout, blocks, 0..tokens, |v| {
             head_vector(seed, v.layer, v.kv, v.token, v.head, &mut expected);
-            result = self.buffers[v.region as usize]
-                .read_at(v.offset as usize, &mut found)
+            let buffer = &self.buffers[v.region as usize];
+            result = v
+                .runs(hb as u64)
+                .try_for_each(|(at, to, len)| {
+                    buffer.read_at(at as usize, &mut found[to as usize..(to + len) as usize])
+                })
                 .map_err(anyhow::Error::from)
                 .and_then(|()| {
                     if found == expected {
