@@ -25,9 +25,9 @@ KEYS: dict[str, tuple[Any, str]] = {
     ),
     "layout": (
         "auto",
-        "How the KV cache is described to kvx: auto (token-exact where the attention backend's "
-        "layout allows, block-granular otherwise — always block-granular on vLLM's CPU backend), "
-        "exact (refuse to start unless token-exact), or block.",
+        "How the KV cache is described to kvx: auto or exact (token by token: vLLM's CPU "
+        "backend's cache and FlashAttention's), or block (the CPU cache block by block, which "
+        "needs equal block sizes on both sides).",
     ),
     "registration_lease_s": (
         120.0,
