@@ -134,7 +134,7 @@ fn work(shares: &Mutex<Receiver<Share>>, completions: &Completions) {
             (Some(e), _) => Err(e),
             (None, None) => Ok(()),
             (None, Some((sender, notice))) => {
-                sender.send(*notice).map_err(|e| OpError::PeerUnreachable {
+                sender.send_all(&[*notice]).map_err(|e| OpError::PeerUnreachable {
                     source: Box::new(e),
                 })
             }

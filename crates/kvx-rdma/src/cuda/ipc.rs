@@ -282,26 +282,29 @@ fn watch(
     }
 }
 
-/// Waits for a batch's event, then sends its notices.
+/// Waits for a batch's event, then sends its notices (in one write).
 fn finish(job: Watch, pool: &EventPool, results: &mut Vec<(u64, Result<(), OpError>)>) {
     // SAFETY: the event was recorded on a live stream of this context before it was sent.
     let waited = check("cuEventSynchronize", unsafe {
         sys::cuEventSynchronize(job.event.0)
     });
     pool.give(job.event);
+    let notices: Vec<u64> = job.ops.iter().filter_map(|&(_, notice)| notice).collect();
+    let sent = match &waited {
+        Ok(()) if !notices.is_empty() => job.notices.send_all(&notices),
+        _ => Ok(()),
+    };
     for (op, notice) in job.ops {
-        let result = match (&waited, notice) {
+        let result = match (&waited, &sent) {
             (Err(e), _) => Err(OpError::Backend {
                 source: boxed(e.clone()),
             }),
-            (Ok(()), None) => Ok(()),
-            (Ok(()), Some(notice)) => {
-                job.notices
-                    .send(notice)
-                    .map_err(|e| OpError::PeerUnreachable {
-                        source: boxed(socket_error("sending the completion notice")(e)),
-                    })
-            }
+            (Ok(()), Err(e)) if notice.is_some() => Err(OpError::PeerUnreachable {
+                source: boxed(socket_error("sending the completion notice")(
+                    std::io::Error::new(e.kind(), e.to_string()),
+                )),
+            }),
+            (Ok(()), _) => Ok(()),
         };
         results.push((op, result));
     }
