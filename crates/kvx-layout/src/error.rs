@@ -30,7 +30,9 @@ pub enum LayoutError {
     #[error("layout sizes overflow 64 bits")]
     TooLarge,
     /// The arrangement keeps a chunk's heads apart, which only a head-major order can describe.
-    #[error("arrangement {arrangement} needs a head-major memory order (hnd or hnd-kt), not {order}")]
+    #[error(
+        "arrangement {arrangement} needs a head-major memory order (hnd or hnd-kt), not {order}"
+    )]
     OrderArrangement {
         /// The order given.
         order: kvx_core::MemoryOrder,

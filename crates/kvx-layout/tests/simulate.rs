@@ -220,10 +220,14 @@ fn simulate(case: &Case) -> Result<usize, TestCaseError> {
                     || c.order == MemoryOrder::HndKt
                     || c.arrangement == Arrangement::PerLayerHeadKv
             );
-            prop_assert!(
-                kvx_layout::permute_for(&producers[0], &consumer, case.tokens, 0, &c_blocks)
-                    .is_err()
-            );
+            prop_assert!(kvx_layout::permute_for(
+                &producers[0],
+                &consumer,
+                case.tokens,
+                0,
+                &c_blocks
+            )
+            .is_err());
             return Ok(0);
         }
         Err(PlanError::UnalignedSkip { .. }) => {

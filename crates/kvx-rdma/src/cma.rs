@@ -134,9 +134,11 @@ fn work(shares: &Mutex<Receiver<Share>>, completions: &Completions) {
             (Some(e), _) => Err(e),
             (None, None) => Ok(()),
             (None, Some((sender, notice))) => {
-                sender.send_all(&[*notice]).map_err(|e| OpError::PeerUnreachable {
-                    source: Box::new(e),
-                })
+                sender
+                    .send_all(&[*notice])
+                    .map_err(|e| OpError::PeerUnreachable {
+                        source: Box::new(e),
+                    })
             }
         };
         completions.push_all([(job.op, result)]);

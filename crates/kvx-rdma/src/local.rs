@@ -773,16 +773,22 @@ mod tests {
         let mut link = Link::connect(&control.identity().socket).unwrap();
         assert!(link.alive());
         link.send_message(b"hello").unwrap();
-        link.notices().send(99).unwrap();
+        link.notices().send_all(&[99, 100, 101]).unwrap();
         let mut events = VecDeque::new();
         let deadline = Instant::now() + Duration::from_secs(5);
-        while events.len() < 2 {
+        while events.len() < 4 {
             control.block(Duration::from_millis(100)).unwrap();
             control.receive(&mut events);
             assert!(Instant::now() < deadline);
         }
         assert!(matches!(&events[0], Event::Message(m) if m == b"hello"));
-        assert!(matches!(events[1], Event::Notice(Notice(99))));
+        // One write of three frames: three notices, in order.
+        for (event, want) in events.iter().skip(1).zip([99, 100, 101]) {
+            assert!(
+                matches!(event, Event::Notice(Notice(n)) if *n == want),
+                "{event:?}"
+            );
+        }
         control.completions().push_all([(5, Ok(()))]);
         control.block(Duration::from_secs(5)).unwrap();
         let done = control.completed();

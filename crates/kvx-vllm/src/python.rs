@@ -51,11 +51,13 @@ fn parse_dtype(s: &str) -> PyResult<Dtype> {
 }
 
 fn parse_order(s: &str) -> PyResult<MemoryOrder> {
-    s.parse().map_err(|e: kvx_core::UnknownName| value_err(e.to_string()))
+    s.parse()
+        .map_err(|e: kvx_core::UnknownName| value_err(e.to_string()))
 }
 
 fn parse_arrangement(s: &str) -> PyResult<Arrangement> {
-    s.parse().map_err(|e: kvx_core::UnknownName| value_err(e.to_string()))
+    s.parse()
+        .map_err(|e: kvx_core::UnknownName| value_err(e.to_string()))
 }
 
 fn parse_addr(s: &str) -> PyResult<SocketAddr> {

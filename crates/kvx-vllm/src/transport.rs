@@ -1,6 +1,8 @@
 //! Choosing and opening a transport by name: `libfabric:shm` (the default: one machine),
 //! `libfabric:tcp` (loopback or a named interface), `libfabric:auto` (EFA where present, else
-//! TCP), `libfabric:<provider>`, or `loopback` (in-process only, for tests and demos).
+//! TCP), `libfabric:<provider>`, or `loopback` (in-process only, for tests and demos). A libfabric
+//! name may end in `,rails=N`: that many endpoints on the domain, large transfers striped over
+//! them (on `shm`, posted from one thread per rail, so that the copies run in parallel).
 
 use std::fmt;
 use std::str::FromStr;
@@ -22,6 +24,8 @@ pub enum TransportSpec {
         provider: String,
         /// Domain, e.g. `lo`.
         domain: Option<String>,
+        /// Endpoints (rails) to open on the domain; 1 unless the name says `,rails=N`.
+        rails: usize,
     },
     /// Cross-memory attach between processes of one host (host memory; one-sided).
     Cma,
@@ -37,6 +41,7 @@ impl Default for TransportSpec {
         Self::Libfabric {
             provider: "shm".into(),
             domain: None,
+            rails: 1,
         }
     }
 }
@@ -47,27 +52,38 @@ impl fmt::Display for TransportSpec {
             Self::Loopback => f.write_str("loopback"),
             Self::Cma => f.write_str("cma"),
             Self::CudaIpc { device } => write!(f, "cuda-ipc:{device}"),
-            Self::Libfabric { provider, domain } => {
+            Self::Libfabric {
+                provider,
+                domain,
+                rails,
+            } => {
                 let short = if provider == "tcp;ofi_rxm" {
                     "tcp"
                 } else {
                     provider
                 };
                 match domain {
-                    Some(d) => write!(f, "libfabric:{short}@{d}"),
-                    None => write!(f, "libfabric:{short}"),
+                    Some(d) => write!(f, "libfabric:{short}@{d}")?,
+                    None => write!(f, "libfabric:{short}")?,
                 }
+                if *rails != 1 {
+                    write!(f, ",rails={rails}")?;
+                }
+                Ok(())
             }
         }
     }
 }
+
+/// Most rails a transport name may ask for.
+const MAX_NAMED_RAILS: usize = 64;
 
 /// A transport name that is not understood, or a transport that could not be opened.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum TransportError {
     /// Unknown name.
-    #[error("unknown transport `{0}` (loopback, libfabric:shm, libfabric:tcp[@IFACE], libfabric:auto, libfabric:PROVIDER, cma, cuda-ipc[:DEVICE])")]
+    #[error("unknown transport `{0}` (loopback, libfabric:shm, libfabric:tcp[@IFACE], libfabric:auto, libfabric:PROVIDER, each optionally with `,rails=N`; cma, cuda-ipc[:DEVICE])")]
     Unknown(String),
     /// This build has no libfabric.
     #[error("this build has no libfabric support (feature `libfabric`)")]
@@ -106,6 +122,14 @@ impl FromStr for TransportSpec {
             };
             return Ok(Self::CudaIpc { device });
         }
+        let (name, rails) = match s.split_once(",rails=") {
+            Some((name, n)) => match n.parse::<usize>() {
+                Ok(n) if (1..=MAX_NAMED_RAILS).contains(&n) => (name, n),
+                _ => return Err(TransportError::Unknown(s.into())),
+            },
+            None => (s, 1),
+        };
+        let s = name;
         let rest = s.strip_prefix("libfabric:").unwrap_or(s);
         let (provider, domain) = match rest.split_once('@') {
             Some((p, d)) => (p, Some(d.to_owned())),
@@ -127,6 +151,7 @@ impl FromStr for TransportSpec {
         Ok(Self::Libfabric {
             provider: provider.into(),
             domain,
+            rails,
         })
     }
 }
@@ -146,8 +171,12 @@ impl TransportSpec {
         match self {
             Self::Loopback => Ok(Box::new(loopback_fabric().endpoint())),
             #[cfg(feature = "libfabric")]
-            Self::Libfabric { provider, domain } => {
-                use kvx_rdma::libfabric::{LibfabricConfig, LibfabricTransport};
+            Self::Libfabric {
+                provider,
+                domain,
+                rails,
+            } => {
+                use kvx_rdma::libfabric::{LibfabricConfig, LibfabricTransport, Rails};
                 let mut config = if provider == "auto" {
                     LibfabricConfig::auto()
                 } else {
@@ -155,6 +184,9 @@ impl TransportSpec {
                 };
                 if domain.is_some() {
                     config.domain.clone_from(domain);
+                }
+                if *rails > 1 {
+                    config = config.with_rails(Rails::Count(*rails));
                 }
                 LibfabricTransport::open(&config)
                     .map(|t| Box::new(t) as Box<dyn Transport>)
@@ -207,9 +239,22 @@ mod tests {
             "libfabric:tcp".parse::<TransportSpec>().unwrap(),
             TransportSpec::Libfabric {
                 provider: "tcp;ofi_rxm".into(),
-                domain: Some("lo".into())
+                domain: Some("lo".into()),
+                rails: 1,
             }
         );
+        let two = "libfabric:shm,rails=2".parse::<TransportSpec>().unwrap();
+        assert_eq!(
+            two,
+            TransportSpec::Libfabric {
+                provider: "shm".into(),
+                domain: None,
+                rails: 2,
+            }
+        );
+        assert_eq!(two.to_string(), "libfabric:shm,rails=2");
+        assert!("libfabric:shm,rails=0".parse::<TransportSpec>().is_err());
+        assert!("libfabric:shm,rails=x".parse::<TransportSpec>().is_err());
         assert_eq!(
             "shm".parse::<TransportSpec>().unwrap().to_string(),
             "libfabric:shm"

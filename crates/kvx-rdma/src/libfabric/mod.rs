@@ -61,7 +61,9 @@
 
 pub mod address;
 pub mod fi;
+mod posters;
 pub mod rails;
+mod shm_sweep;
 pub mod stripe;
 
 use std::collections::{HashMap, VecDeque};
@@ -361,18 +363,55 @@ struct Segment {
     remote_stride: u64,
 }
 
+/// A position in a stripe: segment, piece, byte within the piece.
+type Cursor = (usize, u64, u64);
+
+/// One piece of a stripe, ready to post.
+#[derive(Clone, Copy, Debug)]
+struct PieceAt {
+    seg: Segment,
+    local: usize,
+    remote: u64,
+    len: u64,
+    /// The cursor after this piece.
+    next: Cursor,
+}
+
 /// The part of an operation that one link (rail) moves.
 #[derive(Debug)]
 struct Stripe {
     link: usize,
     segments: Vec<Segment>,
-    /// Next piece to post: segment, piece, byte within the piece.
-    cursor: (usize, u64, u64),
+    /// Next piece to post.
+    cursor: Cursor,
 }
 
 impl Stripe {
     fn has_data(&self) -> bool {
         self.cursor.0 < self.segments.len()
+    }
+
+    /// The piece at `cursor` (at most `max_chunk` bytes); `None` past the last segment.
+    fn piece_at(&self, cursor: Cursor, max_chunk: u64) -> Option<PieceAt> {
+        let (seg_index, piece, within) = cursor;
+        let seg = *self.segments.get(seg_index)?;
+        let chunk = (seg.len - within).min(max_chunk);
+        let local = seg.local + (piece * seg.local_stride + within) as usize;
+        let remote = seg.remote + piece * seg.remote_stride + within;
+        let mut next = (seg_index, piece, within + chunk);
+        if next.2 >= seg.len {
+            next = (seg_index, piece + 1, 0);
+            if next.1 >= seg.count {
+                next = (seg_index + 1, 0, 0);
+            }
+        }
+        Some(PieceAt {
+            seg,
+            local,
+            remote,
+            len: chunk,
+            next,
+        })
     }
 }
 
@@ -436,6 +475,8 @@ pub struct LibfabricTransport {
     // Field order is drop order. Registrations close first, then the rails (endpoint, scratch
     // registration and buffer, domain), and the contexts are freed last, so no context or buffer
     // is freed while libfabric may still use it.
+    /// `shm` with several rails: one posting thread per extra rail (see [`posters`]).
+    posters: Option<posters::Posters>,
     regions: HashMap<u32, Registration>,
     rails: Vec<Rail>,
     contexts: ContextPool,
@@ -513,6 +554,9 @@ pub enum OpenError {
         /// What differs.
         what: &'static str,
     },
+    /// A rail's posting thread could not be started.
+    #[error("starting the rails' posting threads failed")]
+    Thread(#[source] std::io::Error),
 }
 
 impl std::fmt::Debug for LibfabricTransport {
@@ -682,6 +726,16 @@ impl LibfabricTransport {
                 max: MAX_RAILS,
             });
         }
+        // `shm`: clear the regions killed processes left (see [`shm_sweep`]), and keep this
+        // process's other `shm` opens out until the rails exist.
+        let _opening = (config.provider == PROVIDER_SHM).then(|| {
+            let mut first = shm_sweep::OPENING
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            shm_sweep::sweep(std::path::Path::new(shm_sweep::SHM_DIR), *first);
+            *first = false;
+            first
+        });
         let mut rails = Vec::with_capacity(domains.len());
         let mut infos: Vec<RailInfo> = Vec::with_capacity(domains.len());
         for domain in &domains {
@@ -721,7 +775,13 @@ impl LibfabricTransport {
             None
         };
         let n = rails.len();
+        // `shm` copies a piece inside the post itself: rails post from threads of their own.
+        let posters = (n > 1 && first.provider == PROVIDER_SHM)
+            .then(|| posters::Posters::start(n))
+            .transpose()
+            .map_err(OpenError::Thread)?;
         let mut transport = Self {
+            posters,
             regions: HashMap::new(),
             rails,
             contexts: ContextPool::default(),
@@ -1161,6 +1221,9 @@ impl LibfabricTransport {
             }
             return Ok(());
         }
+        if self.posters.is_some() && p.stripes.len() > 1 {
+            return self.post_stripes_together(op);
+        }
         // The rails take turns; one that pushes back lets the others go on.
         let (count, start) = (p.stripes.len(), p.next_stripe);
         let mut again = None;
@@ -1186,17 +1249,22 @@ impl LibfabricTransport {
         let Some(p) = self.pending.get(&op) else {
             return Ok(false);
         };
-        let Some(stripe) = p.stripes.get(s).filter(|st| st.has_data()) else {
+        let Some(stripe) = p.stripes.get(s) else {
             return Ok(false);
         };
-        let (seg_index, piece, within) = stripe.cursor;
-        let seg = stripe.segments[seg_index];
+        let Some(PieceAt {
+            seg,
+            local,
+            remote,
+            len: chunk,
+            next,
+        }) = stripe.piece_at(stripe.cursor, self.max_chunk as u64)
+        else {
+            return Ok(false);
+        };
         let link = stripe.link;
         let kind = p.kind;
         let peer_addr = self.peers[p.peer.0 as usize].links[link];
-        let chunk = (seg.len - within).min(self.max_chunk as u64);
-        let local = seg.local + (piece * seg.local_stride + within) as usize;
-        let remote = seg.remote + piece * seg.remote_stride + within;
         let ep = &self.rails[link].ep;
         let ctx = self.contexts.take(Use::Data { op });
         // SAFETY: the range was checked against the local registration, which cannot be
@@ -1233,17 +1301,88 @@ impl LibfabricTransport {
         if let Some(p) = self.pending.get_mut(&op) {
             p.in_flight += 1;
             if let Some(stripe) = p.stripes.get_mut(s) {
-                let mut next = (seg_index, piece, within + chunk);
-                if next.2 >= seg.len {
-                    next = (seg_index, piece + 1, 0);
-                    if next.1 >= seg.count {
-                        next = (seg_index + 1, 0, 0);
-                    }
-                }
                 stripe.cursor = next;
             }
         }
         Ok(true)
+    }
+
+    /// Posts as many pieces of every stripe of `op` as the in-flight limit allows, each rail's
+    /// on its own thread at the same time ([`posters`]); `Ok` when anything was posted.
+    fn post_stripes_together(&mut self, op: u64) -> Result<(), FiErrno> {
+        let Some(posters) = &self.posters else {
+            return Ok(());
+        };
+        let Some(p) = self.pending.get(&op) else {
+            return Ok(());
+        };
+        let room = self.in_flight_cap.saturating_sub(self.contexts.in_flight());
+        let per_stripe = (room / p.stripes.len().max(1)).max(1);
+        let read = p.kind == OpKind::Read;
+        let links = &self.peers[p.peer.0 as usize].links;
+        let max_chunk = self.max_chunk as u64;
+        let mut work: Vec<Vec<posters::Piece>> = vec![Vec::new(); self.rails.len()];
+        // Per rail: the stripe it carries and the cursor after each of its pieces.
+        let mut plans: Vec<Option<(usize, Vec<Cursor>)>> = vec![None; self.rails.len()];
+        for (s, stripe) in p.stripes.iter().enumerate() {
+            let link = stripe.link;
+            if plans[link].is_some() {
+                continue; // one stripe per rail and pass
+            }
+            let mut cursor = stripe.cursor;
+            let mut after = Vec::new();
+            while after.len() < per_stripe {
+                let Some(at) = stripe.piece_at(cursor, max_chunk) else {
+                    break;
+                };
+                work[link].push(posters::Piece {
+                    read,
+                    local: at.local,
+                    len: at.len as usize,
+                    desc: at.seg.desc,
+                    peer: links[link],
+                    remote: at.remote,
+                    key: at.seg.key,
+                    context: self.contexts.take(Use::Data { op }),
+                });
+                after.push(at.next);
+                cursor = at.next;
+            }
+            plans[link] = Some((s, after));
+        }
+        let eps: Vec<Arc<fi::Endpoint>> = self.rails.iter().map(|r| Arc::clone(&r.ep)).collect();
+        let contexts: Vec<Vec<*mut c_void>> = work
+            .iter()
+            .map(|pieces| pieces.iter().map(|piece| piece.context).collect())
+            .collect();
+        // SAFETY: every range was checked against the local registration, which cannot be
+        // deregistered while the operation is pending; the contexts stay in the pool until their
+        // completions are read (those of pieces not posted are given back below); no rail is
+        // used by this thread while the posting threads run (`post` returns after all of them).
+        let outcomes = unsafe { posters.post(&eps, work) };
+        let (mut posted_any, mut again, mut failed) = (false, None, None);
+        for (link, (posted, error)) in outcomes.into_iter().enumerate() {
+            for &ctx in contexts[link].iter().skip(posted) {
+                self.contexts.give_back(ctx);
+            }
+            if let (Some((s, after)), Some(p)) = (&plans[link], self.pending.get_mut(&op)) {
+                if posted > 0 {
+                    p.in_flight += posted;
+                    p.stripes[*s].cursor = after[posted - 1];
+                    posted_any = true;
+                }
+            }
+            match error {
+                Some(e) if e.is_again() => again = Some(e),
+                Some(e) => failed = Some(e),
+                None => {}
+            }
+        }
+        match (failed, again) {
+            (Some(e), _) => Err(e),
+            (None, Some(e)) if !posted_any => Err(e),
+            _ => Ok(()),
+        }
     }
 
     /// Marks `op` failed (the first error wins); it is reported once nothing is in flight.
