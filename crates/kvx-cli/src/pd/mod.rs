@@ -109,31 +109,27 @@ pub(crate) fn unix_micros() -> u64 {
         .as_micros() as u64
 }
 
-/// A fixed-capacity block allocator (ids 0..n), the same ids on every rank of an instance.
+/// A fixed-capacity block allocator (ids 0..n), the same ids on every rank of an instance. Like
+/// vLLM's free-block queue it is first-in first-out: freed blocks go to the back, so requests
+/// walk through the whole cache (and its bytes are not still in the CPU's caches when reused).
 #[derive(Debug)]
 pub(crate) struct BlockPool {
-    free: Vec<kvx_core::BlockId>,
+    free: std::collections::VecDeque<kvx_core::BlockId>,
 }
 
 impl BlockPool {
     pub(crate) fn new(blocks: u32) -> Self {
         Self {
-            free: (0..blocks).rev().map(kvx_core::BlockId).collect(),
+            free: (0..blocks).map(kvx_core::BlockId).collect(),
         }
     }
 
-    /// `n` blocks, contiguous where the free list allows, or `None` if too few are free.
+    /// The `n` blocks at the front of the free queue, or `None` if too few are free.
     pub(crate) fn alloc(&mut self, n: usize) -> Option<Vec<kvx_core::BlockId>> {
-        (self.free.len() >= n).then(|| {
-            self.free
-                .split_off(self.free.len() - n)
-                .into_iter()
-                .rev()
-                .collect()
-        })
+        (self.free.len() >= n).then(|| self.free.drain(..n).collect())
     }
 
     pub(crate) fn free(&mut self, blocks: Vec<kvx_core::BlockId>) {
-        self.free.extend(blocks.into_iter().rev());
+        self.free.extend(blocks);
     }
 }

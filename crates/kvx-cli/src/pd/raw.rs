@@ -3,6 +3,11 @@
 //! second one (`kvx pd raw --serve`, started here) with a notice: no connector, no rendezvous, no
 //! engine. The time runs from the post to the notice's arrival in the other process (one clock:
 //! the same machine). `cargo xtask bench pd` divides the connector's critical path by it.
+//!
+//! Each repeat moves the request between *other* blocks, walking through both caches the way an
+//! engine's allocator does: repeating one transfer between the same blocks would time copies
+//! between cached bytes (this machine's last-level cache, 260 MiB, holds a 4,096-token request's
+//! source and destination twice over), not the memory-to-memory copy a request costs.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -96,7 +101,7 @@ fn time_into(
     child: &mut std::process::Child,
     spec: &TransportSpec,
     layout: &Layout,
-    plan: &kvx_layout::Plan,
+    tokens: u64,
     repeats: usize,
 ) -> anyhow::Result<Vec<f64>> {
     use std::io::BufRead as _;
@@ -117,9 +122,10 @@ fn time_into(
         buffers.push(buffer);
     }
     let peer = producer.connect(&desc)?;
-    let ops = plan.ops_for(Rank(0));
     let mut times = Vec::new();
     for i in 0..=repeats {
+        let plan = plan_at(layout, tokens, i)?;
+        let ops = plan.ops_for(Rank(0));
         let deadline = Instant::now() + Duration::from_secs(60);
         let start_us = super::unix_micros();
         producer.write(peer, ops, Some(Notice(i as u64)))?;
@@ -139,6 +145,27 @@ fn time_into(
     Ok(times)
 }
 
+/// The plan of repeat `repeat`: the request's blocks moved to the next free stretch of each
+/// cache (producer and consumer at different stretches), wrapping around.
+fn plan_at(layout: &Layout, tokens: u64, repeat: usize) -> anyhow::Result<kvx_layout::Plan> {
+    let blocks = tokens.div_ceil(u64::from(layout.spec().block_tokens)) as u32;
+    let stretches = (layout.spec().num_blocks / blocks.max(1)).max(1) as usize;
+    let ids = |stretch: usize| -> Vec<BlockId> {
+        let first = (stretch % stretches) as u32 * blocks;
+        (first..first + blocks).map(BlockId).collect()
+    };
+    let (producer_blocks, consumer_blocks) = (ids(repeat), ids(repeat + stretches / 2));
+    Ok(kvx_layout::plan(&PlanRequest {
+        producers: std::slice::from_ref(layout),
+        consumer: layout,
+        num_tokens: tokens,
+        skip_tokens: 0,
+        producer_blocks: &producer_blocks,
+        consumer_blocks: &consumer_blocks,
+        only_producer: None,
+    })?)
+}
+
 /// Runs `kvx pd raw` and prints one JSON line.
 pub(crate) fn run(args: &RawArgs) -> anyhow::Result<()> {
     let spec: TransportSpec = args.model.transport.parse()?;
@@ -151,16 +178,7 @@ pub(crate) fn run(args: &RawArgs) -> anyhow::Result<()> {
             layout.spec().num_blocks
         );
     }
-    let block_ids: Vec<BlockId> = (0..blocks).map(BlockId).collect();
-    let plan = kvx_layout::plan(&PlanRequest {
-        producers: std::slice::from_ref(&layout),
-        consumer: &layout,
-        num_tokens: tokens,
-        skip_tokens: 0,
-        producer_blocks: &block_ids,
-        consumer_blocks: &block_ids,
-        only_producer: None,
-    })?;
+    let plan = plan_at(&layout, tokens, 0)?;
     if args.serve {
         return serve(&layout, &spec);
     }
@@ -175,7 +193,7 @@ pub(crate) fn run(args: &RawArgs) -> anyhow::Result<()> {
         .stdout(std::process::Stdio::piped())
         .spawn()
         .context("cannot start the receiving process")?;
-    let result = time_into(&mut child, &spec, &layout, &plan, args.repeats);
+    let result = time_into(&mut child, &spec, &layout, tokens, args.repeats);
     drop(child.stdin.take());
     let _ = child.wait();
     let mut times = result?;
