@@ -82,16 +82,35 @@ pub fn check_ops(
 /// [`RegisterError::Duplicate`], [`RegisterError::Empty`], [`RegisterError::UnsupportedKind`] or
 /// [`RegisterError::Backend`] (too large).
 #[cfg_attr(
+    not(any(feature = "libfabric", feature = "cma")),
+    allow(dead_code, reason = "only the host-memory FFI backends use it")
+)]
+pub(crate) fn check_registration(
+    region: &crate::region::LocalRegion,
+    already_registered: bool,
+    backend: &'static str,
+) -> Result<usize, crate::error::RegisterError> {
+    check_registration_of(region, already_registered, backend, |kind| {
+        kind == kvx_core::MemoryKind::Host
+    })
+}
+
+/// [`check_registration`] for a backend that takes the memory kinds `accepts` says.
+#[cfg_attr(
     not(any(feature = "libfabric", feature = "nixl", feature = "cma")),
     allow(
         dead_code,
         reason = "only the FFI backends register memory with a provider"
     )
 )]
-pub(crate) fn check_registration(
+///
+/// # Errors
+/// As [`check_registration`].
+pub(crate) fn check_registration_of(
     region: &crate::region::LocalRegion,
     already_registered: bool,
     backend: &'static str,
+    accepts: impl Fn(kvx_core::MemoryKind) -> bool,
 ) -> Result<usize, crate::error::RegisterError> {
     use crate::error::RegisterError;
     let index = region.index();
@@ -101,7 +120,7 @@ pub(crate) fn check_registration(
     if region.is_empty() {
         return Err(RegisterError::Empty(index));
     }
-    if region.kind() != kvx_core::MemoryKind::Host {
+    if !accepts(region.kind()) {
         return Err(RegisterError::UnsupportedKind {
             index,
             kind: region.kind(),

@@ -6,7 +6,9 @@
 //! # The model
 //!
 //! One NIXL *agent* per endpoint, with one backend (plugin `UCX` unless configured otherwise).
-//! Registered regions are NIXL `DRAM` registrations; the endpoint's description carries the
+//! Registered regions are NIXL `DRAM` registrations, or `VRAM` ones (with the device ordinal) for
+//! CUDA memory, which UCX then moves with its CUDA transports (`cuda_ipc` between processes of one
+//! host, GPUDirect RDMA over a NIC); the endpoint's description carries the
 //! agent's name and its *metadata blob* (connection info and the registrations' remote keys) in
 //! [`EndpointDesc::address`], and the region table holds virtual addresses (keys are 0: the keys
 //! live in the metadata). [`Transport::connect`] loads the peer's metadata; the metadata is
@@ -202,6 +204,27 @@ impl NixlConfig {
         self
     }
 
+    /// Ready for CUDA memory (`VRAM` registrations): turns UCX's memory-type cache off
+    /// (`MEMTYPE_CACHE=n` added to `engine_config`). The cache learns device allocations by
+    /// intercepting the CUDA allocation calls, so it misses memory allocated through a driver
+    /// loaded at run time (kvx's `cudarc`), and NIXL then refuses that memory as "detected as
+    /// host" (seen on the H200). Without the cache UCX asks the driver about each buffer.
+    #[must_use]
+    pub fn with_device_memory(self) -> Self {
+        let engine = self
+            .backend_params
+            .iter()
+            .find(|(k, _)| k == "engine_config")
+            .map(|(_, v)| v.clone())
+            .filter(|v| !v.is_empty());
+        let value = match engine {
+            Some(v) if v.split(',').any(|kv| kv.starts_with("MEMTYPE_CACHE=")) => v,
+            Some(v) => format!("{v},MEMTYPE_CACHE=n"),
+            None => "MEMTYPE_CACHE=n".to_owned(),
+        };
+        self.with_param("engine_config", &value)
+    }
+
     /// Adds (or replaces) a backend parameter.
     #[must_use]
     pub fn with_param(mut self, key: &str, value: &str) -> Self {
@@ -301,11 +324,25 @@ fn nixl_error(call: &'static str) -> impl FnOnce(sys::NixlError) -> BackendError
     move |source| Box::new(NixlCallError { call, source })
 }
 
-/// A host memory range handed to NIXL's registration.
+/// A memory range handed to NIXL's registration: host memory, or CUDA memory of a device.
 #[derive(Debug)]
 struct Span {
     addr: usize,
     len: usize,
+    kind: MemoryKind,
+}
+
+/// NIXL's memory type and device id for a region kind (only host and CUDA memory get here).
+fn nixl_memory(kind: MemoryKind) -> (sys::MemType, u64) {
+    match kind {
+        MemoryKind::Cuda { device } => (sys::MemType::Vram, u64::from(device)),
+        _ => (sys::MemType::Dram, 0),
+    }
+}
+
+/// Whether NIXL's UCX backend registers this kind here.
+fn nixl_accepts(kind: MemoryKind) -> bool {
+    matches!(kind, MemoryKind::Host | MemoryKind::Cuda { .. })
 }
 
 impl sys::MemoryRegion for Span {
@@ -320,11 +357,11 @@ impl sys::MemoryRegion for Span {
 
 impl sys::NixlDescriptor for Span {
     fn mem_type(&self) -> sys::MemType {
-        sys::MemType::Dram
+        nixl_memory(self.kind).0
     }
 
     fn device_id(&self) -> u64 {
-        0
+        nixl_memory(self.kind).1
     }
 }
 
@@ -642,10 +679,31 @@ impl NixlTransport {
         ),
         BackendError,
     > {
+        // One list holds one memory type: every local region of the operations must be of one
+        // kind, and every remote one.
+        let kinds =
+            |side: &dyn Fn(&CopyOp) -> Option<MemoryKind>| -> Result<MemoryKind, BackendError> {
+                let mut kinds = ops.iter().filter_map(side);
+                let first = kinds.next().unwrap_or(MemoryKind::Host);
+                match kinds.find(|k| *k != first) {
+                    Some(other) => Err(format!(
+                    "one transfer mixes {first} and {other} memory on one side; NIXL takes one \
+                     memory type per descriptor list"
+                )
+                    .into()),
+                    None => Ok(first),
+                }
+            };
+        let local_of = |op: &CopyOp| if write { op.src_region } else { op.dst_region };
+        let remote_of = |op: &CopyOp| if write { op.dst_region } else { op.src_region };
+        let local_kind = kinds(&|op| self.regions.get(&local_of(op)).map(|r| r.region.kind()))?;
+        let remote_kind = kinds(&|op| peer.desc.region(remote_of(op)).map(|r| r.kind))?;
+        let ((local_type, local_dev), (remote_type, remote_dev)) =
+            (nixl_memory(local_kind), nixl_memory(remote_kind));
         let mut local =
-            sys::XferDescList::new(sys::MemType::Dram).map_err(nixl_error("createXferDlist"))?;
+            sys::XferDescList::new(local_type).map_err(nixl_error("createXferDlist"))?;
         let mut remote =
-            sys::XferDescList::new(sys::MemType::Dram).map_err(nixl_error("createXferDlist"))?;
+            sys::XferDescList::new(remote_type).map_err(nixl_error("createXferDlist"))?;
         let mut locals = Vec::new();
         for op in ops {
             let (local_region, remote_region) = if write {
@@ -666,9 +724,13 @@ impl NixlTransport {
             for (src, dst, len) in op.pieces() {
                 let (local_offset, remote_offset) = if write { (src, dst) } else { (dst, src) };
                 // In range: `check_ops` bounded every piece by the registered lengths, and a
-                // registered host region lies inside the address space.
-                local.add_desc((local_base + local_offset) as usize, len as usize, 0);
-                remote.add_desc((r.addr + remote_offset) as usize, len as usize, 0);
+                // registered region lies inside the (unified) address space.
+                local.add_desc(
+                    (local_base + local_offset) as usize,
+                    len as usize,
+                    local_dev,
+                );
+                remote.add_desc((r.addr + remote_offset) as usize, len as usize, remote_dev);
             }
             if !locals.contains(&local_region) {
                 locals.push(local_region);
@@ -893,20 +955,23 @@ impl Transport for NixlTransport {
         Capabilities {
             notice_bits: 64,
             max_message_len: MAX_MESSAGE,
-            memory_kinds: vec![MemoryKind::Host],
+            // CUDA memory of any device (`VRAM`); the ordinal here only names the kind.
+            memory_kinds: vec![MemoryKind::Host, MemoryKind::Cuda { device: 0 }],
         }
     }
 
     fn register(&mut self, region: LocalRegion) -> Result<RegionDesc, RegisterError> {
         let index = region.index();
-        let len = crate::validate::check_registration(
+        let len = crate::validate::check_registration_of(
             &region,
             self.regions.contains_key(&index),
             BACKEND,
+            nixl_accepts,
         )?;
         let span = Span {
             addr: region.addr(),
             len,
+            kind: region.kind(),
         };
         // The registration covers memory that `LocalRegion` keeps valid until it is dropped;
         // `Registration` releases the NIXL registration (field order) before the region.
@@ -984,7 +1049,7 @@ impl Transport for NixlTransport {
                 found: format!("{}/{}", peer.backend, peer.provider),
             });
         }
-        if let Some(r) = peer.regions.iter().find(|r| r.kind != MemoryKind::Host) {
+        if let Some(r) = peer.regions.iter().find(|r| !nixl_accepts(r.kind)) {
             return Err(ConnectError::BadAddress {
                 source: format!("peer region {} is {} memory", r.index, r.kind).into(),
             });

@@ -13,6 +13,49 @@ use crate::error::{PlanError, Side};
 use crate::region::HostBuffer;
 
 #[test]
+fn device_memory_turns_the_memtype_cache_off_once_and_keeps_other_settings() {
+    let engine = |c: &NixlConfig| {
+        c.backend_params
+            .iter()
+            .find(|(k, _)| k == "engine_config")
+            .map(|(_, v)| v.clone())
+    };
+    assert_eq!(
+        engine(&NixlConfig::ucx().with_device_memory()).as_deref(),
+        Some("MEMTYPE_CACHE=n")
+    );
+    let tcp = NixlConfig::ucx_tcp(Some("lo")).with_device_memory();
+    assert_eq!(
+        engine(&tcp).as_deref(),
+        Some("TLS=tcp,NET_DEVICES=lo,MEMTYPE_CACHE=n")
+    );
+    let again = tcp.clone().with_device_memory();
+    assert_eq!(engine(&again), engine(&tcp));
+    let mine = NixlConfig::ucx()
+        .with_param("engine_config", "MEMTYPE_CACHE=y")
+        .with_device_memory();
+    assert_eq!(
+        engine(&mine).as_deref(),
+        Some("MEMTYPE_CACHE=y"),
+        "the user's choice stays"
+    );
+}
+
+#[test]
+fn a_region_of_device_memory_and_one_of_host_memory_map_to_their_nixl_types() {
+    assert!(matches!(
+        nixl_memory(MemoryKind::Cuda { device: 3 }),
+        (sys::MemType::Vram, 3)
+    ));
+    assert!(matches!(
+        nixl_memory(MemoryKind::Host),
+        (sys::MemType::Dram, 0)
+    ));
+    assert!(nixl_accepts(MemoryKind::Cuda { device: 0 }));
+    assert!(!nixl_accepts(MemoryKind::Neuron { device: 0 }));
+}
+
+#[test]
 fn addresses_round_trip() {
     let address = encode_address("kvx-1-2-3", b"metadata blob");
     assert_eq!(
