@@ -155,6 +155,25 @@ fn test(no_lint: bool) -> anyhow::Result<()> {
         "--features",
         "nixl",
     ]))?;
+    step("NIXL with GPU memory, with its output (SKIPPED and why where there is no CUDA GPU)");
+    // UCX picks its transports itself here (CUDA IPC between the two processes' GPU memory).
+    run(cargo()
+        .envs(
+            nixl::nixl_test_env(&nixl_dir)
+                .into_iter()
+                .filter(|(key, _)| *key != "UCX_TLS"),
+        )
+        .args([
+            "test",
+            "-p",
+            "kvx-rdma",
+            "--features",
+            "nixl",
+            "--test",
+            "gpu_nixl",
+            "--",
+            "--nocapture",
+        ]))?;
     vllm::test_vllm()?;
     step("fuzz targets build (cargo xtask fuzz runs them)");
     run(cargo().args(["build", "--manifest-path", "fuzz/Cargo.toml", "--bins"]))?;
