@@ -21,7 +21,7 @@ KEYS: dict[str, tuple[Any, str]] = {
         "Data transport: libfabric:shm (one machine), libfabric:tcp, libfabric:efa, "
         "libfabric:auto, cma (host memory between processes of one host, one-sided), "
         "cuda-ipc[:DEVICE] (CUDA KV caches of processes on one host), or "
-        "loopback (one process only; tests).",
+        "loopback (one process only; tests). A libfabric name may end in ,rails=N.",
     ),
     "layout": (
         "auto",
