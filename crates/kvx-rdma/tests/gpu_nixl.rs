@@ -308,3 +308,66 @@ fn nixl_moves_gpu_memory_between_processes() {
         "the consumer failed ({status})"
     );
 }
+
+/// NIXL takes one memory type per descriptor list: a transfer whose local side mixes host and GPU
+/// memory is refused with a typed error before anything moves (two agents in this process).
+#[test]
+fn a_transfer_mixing_host_and_gpu_memory_on_one_side_is_refused() {
+    if ready("a_transfer_mixing_host_and_gpu_memory_on_one_side_is_refused").is_none() {
+        return;
+    }
+    let gpu = Gpu::open(0).expect("open GPU 0");
+    let mut a = NixlTransport::open(&config()).expect("open NIXL");
+    let mut b = NixlTransport::open(&config()).expect("open NIXL");
+    let host = Arc::new(kvx_rdma::HostBuffer::new(1 << 16).expect("host buffer"));
+    let device = Arc::new(DeviceBuffer::new(&gpu, 1 << 16).expect("device buffer"));
+    a.register(LocalRegion::host(0, Arc::clone(&host)))
+        .expect("register host");
+    a.register(LocalRegion::cuda(1, Arc::clone(&device)))
+        .expect("register VRAM");
+    let target = Arc::new(kvx_rdma::HostBuffer::new(1 << 17).expect("host buffer"));
+    b.register(LocalRegion::host(0, Arc::clone(&target)))
+        .expect("register host");
+    let peer = a.connect(&b.local_desc()).expect("connect");
+    let op = |src_region, dst_offset| kvx_layout::CopyOp {
+        producer: kvx_core::Rank(0),
+        src_region,
+        src_offset: 0,
+        dst_region: 0,
+        dst_offset,
+        len: 1 << 16,
+        count: 1,
+        src_stride: 0,
+        dst_stride: 0,
+    };
+    let refused = a.write(peer, &[op(0, 0), op(1, 1 << 16)], Some(Notice(1)));
+    let message = match refused {
+        Err(kvx_rdma::WriteError::Backend(e)) => e.to_string(),
+        other => panic!("expected a typed refusal, got {other:?}"),
+    };
+    assert!(message.contains("mixes"), "{message}");
+    // Each kind alone is fine.
+    for (region, offset) in [(0, 0), (1, 1 << 16)] {
+        let id = a
+            .write(peer, &[op(region, offset)], None)
+            .expect("one kind per side");
+        let deadline = Instant::now() + DEADLINE;
+        let mut events = Vec::new();
+        loop {
+            assert!(Instant::now() < deadline, "write never finished");
+            a.wait(&mut events, Duration::from_millis(20))
+                .expect("wait");
+            let _ = b.poll(&mut Vec::new());
+            if events
+                .iter()
+                .any(|e| matches!(e, Event::WriteDone { op, .. } if *op == id))
+            {
+                break;
+            }
+            assert!(
+                !events.iter().any(|e| matches!(e, Event::Failed { .. })),
+                "{events:?}"
+            );
+        }
+    }
+}
