@@ -3,7 +3,9 @@
 //! For every transport (`KVX_PD_TRANSPORTS`, default `cma,libfabric:shm`), input length and
 //! request rate, a prefill and a decode process run a Poisson request stream, once in push mode
 //! and once in pull mode. Results (TTFT, the post-prefill critical path and its ratio to the bare
-//! transfer time of the request's bytes on that transport — `kvx pd raw` — TPOT, and the decode
+//! transfer time of the request's bytes on that transport — `kvx pd raw`, between cold blocks and
+//! with the source just written (`--fresh-source`, as the synthetic prefill leaves it) — TPOT, and
+//! the decode
 //! engine loop's time on transfer work per step) go to `target/kvx-bench/pd.json`, with plots
 //! shaped like the seed's figures (TTFT and TPOT against the request rate, one line per mode and
 //! input length) in `pd-<transport>-ttft.svg` and `pd-<transport>-tpot.svg`.
@@ -158,43 +160,51 @@ pub(crate) fn run_sweep(quick: bool) -> anyhow::Result<()> {
     for transport in &transports {
         step(&format!("benchmark pd over {transport}"));
         // The bare transfer of each length's request on this transport, for the critical path's
-        // ratio.
+        // ratio: between cold blocks, and with the source written just before (as the synthetic
+        // prefill leaves it; on a CPU the copy then competes with that write-back).
         let mut raw = std::collections::BTreeMap::new();
         for &length in &sweep.lengths {
-            let out = Command::new(&kvx)
-                .args(["pd", "raw", "--model", "qwen2.5-0.5b", "--blocks", "8192"])
-                .args([
-                    "--transport",
-                    transport,
-                    "--input-tokens",
-                    &length.to_string(),
-                ])
-                .output()
-                .context("cannot run kvx pd raw")?;
-            if !out.status.success() {
-                bail!(
-                    "kvx pd raw failed: {}",
-                    String::from_utf8_lossy(&out.stderr)
-                );
+            let mut both = Vec::new();
+            for fresh in [false, true] {
+                let mut command = Command::new(&kvx);
+                command
+                    .args(["pd", "raw", "--model", "qwen2.5-0.5b", "--blocks", "8192"])
+                    .args([
+                        "--transport",
+                        transport,
+                        "--input-tokens",
+                        &length.to_string(),
+                    ]);
+                if fresh {
+                    command.arg("--fresh-source");
+                }
+                let out = command.output().context("cannot run kvx pd raw")?;
+                if !out.status.success() {
+                    bail!(
+                        "kvx pd raw failed: {}",
+                        String::from_utf8_lossy(&out.stderr)
+                    );
+                }
+                both.push(serde_json::from_slice::<Value>(&out.stdout)?);
             }
-            let v: Value = serde_json::from_slice(&out.stdout)?;
-            raw.insert(length, v);
+            raw.insert(length, both);
         }
         println!(
-            "\n{:>7} {:>5} | {:>21} | {:>21} | {:>9} | {:>17} | {:>13} | {:>15} | {:>17}",
+            "\n{:>7} {:>5} | {:>21} | {:>21} | {:>17} | {:>17} | {:>15} | {:>15} | {:>17}",
             "tokens",
             "req/s",
             "TTFT p50/p99 push ms",
             "TTFT p50/p99 pull ms",
-            "raw ms",
+            "raw cold/fresh ms",
             "crit. path p50 ms",
-            "push/raw",
+            "push/raw c / f",
             "TPOT p50 ms",
             "loop work us/step"
         );
         let mut points = Vec::new();
         for &length in &sweep.lengths {
-            let raw_ms = get(&raw[&length], &["transfer_ms_p50"]);
+            let raw_ms = get(&raw[&length][0], &["transfer_ms_p50"]);
+            let fresh_ms = get(&raw[&length][1], &["transfer_ms_p50"]);
             for &rate in &sweep.rates {
                 let push = point(
                     &kvx,
@@ -216,7 +226,7 @@ pub(crate) fn run_sweep(quick: bool) -> anyhow::Result<()> {
                 )?;
                 let s = |v: &Value, k: &str, q: &str| get(v, &["summary", k, q]);
                 println!(
-                    "{length:>7} {rate:>5} | {:>9.1} / {:>9.1} | {:>9.1} / {:>9.1} | {raw_ms:>9.2} | {:>7.2} / {:>7.2} | {:>13.2} | {:>6.2} / {:>6.2} | {:>7.1} / {:>7.1}",
+                    "{length:>7} {rate:>5} | {:>9.1} / {:>9.1} | {:>9.1} / {:>9.1} | {raw_ms:>7.2} / {fresh_ms:>7.2} | {:>7.2} / {:>7.2} | {:>6.2} / {:>6.2} | {:>6.2} / {:>6.2} | {:>7.1} / {:>7.1}",
                     s(&push, "ttft_ms", "p50"),
                     s(&push, "ttft_ms", "p99"),
                     s(&pull, "ttft_ms", "p50"),
@@ -224,6 +234,7 @@ pub(crate) fn run_sweep(quick: bool) -> anyhow::Result<()> {
                     s(&push, "critical_path_ms", "p50"),
                     s(&pull, "critical_path_ms", "p50"),
                     s(&push, "critical_path_ms", "p50") / raw_ms,
+                    s(&push, "critical_path_ms", "p50") / fresh_ms,
                     s(&push, "tpot_ms", "p50"),
                     s(&pull, "tpot_ms", "p50"),
                     s(&push, "loop_transfer_us_per_step", "mean"),
@@ -232,7 +243,8 @@ pub(crate) fn run_sweep(quick: bool) -> anyhow::Result<()> {
                 points.push(json!({
                     "input_tokens": length,
                     "rate": rate,
-                    "raw_transfer": raw[&length],
+                    "raw_transfer": raw[&length][0],
+                    "raw_transfer_fresh_source": raw[&length][1],
                     "push": push["summary"],
                     "pull": pull["summary"],
                 }));

@@ -8,6 +8,10 @@
 //! engine's allocator does: repeating one transfer between the same blocks would time copies
 //! between cached bytes (this machine's last-level cache, 260 MiB, holds a 4,096-token request's
 //! source and destination twice over), not the memory-to-memory copy a request costs.
+//!
+//! With `--fresh-source` the request's KV is written into the source blocks (the synthetic
+//! engine's pattern) right before each transfer, as `kvx pd prefill` does when it computes a
+//! request: on a CPU the copy then competes with the write-back of the just-written bytes.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -32,6 +36,10 @@ pub(crate) struct RawArgs {
     /// Transfers to time (the median is reported).
     #[arg(long, default_value_t = 20)]
     repeats: usize,
+    /// Write the request's KV into the source blocks right before each transfer, as the
+    /// synthetic prefill engine does.
+    #[arg(long)]
+    fresh_source: bool,
     /// Be the receiving process (started by `kvx pd raw` itself).
     #[arg(long, hide = true)]
     serve: bool,
@@ -103,6 +111,7 @@ fn time_into(
     layout: &Layout,
     tokens: u64,
     repeats: usize,
+    fresh_source: bool,
 ) -> anyhow::Result<Vec<f64>> {
     use std::io::BufRead as _;
     let stdout = child.stdout.take().context("no stdout from the receiver")?;
@@ -114,17 +123,19 @@ fn time_into(
         }
     };
     let mut producer = spec.open()?;
-    let mut buffers = Vec::new();
-    for index in 0..layout.region_count() {
-        let buffer = Arc::new(HostBuffer::new(layout.region_len() as usize)?);
-        buffer.fill_with(|i| i as u8);
-        producer.register(LocalRegion::host(index, Arc::clone(&buffer)))?;
-        buffers.push(buffer);
+    // The prefill engine's memory (every page touched), so that `--fresh-source` writes the same
+    // pattern the same way.
+    let (memory, cache) = super::prefill::RankMemory::new(layout.spec().clone())?;
+    for region in cache.regions {
+        producer.register(region)?;
     }
     let peer = producer.connect(&desc)?;
     let mut times = Vec::new();
     for i in 0..=repeats {
-        let plan = plan_at(layout, tokens, i)?;
+        let (plan, source_blocks) = plan_at(layout, tokens, i)?;
+        if fresh_source {
+            memory.fill(&source_blocks, tokens, i as u64)?;
+        }
         let ops = plan.ops_for(Rank(0));
         let deadline = Instant::now() + Duration::from_secs(60);
         let start_us = super::unix_micros();
@@ -145,9 +156,13 @@ fn time_into(
     Ok(times)
 }
 
-/// The plan of repeat `repeat`: the request's blocks moved to the next free stretch of each
-/// cache (producer and consumer at different stretches), wrapping around.
-fn plan_at(layout: &Layout, tokens: u64, repeat: usize) -> anyhow::Result<kvx_layout::Plan> {
+/// The plan of repeat `repeat` and its source blocks: the request's blocks moved to the next
+/// free stretch of each cache (producer and consumer at different stretches), wrapping around.
+fn plan_at(
+    layout: &Layout,
+    tokens: u64,
+    repeat: usize,
+) -> anyhow::Result<(kvx_layout::Plan, Vec<BlockId>)> {
     let blocks = tokens.div_ceil(u64::from(layout.spec().block_tokens)) as u32;
     let stretches = (layout.spec().num_blocks / blocks.max(1)).max(1) as usize;
     let ids = |stretch: usize| -> Vec<BlockId> {
@@ -155,7 +170,7 @@ fn plan_at(layout: &Layout, tokens: u64, repeat: usize) -> anyhow::Result<kvx_la
         (first..first + blocks).map(BlockId).collect()
     };
     let (producer_blocks, consumer_blocks) = (ids(repeat), ids(repeat + stretches / 2));
-    Ok(kvx_layout::plan(&PlanRequest {
+    let plan = kvx_layout::plan(&PlanRequest {
         producers: std::slice::from_ref(layout),
         consumer: layout,
         num_tokens: tokens,
@@ -163,7 +178,8 @@ fn plan_at(layout: &Layout, tokens: u64, repeat: usize) -> anyhow::Result<kvx_la
         producer_blocks: &producer_blocks,
         consumer_blocks: &consumer_blocks,
         only_producer: None,
-    })?)
+    })?;
+    Ok((plan, producer_blocks))
 }
 
 /// Runs `kvx pd raw` and prints one JSON line.
@@ -178,7 +194,7 @@ pub(crate) fn run(args: &RawArgs) -> anyhow::Result<()> {
             layout.spec().num_blocks
         );
     }
-    let plan = plan_at(&layout, tokens, 0)?;
+    let (plan, _) = plan_at(&layout, tokens, 0)?;
     if args.serve {
         return serve(&layout, &spec);
     }
@@ -193,7 +209,14 @@ pub(crate) fn run(args: &RawArgs) -> anyhow::Result<()> {
         .stdout(std::process::Stdio::piped())
         .spawn()
         .context("cannot start the receiving process")?;
-    let result = time_into(&mut child, &spec, &layout, tokens, args.repeats);
+    let result = time_into(
+        &mut child,
+        &spec,
+        &layout,
+        tokens,
+        args.repeats,
+        args.fresh_source,
+    );
     drop(child.stdin.take());
     let _ = child.wait();
     let mut times = result?;
@@ -208,6 +231,7 @@ pub(crate) fn run(args: &RawArgs) -> anyhow::Result<()> {
             "ops": plan.ops_for(Rank(0)).len(),
             "transfer_ms_p50": median,
             "transfer_ms_min": times[0],
+            "fresh_source": args.fresh_source,
         })
     );
     Ok(())
