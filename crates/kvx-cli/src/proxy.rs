@@ -12,7 +12,10 @@
 //! requests in flight; an instance that refuses connections is skipped (the dispatch is retried
 //! elsewhere with a new transfer id), and when none of a kind is reachable the client gets 503.
 //! A prefill that fails while decode waits ends the client's request with 502 (or, once a
-//! stream has started, with an error event) instead of leaving it hanging.
+//! stream has started, with an error event) instead of leaving it hanging. In push mode decode's
+//! answer goes to the client as soon as decode answers, without waiting for prefill's HTTP
+//! answer (a busy prefill API server can send it long after the KV went out); the prefill
+//! request then runs to its end on its own.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -177,21 +180,7 @@ impl Proxy {
         request_id: &str,
         body: &Value,
     ) -> Result<reqwest::Response, LegError> {
-        let result = self
-            .client
-            .post(format!("{url}{path}"))
-            .header("X-Request-Id", request_id)
-            .json(body)
-            .send()
-            .await;
-        match result {
-            Ok(r) => Ok(r),
-            Err(e) if e.is_connect() => Err(LegError::Unreachable(format!("{url}: {e}"))),
-            Err(e) => Err(LegError::Failed(ApiError::new(
-                StatusCode::BAD_GATEWAY,
-                format!("{url}{path}: {e}"),
-            ))),
-        }
+        send_leg(&self.client, url, path, request_id, body).await
     }
 
     async fn route(&self, path: &'static str, body: Value) -> Result<Response, ApiError> {
@@ -257,32 +246,58 @@ impl Proxy {
         );
         let p_load = Load::new(pi);
         let d_load = Load::new(di);
-        let p_leg = async {
-            let r = self
-                .send(&pi.url, path, transfer, &p_body)
-                .await
-                .map_err(|e| (Leg::Prefill, e))?;
-            check_prefill(r).await.map_err(|e| (Leg::Prefill, e))
+        // The prefill leg runs as a task of its own: once decode is answering, prefill's HTTP
+        // answer no longer matters to the client, but its request must still run to the end
+        // (dropping the connection would abort it in vLLM).
+        let p_task = {
+            let (client, url, path, id) = (
+                self.client.clone(),
+                pi.url.clone(),
+                path.to_owned(),
+                transfer.to_owned(),
+            );
+            tokio::spawn(async move {
+                let _load = p_load;
+                let r = send_leg(&client, &url, &path, &id, &p_body).await?;
+                check_prefill(r).await
+            })
         };
+        let mut p_task = AbortOnDrop(Some(p_task));
         let d_leg = self.send(&di.url, path, transfer, &d_body);
-        let mut p_leg = Box::pin(p_leg);
         let mut d_leg = Box::pin(d_leg);
         // A failed prefill ends the request (dropping decode's leg closes its connection, which
-        // aborts the request there). Decode cannot produce a token before prefill's KV has
-        // arrived, so waiting for prefill's answer before forwarding decode's costs nothing.
+        // aborts the request there) — unless decode is already answering: it then has the KV
+        // (or recomputed it, per its load-failure policy), and its answer goes to the client at
+        // once instead of waiting for prefill's HTTP answer, which can come much later than the
+        // KV (a busy prefill API server).
         let d_resp = tokio::select! {
-            p = &mut p_leg => {
-                p?;
-                d_leg.await.map_err(|e| (Leg::Decode, e))?
+            p = p_task.join() => {
+                p.map_err(|e| (Leg::Prefill, e))?;
+                let d = d_leg.await.map_err(|e| (Leg::Decode, e))?;
+                return Ok(forward(d, d_load));
             }
-            d = &mut d_leg => {
-                let d = d.map_err(|e| (Leg::Decode, e))?;
-                p_leg.await?;
-                d
-            }
+            d = &mut d_leg => d.map_err(|e| (Leg::Decode, e))?,
         };
-        drop(p_load);
-        forward(d_resp, d_load).await.map_err(|e| (Leg::Decode, e))
+        if !d_resp.status().is_success() {
+            // Prefill's error, if it has one, says more than decode's.
+            p_task.join().await.map_err(|e| (Leg::Prefill, e))?;
+            return Ok(forward(d_resp, d_load));
+        }
+        let status = d_resp.status();
+        let content_type = d_resp.headers().get(reqwest::header::CONTENT_TYPE).cloned();
+        let mut body = d_resp.bytes_stream();
+        let first = tokio::select! {
+            p = p_task.join() => {
+                p.map_err(|e| (Leg::Prefill, e))?;
+                None
+            }
+            chunk = body.next() => Some(chunk),
+        };
+        if first.is_some() {
+            // Decode is answering before prefill did: let prefill finish on its own.
+            p_task.detach();
+        }
+        Ok(respond(status, content_type, first, body, d_load))
     }
 
     async fn pull(
@@ -327,7 +342,7 @@ impl Proxy {
             .send(&di.url, path, transfer, &d_body)
             .await
             .map_err(|e| (Leg::Decode, e))?;
-        forward(r, d_load).await.map_err(|e| (Leg::Decode, e))
+        Ok(forward(r, d_load))
     }
 }
 
@@ -355,6 +370,30 @@ fn decode_body(request: &Map<String, Value>, params: Value) -> Value {
     let mut b = request.clone();
     b.insert("kv_transfer_params".into(), params);
     Value::Object(b)
+}
+
+/// Posts `body` to `url` + `path` with the request id both legs share.
+async fn send_leg(
+    client: &reqwest::Client,
+    url: &str,
+    path: &str,
+    request_id: &str,
+    body: &Value,
+) -> Result<reqwest::Response, LegError> {
+    let result = client
+        .post(format!("{url}{path}"))
+        .header("X-Request-Id", request_id)
+        .json(body)
+        .send()
+        .await;
+    match result {
+        Ok(r) => Ok(r),
+        Err(e) if e.is_connect() => Err(LegError::Unreachable(format!("{url}: {e}"))),
+        Err(e) => Err(LegError::Failed(ApiError::new(
+            StatusCode::BAD_GATEWAY,
+            format!("{url}{path}: {e}"),
+        ))),
+    }
 }
 
 /// Waits for prefill's answer; returns its `kv_transfer_params`.
@@ -385,23 +424,85 @@ async fn check_prefill(r: reqwest::Response) -> Result<Option<Value>, LegError> 
 }
 
 /// Sends decode's answer to the client, streaming it through.
-async fn forward(r: reqwest::Response, load: Load) -> Result<Response, LegError> {
-    let status = StatusCode::from_u16(r.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+fn forward(r: reqwest::Response, load: Load) -> Response {
+    let status = r.status();
+    let content_type = r.headers().get(reqwest::header::CONTENT_TYPE).cloned();
+    respond(status, content_type, None, r.bytes_stream(), load)
+}
+
+/// The client's response: `status`, the content type, then `first` (a chunk already read) and
+/// the rest of `body`. The decode instance counts as loaded until the whole body has been sent.
+fn respond(
+    status: reqwest::StatusCode,
+    content_type: Option<reqwest::header::HeaderValue>,
+    first: Option<Option<Result<axum::body::Bytes, reqwest::Error>>>,
+    body: impl futures_util::Stream<Item = Result<axum::body::Bytes, reqwest::Error>> + Send + 'static,
+    load: Load,
+) -> Response {
+    let status = StatusCode::from_u16(status.as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
     let mut headers = HeaderMap::new();
-    if let Some(ct) = r.headers().get(reqwest::header::CONTENT_TYPE) {
-        if let Ok(v) = HeaderValue::from_bytes(ct.as_bytes()) {
-            headers.insert(axum::http::header::CONTENT_TYPE, v);
-        }
+    if let Some(v) = content_type.and_then(|ct| HeaderValue::from_bytes(ct.as_bytes()).ok()) {
+        headers.insert(axum::http::header::CONTENT_TYPE, v);
     }
-    // The decode instance counts as loaded until the whole body has been sent.
-    let body = r.bytes_stream().map(move |chunk| {
+    // A stream that already ended (`Some(None)`) has nothing more to give.
+    let ended = matches!(first, Some(None));
+    let head = futures_util::stream::iter(first.flatten());
+    let rest = futures_util::stream::iter((!ended).then_some(body)).flatten();
+    let body = head.chain(rest).map(move |chunk| {
         let _ = &load;
         chunk.map_err(std::io::Error::other)
     });
     let mut resp = Response::new(Body::from_stream(body));
     *resp.status_mut() = status;
     *resp.headers_mut() = headers;
-    Ok(resp)
+    resp
+}
+
+/// The prefill leg's task: aborted when dropped (the client's request is over, or decode failed
+/// first), unless detached.
+struct AbortOnDrop(Option<tokio::task::JoinHandle<Result<Option<Value>, LegError>>>);
+
+impl AbortOnDrop {
+    /// Waits for the leg's outcome (a task that panicked or was aborted counts as a failed leg).
+    async fn join(&mut self) -> Result<Option<Value>, LegError> {
+        let Some(handle) = self.0.as_mut() else {
+            return Err(LegError::Failed(ApiError::new(
+                StatusCode::BAD_GATEWAY,
+                "the prefill leg was already collected",
+            )));
+        };
+        let outcome = handle.await;
+        self.0 = None;
+        outcome.unwrap_or_else(|e| {
+            Err(LegError::Failed(ApiError::new(
+                StatusCode::BAD_GATEWAY,
+                format!("the prefill leg ended early: {e}"),
+            )))
+        })
+    }
+
+    /// Lets the leg run to its end on its own; a failure is reported on stderr.
+    fn detach(&mut self) {
+        if let Some(handle) = self.0.take() {
+            tokio::spawn(async move {
+                let why = match handle.await {
+                    Ok(Ok(_)) => return,
+                    Ok(Err(LegError::Failed(e))) => e.message,
+                    Ok(Err(LegError::Unreachable(why))) => why,
+                    Err(e) => e.to_string(),
+                };
+                eprintln!("kvx proxy: the prefill leg failed after decode had answered: {why}");
+            });
+        }
+    }
+}
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        if let Some(handle) = self.0.take() {
+            handle.abort();
+        }
+    }
 }
 
 async fn completions(
@@ -651,5 +752,105 @@ mod tests {
             err.message
         );
         assert!(err.message.contains("reachable"), "{}", err.message);
+    }
+
+    /// A fake vLLM instance on a free port: answers `/v1/completions` with `body` and `status`
+    /// after `delay`, and counts the requests it answered to the end.
+    async fn fake_instance(
+        status: u16,
+        body: &'static str,
+        delay: Duration,
+    ) -> (String, Arc<AtomicUsize>) {
+        let done = Arc::new(AtomicUsize::new(0));
+        let counter = Arc::clone(&done);
+        let app = Router::new().route(
+            "/v1/completions",
+            post(move || {
+                let counter = Arc::clone(&counter);
+                async move {
+                    tokio::time::sleep(delay).await;
+                    counter.fetch_add(1, Ordering::SeqCst);
+                    (StatusCode::from_u16(status).unwrap(), body)
+                }
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        (url, done)
+    }
+
+    fn push_proxy(prefill: &str, decode: &str) -> Arc<Proxy> {
+        build(&ProxyArgs {
+            mode: Mode::Push,
+            listen: "127.0.0.1:0".parse().unwrap(),
+            prefill: vec![Prefill {
+                url: prefill.into(),
+                kvx: "127.0.0.1:7100".into(),
+            }],
+            decode: vec![decode.into()],
+            connect_timeout_s: 1.0,
+            request_timeout_s: 10.0,
+        })
+        .unwrap()
+    }
+
+    async fn body_of(r: Response) -> String {
+        let bytes = axum::body::to_bytes(r.into_body(), 1 << 20).await.unwrap();
+        String::from_utf8(bytes.to_vec()).unwrap()
+    }
+
+    /// Decode's answer goes to the client as soon as it comes, not after prefill's HTTP answer
+    /// (which a busy prefill API server can send long after the KV); prefill's request still
+    /// runs to its end.
+    #[test]
+    fn push_forwards_decode_without_waiting_for_a_slow_prefill_answer() {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(async {
+            let (p_url, p_done) = fake_instance(
+                200,
+                r#"{"kv_transfer_params":null}"#,
+                Duration::from_secs(2),
+            )
+            .await;
+            let (d_url, _) = fake_instance(200, r#"{"text":"decoded"}"#, Duration::ZERO).await;
+            let proxy = push_proxy(&p_url, &d_url);
+            let started = std::time::Instant::now();
+            let r = proxy
+                .route("/v1/completions", json!({"prompt": "x"}))
+                .await
+                .unwrap();
+            assert_eq!(r.status(), StatusCode::OK);
+            assert_eq!(body_of(r).await, r#"{"text":"decoded"}"#);
+            let took = started.elapsed();
+            assert!(took < Duration::from_secs(1), "waited {took:?} for prefill");
+            // The prefill leg was not aborted: it finishes on its own.
+            tokio::time::sleep(Duration::from_millis(2500)).await;
+            assert_eq!(p_done.load(Ordering::SeqCst), 1);
+        });
+    }
+
+    /// A prefill that fails before decode has answered ends the request with prefill's error.
+    #[test]
+    fn push_returns_prefill_failure_when_it_comes_first() {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(async {
+            let (p_url, _) = fake_instance(500, "engine died", Duration::ZERO).await;
+            let (d_url, d_done) =
+                fake_instance(200, r#"{"text":"late"}"#, Duration::from_secs(2)).await;
+            let proxy = push_proxy(&p_url, &d_url);
+            let err = proxy
+                .route("/v1/completions", json!({"prompt": "x"}))
+                .await
+                .unwrap_err();
+            assert_eq!(err.status, StatusCode::INTERNAL_SERVER_ERROR);
+            assert!(err.message.contains("engine died"), "{}", err.message);
+            tokio::time::sleep(Duration::from_millis(2500)).await;
+            assert_eq!(
+                d_done.load(Ordering::SeqCst),
+                0,
+                "decode's leg should have been dropped"
+            );
+        });
     }
 }
