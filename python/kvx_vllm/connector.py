@@ -257,14 +257,19 @@ class _Worker:
         model = self.vllm_config.model_config
         tp_size = get_tensor_model_parallel_world_size()
         tp_rank = get_tensor_model_parallel_rank()
+        block_size = self.vllm_config.cache_config.block_size
         self.cache = describe(
             kv_caches,
             head_size=model.get_head_size(),
             total_kv_heads=model.get_total_num_kv_heads(),
-            block_size=self.vllm_config.cache_config.block_size,
+            block_size=block_size,
             tp_size=tp_size,
             tp_rank=tp_rank,
             mode=self.cfg.layout,
+            cpu_kernel=_cpu_attention_kernel(
+                kv_caches, model.get_head_size(), block_size,
+                self.vllm_config.cache_config.cache_dtype,
+            ),
         )
         on_gpu = any(t.is_cuda for t in self.cache.tensors)
         if on_gpu != self.cfg.transport.startswith("cuda-ipc"):
@@ -497,3 +502,22 @@ class KvxPullConnector(_KvxConnector):
     """Pull: prefill holds its blocks; decode reads them after prefill (for comparison)."""
 
     _PULL = True
+
+
+def _cpu_attention_kernel(kv_caches: dict[str, torch.Tensor], head_size: int, block_size: int,
+                          cache_dtype: str) -> str | None:
+    """The kernel family vLLM's CPU attention backend uses for this cache (``vec``, ``vec16``,
+    ``amx``, ``neon``, …), which decides how it lays out a block; ``None`` for a cache that is
+    not on the CPU, or when this vLLM does not say (then kvx describes the cache block by
+    block)."""
+    first = next(iter(kv_caches.values()), None)
+    if first is None or first.device.type != "cpu":
+        return None
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    except ImportError:
+        return None
+    try:
+        return str(_get_attn_isa(first.dtype, block_size, head_size, cache_dtype))
+    except Exception:  # noqa: BLE001 - an unknown combination: describe block by block
+        return None

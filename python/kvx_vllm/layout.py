@@ -15,6 +15,13 @@ kvx "token" whose K half and V half are the first and second half of the block's
 block_size``). Whole blocks move byte for byte, which needs the same block size, KV heads per
 rank and TP degree on both sides; the handshake refuses any other pairing.
 
+That inner order is the one of the ``vec`` kernels (``vec``, ``vec16``). vLLM picks the kernel per
+dtype, block size and CPU (``_get_attn_isa``): its AMX kernel (bf16 on recent Xeons), and the ARM
+and fp8 ones, pack K and V differently. So ``exact`` is used only when the kernel is known to be
+a ``vec`` one; otherwise (``auto``) the cache is described block by block, which needs the same
+kernel on both sides: a prefill and a decode on different kernels that both describe their caches
+block by block are not told apart.
+
 vLLM's FlashAttention layout ``(2, num_blocks, block_size, num_kv_heads, head_size)`` (contiguous)
 maps exactly onto ``per-layer-kv-halves`` in NHD order.
 """
@@ -26,6 +33,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+#: vLLM CPU attention kernels whose block layout is "per head: K dimension-major, then V".
+VEC_KERNELS = ("vec", "vec16")
 
 _DTYPES = {
     torch.float32: "f32",
@@ -79,6 +89,7 @@ def describe(
     tp_size: int,
     tp_rank: int,
     mode: str = "auto",
+    cpu_kernel: str | None = "vec",
 ) -> CacheDescription:
     """Describes the per-layer KV tensors vLLM hands to ``register_kv_caches``."""
     if mode not in ("auto", "exact", "block"):
@@ -117,7 +128,19 @@ def describe(
         # CPU attention: [num_blocks, local_heads, block_size, 2 * head_size]; per block and
         # head, K dimension-major then V token-major.
         num_blocks, local_heads = shape[0], shape[1]
-        if mode == "block":
+        if local_heads != max(1, total_kv_heads // tp_size):
+            raise ValueError(
+                f"KV cache {first_name} holds {local_heads} heads; {total_kv_heads} KV heads over "
+                f"TP {tp_size} give {max(1, total_kv_heads // tp_size)} per rank"
+            )
+        vec = cpu_kernel in VEC_KERNELS
+        if mode == "exact" and not vec:
+            raise ValueError(
+                f"layout 'exact' needs one of vLLM's vec CPU attention kernels {VEC_KERNELS}; "
+                f"this cache uses {cpu_kernel!r}, whose block layout kvx does not describe token "
+                "by token: use 'auto' or 'block'"
+            )
+        if mode == "block" or not vec:
             layout = dict(
                 base,
                 total_kv_heads=tp_size,

@@ -113,6 +113,21 @@ def test_block_granular_refuses_different_block_sizes():
     consumer.shutdown()
 
 
+def test_only_vec_kernels_are_described_token_by_token():
+    """vLLM's AMX (and ARM, fp8) CPU kernels pack blocks differently: their caches are described
+    block by block in `auto`, and `exact` is refused; a head count that does not match the model
+    and TP size is refused too."""
+    caches = cpu_caches(1, 4, 2, 32, fill=False)
+    kw = dict(head_size=HEAD, total_kv_heads=2, block_size=32, tp_size=1, tp_rank=0)
+    assert describe(caches, cpu_kernel="vec16", **kw).mode == "exact"
+    for kernel in ("amx", "neon", None):
+        assert describe(caches, cpu_kernel=kernel, **kw).mode == "block", kernel
+        with pytest.raises(ValueError, match="vec CPU attention kernels"):
+            describe(caches, cpu_kernel=kernel, mode="exact", **kw)
+    with pytest.raises(ValueError, match="holds 2 heads"):
+        describe(caches, **dict(kw, total_kv_heads=8))
+
+
 def test_cpu_cache_is_described_token_by_token():
     desc = describe(cpu_caches(2, 4, 2, 32, fill=False), head_size=HEAD, total_kv_heads=4,
                     block_size=32, tp_size=2, tp_rank=1)

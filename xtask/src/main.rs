@@ -88,6 +88,11 @@ fn cargo() -> Command {
 
 fn test(no_lint: bool) -> anyhow::Result<()> {
     setup::ensure_packages()?;
+    // The cross-process tests kill children on purpose, and a killed process leaves its libfabric
+    // `shm` regions in /dev/shm; once its pid comes round again, opening an endpoint would fail.
+    // One machine, one pid namespace: let the transports sweep them (docs/transports.md).
+    // Set before any thread or child starts, so every test process inherits it.
+    std::env::set_var("KVX_SHM_SWEEP", "1");
     if !no_lint {
         step("rustfmt check");
         run(cargo().args(["fmt", "--all", "--", "--check"]))?;

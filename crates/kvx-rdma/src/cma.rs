@@ -136,6 +136,7 @@ fn work(shares: &Mutex<Receiver<Share>>, completions: &Completions) {
             (None, Some((sender, notice))) => {
                 sender
                     .send_all(&[*notice])
+                    .1
                     .map_err(|e| OpError::PeerUnreachable {
                         source: Box::new(e),
                     })

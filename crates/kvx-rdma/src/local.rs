@@ -147,17 +147,31 @@ pub(crate) struct NoticeSender(Arc<Mutex<UnixStream>>);
 
 impl NoticeSender {
     /// Sends `notices`, one frame each, in one write: a burst of finished operations costs one
-    /// system call, not one per operation.
-    pub(crate) fn send_all(&self, notices: &[u64]) -> std::io::Result<()> {
+    /// system call, not one per operation. Returns how many frames went out whole; on an error
+    /// the connection is shut down, so the peer sees its end rather than a torn frame.
+    pub(crate) fn send_all(&self, notices: &[u64]) -> (usize, std::io::Result<()>) {
         let mut frames = Vec::with_capacity(notices.len() * 9);
         for notice in notices {
             frames.push(FRAME_NOTICE);
             frames.extend_from_slice(&notice.to_le_bytes());
         }
-        self.0
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .write_all(&frames)
+        let mut conn = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut written = 0;
+        while written < frames.len() {
+            match conn.write(&frames[written..]) {
+                Ok(0) => {
+                    let _ = conn.shutdown(std::net::Shutdown::Both);
+                    return (written / 9, Err(std::io::ErrorKind::WriteZero.into()));
+                }
+                Ok(n) => written += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    let _ = conn.shutdown(std::net::Shutdown::Both);
+                    return (written / 9, Err(e));
+                }
+            }
+        }
+        (notices.len(), Ok(()))
     }
 }
 
@@ -773,7 +787,7 @@ mod tests {
         let mut link = Link::connect(&control.identity().socket).unwrap();
         assert!(link.alive());
         link.send_message(b"hello").unwrap();
-        link.notices().send_all(&[99, 100, 101]).unwrap();
+        assert_eq!(link.notices().send_all(&[99, 100, 101]).0, 3);
         let mut events = VecDeque::new();
         let deadline = Instant::now() + Duration::from_secs(5);
         while events.len() < 4 {

@@ -298,7 +298,8 @@ fn nixl_moves_gpu_memory_between_processes() {
         let mut events = Vec::new();
         let _ = transport.wait(&mut events, Duration::from_millis(20));
         if let Ok(Some(status)) = child.try_wait() {
-            break status.success() && rx.try_recv().is_ok();
+            // The reader thread may still be passing the child's last line on.
+            break rx.recv_timeout(Duration::from_secs(5)).is_ok() && status.success();
         }
     };
     drop(stdin);

@@ -195,6 +195,15 @@ pub(crate) fn run(args: &RawArgs) -> anyhow::Result<()> {
         );
     }
     let (plan, _) = plan_at(&layout, tokens, 0)?;
+    if !args.serve && layout.spec().num_blocks / blocks < 3 {
+        eprintln!(
+            "kvx pd raw: warning: the cache holds fewer than 3 requests of {tokens} tokens \
+             ({} blocks), so repeats reuse recently copied blocks and may time cached bytes; \
+             give --blocks at least {}",
+            layout.spec().num_blocks,
+            3 * blocks
+        );
+    }
     if args.serve {
         return serve(&layout, &spec);
     }

@@ -290,21 +290,29 @@ fn finish(job: Watch, pool: &EventPool, results: &mut Vec<(u64, Result<(), OpErr
     });
     pool.give(job.event);
     let notices: Vec<u64> = job.ops.iter().filter_map(|&(_, notice)| notice).collect();
-    let sent = match &waited {
+    let (sent, error) = match &waited {
         Ok(()) if !notices.is_empty() => job.notices.send_all(&notices),
-        _ => Ok(()),
+        _ => (0, Ok(())),
     };
+    // Operations whose notice went out whole succeeded; the rest lost their peer.
+    let mut index = 0;
     for (op, notice) in job.ops {
-        let result = match (&waited, &sent) {
+        let result = match (&waited, notice) {
             (Err(e), _) => Err(OpError::Backend {
                 source: boxed(e.clone()),
             }),
-            (Ok(()), Err(e)) if notice.is_some() => Err(OpError::PeerUnreachable {
-                source: boxed(socket_error("sending the completion notice")(
-                    std::io::Error::new(e.kind(), e.to_string()),
-                )),
-            }),
-            (Ok(()), _) => Ok(()),
+            (Ok(()), None) => Ok(()),
+            (Ok(()), Some(_)) => {
+                index += 1;
+                match &error {
+                    Err(e) if index > sent => Err(OpError::PeerUnreachable {
+                        source: boxed(socket_error("sending the completion notice")(
+                            std::io::Error::new(e.kind(), e.to_string()),
+                        )),
+                    }),
+                    _ => Ok(()),
+                }
+            }
         };
         results.push((op, result));
     }

@@ -159,6 +159,10 @@ pub struct LibfabricConfig {
     pub op_timeout: Duration,
     /// Completion-queue entries (per rail).
     pub cq_size: usize,
+    /// `shm` only: before opening, remove the regions that killed processes of this user left in
+    /// `/dev/shm` (see [`shm_sweep`]; also turned on by `KVX_SHM_SWEEP=1`). Off by default: it
+    /// judges liveness in this pid namespace, which is wrong where containers share `/dev/shm`.
+    pub sweep_stale_shm: bool,
 }
 
 impl LibfabricConfig {
@@ -172,6 +176,7 @@ impl LibfabricConfig {
             stripe_threshold: DEFAULT_STRIPE_THRESHOLD,
             op_timeout: Duration::from_secs(30),
             cq_size: 4096,
+            sweep_stale_shm: false,
         }
     }
 
@@ -554,6 +559,17 @@ pub enum OpenError {
         /// What differs.
         what: &'static str,
     },
+    /// The `shm` region name of this process is taken: most likely by a region that a killed
+    /// process with the same pid left in `/dev/shm`.
+    #[error(
+        "the shm region name of this process is taken (/dev/shm/{pid}:*), most likely left by a \
+         killed process with the same pid: remove those files, or set KVX_SHM_SWEEP=1 where no \
+         other pid namespace shares /dev/shm"
+    )]
+    ShmNameTaken {
+        /// This process's id.
+        pid: u32,
+    },
     /// A rail's posting thread could not be started.
     #[error("starting the rails' posting threads failed")]
     Thread(#[source] std::io::Error),
@@ -669,7 +685,18 @@ fn open_rail(
     let domain = fi::Domain::open(&fabric).map_err(fabric_err)?;
     let cq = fi::CompletionQueue::open(&domain, config.cq_size.max(64)).map_err(fabric_err)?;
     let av = fi::AddressVector::open(&domain).map_err(fabric_err)?;
-    let ep = fi::Endpoint::open(&domain, &cq, &av).map_err(fabric_err)?;
+    let ep = fi::Endpoint::open(&domain, &cq, &av).map_err(|e| match e {
+        // `shm` names its region after the pid: a region a killed process with this pid left
+        // behind makes enabling fail with EBUSY.
+        FabricError::Enable(errno)
+            if config.provider == PROVIDER_SHM && errno.code == libc::EBUSY =>
+        {
+            OpenError::ShmNameTaken {
+                pid: std::process::id(),
+            }
+        }
+        other => fabric_err(other),
+    })?;
     let address = ep.name().map_err(fabric_err)?;
 
     let virt_addr = rail_info.mr_mode & sys::FI_MR_VIRT_ADDR != 0;
@@ -726,9 +753,11 @@ impl LibfabricTransport {
                 max: MAX_RAILS,
             });
         }
-        // `shm`: clear the regions killed processes left (see [`shm_sweep`]), and keep this
-        // process's other `shm` opens out until the rails exist.
-        let _opening = (config.provider == PROVIDER_SHM).then(|| {
+        // `shm`, when asked: clear the regions killed processes left (see [`shm_sweep`]), and
+        // keep this process's other `shm` opens out until the rails exist.
+        let sweep = config.provider == PROVIDER_SHM
+            && (config.sweep_stale_shm || shm_sweep::asked_by_env());
+        let _opening = sweep.then(|| {
             let mut first = shm_sweep::OPENING
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);

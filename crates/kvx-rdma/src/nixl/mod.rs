@@ -218,7 +218,15 @@ impl NixlConfig {
             .map(|(_, v)| v.clone())
             .filter(|v| !v.is_empty());
         let value = match engine {
-            Some(v) if v.split(',').any(|kv| kv.starts_with("MEMTYPE_CACHE=")) => v,
+            Some(v)
+                if v.split(',').any(|kv| {
+                    kv.trim()
+                        .trim_start_matches("UCX_")
+                        .starts_with("MEMTYPE_CACHE=")
+                }) =>
+            {
+                v
+            }
             Some(v) => format!("{v},MEMTYPE_CACHE=n"),
             None => "MEMTYPE_CACHE=n".to_owned(),
         };
@@ -679,27 +687,26 @@ impl NixlTransport {
         ),
         BackendError,
     > {
-        // One list holds one memory type: every local region of the operations must be of one
-        // kind, and every remote one.
+        // One list holds one memory type: every local region of the operations must be host
+        // memory, or every one GPU memory (of any devices), and the same for the remote side.
         let kinds =
-            |side: &dyn Fn(&CopyOp) -> Option<MemoryKind>| -> Result<MemoryKind, BackendError> {
+            |side: &dyn Fn(&CopyOp) -> Option<MemoryKind>| -> Result<sys::MemType, BackendError> {
                 let mut kinds = ops.iter().filter_map(side);
                 let first = kinds.next().unwrap_or(MemoryKind::Host);
-                match kinds.find(|k| *k != first) {
+                let is_gpu = |k: MemoryKind| matches!(k, MemoryKind::Cuda { .. });
+                match kinds.find(|k| is_gpu(*k) != is_gpu(first)) {
                     Some(other) => Err(format!(
                     "one transfer mixes {first} and {other} memory on one side; NIXL takes one \
                      memory type per descriptor list"
                 )
                     .into()),
-                    None => Ok(first),
+                    None => Ok(nixl_memory(first).0),
                 }
             };
         let local_of = |op: &CopyOp| if write { op.src_region } else { op.dst_region };
         let remote_of = |op: &CopyOp| if write { op.dst_region } else { op.src_region };
-        let local_kind = kinds(&|op| self.regions.get(&local_of(op)).map(|r| r.region.kind()))?;
-        let remote_kind = kinds(&|op| peer.desc.region(remote_of(op)).map(|r| r.kind))?;
-        let ((local_type, local_dev), (remote_type, remote_dev)) =
-            (nixl_memory(local_kind), nixl_memory(remote_kind));
+        let local_type = kinds(&|op| self.regions.get(&local_of(op)).map(|r| r.region.kind()))?;
+        let remote_type = kinds(&|op| peer.desc.region(remote_of(op)).map(|r| r.kind))?;
         let mut local =
             sys::XferDescList::new(local_type).map_err(nixl_error("createXferDlist"))?;
         let mut remote =
@@ -721,6 +728,8 @@ impl NixlTransport {
                 .into());
             };
             let local_base = l.region.addr() as u64;
+            // Each region's own device (one side may span several GPUs).
+            let (local_dev, remote_dev) = (nixl_memory(l.region.kind()).1, nixl_memory(r.kind).1);
             for (src, dst, len) in op.pieces() {
                 let (local_offset, remote_offset) = if write { (src, dst) } else { (dst, src) };
                 // In range: `check_ops` bounded every piece by the registered lengths, and a
