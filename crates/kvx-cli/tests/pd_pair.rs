@@ -232,6 +232,36 @@ fn push_and_pull_over_cma_verify_every_byte() {
     check(&report, 6, 1200);
 }
 
+/// Two `shm` rails (striped writes posted from a thread per rail) and the dimension-major key
+/// order of vLLM's CPU cache on both sides, with different block sizes and TP degrees: push and
+/// pull, every byte verified. The requests (400 and 1,000 tokens of 1 KiB) are over the striping
+/// threshold.
+#[test]
+fn two_shm_rails_and_dimension_major_keys_verify_every_byte() {
+    for (mode, prefill, decode) in [
+        (
+            "push",
+            &["--order", "hnd-kt", "--tp", "2"][..],
+            &["--order", "hnd-kt", "--block-tokens", "32"][..],
+        ),
+        (
+            "pull",
+            &["--order", "hnd-kt", "--block-tokens", "32"][..],
+            &["--order", "hnd-kt", "--tp", "2"][..],
+        ),
+    ] {
+        let (report, _) = run_pair(&Run {
+            transport: "libfabric:shm,rails=2",
+            mode,
+            prefill,
+            decode,
+            requests: 6,
+            tokens: "400,1000",
+        });
+        check(&report, 6, 3 * 400 + 3 * 1000);
+    }
+}
+
 #[test]
 fn heterogeneous_tp_block_size_and_order() {
     // Prefill TP 2, block 16, HND; decode TP 1, block 32, NHD (a receiver re-layout).
