@@ -15,6 +15,7 @@ use clap::{Parser, Subcommand};
 mod bench;
 mod nixl;
 mod pd;
+mod plot;
 mod setup;
 mod vllm;
 

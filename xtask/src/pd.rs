@@ -313,7 +313,7 @@ fn plot(report: &Value, path: &PathBuf, metric: &str, label: &str) -> anyhow::Re
         .x_desc("request rate (requests/s)")
         .y_desc(label)
         .draw()?;
-    let palette = [BLUE, RED, GREEN, MAGENTA, CYAN, BLACK];
+    let palette = crate::plot::PALETTE;
     for (i, length) in lengths.iter().enumerate() {
         let color = palette[i % palette.len()];
         for (mode, dashed) in [("push", false), ("pull", true)] {
@@ -333,23 +333,16 @@ fn plot(report: &Value, path: &PathBuf, metric: &str, label: &str) -> anyhow::Re
             } else {
                 color.stroke_width(3)
             };
-            chart
-                .draw_series(LineSeries::new(series.clone(), style))?
-                .label(format!("{mode} {length} tokens"))
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], style));
-            chart.draw_series(
-                series
-                    .into_iter()
-                    .map(|(x, y)| Circle::new((x, y), 3, color.filled())),
+            crate::plot::line_with_dots(
+                &mut chart,
+                series,
+                color,
+                style,
+                format!("{mode} {length} tokens"),
             )?;
         }
     }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .position(SeriesLabelPosition::UpperLeft)
-        .draw()?;
+    crate::plot::legend(&mut chart)?;
     root_area.present()?;
     Ok(())
 }

@@ -194,7 +194,7 @@ fn plot(report: &Value, path: &Path, length: u64, metric: &str, label: &str) -> 
     let area = SVGBackend::new(path, (1200, 560)).into_drawing_area();
     area.fill(&WHITE)?;
     let panels = area.split_evenly((1, 2));
-    let palette = [BLUE, RED, GREEN, MAGENTA, CYAN, BLACK];
+    let palette = crate::plot::PALETTE;
     for (panel, quantile) in panels.iter().zip(["p50", "p99"]) {
         let mut chart = ChartBuilder::on(panel)
             .caption(
@@ -220,21 +220,9 @@ fn plot(report: &Value, path: &Path, length: u64, metric: &str, label: &str) -> 
             } else {
                 color.stroke_width(3)
             };
-            chart
-                .draw_series(LineSeries::new(pts.clone(), style))?
-                .label(name)
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], style));
-            chart.draw_series(
-                pts.into_iter()
-                    .map(|(x, y)| Circle::new((x, y), 3, color.filled())),
-            )?;
+            crate::plot::line_with_dots(&mut chart, pts, color, style, name.to_string())?;
         }
-        chart
-            .configure_series_labels()
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .position(SeriesLabelPosition::UpperLeft)
-            .draw()?;
+        crate::plot::legend(&mut chart)?;
     }
     area.present()?;
     Ok(())

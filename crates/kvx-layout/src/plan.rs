@@ -34,6 +34,36 @@ pub struct CopyOp {
 }
 
 impl CopyOp {
+    /// `count` pieces of `len` bytes from `src` (region, offset) of `producer`'s memory to `dst`
+    /// (region, offset) of the consumer's, `strides` (source, destination) apart.
+    #[must_use]
+    pub const fn strided(
+        producer: Rank,
+        src: (u32, u64),
+        dst: (u32, u64),
+        len: u64,
+        count: u64,
+        strides: (u64, u64),
+    ) -> Self {
+        Self {
+            producer,
+            src_region: src.0,
+            src_offset: src.1,
+            dst_region: dst.0,
+            dst_offset: dst.1,
+            len,
+            count,
+            src_stride: strides.0,
+            dst_stride: strides.1,
+        }
+    }
+
+    /// One contiguous run of `len` bytes.
+    #[must_use]
+    pub const fn run(producer: Rank, src: (u32, u64), dst: (u32, u64), len: u64) -> Self {
+        Self::strided(producer, src, dst, len, 1, (0, 0))
+    }
+
     /// Bytes this operation moves.
     #[must_use]
     pub const fn bytes(&self) -> u64 {

@@ -130,17 +130,7 @@ fn ipc_rows(gpus: u32, rows: &mut Vec<Row>) -> Res<()> {
     };
     for size in [MIB, 4 * MIB, 16 * MIB, 64 * MIB, 256 * MIB] {
         let n = ((4 << 30) / size).clamp(8, 512) as usize;
-        let op = CopyOp {
-            producer: Rank(0),
-            src_region: 0,
-            src_offset: 0,
-            dst_region: 0,
-            dst_offset: 0,
-            len: size,
-            count: 1,
-            src_stride: 0,
-            dst_stride: 0,
-        };
+        let op = CopyOp::run(Rank(0), (0, 0), (0, 0), size);
         let mut ours = Vec::new();
         let mut base = Vec::new();
         for round in 0..4 {

@@ -62,17 +62,7 @@ impl Row {
 }
 
 fn op(src: (u32, u64), dst: (u32, u64), len: u64) -> CopyOp {
-    CopyOp {
-        producer: Rank(0),
-        src_region: src.0,
-        src_offset: src.1,
-        dst_region: dst.0,
-        dst_offset: dst.1,
-        len,
-        count: 1,
-        src_stride: 0,
-        dst_stride: 0,
-    }
+    CopyOp::run(Rank(0), src, dst, len)
 }
 
 fn sweep_plan(op_bytes: u64) -> Vec<CopyOp> {

@@ -590,14 +590,6 @@ impl SameHost for CmaTransport {
         (&mut self.control, &mut self.ledger)
     }
 
-    fn control(&self) -> &Control {
-        &self.control
-    }
-
-    fn busy(&self) -> bool {
-        self.ledger.busy()
-    }
-
     fn op_timeout(&self) -> Duration {
         self.config.op_timeout
     }
@@ -623,17 +615,7 @@ mod tests {
     use std::time::Instant;
 
     fn op(src: u64, dst: u64, len: u64, count: u64, strides: (u64, u64)) -> CopyOp {
-        CopyOp {
-            producer: Rank(0),
-            src_region: 0,
-            src_offset: src,
-            dst_region: 0,
-            dst_offset: dst,
-            len,
-            count,
-            src_stride: strides.0,
-            dst_stride: strides.1,
-        }
+        CopyOp::strided(Rank(0), (0, src), (0, dst), len, count, strides)
     }
 
     fn wait_for(t: &mut CmaTransport, want: impl Fn(&Event) -> bool) -> Event {
@@ -689,11 +671,7 @@ mod tests {
         // Pull: read back from the peer.
         let back = Arc::new(HostBuffer::new(4096).unwrap());
         a.register(LocalRegion::host(1, Arc::clone(&back))).unwrap();
-        let read = CopyOp {
-            src_region: 0,
-            dst_region: 1,
-            ..op(200, 0, 4096, 1, (0, 0))
-        };
+        let read = CopyOp::run(Rank(0), (0, 200), (1, 0), 4096);
         a.read(peer, &[read]).unwrap();
         wait_for(&mut a, |e| matches!(e, Event::ReadDone { .. }));
         assert_eq!(back.to_vec(), got[200..200 + 4096]);

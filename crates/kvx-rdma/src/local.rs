@@ -554,10 +554,6 @@ impl Ledger {
 pub(crate) trait SameHost {
     /// The endpoint's control plane and operation ledger.
     fn parts(&mut self) -> (&mut Control, &mut Ledger);
-    /// The control plane alone.
-    fn control(&self) -> &Control;
-    /// Whether operations are in flight.
-    fn busy(&self) -> bool;
     /// How long an operation may stay in flight.
     fn op_timeout(&self) -> Duration;
     /// Work to do first on every poll (hand batched operations to the worker).
@@ -594,11 +590,11 @@ pub(crate) fn wait<T: SameHost>(
             return Ok(0);
         }
         let mut slice = deadline - now;
-        if transport.busy() {
+        let (control, ledger) = transport.parts();
+        if ledger.busy() {
             slice = slice.min(Duration::from_millis(100));
         }
-        transport
-            .control()
+        control
             .block(slice)
             .map_err(|e| PollError::Backend(Box::new(e)))?;
     }

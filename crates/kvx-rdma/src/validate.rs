@@ -140,17 +140,14 @@ mod tests {
     use proptest::prelude::*;
 
     fn op(src_offset: u64, dst_offset: u64, len: u64, count: u64, stride: u64) -> CopyOp {
-        CopyOp {
-            producer: Rank(0),
-            src_region: 0,
-            src_offset,
-            dst_region: 1,
-            dst_offset,
+        CopyOp::strided(
+            Rank(0),
+            (0, src_offset),
+            (1, dst_offset),
             len,
             count,
-            src_stride: stride,
-            dst_stride: stride,
-        }
+            (stride, stride),
+        )
     }
 
     fn lens(region: u32) -> Option<u64> {

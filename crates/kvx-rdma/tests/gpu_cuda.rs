@@ -457,17 +457,7 @@ fn ipc_write_to_an_exited_peer_is_a_typed_error() {
     let Ok(peer) = transport.connect(&desc) else {
         return;
     };
-    let op = CopyOp {
-        producer: Rank(0),
-        src_region: 0,
-        src_offset: 0,
-        dst_region: 0,
-        dst_offset: 0,
-        len: 4096,
-        count: 1,
-        src_stride: 0,
-        dst_stride: 0,
-    };
+    let op = CopyOp::run(Rank(0), (0, 0), (0, 0), 4096);
     transport
         .write(peer, &[op], Some(Notice(1)))
         .expect("accepted");
@@ -508,17 +498,7 @@ fn ipc_refuses_out_of_bounds_and_foreign_memory() {
     );
     // Two endpoints of one process reach each other directly (no IPC handle needed).
     let peer = a.connect(&b.local_desc()).expect("connect");
-    let op = CopyOp {
-        producer: Rank(0),
-        src_region: 0,
-        src_offset: 4096,
-        dst_region: 0,
-        dst_offset: (1 << 20) - 8192,
-        len: 8192,
-        count: 1,
-        src_stride: 0,
-        dst_stride: 0,
-    };
+    let op = CopyOp::run(Rank(0), (0, 4096), (0, (1 << 20) - 8192), 8192);
     assert!(a
         .write(
             peer,

@@ -175,17 +175,12 @@ fn child_role() {
     let read = transport
         .read(
             peer,
-            &[kvx_layout::CopyOp {
-                producer: kvx_core::Rank(0),
-                src_region: 1,
-                src_offset: 0,
-                dst_region: 99,
-                dst_offset: 0,
+            &[kvx_layout::CopyOp::run(
+                kvx_core::Rank(0),
+                (1, 0),
+                (99, 0),
                 len,
-                count: 1,
-                src_stride: 0,
-                dst_stride: 0,
-            }],
+            )],
         )
         .expect("post the read");
     let mut events = Vec::new();
@@ -330,16 +325,8 @@ fn a_transfer_mixing_host_and_gpu_memory_on_one_side_is_refused() {
     b.register(LocalRegion::host(0, Arc::clone(&target)))
         .expect("register host");
     let peer = a.connect(&b.local_desc()).expect("connect");
-    let op = |src_region, dst_offset| kvx_layout::CopyOp {
-        producer: kvx_core::Rank(0),
-        src_region,
-        src_offset: 0,
-        dst_region: 0,
-        dst_offset,
-        len: 1 << 16,
-        count: 1,
-        src_stride: 0,
-        dst_stride: 0,
+    let op = |src_region, dst_offset| {
+        kvx_layout::CopyOp::run(kvx_core::Rank(0), (src_region, 0), (0, dst_offset), 1 << 16)
     };
     let refused = a.write(peer, &[op(0, 0), op(1, 1 << 16)], Some(Notice(1)));
     let message = match refused {

@@ -29,17 +29,7 @@ fn pattern(region: u32, offset: u64) -> u8 {
 }
 
 fn op(src: (u32, u64), dst: (u32, u64), len: u64, count: u64, strides: (u64, u64)) -> CopyOp {
-    CopyOp {
-        producer: Rank(0),
-        src_region: src.0,
-        src_offset: src.1,
-        dst_region: dst.0,
-        dst_offset: dst.1,
-        len,
-        count,
-        src_stride: strides.0,
-        dst_stride: strides.1,
-    }
+    CopyOp::strided(Rank(0), src, dst, len, count, strides)
 }
 
 /// A plan in the planner's shapes: a long merged run, many strided head-sized pieces (more than

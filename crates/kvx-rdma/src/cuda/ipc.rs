@@ -957,14 +957,6 @@ impl SameHost for CudaIpcTransport {
         (&mut self.control, &mut self.ledger)
     }
 
-    fn control(&self) -> &Control {
-        &self.control
-    }
-
-    fn busy(&self) -> bool {
-        self.ledger.busy()
-    }
-
     fn op_timeout(&self) -> Duration {
         self.config.op_timeout
     }

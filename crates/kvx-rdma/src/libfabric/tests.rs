@@ -17,17 +17,12 @@ fn pair(config: &LibfabricConfig) -> (LibfabricTransport, LibfabricTransport) {
 }
 
 fn op(src_region: u32, src_offset: u64, dst_region: u32, dst_offset: u64, len: u64) -> CopyOp {
-    CopyOp {
-        producer: Rank(0),
-        src_region,
-        src_offset,
-        dst_region,
-        dst_offset,
+    CopyOp::run(
+        Rank(0),
+        (src_region, src_offset),
+        (dst_region, dst_offset),
         len,
-        count: 1,
-        src_stride: 0,
-        dst_stride: 0,
-    }
+    )
 }
 
 /// Waits on both endpoints until `done` says so, or fails the test after a deadline.

@@ -155,17 +155,7 @@ fn open_or_skip(test: &str) -> Option<NixlTransport> {
 }
 
 fn op(src: (u32, u64), dst: (u32, u64), len: u64, count: u64, strides: (u64, u64)) -> CopyOp {
-    CopyOp {
-        producer: Rank(0),
-        src_region: src.0,
-        src_offset: src.1,
-        dst_region: dst.0,
-        dst_offset: dst.1,
-        len,
-        count,
-        src_stride: strides.0,
-        dst_stride: strides.1,
-    }
+    CopyOp::strided(Rank(0), src, dst, len, count, strides)
 }
 
 /// Waits on both endpoints until `done` says the collected events suffice.
