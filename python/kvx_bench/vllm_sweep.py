@@ -464,38 +464,32 @@ def markdown(report: dict) -> str:
         "requests of the point.",
         "",
     ]
-    for metric, title in (("ttft_ms", "TTFT p50 / p99 (ms)"), ("tpot_ms", "TPOT p50 / p99 (ms)"),
-                          ("e2e_ms", "End-to-end latency p50 / p99 (ms)")):
-        lines += [f"## {title}", "",
-                  "| input | req/s | " + " | ".join(systems) + " |",
-                  "|---:|---:|" + "---:|" * len(systems)]
+    def table(title, cell):
+        """A table of one cell per system, a row per (input length, rate)."""
+        out = [f"## {title}", "",
+               "| input | req/s | " + " | ".join(systems) + " |",
+               "|---:|---:|" + "---:|" * len(systems)]
         for length in report["lengths"]:
             for rate in report["rates"]:
-                cells = []
-                for s in systems:
-                    p = pts.get((s, length, rate))
-                    if p is None:
-                        cells.append("–")
-                    elif "skipped" in p:
-                        cells.append("skipped")
-                    else:
-                        c = f"{fmt_ms(p[metric]['p50'])} / {fmt_ms(p[metric]['p99'])}"
-                        if p["errors"]:
-                            c += f" ({p['errors']} err)"
-                        cells.append(c)
-                lines.append(f"| {length} | {rate:g} | " + " | ".join(cells) + " |")
-        lines.append("")
-    lines += ["## TTFT mean (ms)", "",
-              "| input | req/s | " + " | ".join(systems) + " |",
-              "|---:|---:|" + "---:|" * len(systems)]
-    for length in report["lengths"]:
-        for rate in report["rates"]:
-            cells = []
-            for s in systems:
-                p = pts.get((s, length, rate))
-                cells.append("–" if p is None or "skipped" in p else fmt_ms(p["ttft_ms"]["mean"]))
-            lines.append(f"| {length} | {rate:g} | " + " | ".join(cells) + " |")
-    lines.append("")
+                cells = [cell(pts.get((s, length, rate))) for s in systems]
+                out.append(f"| {length} | {rate:g} | " + " | ".join(cells) + " |")
+        return out + [""]
+
+    def quantiles(metric):
+        def cell(p):
+            if p is None:
+                return "–"
+            if "skipped" in p:
+                return "skipped"
+            c = f"{fmt_ms(p[metric]['p50'])} / {fmt_ms(p[metric]['p99'])}"
+            return c + (f" ({p['errors']} err)" if p["errors"] else "")
+        return cell
+
+    for metric, title in (("ttft_ms", "TTFT p50 / p99 (ms)"), ("tpot_ms", "TPOT p50 / p99 (ms)"),
+                          ("e2e_ms", "End-to-end latency p50 / p99 (ms)")):
+        lines += table(title, quantiles(metric))
+    lines += table("TTFT mean (ms)", lambda p: "–" if p is None or "skipped" in p
+                   else fmt_ms(p["ttft_ms"]["mean"]))
     failed = [s for s in report["systems"] if s.get("failed")]
     if failed:
         lines += ["## Systems that did not run", ""]
