@@ -530,20 +530,9 @@ impl LayoutKernels {
     }
 
     /// Launches `function` over a table of `count` entries, with `geo` as the third argument
-    /// when given (the permute kernels).
+    /// when given (the permute kernels), and `cluster` blocks per work item (1, or more for the
+    /// cluster permutes).
     fn launch(
-        &self,
-        function: usize,
-        table: u64,
-        count: usize,
-        geo: Option<Geo>,
-        shared: u32,
-    ) -> Result<(), CudaError> {
-        self.launch_clustered(function, table, count, geo, shared, 1)
-    }
-
-    /// [`LayoutKernels::launch`] with `cluster` blocks per work item (the cluster permutes).
-    fn launch_clustered(
         &self,
         function: usize,
         table: u64,
@@ -619,7 +608,7 @@ impl LayoutKernels {
             return Ok(());
         }
         let table = self.upload(pieces)?;
-        self.launch(0, table, pieces.len(), None, 0)
+        self.launch(0, table, pieces.len(), None, 0, 1)
     }
 
     /// Enqueues the copy of `ops` (strided copy operations, as planned) in one launch, `src` and
@@ -756,13 +745,13 @@ impl LayoutKernels {
                 let shared = bytes as u32;
                 self.allow_shared(shared)?;
                 let table = self.upload(&chunks)?;
-                self.launch(1 + variant, table, chunks.len(), Some(geo), shared)?;
+                self.launch(1 + variant, table, chunks.len(), Some(geo), shared, 1)?;
             } else if let Some(c) = self.cluster_for(&geo, width, bytes, limit) {
                 // Hopper: a cluster of `c` blocks shares each chunk; one pass, in place.
                 let shared = (bytes / u64::from(c)) as u32;
                 self.allow_shared_for(CLUSTER + c.trailing_zeros() as usize - 1, shared)?;
                 let table = self.upload(&chunks)?;
-                self.launch_clustered(
+                self.launch(
                     CLUSTER + c.trailing_zeros() as usize - 1,
                     table,
                     chunks.len(),
@@ -796,7 +785,7 @@ impl LayoutKernels {
                 // holds all of them back to back.
                 unsafe { self.copy_pieces(&pieces)? };
                 let table = self.upload(&chunks)?;
-                self.launch(4 + variant, table, chunks.len(), Some(geo), 0)?;
+                self.launch(4 + variant, table, chunks.len(), Some(geo), 0, 1)?;
             }
         }
         Ok(())
