@@ -23,27 +23,15 @@ use kvx_rdma::cuda::kernels::LayoutKernels;
 use kvx_rdma::cuda::{device_count, CudaError, DeviceBuffer, Gpu};
 use kvx_rdma::{EndpointDesc, Event, LocalRegion, Notice, OpError, Transport};
 
+#[path = "support/gpus.rs"]
+mod support;
+use support::gpus;
+
 const ROLE: &str = "KVX_GPU_ROLE";
 const SCENARIO: &str = "KVX_GPU_SCENARIO";
 const RANK: &str = "KVX_GPU_RANK";
 const SEED: u64 = 0x6b76_7867_7075;
 const DEADLINE: Duration = Duration::from_secs(60);
-
-/// The number of GPUs, or `None` after saying why the test is skipped. With
-/// `KVX_REQUIRE_GPU=1` (set on GPU machines) a missing GPU fails the test instead.
-fn gpus(test: &str, needed: u32) -> Option<u32> {
-    let why = match device_count() {
-        Ok(n) if n >= needed => return Some(n),
-        Ok(n) => format!("needs {needed} CUDA devices, this machine has {n}"),
-        Err(e) => e.to_string(),
-    };
-    assert!(
-        std::env::var_os("KVX_REQUIRE_GPU").is_none(),
-        "{test}: KVX_REQUIRE_GPU is set but {why}"
-    );
-    eprintln!("SKIPPED {test}: {why}");
-    None
-}
 
 struct Scenario {
     producer_tp: u32,

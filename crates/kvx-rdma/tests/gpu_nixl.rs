@@ -13,9 +13,13 @@ use std::time::{Duration, Instant};
 
 use kvx_core::{Arrangement, BlockId, Dtype, LayoutSpec, MemoryKind, MemoryOrder};
 use kvx_layout::{synth, Layout, PlanRequest};
-use kvx_rdma::cuda::{device_count, DeviceBuffer, Gpu};
+use kvx_rdma::cuda::{DeviceBuffer, Gpu};
 use kvx_rdma::nixl::{runtime, NixlConfig, NixlTransport, LIB_DIR_ENV};
 use kvx_rdma::{EndpointDesc, Event, LocalRegion, Notice, Transport};
+
+#[path = "support/gpus.rs"]
+mod support;
+use support::gpus;
 
 const ROLE: &str = "KVX_GPU_NIXL_ROLE";
 const SEED: u64 = 0x6e69_786c_7672_616d;
@@ -73,20 +77,9 @@ fn config() -> NixlConfig {
     config
 }
 
-/// `None` after saying why the test is skipped.
+/// The number of GPUs, or `None` after saying why the test is skipped.
 fn ready(test: &str) -> Option<u32> {
-    let gpus = match device_count() {
-        Ok(n) if n > 0 => n,
-        other => {
-            let why = other.map_or_else(|e| e.to_string(), |_| "no CUDA device".into());
-            assert!(
-                std::env::var_os("KVX_REQUIRE_GPU").is_none(),
-                "{test}: KVX_REQUIRE_GPU is set but {why}"
-            );
-            eprintln!("SKIPPED {test}: {why}");
-            return None;
-        }
-    };
+    let gpus = gpus(test, 1)?;
     if runtime::locate(None).is_none() {
         eprintln!(
             "SKIPPED {test}: no NIXL runtime: {LIB_DIR_ENV} is unset or does not hold \
