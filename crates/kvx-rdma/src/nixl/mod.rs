@@ -989,7 +989,13 @@ impl Transport for NixlTransport {
                 .register_memory(&span, None)
                 .map_err(|e| RegisterError::Backend {
                     index,
-                    source: nixl_error("registerMem")(e),
+                    source: nixl_error(if matches!(span.kind, MemoryKind::Cuda { .. }) {
+                        // The usual cause (seen on the H200): UCX's memory-type cache.
+                        "registerMem (CUDA memory: was the endpoint opened with \
+                         NixlConfig::with_device_memory()?)"
+                    } else {
+                        "registerMem"
+                    })(e),
                 })?;
         let remote = RegionDesc {
             index,
