@@ -532,6 +532,25 @@ impl Ledger {
             .count()
     }
 
+    /// [`Transport::deregister`](crate::Transport::deregister) for a same-host transport: forgets
+    /// region `index` of `regions` unless an operation in flight uses it.
+    pub(crate) fn deregister<V>(
+        &self,
+        regions: &mut std::collections::BTreeMap<u32, V>,
+        index: u32,
+    ) -> Result<(), crate::error::DeregisterError> {
+        use crate::error::DeregisterError;
+        if !regions.contains_key(&index) {
+            return Err(DeregisterError::Unknown(index));
+        }
+        let ops = self.using(index);
+        if ops > 0 {
+            return Err(DeregisterError::InUse { index, ops });
+        }
+        regions.remove(&index);
+        Ok(())
+    }
+
     /// Whether anything is in flight.
     pub(crate) fn busy(&self) -> bool {
         !self.pending.is_empty()

@@ -775,15 +775,7 @@ impl Transport for CudaIpcTransport {
     }
 
     fn deregister(&mut self, index: u32) -> Result<(), DeregisterError> {
-        if !self.regions.contains_key(&index) {
-            return Err(DeregisterError::Unknown(index));
-        }
-        let ops = self.ledger.using(index);
-        if ops > 0 {
-            return Err(DeregisterError::InUse { index, ops });
-        }
-        self.regions.remove(&index);
-        Ok(())
+        self.ledger.deregister(&mut self.regions, index)
     }
 
     fn local_desc(&self) -> EndpointDesc {
