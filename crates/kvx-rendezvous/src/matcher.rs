@@ -810,6 +810,23 @@ impl<P, R> Matcher<P, R> {
         })
     }
 
+    /// The destination of the registration held for `key`: that attempt registered, is not yet
+    /// matched with its prefill, and its lease has not run out by the latest time seen. A driver
+    /// may write the KV already computed there ahead of [`Matcher::prefill_done`] (streaming),
+    /// and must then hold back a [`Action::FailConsumer`] for `key` until those writes end.
+    #[must_use]
+    pub fn held_registration(&self, key: AttemptKey) -> Option<&R> {
+        let record = self.records.get(&key.transfer)?;
+        match &record.state {
+            State::Consumer {
+                destination,
+                deadline,
+                ..
+            } if record.attempt == key.attempt && *deadline > self.now => Some(destination),
+            _ => None,
+        }
+    }
+
     /// The next action for the driver, oldest first.
     pub fn poll_action(&mut self) -> Option<Action<P, R>> {
         self.actions.pop_front()
@@ -1314,6 +1331,23 @@ mod tests {
 
     fn secs(s: u64) -> Timestamp {
         Timestamp::from_secs(s)
+    }
+
+    #[test]
+    fn held_registration_only_while_waiting_for_its_prefill() {
+        let mut m = M::new(Config::default()).unwrap();
+        assert_eq!(m.held_registration(key(1, 0)), None);
+        m.register(secs(0), key(1, 0), C, Duration::from_secs(5), "dst");
+        assert_eq!(m.held_registration(key(1, 0)), Some(&"dst"));
+        // Another attempt of the same transfer is not this registration.
+        assert_eq!(m.held_registration(key(1, 1)), None);
+        // Past its lease (before the timeout is handled) it is no longer offered.
+        m.heartbeat(secs(6), C, []);
+        assert_eq!(m.held_registration(key(1, 0)), None);
+        m.register(secs(6), key(2, 0), C, Duration::from_secs(5), "d2");
+        m.prefill_done(secs(6), key(2, 0), "src");
+        // Matched: in flight, not held.
+        assert_eq!(m.held_registration(key(2, 0)), None);
     }
 
     #[test]

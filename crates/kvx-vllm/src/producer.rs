@@ -53,6 +53,11 @@ enum Command {
         held: Held,
         pull: bool,
     },
+    Progress {
+        key: AttemptKey,
+        blocks: Vec<BlockId>,
+        computed: u64,
+    },
     Abort {
         transfer: TransferId,
         attempt: Option<Attempt>,
@@ -71,7 +76,7 @@ struct Held {
     num_tokens: u64,
 }
 
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 struct Dest {
     conn: ConnId,
     /// The transfer as the consumer knows it.
@@ -170,6 +175,9 @@ impl Producer {
             readers_known: HashMap::new(),
             pull_held: HashMap::new(),
             dead: HashMap::new(),
+            streams: HashMap::new(),
+            early: HashMap::new(),
+            partials: HashMap::new(),
             expiry: BinaryHeap::new(),
             max_consumer_tp: 1,
             producer_lease: config.producer_lease,
@@ -237,6 +245,29 @@ impl Producer {
                 num_tokens,
             },
             pull: false,
+        })
+    }
+
+    /// Prefill of `key` (push) is still computing, and the KV of its first `computed_tokens`
+    /// tokens is final in `blocks` (the request's blocks so far, in token order; the blocks
+    /// handed to [`Producer::request_finished`] later must start with them). Once the consumer
+    /// has registered, those tokens are written at once, while the rest is computed, so that
+    /// only the tail is left when the request finishes. Optional: without progress reports the
+    /// whole request is written at the end. The engine keeps the blocks until the request
+    /// finishes or is aborted, as it does anyway for a running request.
+    ///
+    /// # Errors
+    /// [`Closed`] after shutdown.
+    pub fn request_progress(
+        &self,
+        key: AttemptKey,
+        blocks: Vec<BlockId>,
+        computed_tokens: u64,
+    ) -> Result<(), Closed> {
+        self.send(Command::Progress {
+            key,
+            blocks,
+            computed: computed_tokens,
         })
     }
 
@@ -417,10 +448,49 @@ enum Hold {
     Pull,
     /// An aborted transfer remembered, so that its late prefill is released at once.
     Dead,
+    /// A request still computing whose progress was reported (push).
+    Stream,
 }
 
 /// How long an aborted transfer is remembered.
 const DEAD_TTL: Duration = Duration::from_secs(300);
+
+/// A request still computing (push): the blocks and tokens of its KV that are final.
+struct Streaming {
+    blocks: Vec<BlockId>,
+    computed: u64,
+    deadline: Timestamp,
+}
+
+/// Writes made to one consumer rank's registration before its request finished.
+#[derive(Default)]
+struct Early {
+    /// Tokens `..written` are written or being written.
+    written: u64,
+    /// Early writes not yet completed.
+    in_flight: usize,
+    /// Why an early write failed.
+    failed: Option<String>,
+    /// What must wait until the early writes have ended: the consumer may reuse its blocks
+    /// once it hears of the outcome, so neither the final write (whose notice says that
+    /// everything has landed) nor a failure notice may overtake them.
+    deferred: Vec<Deferred>,
+}
+
+enum Deferred {
+    /// The request finished and was matched: write the tail.
+    Start {
+        ticket: Ticket,
+        dest: Dest,
+        cancelled: Option<Reason>,
+    },
+    /// The registration will not be served: tell the consumer.
+    Tell {
+        conn: ConnId,
+        key: AttemptKey,
+        reason: Reason,
+    },
+}
 
 struct PullHold {
     held: Held,
@@ -451,6 +521,11 @@ struct Driver {
     readers_known: HashMap<AttemptKey, (Vec<Rank>, Timestamp)>,
     pull_held: HashMap<AttemptKey, PullHold>,
     dead: HashMap<TransferId, (Option<Attempt>, Timestamp)>,
+    streams: HashMap<AttemptKey, Streaming>,
+    /// Early writes, by matcher key (per consumer rank).
+    early: HashMap<AttemptKey, Early>,
+    /// Early writes in flight: their matcher key.
+    partials: HashMap<OpId, AttemptKey>,
     expiry: BinaryHeap<Reverse<(Timestamp, AttemptKey, Hold)>>,
     max_consumer_tp: u32,
     producer_lease: Duration,
@@ -466,7 +541,7 @@ impl common::Driven for Driver {
     }
 
     fn busy(&self) -> bool {
-        !self.flights.is_empty()
+        !self.flights.is_empty() || !self.partials.is_empty()
     }
 
     fn deadline(&mut self) -> Option<Timestamp> {
@@ -515,6 +590,7 @@ impl Driver {
                     warn!(%key, "request finished twice; the second copy is ignored");
                     return;
                 }
+                self.streams.remove(&key);
                 self.stats.held.fetch_add(1, Ordering::Relaxed);
                 let deadline = now + self.producer_lease;
                 let aborted = self
@@ -541,10 +617,16 @@ impl Driver {
                     self.expiry.push(Reverse((deadline, key, Hold::Unfanned)));
                 }
             }
+            Command::Progress {
+                key,
+                blocks,
+                computed,
+            } => self.progress(now, key, blocks, computed),
             Command::Abort { transfer, attempt } => {
                 self.abort(now, transfer, attempt, Reason::Aborted)
             }
             Command::Preempted(key) => {
+                self.streams.remove(&key);
                 for rank in self.ranks_of(key) {
                     self.matcher.preempt(now, rank_key(key, rank));
                 }
@@ -635,6 +717,7 @@ impl Driver {
             }
         }
         self.readers_known.retain(|k, _| !matches(k));
+        self.streams.retain(|k, _| !matches(k));
         let until = now + DEAD_TTL;
         self.dead.insert(transfer, (attempt, until));
         self.expiry.push(Reverse((
@@ -768,10 +851,158 @@ impl Driver {
         );
         if let Some((held, _)) = self.unfanned.remove(&key) {
             self.fan_out(now, key, held, &readers);
-        } else if !self.fanouts.contains_key(&key) && !self.readers_known.contains_key(&key) {
-            let deadline = now + lease.max(self.producer_lease);
-            self.readers_known.insert(key, (readers, deadline));
-            self.expiry.push(Reverse((deadline, key, Hold::Readers)));
+        } else if !self.fanouts.contains_key(&key) {
+            if !self.readers_known.contains_key(&key) {
+                let deadline = now + lease.max(self.producer_lease);
+                self.readers_known.insert(key, (readers, deadline));
+                self.expiry.push(Reverse((deadline, key, Hold::Readers)));
+            }
+            if self.streams.contains_key(&key) {
+                self.stream(key, rank_key(key, reg.consumer_rank));
+            }
+        }
+    }
+
+    /// Progress of a request still computing: write what is final to every consumer rank
+    /// already registered.
+    fn progress(&mut self, now: Timestamp, key: AttemptKey, blocks: Vec<BlockId>, computed: u64) {
+        let known = self.fanouts.contains_key(&key)
+            || self.unfanned.contains_key(&key)
+            || self.pull_held.contains_key(&key);
+        let aborted = self
+            .dead
+            .get(&key.transfer)
+            .is_some_and(|(attempt, _)| attempt.is_none_or(|a| a == key.attempt));
+        if known || aborted {
+            return;
+        }
+        let deadline = now + self.producer_lease;
+        let first = !self.streams.contains_key(&key);
+        self.streams.insert(
+            key,
+            Streaming {
+                blocks,
+                computed,
+                deadline,
+            },
+        );
+        if first {
+            // Refreshed progress moves the deadline; `expire` checks it when the entry surfaces.
+            self.expiry.push(Reverse((deadline, key, Hold::Stream)));
+        }
+        for rank in self.ranks_of(key) {
+            self.stream(key, rank_key(key, rank));
+        }
+    }
+
+    /// Writes the tokens of `key` computed so far that the registration held under `rkey` has
+    /// not received, in whole blocks of both sides, without a notice. The last token is always
+    /// left for the final write, which carries the notice.
+    fn stream(&mut self, key: AttemptKey, rkey: AttemptKey) {
+        let Some(dest) = self.matcher.held_registration(rkey).cloned() else {
+            return;
+        };
+        let Some(streaming) = self.streams.get(&key) else {
+            return;
+        };
+        let early = self.early.entry(rkey).or_default();
+        if early.failed.is_some() {
+            return;
+        }
+        let Some(consumer) = self
+            .conns
+            .get(&dest.conn)
+            .and_then(|c| c.consumer.as_ref())
+        else {
+            return;
+        };
+        let unit = lcm(
+            u64::from(self.layout.spec().block_tokens),
+            u64::from(consumer.layout.spec().block_tokens),
+        );
+        let last = dest.num_tokens.saturating_sub(1);
+        let upto = streaming.computed.min(last) / unit * unit;
+        let from = early.written.max(dest.skip_tokens);
+        if upto <= from {
+            return;
+        }
+        let planned = plan(&PlanRequest {
+            producers: std::slice::from_ref(&self.layout),
+            consumer: &consumer.layout,
+            num_tokens: upto,
+            skip_tokens: from,
+            producer_blocks: &streaming.blocks,
+            consumer_blocks: &dest.blocks,
+            only_producer: Some(self.rank),
+        });
+        let posted = planned
+            .map_err(|e| format!("cannot plan tokens {from}..{upto} of {key}: {e}"))
+            .and_then(|planned| {
+                self.transport
+                    .write(consumer.peer, planned.ops_for(self.rank), None)
+                    .map(|op| (op, planned.bytes()))
+                    .map_err(|e| format!("cannot post tokens {from}..{upto} of {key}: {e}"))
+            });
+        match posted {
+            Ok((op, bytes)) => {
+                debug!(%key, from, upto, bytes, "early writes posted");
+                early.written = upto;
+                early.in_flight += 1;
+                self.partials.insert(op, rkey);
+                self.stats.bytes_written.fetch_add(bytes, Ordering::Relaxed);
+                self.stats.bytes_streamed.fetch_add(bytes, Ordering::Relaxed);
+            }
+            Err(why) => self.early_failed(rkey, why),
+        }
+    }
+
+    /// An early write could not be posted or failed: the registration is failed now (the
+    /// consumer hears of it once every early write has ended).
+    fn early_failed(&mut self, rkey: AttemptKey, why: String) {
+        warn!(key = %rkey, why, "early write failed");
+        if let Some(early) = self.early.get_mut(&rkey) {
+            early.failed.get_or_insert(why);
+        }
+        self.stats.transfers_failed.fetch_add(1, Ordering::Relaxed);
+        let now = self.clock.now();
+        self.matcher
+            .abort(now, rkey.transfer, Some(rkey.attempt), Reason::TransferFailed);
+    }
+
+    /// An early write ended; what waited for the early writes runs once they all have.
+    fn early_done(&mut self, op: OpId, error: Option<String>) {
+        let Some(rkey) = self.partials.remove(&op) else {
+            return;
+        };
+        if let Some(early) = self.early.get_mut(&rkey) {
+            early.in_flight -= 1;
+        }
+        if let Some(why) = error {
+            self.early_failed(rkey, why);
+            self.actions();
+        }
+        let Some(early) = self.early.get_mut(&rkey) else {
+            return;
+        };
+        if early.in_flight > 0 {
+            return;
+        }
+        let deferred = std::mem::take(&mut early.deferred);
+        let finished = !deferred.is_empty();
+        for d in deferred {
+            match d {
+                Deferred::Start {
+                    ticket,
+                    dest,
+                    cancelled,
+                } => self.start_transfer(rkey, ticket, dest, cancelled),
+                Deferred::Tell { conn, key, reason } => {
+                    self.tell_consumer(conn, key, reason, "");
+                }
+            }
+        }
+        if finished {
+            self.early.remove(&rkey);
         }
     }
 
@@ -783,26 +1014,59 @@ impl Driver {
                     blocks,
                     destination,
                     ..
-                } => self.start_transfer(key, blocks, destination),
+                } => match self.early.get_mut(&key) {
+                    Some(early) if early.in_flight > 0 => early.deferred.push(Deferred::Start {
+                        ticket: blocks,
+                        dest: destination,
+                        cancelled: None,
+                    }),
+                    _ => self.start_transfer(key, blocks, destination, None),
+                },
                 Action::ReleaseProducer { blocks, reason, .. } => {
                     self.ticket_back(blocks, SendOutcome::NotSent(reason));
                 }
                 Action::FailConsumer {
+                    key,
                     destination,
                     reason,
                     ..
-                }
-                | Action::RejectRegistration {
+                } => match self.early.get_mut(&key) {
+                    Some(early) if early.in_flight > 0 => early.deferred.push(Deferred::Tell {
+                        conn: destination.conn,
+                        key: destination.key,
+                        reason,
+                    }),
+                    _ => {
+                        self.early.remove(&key);
+                        self.tell_consumer(destination.conn, destination.key, reason, "");
+                    }
+                },
+                Action::RejectRegistration {
+                    key,
                     destination,
                     reason,
                     ..
-                } => {
-                    self.tell_consumer(destination.conn, destination.key, reason, "");
-                }
+                } => match self.early.get_mut(&key) {
+                    // A second registration of a key being written early: its blocks may be
+                    // the ones being written, so the refusal waits for those writes too.
+                    Some(early) if early.in_flight > 0 => early.deferred.push(Deferred::Tell {
+                        conn: destination.conn,
+                        key: destination.key,
+                        reason,
+                    }),
+                    _ => self.tell_consumer(destination.conn, destination.key, reason, ""),
+                },
                 Action::CancelTransfer { key, reason, .. } => {
                     for flight in self.flights.values_mut() {
                         if flight.key == key {
                             flight.cancelled = Some(reason);
+                        }
+                    }
+                    if let Some(early) = self.early.get_mut(&key) {
+                        for d in &mut early.deferred {
+                            if let Deferred::Start { cancelled, .. } = d {
+                                cancelled.get_or_insert(reason);
+                            }
                         }
                     }
                 }
@@ -810,10 +1074,30 @@ impl Driver {
         }
     }
 
-    fn start_transfer(&mut self, key: AttemptKey, ticket: Ticket, dest: Dest) {
+    fn start_transfer(
+        &mut self,
+        key: AttemptKey,
+        ticket: Ticket,
+        dest: Dest,
+        cancelled: Option<Reason>,
+    ) {
         let now = self.clock.now();
+        let early = self.early.remove(&key);
+        if let Some(reason) = cancelled {
+            self.tell_consumer(dest.conn, dest.key, reason, "cancelled");
+            self.matcher
+                .transfer_finished(now, key, TransferOutcome::Failed);
+            self.ticket_back(ticket, SendOutcome::NotSent(reason));
+            return;
+        }
         let started = std::time::Instant::now();
-        let result = self.post(&ticket, &dest);
+        let result = match early {
+            Some(Early {
+                failed: Some(why), ..
+            }) => Err(why),
+            Some(early) => self.post(&ticket, &dest, early.written),
+            None => self.post(&ticket, &dest, 0),
+        };
         match result {
             Ok((op, bytes)) => {
                 self.stats.transfers_started.fetch_add(1, Ordering::Relaxed);
@@ -842,7 +1126,9 @@ impl Driver {
         }
     }
 
-    fn post(&mut self, ticket: &Ticket, dest: &Dest) -> Result<(OpId, u64), String> {
+    /// Posts the writes of tokens `written..` (those before were written early) with the
+    /// notice.
+    fn post(&mut self, ticket: &Ticket, dest: &Dest, written: u64) -> Result<(OpId, u64), String> {
         let key = ticket.key;
         let held = &self
             .fanouts
@@ -859,7 +1145,7 @@ impl Driver {
             producers: std::slice::from_ref(&self.layout),
             consumer: &consumer.layout,
             num_tokens: tokens,
-            skip_tokens: dest.skip_tokens.min(tokens),
+            skip_tokens: dest.skip_tokens.max(written).min(tokens),
             producer_blocks: &held.blocks,
             consumer_blocks: &dest.blocks,
             only_producer: Some(self.rank),
@@ -878,6 +1164,12 @@ impl Driver {
     fn on_event(&mut self, event: Event) {
         let now = self.clock.now();
         match event {
+            Event::WriteDone { op, .. } if self.partials.contains_key(&op) => {
+                self.early_done(op, None);
+            }
+            Event::Failed { op, error, .. } if self.partials.contains_key(&op) => {
+                self.early_done(op, Some(error.to_string()));
+            }
             Event::WriteDone { op, .. } => {
                 let Some(flight) = self.flights.remove(&op) else {
                     return;
@@ -984,6 +1276,15 @@ impl Driver {
                         self.dead.remove(&key.transfer);
                     }
                 }
+                Hold::Stream => {
+                    if let Some(deadline) = self.streams.get(&key).map(|s| s.deadline) {
+                        if deadline <= now {
+                            self.streams.remove(&key);
+                        } else {
+                            self.expiry.push(Reverse((deadline, key, Hold::Stream)));
+                        }
+                    }
+                }
                 Hold::Pull => {
                     if self.pull_held.get(&key).is_some_and(|h| h.deadline == at) {
                         let hold = self.pull_held.remove(&key).expect("present");
@@ -1002,6 +1303,19 @@ impl Driver {
             self.tell_consumer(flight.conn, flight.original, Reason::Shutdown, "");
             self.ticket_back(flight.ticket, SendOutcome::NotSent(Reason::Shutdown));
         }
+        for (_, early) in std::mem::take(&mut self.early) {
+            for d in early.deferred {
+                match d {
+                    Deferred::Start { ticket, dest, .. } => {
+                        self.tell_consumer(dest.conn, dest.key, Reason::Shutdown, "");
+                        self.ticket_back(ticket, SendOutcome::NotSent(Reason::Shutdown));
+                    }
+                    Deferred::Tell { conn, key, .. } => {
+                        self.tell_consumer(conn, key, Reason::Shutdown, "");
+                    }
+                }
+            }
+        }
         for (key, fanout) in std::mem::take(&mut self.fanouts) {
             self.give_back(key, fanout.held, SendOutcome::NotSent(Reason::Shutdown));
         }
@@ -1015,6 +1329,15 @@ impl Driver {
             c.sender.close();
         }
     }
+}
+
+/// Least common multiple of two block sizes (both at least 1).
+fn lcm(a: u64, b: u64) -> u64 {
+    let (mut x, mut y) = (a.max(1), b.max(1));
+    while y != 0 {
+        (x, y) = (y, x % y);
+    }
+    a.max(1) / x * b.max(1)
 }
 
 fn failure(key: AttemptKey, rank: Rank, reason: Reason, detail: &str) -> Message {

@@ -187,6 +187,7 @@ fn stats_dict<'py>(py: Python<'py>, s: StatsSnapshot) -> PyResult<Bound<'py, PyD
     d.set_item("transfers_ok", s.transfers_ok)?;
     d.set_item("transfers_failed", s.transfers_failed)?;
     d.set_item("bytes_written", s.bytes_written)?;
+    d.set_item("bytes_streamed", s.bytes_streamed)?;
     Ok(d)
 }
 
@@ -393,7 +394,8 @@ impl PyProducer {
             .collect())
     }
 
-    /// Counters: held, transfers_started, transfers_ok, transfers_failed, bytes_written.
+    /// Counters: held, transfers_started, transfers_ok, transfers_failed, bytes_written,
+    /// bytes_streamed.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.with(Producer::stats)?;
         stats_dict(py, s)

@@ -10,6 +10,7 @@ pub(crate) struct Stats {
     pub(crate) transfers_ok: AtomicU64,
     pub(crate) transfers_failed: AtomicU64,
     pub(crate) bytes_written: AtomicU64,
+    pub(crate) bytes_streamed: AtomicU64,
 }
 
 /// A copy of a side's counters.
@@ -26,6 +27,8 @@ pub struct StatsSnapshot {
     pub transfers_failed: u64,
     /// Bytes posted.
     pub bytes_written: u64,
+    /// Of those, bytes written while their request was still computing (producer, push).
+    pub bytes_streamed: u64,
 }
 
 impl Stats {
@@ -36,6 +39,7 @@ impl Stats {
             transfers_ok: self.transfers_ok.load(Ordering::Relaxed),
             transfers_failed: self.transfers_failed.load(Ordering::Relaxed),
             bytes_written: self.bytes_written.load(Ordering::Relaxed),
+            bytes_streamed: self.bytes_streamed.load(Ordering::Relaxed),
         }
     }
 }

@@ -766,3 +766,254 @@ fn push_one_producer_rank_into_two_consumer_ranks_prefill_first() {
 fn pull_by_two_consumer_ranks_frees_after_both() {
     one_producer_two_consumers(true, false);
 }
+
+/// Waits until decode's blocks hold tokens `skip..tokens` of the request.
+fn wait_landed(side: &Side, blocks: &[BlockId], skip: u64, tokens: u64) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let mem: Vec<Vec<u8>> = side.buffers.iter().map(|b| b.to_vec()).collect();
+        let views: Vec<&[u8]> = mem.iter().map(Vec::as_slice).collect();
+        if verify_request(&side.layout, &views, blocks, skip, tokens, SEED).is_ok() {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "tokens {skip}..{tokens} never landed"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+fn landed(side: &Side, blocks: &[BlockId], skip: u64, tokens: u64) -> bool {
+    let mem: Vec<Vec<u8>> = side.buffers.iter().map(|b| b.to_vec()).collect();
+    let views: Vec<&[u8]> = mem.iter().map(Vec::as_slice).collect();
+    verify_request(&side.layout, &views, blocks, skip, tokens, SEED).is_ok()
+}
+
+/// Prefill reports progress while "computing": the tokens computed so far land in decode's
+/// blocks (whole blocks of both sides, never the last token) before the request finishes; the
+/// finish writes only the rest, with the notice. With another memory order on decode, the early
+/// bytes are in prefill's order until the notices have come (the receiver re-lays the whole
+/// request out then), so only the end result is checked.
+fn push_streams(p_tp: u32, c_order: MemoryOrder, registration_first: bool) {
+    let same_order = c_order == MemoryOrder::Nhd;
+    let fabric = LoopbackFabric::new();
+    let (p_bt, c_bt, tokens) = (4u32, 8u32, 45u64);
+    let pre = prefill(
+        &fabric,
+        p_tp,
+        p_bt,
+        MemoryOrder::Nhd,
+        Arrangement::PerLayerSplit,
+        LONG,
+    );
+    let (dec, consumer) = decode(
+        &fabric,
+        spec(1, 0, c_bt, c_order, Arrangement::CrossLayer),
+        LONG,
+    );
+    let p_blocks = ids(10..10 + tokens.div_ceil(u64::from(p_bt)) as u32);
+    let c_blocks: Vec<BlockId> = (0..tokens.div_ceil(u64::from(c_bt)) as u32)
+        .map(|i| BlockId(40 - i))
+        .collect();
+    for side in &pre.sides {
+        side.fill(&p_blocks, tokens);
+    }
+    let k = key(91, 0);
+    let register = || {
+        consumer
+            .request_allocated(PushRequest {
+                key: k,
+                request: RequestId(5),
+                prefill: pre.base,
+                num_tokens: tokens,
+                skip_tokens: 0,
+                blocks: c_blocks.clone(),
+            })
+            .unwrap();
+    };
+    let progress = |computed: u64| {
+        let blocks = p_blocks[..computed.div_ceil(u64::from(p_bt)) as usize].to_vec();
+        for p in &pre.producers {
+            p.request_progress(k, blocks.clone(), computed).unwrap();
+        }
+    };
+    if registration_first {
+        register();
+        std::thread::sleep(Duration::from_millis(20));
+        // 21 tokens computed: the first two 8-token blocks go now.
+        progress(21);
+    } else {
+        progress(21);
+        std::thread::sleep(Duration::from_millis(20));
+        register();
+    }
+    let early = |bytes: u64| {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while pre.producers.iter().map(|p| p.stats().bytes_streamed).sum::<u64>() < bytes {
+            assert!(Instant::now() < deadline, "early writes never posted");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    };
+    let l = &pre.sides[0].layout;
+    let per_token = l.head_bytes()
+        * u64::from(l.local_heads() * l.kv_parts() * l.spec().num_layers)
+        * u64::from(p_tp);
+    early(16 * per_token);
+    if same_order {
+        wait_landed(&dec, &c_blocks, 0, 16);
+        assert!(
+            !landed(&dec, &c_blocks, 16, 24),
+            "tokens past the whole blocks computed were written"
+        );
+    }
+    // All but the last token computed: everything up to the last whole block before it.
+    progress(44);
+    early(40 * per_token);
+    if same_order {
+        wait_landed(&dec, &c_blocks, 16, 40);
+        assert!(!landed(&dec, &c_blocks, 40, tokens));
+    }
+    assert!(consumer.take_events().is_empty(), "ready before finished");
+    let streamed: u64 = pre.producers.iter().map(|p| p.stats().bytes_streamed).sum();
+    for p in &pre.producers {
+        p.request_finished(k, RequestId(9), p_blocks.clone(), tokens)
+            .unwrap();
+    }
+    let events = wait_events(&consumer, 1);
+    assert_eq!(
+        events,
+        vec![RecvEvent::Ready {
+            key: k,
+            request: RequestId(5)
+        }]
+    );
+    dec.verify(&c_blocks, 0, tokens);
+    for p in &pre.producers {
+        let done = wait_finished(p, 1);
+        assert_eq!(done[0].outcome, SendOutcome::Sent);
+        assert_eq!(p.stats().held, 0);
+    }
+    let written: u64 = pre.producers.iter().map(|p| p.stats().bytes_written).sum();
+    assert_eq!(written, tokens * per_token, "every token written once");
+    assert_eq!(streamed, 40 * per_token, "40 tokens went early");
+}
+
+#[test]
+fn push_streams_computed_tokens_registration_first() {
+    push_streams(1, MemoryOrder::Nhd, true);
+}
+
+#[test]
+fn push_streams_from_two_producer_ranks_into_another_order_progress_first() {
+    push_streams(2, MemoryOrder::Hnd, false);
+}
+
+/// An abort while early writes have landed fails the consumer; the later finish is released.
+#[test]
+fn abort_after_early_writes_fails_the_consumer_and_releases_the_finish() {
+    let fabric = LoopbackFabric::new();
+    let pre = prefill(
+        &fabric,
+        1,
+        4,
+        MemoryOrder::Nhd,
+        Arrangement::PerLayerSplit,
+        LONG,
+    );
+    let (dec, consumer) = decode(
+        &fabric,
+        spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit),
+        LONG,
+    );
+    pre.sides[0].fill(&ids(0..4), 16);
+    consumer
+        .request_allocated(PushRequest {
+            key: key(8, 0),
+            request: RequestId(1),
+            prefill: pre.base,
+            num_tokens: 16,
+            skip_tokens: 0,
+            blocks: ids(20..24),
+        })
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    pre.producers[0]
+        .request_progress(key(8, 0), ids(0..3), 12)
+        .unwrap();
+    wait_landed(&dec, &ids(20..24), 0, 12);
+    pre.producers[0].abort(TransferId(8), None).unwrap();
+    let events = wait_events(&consumer, 1);
+    assert!(
+        matches!(
+            events[0],
+            RecvEvent::Failed {
+                reason: Reason::Aborted,
+                ..
+            }
+        ),
+        "{events:?}"
+    );
+    pre.producers[0]
+        .request_finished(key(8, 0), RequestId(7), ids(0..4), 16)
+        .unwrap();
+    let done = wait_finished(&pre.producers[0], 1);
+    assert_eq!(done[0].outcome, SendOutcome::NotSent(Reason::Aborted));
+    assert_eq!(pre.producers[0].stats().held, 0);
+}
+
+/// Progress naming blocks outside the producer's cache fails the consumer at once (not at the
+/// end of its lease), and the finish is released without a write.
+#[test]
+fn bad_progress_fails_the_consumer_at_once() {
+    let fabric = LoopbackFabric::new();
+    let pre = prefill(
+        &fabric,
+        1,
+        4,
+        MemoryOrder::Nhd,
+        Arrangement::PerLayerSplit,
+        LONG,
+    );
+    let (_dec, consumer) = decode(
+        &fabric,
+        spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit),
+        LONG,
+    );
+    consumer
+        .request_allocated(PushRequest {
+            key: key(6, 0),
+            request: RequestId(1),
+            prefill: pre.base,
+            num_tokens: 16,
+            skip_tokens: 0,
+            blocks: ids(20..24),
+        })
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    let started = Instant::now();
+    pre.producers[0]
+        .request_progress(key(6, 0), vec![BlockId(1), BlockId(9999)], 8)
+        .unwrap();
+    let events = wait_events(&consumer, 1);
+    assert!(
+        matches!(
+            events[0],
+            RecvEvent::Failed {
+                reason: Reason::TransferFailed,
+                ..
+            }
+        ),
+        "{events:?}"
+    );
+    assert!(started.elapsed() < LONG / 2);
+    pre.producers[0]
+        .request_finished(key(6, 0), RequestId(7), ids(0..4), 16)
+        .unwrap();
+    let done = wait_finished(&pre.producers[0], 1);
+    assert!(
+        matches!(done[0].outcome, SendOutcome::NotSent(_)),
+        "{done:?}"
+    );
+    assert_eq!(pre.producers[0].stats().held, 0);
+}
