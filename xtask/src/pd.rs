@@ -21,6 +21,10 @@ use serde_json::{json, Value};
 
 use crate::{cargo, root, run, step};
 
+/// Chunked prefill in the synthetic engine: tokens per step (each chunk is pushed while the next
+/// one computes).
+const CHUNK_TOKENS: &str = "1024";
+
 /// The sweep: prompt lengths, request rates, requests per point.
 struct Sweep {
     lengths: Vec<u64>,
@@ -69,7 +73,7 @@ fn point(
             "--bench-listen",
             &side.to_string(),
         ])
-        .args(["--per-token-us", "10"])
+        .args(["--per-token-us", "10", "--chunk-tokens", CHUNK_TOKENS])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -271,6 +275,7 @@ pub(crate) fn run_sweep(quick: bool) -> anyhow::Result<()> {
         "what": "kvx pd pair, push vs pull, side by side in one run, per transport",
         "model_kv": "Qwen2.5-0.5B shape: 24 layers, 2 KV heads, head dim 64, bf16 (12 KiB per token)",
         "prefill_compute_us_per_token": 10,
+        "prefill_chunk_tokens": CHUNK_TOKENS.parse::<u64>()?,
         "decode_step_ms": 5,
         "output_tokens": 32,
         "requests_per_point": sweep.requests,

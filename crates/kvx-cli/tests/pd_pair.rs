@@ -76,7 +76,8 @@ struct Run<'a> {
     tokens: &'a str,
 }
 
-fn run_pair(run: &Run<'_>) -> (serde_json::Value, Output) {
+/// Runs the pair; returns decode's report and output, and prefill's standard error.
+fn run_pair(run: &Run<'_>) -> (serde_json::Value, Output, String) {
     let kvx = free_ports(4);
     let bench = free_ports(1);
     let out =
@@ -98,7 +99,11 @@ fn run_pair(run: &Run<'_>) -> (serde_json::Value, Output) {
             "--bench-listen",
             &bench.to_string(),
         ])
-        .args(["--per-token-us", "5"])
+        .args(if run.prefill.contains(&"--per-token-us") {
+            &[][..]
+        } else {
+            &["--per-token-us", "5"][..]
+        })
         .args(run.prefill)
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -150,11 +155,38 @@ fn run_pair(run: &Run<'_>) -> (serde_json::Value, Output) {
         String::from_utf8_lossy(&decode.stderr)
     );
     let status = wait_with_deadline(&mut prefill.0, Duration::from_secs(30));
-    assert!(status.success(), "prefill exited with {status}");
+    let prefill_err = prefill.0.wait_with_output_after_exit();
+    assert!(
+        status.success(),
+        "prefill exited with {status}: {prefill_err}"
+    );
     let report: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
     let _ = std::fs::remove_file(&out);
-    (report, decode)
+    (report, decode, prefill_err)
+}
+
+/// Prefill wrote some tokens early, in whole `unit`-token pieces, and at most `max_tokens`. (How
+/// many depends on how soon each registration arrives, a race with the computation.)
+fn assert_streamed(prefill_err: &str, per_token: u64, unit: u64, max_tokens: u64) {
+    let bytes = streamed_bytes(prefill_err);
+    assert!(
+        bytes > 0 && bytes <= max_tokens * per_token && bytes % (unit * per_token) == 0,
+        "{bytes} bytes streamed ({per_token} per token): {prefill_err}"
+    );
+}
+
+/// Bytes prefill wrote while their request was still computing (its summary line).
+fn streamed_bytes(prefill_err: &str) -> u64 {
+    let line = prefill_err
+        .lines()
+        .find(|l| l.contains("while their request was computing"))
+        .unwrap_or_else(|| panic!("no summary in {prefill_err}"));
+    let numbers: Vec<u64> = line
+        .split(|c: char| !c.is_ascii_digit())
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    numbers[1]
 }
 
 fn check(report: &serde_json::Value, requests: u64, tokens_total: u64) {
@@ -172,20 +204,24 @@ fn check(report: &serde_json::Value, requests: u64, tokens_total: u64) {
 
 #[test]
 fn push_over_shm_verifies_every_byte() {
-    let (report, _) = run_pair(&Run {
+    // Chunked prefill: the 200-token requests are written in 64-token pieces while they compute
+    // (2 ms per chunk), up to token 192.
+    let (report, _, prefill) = run_pair(&Run {
         transport: "libfabric:shm",
         mode: "push",
-        prefill: &[],
+        prefill: &["--chunk-tokens", "64", "--per-token-us", "30"],
         decode: &[],
         requests: 8,
         tokens: "40,200",
     });
     check(&report, 8, 4 * 40 + 4 * 200);
+    let per_token = report["kv_bytes_per_token"].as_u64().unwrap();
+    assert_streamed(&prefill, per_token, 16, 4 * 192);
 }
 
 #[test]
 fn pull_over_shm_verifies_every_byte() {
-    let (report, _) = run_pair(&Run {
+    let (report, _, _) = run_pair(&Run {
         transport: "libfabric:shm",
         mode: "pull",
         prefill: &[],
@@ -198,7 +234,7 @@ fn pull_over_shm_verifies_every_byte() {
 
 #[test]
 fn push_over_tcp_verifies_every_byte() {
-    let (report, _) = run_pair(&Run {
+    let (report, _, _) = run_pair(&Run {
         transport: "libfabric:tcp",
         mode: "push",
         prefill: &[],
@@ -212,16 +248,20 @@ fn push_over_tcp_verifies_every_byte() {
 #[test]
 fn push_and_pull_over_cma_verify_every_byte() {
     // Cross-memory attach: prefill's writer copies straight into decode's cache.
-    let (report, _) = run_pair(&Run {
+    // Chunked prefill on two ranks into another block size and order: the 300-token requests
+    // are written early in 32-token-aligned pieces (96 and 192 tokens), the rest at the end.
+    let (report, _, prefill) = run_pair(&Run {
         transport: "cma",
         mode: "push",
-        prefill: &["--tp", "2"],
+        prefill: &["--tp", "2", "--chunk-tokens", "100", "--per-token-us", "30"],
         decode: &["--block-tokens", "32", "--order", "nhd"],
         requests: 6,
         tokens: "40,300",
     });
     check(&report, 6, 3 * 40 + 3 * 300);
-    let (report, _) = run_pair(&Run {
+    let per_token = report["kv_bytes_per_token"].as_u64().unwrap();
+    assert_streamed(&prefill, per_token, 32, 3 * 192);
+    let (report, _, _) = run_pair(&Run {
         transport: "cma",
         mode: "pull",
         prefill: &[],
@@ -250,7 +290,7 @@ fn two_shm_rails_and_dimension_major_keys_verify_every_byte() {
             &["--order", "hnd-kt", "--tp", "2"][..],
         ),
     ] {
-        let (report, _) = run_pair(&Run {
+        let (report, _, _) = run_pair(&Run {
             transport: "libfabric:shm,rails=2",
             mode,
             prefill,
@@ -265,7 +305,7 @@ fn two_shm_rails_and_dimension_major_keys_verify_every_byte() {
 #[test]
 fn heterogeneous_tp_block_size_and_order() {
     // Prefill TP 2, block 16, HND; decode TP 1, block 32, NHD (a receiver re-layout).
-    let (report, _) = run_pair(&Run {
+    let (report, _, _) = run_pair(&Run {
         transport: "libfabric:shm",
         mode: "push",
         prefill: &["--tp", "2"],
@@ -275,7 +315,7 @@ fn heterogeneous_tp_block_size_and_order() {
     });
     check(&report, 6, 420);
     // And the reverse: TP 1 into two decode ranks, push and pull.
-    let (report, _) = run_pair(&Run {
+    let (report, _, _) = run_pair(&Run {
         transport: "libfabric:shm",
         mode: "push",
         prefill: &["--block-tokens", "32"],
@@ -284,7 +324,7 @@ fn heterogeneous_tp_block_size_and_order() {
         tokens: "70",
     });
     check(&report, 4, 280);
-    let (report, _) = run_pair(&Run {
+    let (report, _, _) = run_pair(&Run {
         transport: "libfabric:shm",
         mode: "pull",
         prefill: &["--block-tokens", "32"],

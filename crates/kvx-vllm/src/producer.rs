@@ -909,11 +909,7 @@ impl Driver {
         if early.failed.is_some() {
             return;
         }
-        let Some(consumer) = self
-            .conns
-            .get(&dest.conn)
-            .and_then(|c| c.consumer.as_ref())
-        else {
+        let Some(consumer) = self.conns.get(&dest.conn).and_then(|c| c.consumer.as_ref()) else {
             return;
         };
         let unit = lcm(
@@ -950,7 +946,9 @@ impl Driver {
                 early.in_flight += 1;
                 self.partials.insert(op, rkey);
                 self.stats.bytes_written.fetch_add(bytes, Ordering::Relaxed);
-                self.stats.bytes_streamed.fetch_add(bytes, Ordering::Relaxed);
+                self.stats
+                    .bytes_streamed
+                    .fetch_add(bytes, Ordering::Relaxed);
             }
             Err(why) => self.early_failed(rkey, why),
         }
@@ -965,8 +963,12 @@ impl Driver {
         }
         self.stats.transfers_failed.fetch_add(1, Ordering::Relaxed);
         let now = self.clock.now();
-        self.matcher
-            .abort(now, rkey.transfer, Some(rkey.attempt), Reason::TransferFailed);
+        self.matcher.abort(
+            now,
+            rkey.transfer,
+            Some(rkey.attempt),
+            Reason::TransferFailed,
+        );
     }
 
     /// An early write ended; what waited for the early writes runs once they all have.

@@ -850,7 +850,13 @@ fn push_streams(p_tp: u32, c_order: MemoryOrder, registration_first: bool) {
     }
     let early = |bytes: u64| {
         let deadline = Instant::now() + Duration::from_secs(20);
-        while pre.producers.iter().map(|p| p.stats().bytes_streamed).sum::<u64>() < bytes {
+        while pre
+            .producers
+            .iter()
+            .map(|p| p.stats().bytes_streamed)
+            .sum::<u64>()
+            < bytes
+        {
             assert!(Instant::now() < deadline, "early writes never posted");
             std::thread::sleep(Duration::from_millis(2));
         }

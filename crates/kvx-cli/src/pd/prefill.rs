@@ -29,6 +29,11 @@ pub(crate) struct PrefillArgs {
     /// Simulated prefill compute per prompt token, in microseconds.
     #[arg(long, default_value_t = 20.0)]
     pub(crate) per_token_us: f64,
+    /// Chunked prefill: tokens computed per engine step (0: the whole prompt in one step). In
+    /// push mode each finished chunk is reported to the connector, which writes it to a
+    /// registered decode while the next chunk computes.
+    #[arg(long, default_value_t = 1024)]
+    pub(crate) chunk_tokens: u64,
     /// Seconds finished blocks wait for their registration (push) or read (pull).
     #[arg(long, default_value_t = 30)]
     pub(crate) lease_s: u64,
@@ -71,12 +76,17 @@ impl RankMemory {
         ))
     }
 
-    /// Writes the synthetic KV of `tokens` tokens into `blocks` (this rank's heads).
-    pub(crate) fn fill(&self, blocks: &[BlockId], tokens: u64, seed: u64) -> anyhow::Result<()> {
+    /// Writes the synthetic KV of `tokens` into `blocks` (this rank's heads).
+    pub(crate) fn fill(
+        &self,
+        blocks: &[BlockId],
+        tokens: std::ops::Range<u64>,
+        seed: u64,
+    ) -> anyhow::Result<()> {
         let hb = self.layout.head_bytes();
         let mut vector = vec![0u8; hb as usize];
         let mut result = Ok(());
-        for_each_head_vector(&self.layout, blocks, 0..tokens, |v| {
+        for_each_head_vector(&self.layout, blocks, tokens, |v| {
             head_vector(seed, v.layer, v.kv, v.token, v.head, &mut vector);
             let buffer = &self.buffers[v.region as usize];
             result = v.runs(hb).try_for_each(|(at, from, len)| {
@@ -252,13 +262,29 @@ pub(crate) fn run(args: &PrefillArgs) -> anyhow::Result<()> {
             continue; // wait for frees
         };
         let job = queue.pop_front().expect("front exists");
-        let started = Instant::now();
-        for memory in &memories {
-            memory.fill(&blocks, job.tokens, kv_seed(job.key.transfer))?;
-        }
-        let compute = Duration::from_secs_f64(job.tokens as f64 * args.per_token_us / 1e6);
-        if let Some(rest) = compute.checked_sub(started.elapsed()) {
-            std::thread::sleep(rest);
+        let chunk = match args.chunk_tokens {
+            0 => job.tokens,
+            n => n,
+        };
+        let mut computed = 0;
+        while computed < job.tokens {
+            let started = Instant::now();
+            let next = (computed + chunk).min(job.tokens);
+            for memory in &memories {
+                memory.fill(&blocks, computed..next, kv_seed(job.key.transfer))?;
+            }
+            let compute =
+                Duration::from_secs_f64((next - computed) as f64 * args.per_token_us / 1e6);
+            if let Some(rest) = compute.checked_sub(started.elapsed()) {
+                std::thread::sleep(rest);
+            }
+            computed = next;
+            if !job.pull && computed < job.tokens {
+                let used = computed.div_ceil(u64::from(args.model.block_tokens)) as usize;
+                for producer in &producers {
+                    producer.request_progress(job.key, blocks[..used].to_vec(), computed)?;
+                }
+            }
         }
         let done_at = unix_micros();
         for producer in &producers {
@@ -286,6 +312,13 @@ pub(crate) fn run(args: &PrefillArgs) -> anyhow::Result<()> {
         served += 1;
     }
     eprintln!("kvx pd prefill: served {served} requests; per-rank releases: {sent} sent, {not_sent} not sent");
+    let (written, streamed) = producers.iter().fold((0, 0), |(w, e), p| {
+        let s = p.stats();
+        (w + s.bytes_written, e + s.bytes_streamed)
+    });
+    eprintln!(
+        "kvx pd prefill: wrote {written} bytes, {streamed} of them while their request was computing"
+    );
     for mut p in producers {
         p.shutdown();
     }
