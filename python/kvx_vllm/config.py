@@ -29,6 +29,12 @@ KEYS: dict[str, tuple[Any, str]] = {
         "backend's cache and FlashAttention's), or block (the CPU cache block by block, which "
         "needs equal block sizes on both sides).",
     ),
+    "stream": (
+        True,
+        "Prefill, push: write a request's KV computed so far while the rest is still being "
+        "computed (chunked prefill: each step's finished blocks go to a registered decode during "
+        "the next step), so that only the last chunk is left when the request finishes.",
+    ),
     "registration_lease_s": (
         120.0,
         "Decode: how long a request may wait for its KV from registration before it fails.",
@@ -60,6 +66,7 @@ class KvxConfig:
     listen: str
     transport: str
     layout: str
+    stream: bool
     registration_lease_s: float
     producer_lease_s: float
     heartbeat_interval_s: float
@@ -80,7 +87,7 @@ class KvxConfig:
         values: dict[str, Any] = {}
         for key, (default, _) in KEYS.items():
             raw = extra.get(key, default)
-            values[key] = type(default)(raw)
+            values[key] = _parse_bool(key, raw) if isinstance(default, bool) else type(default)(raw)
         if values["layout"] not in ("auto", "exact", "block"):
             raise ValueError(f"kvx layout must be auto, exact or block, not {values['layout']!r}")
         host, sep, port = values["listen"].rpartition(":")
@@ -102,3 +109,14 @@ class KvxConfig:
             "connect_timeout": self.connect_timeout_s,
             "transfer_timeout": self.transfer_timeout_s,
         }
+
+
+def _parse_bool(key: str, raw: Any) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"kvx {key} must be true or false, not {raw!r}")

@@ -61,6 +61,25 @@ class SendSpec:
 
 
 @dataclass
+class ProgressSpec:
+    """Prefill, push: a request still computing whose first ``computed`` tokens are final."""
+
+    transfer_id: str
+    block_ids: list[int]
+    computed: int
+
+
+@dataclass
+class _Computing:
+    """Prefill, push: a request being computed, as far as the workers have been told."""
+
+    transfer_id: str
+    prompt_tokens: int
+    block_ids: list[int] = field(default_factory=list)
+    reported: int = 0
+
+
+@dataclass
 class RecvSpec:
     """Decode: a request whose KV is to arrive (push) or be read (pull) into ``block_ids``."""
 
@@ -78,6 +97,8 @@ class KvxConnectorMetadata(KVConnectorMetadata):
     """What the scheduler tells the workers each step."""
 
     sends: list[SendSpec] = field(default_factory=list)
+    # Prefill, push: requests still computing, with what of them is final.
+    progress: list[ProgressSpec] = field(default_factory=list)
     recvs: list[RecvSpec] = field(default_factory=list)
     # Prefill: transfers to abort (the request was aborted before it finished).
     aborts: list[str] = field(default_factory=list)
@@ -114,6 +135,9 @@ class _Scheduler:
         self.held: set[str] = set()
         # Decode: requests waiting for their KV (until finished_recving), by transfer id.
         self.waiting: dict[str, str] = {}
+        # Prefill, push, streaming: requests being computed.
+        self.computing: dict[str, _Computing] = {}
+        self.stream = self.cfg.stream and not pull
 
     # -- decode side -----------------------------------------------------------------------
 
@@ -132,6 +156,11 @@ class _Scheduler:
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         params = request.kv_transfer_params
+        if self.stream and params and params.get("do_remote_decode"):
+            self.computing.setdefault(
+                request.request_id,
+                _Computing(_transfer_id(params, request), request.num_prompt_tokens),
+            )
         if not params or not params.get("do_remote_prefill"):
             return
         # Only once: a re-entry (the second call after the load, or after a preemption) must
@@ -165,8 +194,40 @@ class _Scheduler:
     # -- both ------------------------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvxConnectorMetadata:
+        if self.computing:
+            self._progress(scheduler_output)
         meta, self.meta = self.meta, KvxConnectorMetadata()
         return meta
+
+    def _progress(self, out: SchedulerOutput) -> None:
+        """Prefill, push: the tokens of a scheduled request computed before this step are final
+        by the time the workers run it (they run steps in order), so they can be written while
+        this step computes the next chunk."""
+        seen: list[tuple[str, int]] = []
+        for new in out.scheduled_new_reqs:
+            c = self.computing.get(new.req_id)
+            if c is not None:
+                c.block_ids = [int(b) for b in new.block_ids[0]]
+                seen.append((new.req_id, new.num_computed_tokens))
+        cached = out.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            c = self.computing.get(rid)
+            if c is None:
+                continue
+            added = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:
+                c.block_ids = [int(b) for b in added[0]] if added else []
+            elif added:
+                c.block_ids.extend(int(b) for b in added[0])
+            seen.append((rid, cached.num_computed_tokens[i]))
+        for rid, computed in seen:
+            c = self.computing[rid]
+            if computed != c.reported and 0 < computed < c.prompt_tokens:
+                c.reported = computed
+                used = -(-computed // self.block_size)
+                self.meta.progress.append(
+                    ProgressSpec(c.transfer_id, list(c.block_ids[:used]), computed)
+                )
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for rid in output.finished_sending or ():
@@ -181,6 +242,7 @@ class _Scheduler:
         if not params:
             return False, None
         rid = request.request_id
+        self.computing.pop(rid, None)
         if rid in self.waiting:
             # Decode: finished (aborted) while its KV is still coming. vLLM keeps the blocks
             # until the request shows up in finished_recving, which the cancel brings about.
@@ -315,6 +377,8 @@ class _Worker:
         if self.producer is not None:
             for tid in meta.aborts:
                 self.producer.abort(tid)
+            for p in meta.progress:
+                self.producer.request_progress(p.transfer_id, p.block_ids, p.computed)
             for s in meta.sends:
                 if self.pull:
                     self.producer.request_finished_pull(

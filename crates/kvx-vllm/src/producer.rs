@@ -467,6 +467,10 @@ struct Streaming {
 struct Early {
     /// Tokens `..written` are written or being written.
     written: u64,
+    /// The request's blocks changed under the early writes (the engine recomputed it elsewhere,
+    /// e.g. after a preemption): no more early writes, and the final write rewrites everything.
+    /// Early writes still in flight may carry stale bytes; the final write waits for them.
+    reset: bool,
     /// Early writes not yet completed.
     in_flight: usize,
     /// Why an early write failed.
@@ -590,7 +594,11 @@ impl Driver {
                     warn!(%key, "request finished twice; the second copy is ignored");
                     return;
                 }
-                self.streams.remove(&key);
+                if let Some(streaming) = self.streams.remove(&key) {
+                    if !extends(&held.blocks, &streaming.blocks) {
+                        self.reset_early(key);
+                    }
+                }
                 self.stats.held.fetch_add(1, Ordering::Relaxed);
                 let deadline = now + self.producer_lease;
                 let aborted = self
@@ -878,6 +886,13 @@ impl Driver {
         }
         let deadline = now + self.producer_lease;
         let first = !self.streams.contains_key(&key);
+        if self
+            .streams
+            .get(&key)
+            .is_some_and(|s| computed < s.computed || !extends(&blocks, &s.blocks))
+        {
+            self.reset_early(key);
+        }
         self.streams.insert(
             key,
             Streaming {
@@ -906,7 +921,7 @@ impl Driver {
             return;
         };
         let early = self.early.entry(rkey).or_default();
-        if early.failed.is_some() {
+        if early.failed.is_some() || early.reset {
             return;
         }
         let Some(consumer) = self.conns.get(&dest.conn).and_then(|c| c.consumer.as_ref()) else {
@@ -951,6 +966,18 @@ impl Driver {
                     .fetch_add(bytes, Ordering::Relaxed);
             }
             Err(why) => self.early_failed(rkey, why),
+        }
+    }
+
+    /// The blocks of `key` are not the ones written from: every consumer rank gets all of it
+    /// again at the end.
+    fn reset_early(&mut self, key: AttemptKey) {
+        debug!(%key, "blocks changed under early writes; the finish rewrites everything");
+        for rank in self.ranks_of(key) {
+            if let Some(early) = self.early.get_mut(&rank_key(key, rank)) {
+                early.written = 0;
+                early.reset = true;
+            }
         }
     }
 
@@ -1331,6 +1358,11 @@ impl Driver {
             c.sender.close();
         }
     }
+}
+
+/// Whether `blocks` starts with `before` (progress only ever appends blocks).
+fn extends(blocks: &[BlockId], before: &[BlockId]) -> bool {
+    blocks.starts_with(before)
 }
 
 /// Least common multiple of two block sizes (both at least 1).

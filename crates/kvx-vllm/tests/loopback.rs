@@ -1023,3 +1023,59 @@ fn bad_progress_fails_the_consumer_at_once() {
     );
     assert_eq!(pre.producers[0].stats().held, 0);
 }
+
+/// The engine recomputed a request in other blocks (a preemption) after some of it was written
+/// early from the old ones: the finish rewrites everything from the new blocks.
+#[test]
+fn changed_blocks_after_early_writes_are_rewritten_at_the_finish() {
+    let fabric = LoopbackFabric::new();
+    let pre = prefill(
+        &fabric,
+        1,
+        4,
+        MemoryOrder::Nhd,
+        Arrangement::PerLayerSplit,
+        LONG,
+    );
+    let (dec, consumer) = decode(
+        &fabric,
+        spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit),
+        LONG,
+    );
+    // The old blocks 0..4 never get the request's KV (stale bytes); the new ones 10..14 do.
+    pre.sides[0].fill(&ids(10..14), 16);
+    let k = key(12, 0);
+    consumer
+        .request_allocated(PushRequest {
+            key: k,
+            request: RequestId(1),
+            prefill: pre.base,
+            num_tokens: 16,
+            skip_tokens: 0,
+            blocks: ids(20..24),
+        })
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    pre.producers[0].request_progress(k, ids(0..3), 12).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while pre.producers[0].stats().bytes_streamed == 0 {
+        assert!(Instant::now() < deadline, "no early write");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    // Recomputed from the start in new blocks.
+    pre.producers[0].request_progress(k, ids(10..12), 8).unwrap();
+    pre.producers[0]
+        .request_finished(k, RequestId(7), ids(10..14), 16)
+        .unwrap();
+    let events = wait_events(&consumer, 1);
+    assert_eq!(
+        events,
+        vec![RecvEvent::Ready {
+            key: k,
+            request: RequestId(1)
+        }]
+    );
+    dec.verify(&ids(20..24), 0, 16);
+    let done = wait_finished(&pre.producers[0], 1);
+    assert_eq!(done[0].outcome, SendOutcome::Sent);
+}
