@@ -143,7 +143,7 @@ class Server:
                 self.proc.wait()
 
 
-def vllm_env(cores: str | None = None) -> dict[str, str]:
+def vllm_env(cores: str | None = None, kvx_log: str | None = None) -> dict[str, str]:
     env = dict(os.environ)
     if cores is not None:
         # Prefill and decode each get their own core for vLLM's OpenMP threads (by default
@@ -155,7 +155,7 @@ def vllm_env(cores: str | None = None) -> dict[str, str]:
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
         VLLM_NO_USAGE_STATS="1",
-        KVX_LOG=os.environ.get("KVX_LOG", "kvx_vllm=info"),
+        KVX_LOG=kvx_log or os.environ.get("KVX_LOG", "kvx_vllm=info"),
         PYTHONUNBUFFERED="1",
     )
     return env
@@ -163,7 +163,8 @@ def vllm_env(cores: str | None = None) -> dict[str, str]:
 
 def start_vllm(name: str, model: Path, log_dir: Path, *, kv: dict | None = None,
                block_size: int = BLOCK, prefix_caching: bool = True,
-               cores: str | None = None) -> tuple[Server, str]:
+               cores: str | None = None, args_extra: tuple[str, ...] = (),
+               kvx_log: str | None = None) -> tuple[Server, str]:
     port = free_port()
     args = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -174,10 +175,11 @@ def start_vllm(name: str, model: Path, log_dir: Path, *, kv: dict | None = None,
     ]
     if not prefix_caching:
         args.append("--no-enable-prefix-caching")
+    args += list(args_extra)
     if kv is not None:
         args += ["--kv-transfer-config", json.dumps(kv)]
     url = f"http://127.0.0.1:{port}"
-    return Server(name, args, log_dir, vllm_env(cores), f"{url}/health"), url
+    return Server(name, args, log_dir, vllm_env(cores, kvx_log), f"{url}/health"), url
 
 
 def kv_config(connector: str, role: str, engine: str, **extra) -> dict:
@@ -287,13 +289,14 @@ def reference(model, workdir) -> dict:
 
 
 def run_pair(mode: str, model: Path, workdir: Path, reference: dict, *, p_extra=None,
-             d_extra=None, d_block=BLOCK, d_policy="fail"):
+             d_extra=None, d_block=BLOCK, d_policy="fail", p_args=(), p_log=None):
     connector = "KvxPushConnector" if mode == "push" else "KvxPullConnector"
     kvx_port = free_port()
     p_cfg = kv_config(connector, "kv_producer", f"p-{mode}", listen=f"127.0.0.1:{kvx_port}",
                       **(p_extra or {}))
     d_cfg = kv_config(connector, "kv_consumer", f"d-{mode}", _policy=d_policy, **(d_extra or {}))
-    p, p_url = start_vllm(f"prefill-{mode}", model, workdir, kv=p_cfg, cores=P_CORES)
+    p, p_url = start_vllm(f"prefill-{mode}", model, workdir, kv=p_cfg, cores=P_CORES,
+                          args_extra=p_args, kvx_log=p_log)
     d, d_url = start_vllm(f"decode-{mode}", model, workdir, kv=d_cfg, prefix_caching=False,
                           block_size=d_block, cores=D_CORES)
     proxy_port = free_port()
@@ -307,11 +310,16 @@ def run_pair(mode: str, model: Path, workdir: Path, reference: dict, *, p_extra=
     return p, p_url, d, d_url, proxy, proxy_url
 
 
-def check_pair_matches_reference(mode, model, workdir, reference, transport=None, d_block=BLOCK):
+def check_pair_matches_reference(mode, model, workdir, reference, transport=None, d_block=BLOCK,
+                                 chunk=None):
+    """With `chunk`, prefill computes prompts in steps of that many tokens (chunked prefill),
+    and push writes each step's finished blocks while the next step computes."""
     extra = {"transport": transport} if transport else None
+    p_args = ("--max-num-batched-tokens", str(chunk)) if chunk else ()
+    p_log = "kvx_vllm::producer=debug,kvx_vllm=info" if chunk else None
     p, p_url, d, d_url, proxy, proxy_url = run_pair(mode, model, workdir, reference,
                                                     p_extra=extra, d_extra=extra,
-                                                    d_block=d_block)
+                                                    d_block=d_block, p_args=p_args, p_log=p_log)
     try:
         for s in (p, d, proxy):
             s.wait_ready()
@@ -336,6 +344,10 @@ def check_pair_matches_reference(mode, model, workdir, reference, transport=None
         assert chat_tokens > 0, delta
         for s in (p, d):
             assert "Traceback" not in s.log.read_text(errors="replace"), s.tail()
+        if chunk:
+            # The long prompts' first chunks were written before their prefill finished.
+            early = p.log.read_text(errors="replace").count("early writes posted")
+            assert early > 0, p.tail()
     except Exception:
         for s in (p, d, proxy):
             print(f"--- {s.name} ---\n{s.tail(30)}", file=sys.stderr)
@@ -349,8 +361,10 @@ def test_push_matches_a_single_instance(model, workdir, reference):
     """Push through the proxy: same greedy tokens and logprobs as one instance, for prompts of
     one to ten blocks and a streamed chat completion; decode's own counters show that it
     computed no prompt token (all came over kvx). Decode uses blocks of 64 tokens against
-    prefill's 32: the CPU cache is moved token by token."""
-    check_pair_matches_reference("push", model, workdir, reference, d_block=2 * BLOCK)
+    prefill's 32: the CPU cache is moved token by token. Prefill computes in 32-token steps
+    (chunked prefill), and push writes the finished blocks of a long prompt while its next step
+    computes (prefill's log shows those early writes)."""
+    check_pair_matches_reference("push", model, workdir, reference, d_block=2 * BLOCK, chunk=32)
 
 
 def test_pull_matches_a_single_instance(model, workdir, reference):

@@ -65,8 +65,11 @@ def wait_events(consumer, n: int, timeout: float = 10.0):
     (4, 64, 16, "exact"),
     (2, 32, 32, "block"),
 ])
-def test_push_moves_the_right_bytes(heads, p_bs, d_bs, mode):
-    """Token-exact (the default) across block sizes, and block-granular with equal ones."""
+@pytest.mark.parametrize("stream", [False, True])
+def test_push_moves_the_right_bytes(heads, p_bs, d_bs, mode, stream):
+    """Token-exact (the default) across block sizes, and block-granular with equal ones; with
+    `stream`, 70 of the 100 tokens are reported computed first and whole blocks of them are
+    written before the request finishes."""
     p_caches = cpu_caches(3, 16, heads, p_bs, fill=True)
     d_caches = cpu_caches(3, 16, heads, d_bs, fill=False)
     producer, consumer, p_desc, d_desc = start_pair(p_caches, d_caches, heads=heads,
@@ -76,8 +79,26 @@ def test_push_moves_the_right_bytes(heads, p_bs, d_bs, mode):
     p_blocks = [7, 2, 9, 4, 12, 0, 15, 6][: -(-tokens // p_bs)]
     d_blocks = [3, 11, 5, 8, 1, 14, 10, 2][: -(-tokens // d_bs)]
     consumer.request_allocated("t-1", "dreq", producer.control_addr, tokens, 0, d_blocks)
+    if stream:
+        producer.request_progress("t-1", p_blocks[: -(-70 // p_bs)], 70)
+        deadline = time.monotonic() + 10
+        while producer.stats()["bytes_streamed"] == 0:
+            assert time.monotonic() < deadline, "nothing written early"
+            time.sleep(0.005)
+        assert consumer.take_events() == []
     producer.request_finished("t-1", "preq", p_blocks, tokens)
     assert wait_events(consumer, 1) == [("dreq", True, "", "")]
+    stats = producer.stats()
+    if stream:
+        # Whole blocks of both sides up to token 70, and never more than was computed.
+        unit = max(p_bs, d_bs) if mode == "exact" else p_bs
+        early_tokens = 70 // unit * unit
+        per_token = stats["bytes_written"] / tokens if mode == "exact" else None
+        assert stats["bytes_streamed"] > 0
+        if per_token is not None:
+            assert stats["bytes_streamed"] == early_tokens * per_token, stats
+    else:
+        assert stats["bytes_streamed"] == 0
     deadline = time.monotonic() + 5
     finished = []
     while not finished:

@@ -171,7 +171,7 @@ fn run_pair(run: &Run<'_>) -> (serde_json::Value, Output, String) {
 fn assert_streamed(prefill_err: &str, per_token: u64, unit: u64, max_tokens: u64) {
     let bytes = streamed_bytes(prefill_err);
     assert!(
-        bytes > 0 && bytes <= max_tokens * per_token && bytes % (unit * per_token) == 0,
+        bytes > 0 && bytes <= max_tokens * per_token && bytes.is_multiple_of(unit * per_token),
         "{bytes} bytes streamed ({per_token} per token): {prefill_err}"
     );
 }

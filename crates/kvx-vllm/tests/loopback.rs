@@ -1063,7 +1063,9 @@ fn changed_blocks_after_early_writes_are_rewritten_at_the_finish() {
         std::thread::sleep(Duration::from_millis(2));
     }
     // Recomputed from the start in new blocks.
-    pre.producers[0].request_progress(k, ids(10..12), 8).unwrap();
+    pre.producers[0]
+        .request_progress(k, ids(10..12), 8)
+        .unwrap();
     pre.producers[0]
         .request_finished(k, RequestId(7), ids(10..14), 16)
         .unwrap();
