@@ -52,6 +52,12 @@ KEYS: dict[str, tuple[Any, str]] = {
         "and an engine busy with its first forward pass answers late.",
     ),
     "transfer_timeout_s": (60.0, "Prefill: how long one started transfer may run."),
+    "quiesce_timeout_s": (
+        5.0,
+        "Decode: after a request fails or is aborted, how long its blocks stay held at most "
+        "for every prefill rank to confirm that it writes no more (a posted write cannot be "
+        "recalled); the failure is reported to vLLM when all have, or after this.",
+    ),
     "max_entries": (65536, "Most requests held or waited for on one side."),
     "log": (
         "warn",
@@ -72,6 +78,7 @@ class KvxConfig:
     heartbeat_interval_s: float
     connect_timeout_s: float
     transfer_timeout_s: float
+    quiesce_timeout_s: float
     max_entries: int
     log: str
     extra: dict[str, Any] = field(default_factory=dict)
@@ -108,6 +115,7 @@ class KvxConfig:
             "heartbeat_interval": self.heartbeat_interval_s,
             "connect_timeout": self.connect_timeout_s,
             "transfer_timeout": self.transfer_timeout_s,
+            "quiesce_timeout": self.quiesce_timeout_s,
         }
 
 

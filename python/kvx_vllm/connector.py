@@ -77,6 +77,9 @@ class _Computing:
     prompt_tokens: int
     block_ids: list[int] = field(default_factory=list)
     reported: int = 0
+    # The computed-token count seen at the request's last scheduling that was not its first
+    # (nor its first after a preemption), reported one step later under async scheduling.
+    pending: int | None = None
 
 
 @dataclass
@@ -138,6 +141,8 @@ class _Scheduler:
         # Prefill, push, streaming: requests being computed.
         self.computing: dict[str, _Computing] = {}
         self.stream = self.cfg.stream and not pull
+        # Unknown counts as on: the later, always-safe report.
+        self.async_scheduling = vllm_config.scheduler_config.async_scheduling is not False
 
     # -- decode side -----------------------------------------------------------------------
 
@@ -200,15 +205,34 @@ class _Scheduler:
         return meta
 
     def _progress(self, out: SchedulerOutput) -> None:
-        """Prefill, push: the tokens of a scheduled request computed before this step are final
-        by the time the workers run it (they run steps in order), so they can be written while
-        this step computes the next chunk."""
-        seen: list[tuple[str, int]] = []
+        """Prefill, push: which tokens of the requests being computed are final by the time
+        the workers run this step, so that they can be written while it computes.
+
+        * A request's count at its first scheduling (or its first after a preemption) is never
+          used: it may include prefix-cache blocks that another request computes in this very
+          step (vLLM caches blocks when it allocates them).
+        * Later, the count at scheduling is what the request's earlier steps computed. With
+          synchronous scheduling those steps have run when the workers start this one. With
+          async scheduling this step is scheduled while the previous one still runs, so the
+          count of the request's previous scheduling is used: the step before that has finished
+          (vLLM keeps at most two steps in flight), also for a GPU whose kernels are
+          asynchronous to the host.
+        * A preempted request restarts in other blocks: the producer is told (no blocks, no
+          tokens), so that it writes nothing more early and rewrites everything at the end.
+        """
+        for rid in out.preempted_req_ids or ():
+            c = self.computing.get(rid)
+            if c is not None:
+                c.pending = None
+                c.block_ids = []
+                if c.reported:
+                    c.reported = 0
+                    self.meta.progress.append(ProgressSpec(c.transfer_id, [], 0))
         for new in out.scheduled_new_reqs:
             c = self.computing.get(new.req_id)
             if c is not None:
                 c.block_ids = [int(b) for b in new.block_ids[0]]
-                seen.append((new.req_id, new.num_computed_tokens))
+                c.pending = None
         cached = out.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             c = self.computing.get(rid)
@@ -217,16 +241,18 @@ class _Scheduler:
             added = cached.new_block_ids[i]
             if rid in cached.resumed_req_ids:
                 c.block_ids = [int(b) for b in added[0]] if added else []
-            elif added:
+                c.pending = None
+                continue
+            if added:
                 c.block_ids.extend(int(b) for b in added[0])
-            seen.append((rid, cached.num_computed_tokens[i]))
-        for rid, computed in seen:
-            c = self.computing[rid]
-            if computed != c.reported and 0 < computed < c.prompt_tokens:
-                c.reported = computed
-                used = -(-computed // self.block_size)
+            now = cached.num_computed_tokens[i]
+            final = c.pending if self.async_scheduling else now
+            c.pending = now
+            if final is not None and c.reported < final < c.prompt_tokens:
+                c.reported = final
+                used = -(-final // self.block_size)
                 self.meta.progress.append(
-                    ProgressSpec(c.transfer_id, list(c.block_ids[:used]), computed)
+                    ProgressSpec(c.transfer_id, list(c.block_ids[:used]), final)
                 )
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:

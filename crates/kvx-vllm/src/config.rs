@@ -29,6 +29,11 @@ pub struct ConnectorConfig {
     pub transfer_timeout: Duration,
     /// Most requests held or in flight on one side.
     pub max_entries: usize,
+    /// Consumer: after a request fails (cancelled, its lease ran out, a producer rank failed),
+    /// how long its blocks stay held, at most, for the other producer ranks to confirm that
+    /// they write no more (a write already posted cannot be recalled). The failure is reported
+    /// when every rank has confirmed, or after this.
+    pub quiesce_timeout: Duration,
 }
 
 impl ConnectorConfig {
@@ -46,6 +51,7 @@ impl ConnectorConfig {
             connect_timeout: Duration::from_secs(5),
             transfer_timeout: Duration::from_secs(60),
             max_entries: 65_536,
+            quiesce_timeout: Duration::from_secs(5),
         }
     }
 }

@@ -95,6 +95,26 @@ struct Waiting {
     pull: bool,
 }
 
+/// A failed request whose blocks a write may still reach: push, a producer rank that has
+/// neither delivered its notice nor answered with a failure notice (it answers the consumer's
+/// abort only once its writes have ended); pull, this side's own reads in flight. The engine
+/// hears of the failure, and may reuse the blocks, once all are quiet or `deadline` passed.
+struct Quiescing {
+    request: RequestId,
+    reason: Reason,
+    instance: SocketAddr,
+    ranks: HashSet<Rank>,
+    notices: Vec<u64>,
+    reads: usize,
+    deadline: Timestamp,
+}
+
+impl Quiescing {
+    fn quiet(&self) -> bool {
+        self.ranks.is_empty() && self.reads == 0
+    }
+}
+
 struct RankConn {
     sender: ControlSender,
     hello: Hello,
@@ -172,6 +192,8 @@ impl Consumer {
             instances: HashMap::new(),
             notices: HashMap::new(),
             reads: HashMap::new(),
+            quiescing: HashMap::new(),
+            failing_rank: None,
             next_notice: 1,
             next_heartbeat: None,
             tx: tx.clone(),
@@ -276,6 +298,9 @@ struct Driver {
     instances: HashMap<SocketAddr, Instance>,
     notices: HashMap<u64, (AttemptKey, Rank)>,
     reads: HashMap<OpId, (AttemptKey, Rank)>,
+    quiescing: HashMap<AttemptKey, Quiescing>,
+    /// The rank whose failure notice is being handed to the waiter (it is quiet already).
+    failing_rank: Option<(AttemptKey, Rank)>,
     next_notice: u64,
     next_heartbeat: Option<Timestamp>,
     tx: Sender<Command>,
@@ -294,11 +319,12 @@ impl common::Driven for Driver {
     }
 
     fn busy(&self) -> bool {
-        !self.waiter.is_empty()
+        !self.waiter.is_empty() || !self.quiescing.is_empty()
     }
 
     fn deadline(&mut self) -> Option<Timestamp> {
-        [self.waiter.poll_timeout(), self.next_heartbeat]
+        let quiesce = self.quiescing.values().map(|q| q.deadline).min();
+        [self.waiter.poll_timeout(), self.next_heartbeat, quiesce]
             .into_iter()
             .flatten()
             .min()
@@ -320,6 +346,16 @@ impl common::Driven for Driver {
         self.waiter.handle_timeout(now);
         self.heartbeats(now);
         self.actions();
+        let overdue: Vec<AttemptKey> = self
+            .quiescing
+            .iter()
+            .filter(|(_, q)| q.deadline <= now)
+            .map(|(k, _)| *k)
+            .collect();
+        for key in overdue {
+            warn!(%key, "producer ranks did not confirm the end of their writes in time");
+            self.quiesced(key);
+        }
     }
 }
 
@@ -329,6 +365,10 @@ impl Driver {
         let now = self.clock.now();
         self.waiter.shutdown(now);
         self.actions();
+        let keys: Vec<AttemptKey> = self.quiescing.keys().copied().collect();
+        for key in keys {
+            self.quiesced(key);
+        }
         for instance in self.instances.values() {
             for conn in instance.ranks.values() {
                 conn.sender.close();
@@ -490,7 +530,7 @@ impl Driver {
         if let Some(producer_blocks) = producer_blocks {
             self.post_reads(request, &producer_blocks, &writers)?;
         } else {
-            for &rank in &writers {
+            for (index, &rank) in writers.iter().enumerate() {
                 let notice = self.next_notice;
                 self.next_notice = self.next_notice % u64::from(u32::MAX) + 1;
                 self.notices.insert(notice, (key, rank));
@@ -511,10 +551,31 @@ impl Driver {
                 });
                 let conn = &self.instances[&instance].ranks[&rank];
                 if let Err(e) = conn.sender.send(&registration) {
-                    for n in &waiting.notices {
-                        self.notices.remove(n);
+                    let detail = format!("cannot register with {rank}: {e}");
+                    self.notices.remove(&notice);
+                    waiting.notices.pop();
+                    if index == 0 {
+                        return Err(detail);
                     }
-                    return Err(format!("cannot register with {rank}: {e}"));
+                    // The ranks registered already may write (early): they are told to stop,
+                    // and the failure waits for them like any other.
+                    warn!(%key, detail, "request cannot be served");
+                    waiting.writers.truncate(index);
+                    self.tell_producers(key, &waiting, false);
+                    self.stats.transfers_failed.fetch_add(1, Ordering::Relaxed);
+                    self.quiescing.insert(
+                        key,
+                        Quiescing {
+                            request: request.request,
+                            reason: Reason::PeerFailed,
+                            instance,
+                            ranks: writers[..index].iter().copied().collect(),
+                            notices: waiting.notices,
+                            reads: 0,
+                            deadline: now + self.config.quiesce_timeout,
+                        },
+                    );
+                    return Ok(());
                 }
             }
         }
@@ -590,7 +651,17 @@ impl Driver {
             Message::Failure(f) => {
                 let key = AttemptKey::new(f.transfer, f.attempt);
                 debug!(%key, reason = ?f.reason, detail = f.detail, "producer reported failure");
+                if let Some(q) = self.quiescing.get_mut(&key) {
+                    q.ranks.remove(&f.rank);
+                    if q.quiet() {
+                        self.quiesced(key);
+                    }
+                    return;
+                }
+                self.failing_rank = Some((key, f.rank));
                 self.waiter.failure(now, key, Reason::from_peer(f.reason));
+                self.actions();
+                self.failing_rank = None;
             }
             Message::Hello(_) | Message::Heartbeat(_) => {}
             _ => warn!(%instance, "unexpected message from a producer"),
@@ -602,6 +673,16 @@ impl Driver {
             return;
         };
         warn!(%instance, why, "prefill instance lost");
+        // Its writers are gone: nothing more can land.
+        let gone: Vec<AttemptKey> = self
+            .quiescing
+            .iter()
+            .filter(|(_, q)| q.instance == *instance)
+            .map(|(k, _)| *k)
+            .collect();
+        for key in gone {
+            self.quiesced(key);
+        }
         let now = self.clock.now();
         for key in lost.waiting {
             self.waiter.failure(now, key, Reason::PeerFailed);
@@ -616,12 +697,33 @@ impl Driver {
         match event {
             Event::Notice(notice) => {
                 if let Some((key, rank)) = self.notices.remove(&notice.0) {
+                    if let Some(q) = self.quiescing.get_mut(&key) {
+                        q.ranks.remove(&rank);
+                        if q.quiet() {
+                            self.quiesced(key);
+                        }
+                        return;
+                    }
                     self.waiter.completion(now, key, rank);
                 } else {
                     debug!(
                         notice = notice.0,
                         "notice for nothing waited (late or stale)"
                     );
+                }
+            }
+            Event::ReadDone { op, .. } | Event::Failed { op, .. }
+                if self
+                    .reads
+                    .get(&op)
+                    .is_some_and(|(k, _)| self.quiescing.contains_key(k)) =>
+            {
+                let (key, _) = self.reads.remove(&op).expect("checked");
+                if let Some(q) = self.quiescing.get_mut(&key) {
+                    q.reads -= 1;
+                    if q.quiet() {
+                        self.quiesced(key);
+                    }
                 }
             }
             Event::ReadDone { op, .. } => {
@@ -703,19 +805,68 @@ impl Driver {
                     payload,
                     reason,
                 } => {
-                    self.finish(key, &payload);
+                    // Who may still write into the blocks: push, the ranks whose notice has
+                    // not come (less the one whose failure notice this is); pull, own reads.
+                    let told = self.failing_rank.filter(|(k, _)| *k == key).map(|(_, r)| r);
+                    let ranks: HashSet<Rank> = payload
+                        .notices
+                        .iter()
+                        .filter_map(|n| self.notices.get(n))
+                        .map(|(_, rank)| *rank)
+                        .filter(|rank| Some(*rank) != told)
+                        .collect();
+                    let reads = self.reads.values().filter(|(k, _)| *k == key).count();
+                    let reachable = self.instances.contains_key(&payload.instance);
+                    if let Some(instance) = self.instances.get_mut(&payload.instance) {
+                        instance.waiting.remove(&key);
+                    }
+                    self.stats.held.fetch_sub(1, Ordering::Relaxed);
                     // The producer must stop (push) or free its blocks (pull).
                     self.tell_producers(key, &payload, false);
                     self.stats.transfers_failed.fetch_add(1, Ordering::Relaxed);
-                    self.push_event(RecvEvent::Failed {
-                        key,
+                    let quiescing = Quiescing {
                         request: payload.request,
                         reason,
-                        detail: String::new(),
-                    });
+                        instance: payload.instance,
+                        ranks,
+                        notices: payload.notices,
+                        reads,
+                        deadline: self.clock.now() + self.config.quiesce_timeout,
+                    };
+                    let quiet = quiescing.quiet() || !reachable;
+                    self.quiescing.insert(key, quiescing);
+                    if quiet {
+                        self.quiesced(key);
+                    }
                 }
             }
         }
+    }
+
+    /// A failed request's writers are quiet (or gone, or out of time): the engine may have its
+    /// blocks back.
+    fn quiesced(&mut self, key: AttemptKey) {
+        let Some(q) = self.quiescing.remove(&key) else {
+            return;
+        };
+        for n in &q.notices {
+            self.notices.remove(n);
+        }
+        self.reads.retain(|_, (k, _)| *k != key);
+        let detail = if q.quiet() {
+            String::new()
+        } else {
+            format!(
+                "released after {:?} without confirmation from producer ranks {:?} ({} reads in flight)",
+                self.config.quiesce_timeout, q.ranks, q.reads
+            )
+        };
+        self.push_event(RecvEvent::Failed {
+            key,
+            request: q.request,
+            reason: q.reason,
+            detail,
+        });
     }
 
     fn finish(&mut self, key: AttemptKey, payload: &Waiting) {

@@ -488,11 +488,14 @@ enum Deferred {
         dest: Dest,
         cancelled: Option<Reason>,
     },
-    /// The registration will not be served: tell the consumer.
+    /// A registration will not be served: tell the consumer.
     Tell {
         conn: ConnId,
         key: AttemptKey,
         reason: Reason,
+        /// The held registration itself was dropped (not a refused second one): the early
+        /// writes' bookkeeping ends with it.
+        ends: bool,
     },
 }
 
@@ -984,11 +987,7 @@ impl Driver {
     /// An early write could not be posted or failed: the registration is failed now (the
     /// consumer hears of it once every early write has ended).
     fn early_failed(&mut self, rkey: AttemptKey, why: String) {
-        warn!(key = %rkey, why, "early write failed");
-        if let Some(early) = self.early.get_mut(&rkey) {
-            early.failed.get_or_insert(why);
-        }
-        self.stats.transfers_failed.fetch_add(1, Ordering::Relaxed);
+        self.note_early_failure(rkey, why);
         let now = self.clock.now();
         self.matcher.abort(
             now,
@@ -998,40 +997,64 @@ impl Driver {
         );
     }
 
+    /// Records the first early failure of `rkey` (counted once per registration).
+    fn note_early_failure(&mut self, rkey: AttemptKey, why: String) {
+        if let Some(early) = self.early.get_mut(&rkey) {
+            if early.failed.is_none() {
+                warn!(key = %rkey, why, "early write failed");
+                early.failed = Some(why);
+                self.stats.transfers_failed.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
     /// An early write ended; what waited for the early writes runs once they all have.
     fn early_done(&mut self, op: OpId, error: Option<String>) {
         let Some(rkey) = self.partials.remove(&op) else {
             return;
         };
-        if let Some(early) = self.early.get_mut(&rkey) {
-            early.in_flight -= 1;
-        }
-        if let Some(why) = error {
-            self.early_failed(rkey, why);
-            self.actions();
+        let Some(early) = self.early.get_mut(&rkey) else {
+            return;
+        };
+        early.in_flight -= 1;
+        if let Some(why) = &error {
+            self.note_early_failure(rkey, why.clone());
         }
         let Some(early) = self.early.get_mut(&rkey) else {
             return;
         };
-        if early.in_flight > 0 {
-            return;
-        }
-        let deferred = std::mem::take(&mut early.deferred);
-        let finished = !deferred.is_empty();
-        for d in deferred {
-            match d {
-                Deferred::Start {
-                    ticket,
-                    dest,
-                    cancelled,
-                } => self.start_transfer(rkey, ticket, dest, cancelled),
-                Deferred::Tell { conn, key, reason } => {
-                    self.tell_consumer(conn, key, reason, "");
+        if early.in_flight == 0 {
+            // What waited runs first, so that the failure below finds nothing in flight.
+            let deferred = std::mem::take(&mut early.deferred);
+            let mut ended = false;
+            for d in deferred {
+                match d {
+                    Deferred::Start {
+                        ticket,
+                        dest,
+                        cancelled,
+                    } => {
+                        ended = true;
+                        self.start_transfer(rkey, ticket, dest, cancelled);
+                    }
+                    Deferred::Tell {
+                        conn,
+                        key,
+                        reason,
+                        ends,
+                    } => {
+                        ended |= ends;
+                        self.tell_consumer(conn, key, reason, "");
+                    }
                 }
             }
+            if ended {
+                self.early.remove(&rkey);
+            }
         }
-        if finished {
-            self.early.remove(&rkey);
+        if let Some(why) = error {
+            self.early_failed(rkey, why);
+            self.actions();
         }
     }
 
@@ -1064,6 +1087,7 @@ impl Driver {
                         conn: destination.conn,
                         key: destination.key,
                         reason,
+                        ends: true,
                     }),
                     _ => {
                         self.early.remove(&key);
@@ -1082,6 +1106,7 @@ impl Driver {
                         conn: destination.conn,
                         key: destination.key,
                         reason,
+                        ends: false,
                     }),
                     _ => self.tell_consumer(destination.conn, destination.key, reason, ""),
                 },
@@ -1120,6 +1145,7 @@ impl Driver {
             return;
         }
         let started = std::time::Instant::now();
+        let failed_early = early.as_ref().is_some_and(|e| e.failed.is_some());
         let result = match early {
             Some(Early {
                 failed: Some(why), ..
@@ -1149,7 +1175,10 @@ impl Driver {
                 self.tell_consumer(dest.conn, dest.key, Reason::TransferFailed, &why);
                 self.matcher
                     .transfer_finished(now, key, TransferOutcome::Failed);
-                self.stats.transfers_failed.fetch_add(1, Ordering::Relaxed);
+                if !failed_early {
+                    // An early failure was counted when it happened.
+                    self.stats.transfers_failed.fetch_add(1, Ordering::Relaxed);
+                }
                 self.ticket_back(ticket, SendOutcome::NotSent(Reason::TransferFailed));
             }
         }

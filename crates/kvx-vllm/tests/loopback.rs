@@ -501,8 +501,11 @@ fn consumer_cancel_makes_prefill_release_its_blocks() {
         })
         .unwrap();
     std::thread::sleep(Duration::from_millis(50));
+    let cancelled = Instant::now();
     consumer.cancel(TransferId(4), None).unwrap();
     let events = wait_events(&consumer, 1);
+    // Reported once the producer confirmed it writes nothing more, well before the 5 s bound.
+    assert!(cancelled.elapsed() < Duration::from_secs(3));
     assert!(
         matches!(
             events[0],
@@ -1080,4 +1083,81 @@ fn changed_blocks_after_early_writes_are_rewritten_at_the_finish() {
     dec.verify(&ids(20..24), 0, 16);
     let done = wait_finished(&pre.producers[0], 1);
     assert_eq!(done[0].outcome, SendOutcome::Sent);
+}
+
+/// A producer rank that handshakes and then never answers (messages to it are swallowed): a
+/// cancelled request's blocks stay held until `quiesce_timeout`, then the failure is reported;
+/// a producer that answers is not waited for (see `consumer_cancel_makes_prefill_release_its_blocks`).
+#[test]
+fn cancel_waits_for_a_silent_producer_until_the_quiesce_timeout() {
+    use std::io::{Read as _, Write as _};
+    use std::net::TcpStream;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    let fabric = LoopbackFabric::new();
+    let pre = prefill(
+        &fabric,
+        1,
+        4,
+        MemoryOrder::Nhd,
+        Arrangement::PerLayerSplit,
+        LONG,
+    );
+    // The relay: the handshake passes both ways, later messages from decode are dropped.
+    let relay = TcpListener::bind("127.0.0.1:0").unwrap();
+    let relay_addr = relay.local_addr().unwrap();
+    let producer_addr = pre.base;
+    std::thread::spawn(move || {
+        let (mut from_decode, _) = relay.accept().unwrap();
+        let mut to_producer = TcpStream::connect(producer_addr).unwrap();
+        let handshaken = Arc::new(AtomicBool::new(false));
+        let mut back = from_decode.try_clone().unwrap();
+        let mut from_producer = to_producer.try_clone().unwrap();
+        let flag = Arc::clone(&handshaken);
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 65536];
+            while let Ok(n @ 1..) = from_producer.read(&mut buf) {
+                if back.write_all(&buf[..n]).is_err() {
+                    return;
+                }
+                flag.store(true, Ordering::SeqCst);
+            }
+        });
+        let mut buf = [0u8; 65536];
+        while let Ok(n @ 1..) = from_decode.read(&mut buf) {
+            if !handshaken.load(Ordering::SeqCst) {
+                let _ = to_producer.write_all(&buf[..n]);
+            }
+        }
+    });
+    let (_side, cache) = Side::new(spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit));
+    let mut c = config(2);
+    c.quiesce_timeout = Duration::from_millis(400);
+    let consumer = Consumer::start(c, cache, Box::new(fabric.endpoint())).unwrap();
+    consumer
+        .request_allocated(PushRequest {
+            key: key(14, 0),
+            request: RequestId(1),
+            prefill: relay_addr,
+            num_tokens: 8,
+            skip_tokens: 0,
+            blocks: ids(0..2),
+        })
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    let cancelled = Instant::now();
+    consumer.cancel(TransferId(14), None).unwrap();
+    let events = wait_events(&consumer, 1);
+    let waited = cancelled.elapsed();
+    assert!(
+        waited >= Duration::from_millis(400),
+        "reported after {waited:?}"
+    );
+    match &events[0] {
+        RecvEvent::Failed { reason, detail, .. } => {
+            assert_eq!(*reason, Reason::Aborted);
+            assert!(detail.contains("without confirmation"), "{detail}");
+        }
+        other => panic!("{other:?}"),
+    }
 }
