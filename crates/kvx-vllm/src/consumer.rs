@@ -585,6 +585,7 @@ impl Driver {
             .waiting
             .insert(key);
         self.stats.held.fetch_add(1, Ordering::Relaxed);
+        debug!(%key, writers = writers.len(), pull, "registered");
         self.waiter.expect(now, key, writers, lease, waiting);
         if self.next_heartbeat.is_none() {
             self.next_heartbeat = Some(now + self.config.heartbeat_interval);
@@ -704,6 +705,7 @@ impl Driver {
                         }
                         return;
                     }
+                    debug!(%key, %rank, "notice");
                     self.waiter.completion(now, key, rank);
                 } else {
                     debug!(
@@ -795,6 +797,7 @@ impl Driver {
                         self.tell_producers(key, &payload, true);
                     }
                     self.stats.transfers_ok.fetch_add(1, Ordering::Relaxed);
+                    debug!(%key, "ready");
                     self.push_event(RecvEvent::Ready {
                         key,
                         request: payload.request,

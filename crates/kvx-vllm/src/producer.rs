@@ -590,6 +590,7 @@ impl Driver {
         let now = self.clock.now();
         match command {
             Command::Finished { key, held, pull } => {
+                debug!(%key, tokens = held.num_tokens, pull, "request finished");
                 if self.fanouts.contains_key(&key)
                     || self.unfanned.contains_key(&key)
                     || self.pull_held.contains_key(&key)
