@@ -199,23 +199,58 @@ impl Drop for Pair {
 }
 
 /// Best of `reps` single-thread memcpys of the plan's pieces between two plain buffers.
-fn memcpy_seconds(plan: &[CopyOp], regions: usize, region_len: usize, reps: usize) -> f64 {
-    let src: Vec<Vec<u8>> = (0..regions).map(|_| vec![1_u8; region_len]).collect();
-    let mut dst: Vec<Vec<u8>> = (0..regions).map(|_| vec![0_u8; region_len]).collect();
-    let mut best = f64::INFINITY;
-    for _ in 0..reps {
+/// A single-thread `memcpy` of a plan's bytes between buffers of the same shape: the baseline,
+/// timed in turn with the transfer (one copy after each transfer), so that both see the same
+/// machine (this one is shared and its speed drifts).
+/// The buffers are [`HostBuffer`]s like the transports' (same alignment, same huge-page advice).
+struct Memcpy {
+    src: Vec<HostBuffer>,
+    dst: Vec<HostBuffer>,
+}
+
+impl Memcpy {
+    fn new(regions: usize, region_len: usize) -> Self {
+        let buffer = |byte: u8| {
+            let b = HostBuffer::new(region_len).expect("memcpy buffer");
+            b.fill_with(|_| byte);
+            b
+        };
+        Self {
+            src: (0..regions).map(|_| buffer(1)).collect(),
+            dst: (0..regions).map(|_| buffer(0)).collect(),
+        }
+    }
+
+    fn seconds(&mut self, plan: &[CopyOp]) -> f64 {
         let start = Instant::now();
         for op in plan {
             for (s, d, len) in op.pieces() {
                 let (s, d, len) = (s as usize, d as usize, len as usize);
-                dst[op.dst_region as usize][d..d + len]
-                    .copy_from_slice(&src[op.src_region as usize][s..s + len]);
+                let from = self.src[op.src_region as usize].as_ptr();
+                let to = self.dst[op.dst_region as usize].as_ptr();
+                // SAFETY: both ranges lie inside their buffers (the plan is built for buffers
+                // of this length) and the two buffers are distinct allocations.
+                unsafe { std::ptr::copy_nonoverlapping(from.add(s), to.add(d), len) };
             }
         }
-        best = best.min(start.elapsed().as_secs_f64());
-        std::hint::black_box(&mut dst);
+        let took = start.elapsed().as_secs_f64();
+        std::hint::black_box(&mut self.dst);
+        took
     }
-    best
+}
+
+/// Best of `reps` transfers and best of `reps` copies, taken in turn after a warm-up of each.
+fn best_of(pair: &mut Pair, copier: &mut Memcpy, plan: &[CopyOp], reps: usize) -> (f64, f64) {
+    let _ = pair.transfer(plan);
+    let _ = copier.seconds(plan);
+    let (mut transfer, mut copy) = (f64::INFINITY, f64::INFINITY);
+    for _ in 0..reps {
+        if let Some(t) = pair.transfer(plan) {
+            transfer = transfer.min(t);
+        }
+        copy = copy.min(copier.seconds(plan));
+    }
+    (transfer, copy)
 }
 
 type Factory = Box<dyn Fn() -> Option<(Box<dyn Transport>, Box<dyn Transport>)>>;
@@ -343,12 +378,10 @@ fn main() {
             continue;
         };
         let mut pair = Pair::new(producer, consumer, 1, SWEEP_BYTES as usize);
+        let mut copier = Memcpy::new(1, SWEEP_BYTES as usize);
         for &size in &sizes {
             let plan = sweep_plan(size);
-            let _ = pair.transfer(&plan); // warm-up
-            let best = (0..reps)
-                .filter_map(|_| pair.transfer(&plan))
-                .fold(f64::INFINITY, f64::min);
+            let (best, memcpy) = best_of(&mut pair, &mut copier, &plan, reps);
             if best.is_finite() {
                 rows.push(Row {
                     backend: name.into(),
@@ -357,7 +390,7 @@ fn main() {
                     ops: plan.len(),
                     bytes: SWEEP_BYTES,
                     seconds: best,
-                    memcpy_seconds: memcpy_seconds(&plan, 1, SWEEP_BYTES as usize, reps),
+                    memcpy_seconds: memcpy,
                 });
                 eprintln!(
                     "{name} {size} B: {:.2} GB/s",
@@ -374,10 +407,8 @@ fn main() {
         let mut pair = Pair::new(producer, consumer, PLAN_LAYERS, region_len);
         let plan = request_plan();
         let bytes: u64 = plan.iter().map(CopyOp::bytes).sum();
-        let _ = pair.transfer(&plan);
-        let best = (0..reps.min(3))
-            .filter_map(|_| pair.transfer(&plan))
-            .fold(f64::INFINITY, f64::min);
+        let mut copier = Memcpy::new(PLAN_LAYERS as usize, region_len);
+        let (best, memcpy) = best_of(&mut pair, &mut copier, &plan, reps.min(3));
         if best.is_finite() {
             rows.push(Row {
                 backend: name.into(),
@@ -386,7 +417,7 @@ fn main() {
                 ops: plan.len(),
                 bytes,
                 seconds: best,
-                memcpy_seconds: memcpy_seconds(&plan, PLAN_LAYERS as usize, region_len, 3),
+                memcpy_seconds: memcpy,
             });
         }
     }

@@ -14,6 +14,11 @@ use kvx_core::MemoryKind;
 /// unrelated data (some providers pin whole pages).
 pub const HOST_BUFFER_ALIGN: usize = 4096;
 
+/// Host buffers of at least this size are aligned to it and, on Linux, advised to be backed by
+/// transparent huge pages (`MADV_HUGEPAGE`): a KV cache on huge pages costs fewer TLB misses in
+/// every copy, and the kernel pins (and copies across processes) a huge page at a time.
+pub const HUGE_PAGE: usize = 2 * 1024 * 1024;
+
 /// An owned, zero-initialised, page-aligned block of host memory that remote peers may write into
 /// once it is registered.
 ///
@@ -59,7 +64,8 @@ pub enum BufferError {
 }
 
 impl HostBuffer {
-    /// Allocates `len` zeroed bytes aligned to [`HOST_BUFFER_ALIGN`].
+    /// Allocates `len` zeroed bytes aligned to [`HOST_BUFFER_ALIGN`], or to [`HUGE_PAGE`] (and
+    /// advised onto huge pages) from that size up.
     ///
     /// # Errors
     /// [`BufferError::Empty`] for `len == 0`, [`BufferError::Alloc`] when the allocator fails.
@@ -67,10 +73,23 @@ impl HostBuffer {
         if len == 0 {
             return Err(BufferError::Empty);
         }
-        let layout = Layout::from_size_align(len, HOST_BUFFER_ALIGN)
-            .map_err(|_| BufferError::Alloc { len })?;
-        // SAFETY: the layout has a non-zero size (checked above).
-        let raw = unsafe { alloc::alloc_zeroed(layout) };
+        let huge = len >= HUGE_PAGE;
+        let align = if huge { HUGE_PAGE } else { HOST_BUFFER_ALIGN };
+        let layout = Layout::from_size_align(len, align).map_err(|_| BufferError::Alloc { len })?;
+        let raw = if huge {
+            // SAFETY: the layout has a non-zero size (checked above).
+            let raw = unsafe { alloc::alloc(layout) };
+            if !raw.is_null() {
+                advise_huge_pages(raw, len);
+                // SAFETY: `raw` is a fresh allocation of `len` bytes; zeroing it is what
+                // faults its pages in, after the advice, so they come as huge pages.
+                unsafe { std::ptr::write_bytes(raw, 0, len) };
+            }
+            raw
+        } else {
+            // SAFETY: the layout has a non-zero size (checked above).
+            unsafe { alloc::alloc_zeroed(layout) }
+        };
         let ptr = NonNull::new(raw).ok_or(BufferError::Alloc { len })?;
         Ok(Self { ptr, layout })
     }
@@ -157,6 +176,18 @@ impl HostBuffer {
         out
     }
 }
+
+/// Asks the kernel to back `len` bytes at `addr` (a fresh allocation, aligned to [`HUGE_PAGE`])
+/// with transparent huge pages. Only a hint: refused or unsupported, nothing changes.
+#[cfg(target_os = "linux")]
+fn advise_huge_pages(addr: *mut u8, len: usize) {
+    // SAFETY: the range is one live allocation of ours; MADV_HUGEPAGE changes only how its
+    // pages are backed, never their contents or validity.
+    let _ = unsafe { libc::madvise(addr.cast(), len, libc::MADV_HUGEPAGE) };
+}
+
+#[cfg(not(target_os = "linux"))]
+fn advise_huge_pages(_addr: *mut u8, _len: usize) {}
 
 impl Drop for HostBuffer {
     fn drop(&mut self) {
@@ -298,6 +329,19 @@ impl fmt::Debug for LocalRegion {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn large_buffers_are_zeroed_and_aligned_to_huge_pages() {
+        let len = 2 * HUGE_PAGE + 4096;
+        let buffer = HostBuffer::new(len).unwrap();
+        assert_eq!(buffer.as_ptr() as usize % HUGE_PAGE, 0);
+        assert_eq!(buffer.len(), len);
+        assert!(buffer.to_vec().iter().all(|&b| b == 0));
+        buffer.write_at(len - 2, &[7, 8]).unwrap();
+        let mut tail = [0u8; 2];
+        buffer.read_at(len - 2, &mut tail).unwrap();
+        assert_eq!(tail, [7, 8]);
+    }
 
     #[test]
     fn buffer_is_zeroed_aligned_and_bounds_checked() {
