@@ -172,6 +172,25 @@ fn decode(fabric: &LoopbackFabric, spec: LayoutSpec, lease: Duration) -> (Side, 
     )
 }
 
+/// One prefill rank and one decode rank with the same small layout (4-token blocks, NHD, K and V
+/// apart), long leases.
+fn simple_pair(fabric: &LoopbackFabric) -> (Prefill, Side, Consumer) {
+    let pre = prefill(
+        fabric,
+        1,
+        4,
+        MemoryOrder::Nhd,
+        Arrangement::PerLayerSplit,
+        LONG,
+    );
+    let (dec, consumer) = decode(
+        fabric,
+        spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit),
+        LONG,
+    );
+    (pre, dec, consumer)
+}
+
 fn wait_events(consumer: &Consumer, n: usize) -> Vec<RecvEvent> {
     let deadline = Instant::now() + Duration::from_secs(20);
     let mut events = Vec::new();
@@ -436,19 +455,7 @@ fn prefill_without_registration_is_released_after_the_producer_lease() {
 #[test]
 fn producer_abort_fails_the_waiting_consumer() {
     let fabric = LoopbackFabric::new();
-    let pre = prefill(
-        &fabric,
-        1,
-        4,
-        MemoryOrder::Nhd,
-        Arrangement::PerLayerSplit,
-        LONG,
-    );
-    let (_dec, consumer) = decode(
-        &fabric,
-        spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit),
-        LONG,
-    );
+    let (pre, _dec, consumer) = simple_pair(&fabric);
     consumer
         .request_allocated(PushRequest {
             key: key(3, 0),
@@ -477,19 +484,7 @@ fn producer_abort_fails_the_waiting_consumer() {
 #[test]
 fn consumer_cancel_makes_prefill_release_its_blocks() {
     let fabric = LoopbackFabric::new();
-    let pre = prefill(
-        &fabric,
-        1,
-        4,
-        MemoryOrder::Nhd,
-        Arrangement::PerLayerSplit,
-        LONG,
-    );
-    let (_dec, consumer) = decode(
-        &fabric,
-        spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit),
-        LONG,
-    );
+    let (pre, _dec, consumer) = simple_pair(&fabric);
     consumer
         .request_allocated(PushRequest {
             key: key(4, 0),
@@ -527,19 +522,7 @@ fn consumer_cancel_makes_prefill_release_its_blocks() {
 #[test]
 fn preempted_request_reregisters_with_a_new_attempt() {
     let fabric = LoopbackFabric::new();
-    let pre = prefill(
-        &fabric,
-        1,
-        4,
-        MemoryOrder::Nhd,
-        Arrangement::PerLayerSplit,
-        LONG,
-    );
-    let (dec, consumer) = decode(
-        &fabric,
-        spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit),
-        LONG,
-    );
+    let (pre, dec, consumer) = simple_pair(&fabric);
     let tokens = 12;
     pre.sides[0].fill(&ids(0..3), tokens);
     let request = |attempt, blocks: Vec<BlockId>| PushRequest {
@@ -609,19 +592,7 @@ fn killed_prefill_fails_waiting_requests_at_once() {
 #[test]
 fn bad_blocks_and_unreachable_prefill_fail_cleanly() {
     let fabric = LoopbackFabric::new();
-    let pre = prefill(
-        &fabric,
-        1,
-        4,
-        MemoryOrder::Nhd,
-        Arrangement::PerLayerSplit,
-        LONG,
-    );
-    let (_dec, consumer) = decode(
-        &fabric,
-        spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit),
-        LONG,
-    );
+    let (pre, _dec, consumer) = simple_pair(&fabric);
     // Block 999 is outside decode's 64 blocks: prefill refuses the registration.
     consumer
         .request_allocated(PushRequest {
@@ -922,19 +893,7 @@ fn push_streams_from_two_producer_ranks_into_another_order_progress_first() {
 #[test]
 fn abort_after_early_writes_fails_the_consumer_and_releases_the_finish() {
     let fabric = LoopbackFabric::new();
-    let pre = prefill(
-        &fabric,
-        1,
-        4,
-        MemoryOrder::Nhd,
-        Arrangement::PerLayerSplit,
-        LONG,
-    );
-    let (dec, consumer) = decode(
-        &fabric,
-        spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit),
-        LONG,
-    );
+    let (pre, dec, consumer) = simple_pair(&fabric);
     pre.sides[0].fill(&ids(0..4), 16);
     consumer
         .request_allocated(PushRequest {
@@ -976,19 +935,7 @@ fn abort_after_early_writes_fails_the_consumer_and_releases_the_finish() {
 #[test]
 fn bad_progress_fails_the_consumer_at_once() {
     let fabric = LoopbackFabric::new();
-    let pre = prefill(
-        &fabric,
-        1,
-        4,
-        MemoryOrder::Nhd,
-        Arrangement::PerLayerSplit,
-        LONG,
-    );
-    let (_dec, consumer) = decode(
-        &fabric,
-        spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit),
-        LONG,
-    );
+    let (pre, _dec, consumer) = simple_pair(&fabric);
     consumer
         .request_allocated(PushRequest {
             key: key(6, 0),
@@ -1032,19 +979,7 @@ fn bad_progress_fails_the_consumer_at_once() {
 #[test]
 fn changed_blocks_after_early_writes_are_rewritten_at_the_finish() {
     let fabric = LoopbackFabric::new();
-    let pre = prefill(
-        &fabric,
-        1,
-        4,
-        MemoryOrder::Nhd,
-        Arrangement::PerLayerSplit,
-        LONG,
-    );
-    let (dec, consumer) = decode(
-        &fabric,
-        spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit),
-        LONG,
-    );
+    let (pre, dec, consumer) = simple_pair(&fabric);
     // The old blocks 0..4 never get the request's KV (stale bytes); the new ones 10..14 do.
     pre.sides[0].fill(&ids(10..14), 16);
     let k = key(12, 0);

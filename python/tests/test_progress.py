@@ -1,0 +1,94 @@
+"""The scheduler glue's streaming reports, step by step, against scheduler outputs shaped like
+vLLM's (`SchedulerOutput`'s fields the glue reads): which computed-token counts it reports as
+final, with which blocks, and when it tells the producer to start over. The native side is
+tested in test_native.py and end to end in test_e2e_vllm.py; this pins the rules of
+`_Scheduler._progress`."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace as NS
+
+import pytest
+
+from kvx_vllm.connector import KvxConnectorMetadata, ProgressSpec, _Computing, _Scheduler
+
+BLOCK = 16
+
+
+def scheduler(async_scheduling: bool) -> _Scheduler:
+    s = _Scheduler.__new__(_Scheduler)
+    s.pull = False
+    s.block_size = BLOCK
+    s.meta = KvxConnectorMetadata()
+    s.held = set()
+    s.waiting = {}
+    s.computing = {"a": _Computing("t-a", prompt_tokens=100)}
+    s.stream = True
+    s.async_scheduling = async_scheduling
+    return s
+
+
+def step(s: _Scheduler, *, new=None, cached=None, resumed=False, preempted=False):
+    """One scheduling of request "a": `new` = (blocks, computed) at its first scheduling,
+    `cached` = (added blocks or None, computed) later. Returns the progress reported."""
+    out = NS(
+        scheduled_new_reqs=[NS(req_id="a", block_ids=(new[0],), num_computed_tokens=new[1])]
+        if new else [],
+        scheduled_cached_reqs=NS(
+            req_ids=["a"] if cached else [],
+            new_block_ids=[(cached[0],) if cached[0] is not None else None] if cached else [],
+            num_computed_tokens=[cached[1]] if cached else [],
+            resumed_req_ids={"a"} if resumed else set(),
+        ),
+        preempted_req_ids={"a"} if preempted else set(),
+    )
+    meta = s.build_connector_meta(out)
+    return meta.progress
+
+
+def test_sync_reports_what_earlier_steps_computed_never_the_first_count():
+    s = scheduler(async_scheduling=False)
+    # First scheduling with a prefix-cache hit of 48 tokens: those blocks may be computed by
+    # another request in this very step, so nothing is reported.
+    assert step(s, new=([1, 2, 3, 4], 48)) == []
+    assert step(s, cached=([5], 80)) == [ProgressSpec("t-a", [1, 2, 3, 4, 5], 80)]
+    # No new tokens, no new report.
+    assert step(s, cached=(None, 80)) == []
+    assert step(s, cached=([6], 96)) == [ProgressSpec("t-a", [1, 2, 3, 4, 5, 6], 96)]
+    # The last token is never reported as progress (the finish carries it).
+    assert step(s, cached=([7], 100)) == []
+
+
+def test_async_reports_one_scheduling_later():
+    s = scheduler(async_scheduling=True)
+    assert step(s, new=([1, 2], 0)) == []
+    assert step(s, cached=([3, 4], 32)) == []
+    assert step(s, cached=([5, 6], 64)) == [ProgressSpec("t-a", [1, 2], 32)]
+    assert step(s, cached=(None, 96)) == [ProgressSpec("t-a", [1, 2, 3, 4], 64)]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_preemption_resets_and_the_resumed_request_starts_over(async_scheduling):
+    s = scheduler(async_scheduling)
+    step(s, new=([1, 2], 0))
+    step(s, cached=([3, 4], 32))
+    step(s, cached=([5, 6], 64))
+    assert s.computing["a"].reported > 0
+    # Preempted: the producer is told to forget what it wrote early.
+    assert step(s, preempted=True) == [ProgressSpec("t-a", [], 0)]
+    # Resumed in other blocks: that count is not used either.
+    assert step(s, cached=([8, 9], 0), resumed=True) == []
+    first_after = step(s, cached=([10, 11], 32))
+    second_after = step(s, cached=(None, 64))
+    reported = first_after + second_after
+    assert reported and all(p.block_ids[:2] == [8, 9] for p in reported), reported
+
+
+def test_finished_or_aborted_requests_are_forgotten():
+    s = scheduler(async_scheduling=False)
+    step(s, new=([1, 2], 0))
+    request = NS(request_id="a", status=None,
+                 kv_transfer_params={"do_remote_decode": True, "kvx_transfer_id": "t-a"})
+    s.request_finished(request, [])
+    assert "a" not in s.computing
+    assert s.meta.aborts == ["t-a"]
