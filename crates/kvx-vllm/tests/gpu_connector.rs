@@ -87,7 +87,7 @@ fn free_port() -> SocketAddr {
 }
 
 #[test]
-fn push_tp2_into_tp1_on_the_gpu_with_relayout() {
+fn push_tp2_into_tp1_on_the_gpu_with_relayout_and_streaming() {
     let n = match device_count() {
         Ok(n) if n > 0 => n,
         other => {
@@ -95,7 +95,9 @@ fn push_tp2_into_tp1_on_the_gpu_with_relayout() {
                 std::env::var_os("KVX_REQUIRE_GPU").is_none(),
                 "KVX_REQUIRE_GPU is set but CUDA is unusable: {other:?}"
             );
-            eprintln!("SKIPPED push_tp2_into_tp1_on_the_gpu_with_relayout: {other:?}");
+            eprintln!(
+                "SKIPPED push_tp2_into_tp1_on_the_gpu_with_relayout_and_streaming: {other:?}"
+            );
             return;
         }
     };
@@ -145,6 +147,18 @@ fn push_tp2_into_tp1_on_the_gpu_with_relayout() {
             blocks: c_blocks.clone(),
         })
         .expect("registration");
+    // Chunked prefill: 200 of the 300 tokens are computed first; the whole 32-token blocks of
+    // both sides among them (192 tokens) are written before the request finishes.
+    std::thread::sleep(Duration::from_millis(50));
+    for p in &producers {
+        p.request_progress(key, p_blocks[..13].to_vec(), 200)
+            .expect("progress");
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while producers.iter().any(|p| p.stats().bytes_streamed == 0) {
+        assert!(Instant::now() < deadline, "no early write in time");
+        std::thread::sleep(Duration::from_millis(2));
+    }
     for p in &producers {
         p.request_finished(key, RequestId(9), p_blocks.clone(), tokens)
             .expect("finished");
@@ -175,5 +189,13 @@ fn push_tp2_into_tp1_on_the_gpu_with_relayout() {
             std::thread::sleep(Duration::from_millis(2));
         }
         assert_eq!(done[0].outcome, SendOutcome::Sent);
+        // Each rank wrote its half of every token once, 192 tokens of them early.
+        let stats = p.stats();
+        assert_eq!(stats.bytes_written % tokens, 0, "{stats:?}");
+        assert_eq!(
+            stats.bytes_streamed,
+            stats.bytes_written / tokens * 192,
+            "{stats:?}"
+        );
     }
 }
