@@ -406,6 +406,9 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
             "arrival_us": r.arrival_us,
             "ttft_ms": t,
             "critical_path_ms": c,
+            "prefill_done_ms": r
+                .prefill_done_us
+                .map(|d| d.saturating_sub(r.arrival_us) as f64 / 1e3),
             "tpot_ms": p,
             "failed": r.failed,
         }));
