@@ -191,6 +191,42 @@ fn simple_pair(fabric: &LoopbackFabric) -> (Prefill, Side, Consumer) {
     (pre, dec, consumer)
 }
 
+/// Decode registers `blocks` for `key` (request 1) with the prefill at `prefill`.
+fn register(
+    consumer: &Consumer,
+    prefill: SocketAddr,
+    key: AttemptKey,
+    tokens: u64,
+    blocks: Vec<BlockId>,
+) {
+    consumer
+        .request_allocated(PushRequest {
+            key,
+            request: RequestId(1),
+            prefill,
+            num_tokens: tokens,
+            skip_tokens: 0,
+            blocks,
+        })
+        .unwrap();
+}
+
+/// Prefill finishes `key` and gets its blocks back, not sent, for `reason`; nothing stays held.
+fn finish_and_expect(
+    producer: &Producer,
+    key: AttemptKey,
+    blocks: Vec<BlockId>,
+    tokens: u64,
+    reason: Reason,
+) {
+    producer
+        .request_finished(key, RequestId(7), blocks, tokens)
+        .unwrap();
+    let done = wait_finished(producer, 1);
+    assert_eq!(done[0].outcome, SendOutcome::NotSent(reason));
+    assert_eq!(producer.stats().held, 0);
+}
+
 fn wait_events(consumer: &Consumer, n: usize) -> Vec<RecvEvent> {
     let deadline = Instant::now() + Duration::from_secs(20);
     let mut events = Vec::new();
@@ -400,16 +436,7 @@ fn registration_without_prefill_fails_after_its_lease() {
         spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit),
         Duration::from_millis(300),
     );
-    consumer
-        .request_allocated(PushRequest {
-            key: key(1, 0),
-            request: RequestId(1),
-            prefill: pre.base,
-            num_tokens: 8,
-            skip_tokens: 0,
-            blocks: ids(0..2),
-        })
-        .unwrap();
+    register(&consumer, pre.base, key(1, 0), 8, ids(0..2));
     let events = wait_events(&consumer, 1);
     assert!(
         matches!(
@@ -444,28 +471,20 @@ fn prefill_without_registration_is_released_after_the_producer_lease() {
         Arrangement::PerLayerSplit,
         Duration::from_millis(200),
     );
-    pre.producers[0]
-        .request_finished(key(2, 0), RequestId(3), ids(0..2), 8)
-        .unwrap();
-    let done = wait_finished(&pre.producers[0], 1);
-    assert_eq!(done[0].outcome, SendOutcome::NotSent(Reason::LeaseExpired));
-    assert_eq!(pre.producers[0].stats().held, 0);
+    finish_and_expect(
+        &pre.producers[0],
+        key(2, 0),
+        ids(0..2),
+        8,
+        Reason::LeaseExpired,
+    );
 }
 
 #[test]
 fn producer_abort_fails_the_waiting_consumer() {
     let fabric = LoopbackFabric::new();
     let (pre, _dec, consumer) = simple_pair(&fabric);
-    consumer
-        .request_allocated(PushRequest {
-            key: key(3, 0),
-            request: RequestId(1),
-            prefill: pre.base,
-            num_tokens: 8,
-            skip_tokens: 0,
-            blocks: ids(0..2),
-        })
-        .unwrap();
+    register(&consumer, pre.base, key(3, 0), 8, ids(0..2));
     std::thread::sleep(Duration::from_millis(50));
     pre.producers[0].abort(TransferId(3), None).unwrap();
     let events = wait_events(&consumer, 1);
@@ -485,16 +504,7 @@ fn producer_abort_fails_the_waiting_consumer() {
 fn consumer_cancel_makes_prefill_release_its_blocks() {
     let fabric = LoopbackFabric::new();
     let (pre, _dec, consumer) = simple_pair(&fabric);
-    consumer
-        .request_allocated(PushRequest {
-            key: key(4, 0),
-            request: RequestId(1),
-            prefill: pre.base,
-            num_tokens: 8,
-            skip_tokens: 0,
-            blocks: ids(0..2),
-        })
-        .unwrap();
+    register(&consumer, pre.base, key(4, 0), 8, ids(0..2));
     std::thread::sleep(Duration::from_millis(50));
     let cancelled = Instant::now();
     consumer.cancel(TransferId(4), None).unwrap();
@@ -571,16 +581,7 @@ fn killed_prefill_fails_waiting_requests_at_once() {
         spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit),
         LONG,
     );
-    consumer
-        .request_allocated(PushRequest {
-            key: key(8, 0),
-            request: RequestId(1),
-            prefill: pre.base,
-            num_tokens: 8,
-            skip_tokens: 0,
-            blocks: ids(0..2),
-        })
-        .unwrap();
+    register(&consumer, pre.base, key(8, 0), 8, ids(0..2));
     std::thread::sleep(Duration::from_millis(50));
     let started = Instant::now();
     pre.producers[0].shutdown();
@@ -895,16 +896,7 @@ fn abort_after_early_writes_fails_the_consumer_and_releases_the_finish() {
     let fabric = LoopbackFabric::new();
     let (pre, dec, consumer) = simple_pair(&fabric);
     pre.sides[0].fill(&ids(0..4), 16);
-    consumer
-        .request_allocated(PushRequest {
-            key: key(8, 0),
-            request: RequestId(1),
-            prefill: pre.base,
-            num_tokens: 16,
-            skip_tokens: 0,
-            blocks: ids(20..24),
-        })
-        .unwrap();
+    register(&consumer, pre.base, key(8, 0), 16, ids(20..24));
     std::thread::sleep(Duration::from_millis(50));
     pre.producers[0]
         .request_progress(key(8, 0), ids(0..3), 12)
@@ -922,12 +914,7 @@ fn abort_after_early_writes_fails_the_consumer_and_releases_the_finish() {
         ),
         "{events:?}"
     );
-    pre.producers[0]
-        .request_finished(key(8, 0), RequestId(7), ids(0..4), 16)
-        .unwrap();
-    let done = wait_finished(&pre.producers[0], 1);
-    assert_eq!(done[0].outcome, SendOutcome::NotSent(Reason::Aborted));
-    assert_eq!(pre.producers[0].stats().held, 0);
+    finish_and_expect(&pre.producers[0], key(8, 0), ids(0..4), 16, Reason::Aborted);
 }
 
 /// Progress naming blocks outside the producer's cache fails the consumer at once (not at the
@@ -936,16 +923,7 @@ fn abort_after_early_writes_fails_the_consumer_and_releases_the_finish() {
 fn bad_progress_fails_the_consumer_at_once() {
     let fabric = LoopbackFabric::new();
     let (pre, _dec, consumer) = simple_pair(&fabric);
-    consumer
-        .request_allocated(PushRequest {
-            key: key(6, 0),
-            request: RequestId(1),
-            prefill: pre.base,
-            num_tokens: 16,
-            skip_tokens: 0,
-            blocks: ids(20..24),
-        })
-        .unwrap();
+    register(&consumer, pre.base, key(6, 0), 16, ids(20..24));
     std::thread::sleep(Duration::from_millis(50));
     let started = Instant::now();
     pre.producers[0]
