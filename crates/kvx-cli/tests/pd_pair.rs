@@ -178,15 +178,20 @@ fn assert_streamed(prefill_err: &str, per_token: u64, unit: u64, max_tokens: u64
 
 /// Bytes prefill wrote while their request was still computing (its summary line).
 fn streamed_bytes(prefill_err: &str) -> u64 {
-    let line = prefill_err
+    summary_numbers(prefill_err, "while their request was computing").1[1]
+}
+
+/// The line of prefill's output that contains `marker`, and the numbers in it, in order.
+fn summary_numbers<'a>(output: &'a str, marker: &str) -> (&'a str, Vec<u64>) {
+    let line = output
         .lines()
-        .find(|l| l.contains("while their request was computing"))
-        .unwrap_or_else(|| panic!("no summary in {prefill_err}"));
-    let numbers: Vec<u64> = line
+        .find(|l| l.contains(marker))
+        .unwrap_or_else(|| panic!("no summary in {output}"));
+    let numbers = line
         .split(|c: char| !c.is_ascii_digit())
         .filter_map(|w| w.parse().ok())
         .collect();
-    numbers[1]
+    (line, numbers)
 }
 
 fn check(report: &serde_json::Value, requests: u64, tokens_total: u64) {
@@ -413,14 +418,7 @@ fn killed_decode_leaves_nothing_held_on_prefill() {
     let out = prefill.0.wait_with_output_after_exit();
     assert!(status.success(), "prefill exited with {status}: {out}");
     // "served N requests; per-rank releases: S sent, U not sent" with S + U == N.
-    let line = out
-        .lines()
-        .find(|l| l.contains("served"))
-        .unwrap_or_else(|| panic!("no summary in {out}"));
-    let numbers: Vec<u64> = line
-        .split(|c: char| !c.is_ascii_digit())
-        .filter_map(|w| w.parse().ok())
-        .collect();
+    let (line, numbers) = summary_numbers(&out, "served");
     let (served, sent, not_sent) = (numbers[0], numbers[1], numbers[2]);
     assert!(served > 0, "{line}");
     assert_eq!(

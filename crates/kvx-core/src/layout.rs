@@ -104,11 +104,13 @@ impl FromStr for MemoryOrder {
     type Err = UnknownName;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let lower = s.to_ascii_lowercase();
-        Self::ALL
-            .into_iter()
-            .find(|o| o.name() == lower)
-            .ok_or_else(|| UnknownName::new("memory order", s, Self::ALL.map(Self::name)))
+        UnknownName::find(
+            "memory order",
+            s,
+            &s.to_ascii_lowercase(),
+            Self::ALL,
+            Self::name,
+        )
     }
 }
 
@@ -167,10 +169,7 @@ impl FromStr for Arrangement {
     type Err = UnknownName;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Self::ALL
-            .into_iter()
-            .find(|a| a.name() == s)
-            .ok_or_else(|| UnknownName::new("arrangement", s, Self::ALL.map(Self::name)))
+        UnknownName::find("arrangement", s, s, Self::ALL, Self::name)
     }
 }
 
@@ -187,12 +186,21 @@ pub struct UnknownName {
 }
 
 impl UnknownName {
-    fn new<const N: usize>(kind: &'static str, given: &str, expected: [&'static str; N]) -> Self {
-        Self {
-            kind,
-            given: given.to_owned(),
-            expected: expected.to_vec(),
-        }
+    /// The one of `all` whose name (`name_of`) is `wanted`; otherwise the error, naming `given`.
+    fn find<T: Copy, const N: usize>(
+        kind: &'static str,
+        given: &str,
+        wanted: &str,
+        all: [T; N],
+        name_of: fn(T) -> &'static str,
+    ) -> Result<T, Self> {
+        all.into_iter()
+            .find(|v| name_of(*v) == wanted)
+            .ok_or_else(|| Self {
+                kind,
+                given: given.to_owned(),
+                expected: all.map(name_of).to_vec(),
+            })
     }
 }
 

@@ -193,7 +193,6 @@ impl Consumer {
             notices: HashMap::new(),
             reads: HashMap::new(),
             quiescing: HashMap::new(),
-            failing_rank: None,
             next_notice: 1,
             next_heartbeat: None,
             tx: tx.clone(),
@@ -299,8 +298,6 @@ struct Driver {
     notices: HashMap<u64, (AttemptKey, Rank)>,
     reads: HashMap<OpId, (AttemptKey, Rank)>,
     quiescing: HashMap<AttemptKey, Quiescing>,
-    /// The rank whose failure notice is being handed to the waiter (it is quiet already).
-    failing_rank: Option<(AttemptKey, Rank)>,
     next_notice: u64,
     next_heartbeat: Option<Timestamp>,
     tx: Sender<Command>,
@@ -561,20 +558,7 @@ impl Driver {
                     // and the failure waits for them like any other.
                     warn!(%key, detail, "request cannot be served");
                     waiting.writers.truncate(index);
-                    self.tell_producers(key, &waiting, false);
-                    self.stats.transfers_failed.fetch_add(1, Ordering::Relaxed);
-                    self.quiescing.insert(
-                        key,
-                        Quiescing {
-                            request: request.request,
-                            reason: Reason::PeerFailed,
-                            instance,
-                            ranks: writers[..index].iter().copied().collect(),
-                            notices: waiting.notices,
-                            reads: 0,
-                            deadline: now + self.config.quiesce_timeout,
-                        },
-                    );
+                    self.give_up(key, waiting, Reason::PeerFailed);
                     return Ok(());
                 }
             }
@@ -659,10 +643,11 @@ impl Driver {
                     }
                     return;
                 }
-                self.failing_rank = Some((key, f.rank));
+                // That rank is quiet: it sends a failure only once its writes have ended, and
+                // its notice will not come.
+                self.notices
+                    .retain(|_, (k, rank)| !(*k == key && *rank == f.rank));
                 self.waiter.failure(now, key, Reason::from_peer(f.reason));
-                self.actions();
-                self.failing_rank = None;
             }
             Message::Hello(_) | Message::Heartbeat(_) => {}
             _ => warn!(%instance, "unexpected message from a producer"),
@@ -808,41 +793,44 @@ impl Driver {
                     payload,
                     reason,
                 } => {
-                    // Who may still write into the blocks: push, the ranks whose notice has
-                    // not come (less the one whose failure notice this is); pull, own reads.
-                    let told = self.failing_rank.filter(|(k, _)| *k == key).map(|(_, r)| r);
-                    let ranks: HashSet<Rank> = payload
-                        .notices
-                        .iter()
-                        .filter_map(|n| self.notices.get(n))
-                        .map(|(_, rank)| *rank)
-                        .filter(|rank| Some(*rank) != told)
-                        .collect();
-                    let reads = self.reads.values().filter(|(k, _)| *k == key).count();
-                    let reachable = self.instances.contains_key(&payload.instance);
-                    if let Some(instance) = self.instances.get_mut(&payload.instance) {
-                        instance.waiting.remove(&key);
-                    }
                     self.stats.held.fetch_sub(1, Ordering::Relaxed);
-                    // The producer must stop (push) or free its blocks (pull).
-                    self.tell_producers(key, &payload, false);
-                    self.stats.transfers_failed.fetch_add(1, Ordering::Relaxed);
-                    let quiescing = Quiescing {
-                        request: payload.request,
-                        reason,
-                        instance: payload.instance,
-                        ranks,
-                        notices: payload.notices,
-                        reads,
-                        deadline: self.clock.now() + self.config.quiesce_timeout,
-                    };
-                    let quiet = quiescing.quiet() || !reachable;
-                    self.quiescing.insert(key, quiescing);
-                    if quiet {
-                        self.quiesced(key);
-                    }
+                    self.give_up(key, payload, reason);
                 }
             }
+        }
+    }
+
+    /// A request failed: its producers are told to stop (push) or free their blocks (pull), and
+    /// the engine hears of it once nothing can land in its blocks any more: push, every rank
+    /// whose notice (or failure notice) has not come is waited for; pull, its own reads.
+    fn give_up(&mut self, key: AttemptKey, payload: Waiting, reason: Reason) {
+        let ranks: HashSet<Rank> = payload
+            .notices
+            .iter()
+            .filter_map(|n| self.notices.get(n))
+            .map(|(_, rank)| *rank)
+            .collect();
+        let reads = self.reads.values().filter(|(k, _)| *k == key).count();
+        let reachable = self.instances.contains_key(&payload.instance);
+        if let Some(instance) = self.instances.get_mut(&payload.instance) {
+            instance.waiting.remove(&key);
+        }
+        self.tell_producers(key, &payload, false);
+        self.stats.transfers_failed.fetch_add(1, Ordering::Relaxed);
+        let quiescing = Quiescing {
+            request: payload.request,
+            reason,
+            instance: payload.instance,
+            ranks,
+            notices: payload.notices,
+            reads,
+            deadline: self.clock.now() + self.config.quiesce_timeout,
+        };
+        let quiet = quiescing.quiet() || !reachable;
+        self.quiescing.insert(key, quiescing);
+        if quiet {
+            // Nothing in flight, or the producer instance is gone: nothing more can land.
+            self.quiesced(key);
         }
     }
 

@@ -76,7 +76,7 @@ struct Held {
     num_tokens: u64,
 }
 
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 struct Dest {
     conn: ConnId,
     /// The transfer as the consumer knows it.
@@ -599,7 +599,8 @@ impl Driver {
                     return;
                 }
                 if let Some(streaming) = self.streams.remove(&key) {
-                    if !extends(&held.blocks, &streaming.blocks) {
+                    // Progress only ever appends blocks; other ones mean a recomputation.
+                    if !held.blocks.starts_with(&streaming.blocks) {
                         self.reset_early(key);
                     }
                 }
@@ -893,7 +894,7 @@ impl Driver {
         if self
             .streams
             .get(&key)
-            .is_some_and(|s| computed < s.computed || !extends(&blocks, &s.blocks))
+            .is_some_and(|s| computed < s.computed || !blocks.starts_with(&s.blocks))
         {
             self.reset_early(key);
         }
@@ -918,7 +919,7 @@ impl Driver {
     /// not received, in whole blocks of both sides, without a notice. The last token is always
     /// left for the final write, which carries the notice.
     fn stream(&mut self, key: AttemptKey, rkey: AttemptKey) {
-        let Some(dest) = self.matcher.held_registration(rkey).cloned() else {
+        let Some(dest) = self.matcher.held_registration(rkey) else {
             return;
         };
         let Some(streaming) = self.streams.get(&key) else {
@@ -1388,11 +1389,6 @@ impl Driver {
             c.sender.close();
         }
     }
-}
-
-/// Whether `blocks` starts with `before` (progress only ever appends blocks).
-fn extends(blocks: &[BlockId], before: &[BlockId]) -> bool {
-    blocks.starts_with(before)
 }
 
 /// Least common multiple of two block sizes (both at least 1).

@@ -191,7 +191,7 @@ fn simple_pair(fabric: &LoopbackFabric) -> (Prefill, Side, Consumer) {
     (pre, dec, consumer)
 }
 
-/// Decode registers `blocks` for `key` (request 1) with the prefill at `prefill`.
+/// Decode registers `blocks` for `key` (decode's request 1) with the prefill at `prefill`.
 fn register(
     consumer: &Consumer,
     prefill: SocketAddr,
@@ -199,10 +199,22 @@ fn register(
     tokens: u64,
     blocks: Vec<BlockId>,
 ) {
+    register_request(consumer, prefill, key, RequestId(1), tokens, blocks);
+}
+
+/// [`register`] as decode's request `request`.
+fn register_request(
+    consumer: &Consumer,
+    prefill: SocketAddr,
+    key: AttemptKey,
+    request: RequestId,
+    tokens: u64,
+    blocks: Vec<BlockId>,
+) {
     consumer
         .request_allocated(PushRequest {
             key,
-            request: RequestId(1),
+            request,
             prefill,
             num_tokens: tokens,
             skip_tokens: 0,
@@ -292,16 +304,14 @@ fn push_roundtrip(
     }
     let k = key(77, 0);
     let register = || {
-        consumer
-            .request_allocated(PushRequest {
-                key: k,
-                request: RequestId(5),
-                prefill: pre.base,
-                num_tokens: tokens,
-                skip_tokens: 0,
-                blocks: c_blocks.clone(),
-            })
-            .unwrap();
+        register_request(
+            &consumer,
+            pre.base,
+            k,
+            RequestId(5),
+            tokens,
+            c_blocks.clone(),
+        )
     };
     if registration_first {
         register();
@@ -796,16 +806,14 @@ fn push_streams(p_tp: u32, c_order: MemoryOrder, registration_first: bool) {
     }
     let k = key(91, 0);
     let register = || {
-        consumer
-            .request_allocated(PushRequest {
-                key: k,
-                request: RequestId(5),
-                prefill: pre.base,
-                num_tokens: tokens,
-                skip_tokens: 0,
-                blocks: c_blocks.clone(),
-            })
-            .unwrap();
+        register_request(
+            &consumer,
+            pre.base,
+            k,
+            RequestId(5),
+            tokens,
+            c_blocks.clone(),
+        )
     };
     let progress = |computed: u64| {
         let blocks = p_blocks[..computed.div_ceil(u64::from(p_bt)) as usize].to_vec();
