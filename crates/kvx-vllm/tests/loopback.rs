@@ -605,30 +605,18 @@ fn bad_blocks_and_unreachable_prefill_fail_cleanly() {
     let fabric = LoopbackFabric::new();
     let (pre, _dec, consumer) = simple_pair(&fabric);
     // Block 999 is outside decode's 64 blocks: prefill refuses the registration.
-    consumer
-        .request_allocated(PushRequest {
-            key: key(9, 0),
-            request: RequestId(1),
-            prefill: pre.base,
-            num_tokens: 8,
-            skip_tokens: 0,
-            blocks: vec![BlockId(1), BlockId(999)],
-        })
-        .unwrap();
+    register(
+        &consumer,
+        pre.base,
+        key(9, 0),
+        8,
+        vec![BlockId(1), BlockId(999)],
+    );
     let events = wait_events(&consumer, 1);
     assert!(matches!(events[0], RecvEvent::Failed { .. }), "{events:?}");
     // Nothing listens here.
     let dead = free_ports(1);
-    consumer
-        .request_allocated(PushRequest {
-            key: key(10, 0),
-            request: RequestId(2),
-            prefill: dead,
-            num_tokens: 8,
-            skip_tokens: 0,
-            blocks: ids(0..2),
-        })
-        .unwrap();
+    register_request(&consumer, dead, key(10, 0), RequestId(2), 8, ids(0..2));
     let events = wait_events(&consumer, 1);
     assert!(
         matches!(&events[0], RecvEvent::Failed { request: RequestId(2), detail, .. } if detail.contains("connect")),
@@ -969,16 +957,7 @@ fn changed_blocks_after_early_writes_are_rewritten_at_the_finish() {
     // The old blocks 0..4 never get the request's KV (stale bytes); the new ones 10..14 do.
     pre.sides[0].fill(&ids(10..14), 16);
     let k = key(12, 0);
-    consumer
-        .request_allocated(PushRequest {
-            key: k,
-            request: RequestId(1),
-            prefill: pre.base,
-            num_tokens: 16,
-            skip_tokens: 0,
-            blocks: ids(20..24),
-        })
-        .unwrap();
+    register(&consumer, pre.base, k, 16, ids(20..24));
     std::thread::sleep(Duration::from_millis(50));
     pre.producers[0].request_progress(k, ids(0..3), 12).unwrap();
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -1055,16 +1034,7 @@ fn cancel_waits_for_a_silent_producer_until_the_quiesce_timeout() {
     let mut c = config(2);
     c.quiesce_timeout = Duration::from_millis(400);
     let consumer = Consumer::start(c, cache, Box::new(fabric.endpoint())).unwrap();
-    consumer
-        .request_allocated(PushRequest {
-            key: key(14, 0),
-            request: RequestId(1),
-            prefill: relay_addr,
-            num_tokens: 8,
-            skip_tokens: 0,
-            blocks: ids(0..2),
-        })
-        .unwrap();
+    register(&consumer, relay_addr, key(14, 0), 8, ids(0..2));
     std::thread::sleep(Duration::from_millis(100));
     let cancelled = Instant::now();
     consumer.cancel(TransferId(14), None).unwrap();
