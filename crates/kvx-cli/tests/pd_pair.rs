@@ -166,13 +166,14 @@ fn run_pair(run: &Run<'_>) -> (serde_json::Value, Output, String) {
     (report, decode, prefill_err)
 }
 
-/// Prefill wrote some tokens early, in whole `unit`-token pieces, and at most `max_tokens`. (How
-/// many depends on how soon each registration arrives, a race with the computation.)
-fn assert_streamed(prefill_err: &str, per_token: u64, unit: u64, max_tokens: u64) {
+/// Prefill wrote some bytes early, in whole pieces of `piece` bytes (a unit of tokens in one
+/// layer, or in all), and at most `max` bytes. (How many depends on how soon each registration
+/// arrives, a race with the computation.)
+fn assert_streamed(prefill_err: &str, piece: u64, max: u64) {
     let bytes = streamed_bytes(prefill_err);
     assert!(
-        bytes > 0 && bytes <= max_tokens * per_token && bytes.is_multiple_of(unit * per_token),
-        "{bytes} bytes streamed ({per_token} per token): {prefill_err}"
+        bytes > 0 && bytes <= max && bytes.is_multiple_of(piece),
+        "{bytes} bytes streamed (pieces of {piece}, at most {max}): {prefill_err}"
     );
 }
 
@@ -209,8 +210,9 @@ fn check(report: &serde_json::Value, requests: u64, tokens_total: u64) {
 
 #[test]
 fn push_over_shm_verifies_every_byte() {
-    // Chunked prefill: the 200-token requests are written in 64-token pieces while they compute
-    // (2 ms per chunk), up to token 192.
+    // Chunked prefill, each chunk layer by layer: the 200-token requests are written in
+    // 64-token pieces of layer 0, then of layer 1, while they compute (2 ms per chunk), up to
+    // token 192; of the 40-token ones (one chunk), layer 0 up to token 32.
     let (report, _, prefill) = run_pair(&Run {
         transport: "libfabric:shm",
         mode: "push",
@@ -220,8 +222,9 @@ fn push_over_shm_verifies_every_byte() {
         tokens: "40,200",
     });
     check(&report, 8, 4 * 40 + 4 * 200);
+    // The tiny model has two layers: a 16-token block of one layer is 8 tokens' worth.
     let per_token = report["kv_bytes_per_token"].as_u64().unwrap();
-    assert_streamed(&prefill, per_token, 16, 4 * 192);
+    assert_streamed(&prefill, 8 * per_token, (4 * 192 + 4 * 16) * per_token);
 }
 
 #[test]
@@ -239,33 +242,47 @@ fn pull_over_shm_verifies_every_byte() {
 
 #[test]
 fn push_over_tcp_verifies_every_byte() {
-    let (report, _, _) = run_pair(&Run {
+    // Each request computed in one step, layer by layer: layer 0 (up to token 96) goes while
+    // layer 1 computes.
+    let (report, _, prefill) = run_pair(&Run {
         transport: "libfabric:tcp",
         mode: "push",
-        prefill: &[],
+        prefill: &["--chunk-tokens", "0", "--per-token-us", "30"],
         decode: &[],
         requests: 6,
         tokens: "100",
     });
     check(&report, 6, 600);
+    let per_token = report["kv_bytes_per_token"].as_u64().unwrap();
+    assert_streamed(&prefill, 8 * per_token, 6 * 48 * per_token);
 }
 
 #[test]
 fn push_and_pull_over_cma_verify_every_byte() {
     // Cross-memory attach: prefill's writer copies straight into decode's cache.
-    // Chunked prefill on two ranks into another block size and order: the 300-token requests
-    // are written early in 32-token-aligned pieces (96 and 192 tokens), the rest at the end.
+    // Chunked prefill on two ranks into another block size and order, whole chunks only (no
+    // layer-wise reports): the 300-token requests are written early in 32-token-aligned pieces
+    // (96 and 192 tokens), the rest at the end.
     let (report, _, prefill) = run_pair(&Run {
         transport: "cma",
         mode: "push",
-        prefill: &["--tp", "2", "--chunk-tokens", "100", "--per-token-us", "30"],
+        prefill: &[
+            "--tp",
+            "2",
+            "--chunk-tokens",
+            "100",
+            "--per-token-us",
+            "30",
+            "--layer-progress",
+            "false",
+        ],
         decode: &["--block-tokens", "32", "--order", "nhd"],
         requests: 6,
         tokens: "40,300",
     });
     check(&report, 6, 3 * 40 + 3 * 300);
     let per_token = report["kv_bytes_per_token"].as_u64().unwrap();
-    assert_streamed(&prefill, per_token, 32, 3 * 192);
+    assert_streamed(&prefill, 32 * per_token, 3 * 192 * per_token);
     let (report, _, _) = run_pair(&Run {
         transport: "cma",
         mode: "pull",

@@ -114,6 +114,14 @@ pub enum PlanError {
     /// The consumer lists one destination block twice.
     #[error("consumer block {0} appears twice among the destination blocks")]
     DuplicateConsumerBlock(BlockId),
+    /// A layer range beyond the model's layers.
+    #[error("layers {layers:?} are not within the model's {num_layers} layers")]
+    LayersOutOfRange {
+        /// The range asked for.
+        layers: std::ops::Range<u32>,
+        /// The model's layers.
+        num_layers: u32,
+    },
     /// More tokens skipped than requested.
     #[error("skip_tokens {skip} exceeds num_tokens {tokens}")]
     SkipBeyondTokens {

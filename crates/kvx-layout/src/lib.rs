@@ -59,4 +59,6 @@ pub mod synth;
 pub use error::{LayoutError, PlanError, Side};
 pub use geometry::{ChunkPlace, Layout};
 pub use plan::{CopyOp, Permute};
-pub use planner::{permute_for, plan, readers_for, writers_for, PermutePlan, Plan, PlanRequest};
+pub use planner::{
+    permute_for, plan, plan_layers, readers_for, writers_for, PermutePlan, Plan, PlanRequest,
+};

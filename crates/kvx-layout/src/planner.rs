@@ -522,7 +522,23 @@ pub fn readers_for(
 
 /// Plans the copy operations of one request for one consumer rank.
 pub fn plan(req: &PlanRequest<'_>) -> Result<Plan, PlanError> {
+    plan_layers(req, 0..req.consumer.spec().num_layers)
+}
+
+/// Plans the copy operations of one request for one consumer rank, in `layers` only: what a
+/// producer writes once those layers of the tokens are final (layer-wise streaming). Planning
+/// a partition of the layers one part at a time gives the operations of [`plan`], in the same
+/// order for each producer rank.
+///
+/// # Errors
+/// [`PlanError::LayersOutOfRange`] when `layers` is not within the model's layers; otherwise
+/// as [`plan`].
+pub fn plan_layers(req: &PlanRequest<'_>, layers: Range<u32>) -> Result<Plan, PlanError> {
     let consumer = req.consumer;
+    let num_layers = consumer.spec().num_layers;
+    if layers.start > layers.end || layers.end > num_layers {
+        return Err(PlanError::LayersOutOfRange { layers, num_layers });
+    }
     let by_rank = check_producers(req.producers)?;
     let reference = &req.producers[0];
     check_model(reference, consumer)?;
@@ -564,15 +580,14 @@ pub fn plan(req: &PlanRequest<'_>) -> Result<Plan, PlanError> {
         .collect();
     ranks.sort_unstable();
     ranks.dedup();
-    let layers = consumer.spec().num_layers;
     let parts = consumer.kv_parts();
     let template_ops: usize = kv_templates.iter().flatten().map(Vec::len).sum();
     let per_kv = kv_templates.len() as u32;
-    ops.reserve(template_ops * (layers * parts / per_kv) as usize);
+    ops.reserve(template_ops * (layers.len() as u32 * parts / per_kv) as usize);
     for (rank, producer_index) in ranks {
         let producer = &req.producers[producer_index];
         let start = ops.len();
-        for layer in 0..layers {
+        for layer in layers.clone() {
             for kv in 0..parts {
                 let src = producer.chunk_place(layer, kv);
                 let dst = consumer.chunk_place(layer, kv);
@@ -601,7 +616,7 @@ pub fn plan(req: &PlanRequest<'_>) -> Result<Plan, PlanError> {
     }
     let bytes = ops.iter().map(CopyOp::bytes).sum();
     let permute = (needs_permute && req.only_producer.is_none() && n > skip)
-        .then(|| permute_plan(consumer, req.consumer_blocks, n, skip, order));
+        .then(|| permute_plan(consumer, req.consumer_blocks, n, skip, order, layers));
     debug_assert!(permute_from.is_none_or(|from| from == order));
     Ok(Plan {
         ops,
@@ -697,6 +712,7 @@ fn permute_plan(
     num_tokens: u64,
     skip_tokens: u64,
     from: MemoryOrder,
+    layers: Range<u32>,
 ) -> PermutePlan {
     let spec = consumer.spec();
     let bc = u64::from(spec.block_tokens);
@@ -704,7 +720,7 @@ fn permute_plan(
     let first_block = skip / bc;
     let last_block = n.div_ceil(bc);
     let mut chunks = Vec::new();
-    for layer in 0..spec.num_layers {
+    for layer in layers {
         for kv in 0..consumer.kv_parts() {
             let place = consumer.chunk_place(layer, kv);
             for bi in first_block..last_block {
@@ -761,8 +777,16 @@ pub fn permute_for(
     }
     let used = (skip_tokens / bc) as usize..num_tokens.div_ceil(bc) as usize;
     check_blocks(Side::Consumer, consumer, consumer_blocks, used)?;
-    Ok((num_tokens > skip_tokens)
-        .then(|| permute_plan(consumer, consumer_blocks, num_tokens, skip_tokens, from)))
+    Ok((num_tokens > skip_tokens).then(|| {
+        permute_plan(
+            consumer,
+            consumer_blocks,
+            num_tokens,
+            skip_tokens,
+            from,
+            0..consumer.spec().num_layers,
+        )
+    }))
 }
 
 #[cfg(test)]

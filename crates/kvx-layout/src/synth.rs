@@ -108,14 +108,33 @@ pub fn for_each_head_vector(
     layout: &Layout,
     blocks: &[BlockId],
     tokens: std::ops::Range<u64>,
+    f: impl FnMut(HeadVectorAt) -> bool,
+) {
+    for_each_head_vector_in(layout, blocks, tokens, 0..layout.spec().num_layers, f);
+}
+
+/// [`for_each_head_vector`] in `layers` only (an engine computing layer by layer).
+///
+/// # Panics
+/// If `blocks` does not cover the tokens or a layer is beyond the layout's.
+pub fn for_each_head_vector_in(
+    layout: &Layout,
+    blocks: &[BlockId],
+    tokens: std::ops::Range<u64>,
+    layers: std::ops::Range<u32>,
     mut f: impl FnMut(HeadVectorAt) -> bool,
 ) {
+    assert!(
+        layers.end <= layout.spec().num_layers,
+        "layers {layers:?} beyond the layout's {}",
+        layout.spec().num_layers
+    );
     let bt = u64::from(layout.spec().block_tokens);
     let element_bytes = u64::from(layout.spec().dtype.size());
     for token in tokens {
         let block = blocks[(token / bt) as usize];
         let slot = (token % bt) as u32;
-        for layer in 0..layout.spec().num_layers {
+        for layer in layers.clone() {
             for kv in 0..layout.kv_parts() {
                 for local in 0..layout.local_heads() {
                     let (region, offset) = layout.head_vector(layer, kv, block, slot, local);

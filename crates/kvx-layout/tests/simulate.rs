@@ -5,7 +5,7 @@
 
 use kvx_core::{Arrangement, BlockId, Dtype, LayoutSpec, MemoryOrder, Rank};
 use kvx_layout::synth::{fill_request, verify_request};
-use kvx_layout::{plan, Layout, PlanError, PlanRequest};
+use kvx_layout::{plan, plan_layers, Layout, PlanError, PlanRequest};
 use proptest::prelude::*;
 
 const ARRANGEMENTS: [Arrangement; 5] = Arrangement::ALL;
@@ -380,6 +380,22 @@ fn simulate(case: &Case) -> Result<usize, TestCaseError> {
         prop_assert_eq!(own.ops(), planned.ops_for(rank));
         prop_assert!(!own.ops().is_empty());
         prop_assert!(own.ops().iter().all(|op| op.producer == rank));
+        // Layer-wise streaming: the plans of a split of the layers are the whole plan's parts.
+        let layers = consumer.spec().num_layers;
+        let split = (case.shuffle_seed % u64::from(layers + 1)) as u32;
+        let part = |range: std::ops::Range<u32>| {
+            plan_layers(
+                &PlanRequest {
+                    only_producer: Some(rank),
+                    ..request(skip)
+                },
+                range,
+            )
+            .unwrap()
+        };
+        let (low, high) = (part(0..split), part(split..layers));
+        prop_assert_eq!(low.bytes() + high.bytes(), own.bytes());
+        prop_assert_eq!([low.ops(), high.ops()].concat(), own.ops());
     }
     Ok(planned.ops().len())
 }
@@ -574,4 +590,34 @@ fn dimension_major_keys_pair_only_with_themselves() {
             assert_eq!(ops > 0, consumer_tokens == 1, "{case:?}");
         }
     }
+}
+
+#[test]
+fn a_layer_range_beyond_the_model_is_refused() {
+    let case = base_case();
+    let blocks: Vec<BlockId> = (0..8).map(BlockId).collect();
+    let layout = Layout::new(spec(&case, &case.producer, 0, 16)).unwrap();
+    let request = PlanRequest {
+        producers: std::slice::from_ref(&layout),
+        consumer: &layout,
+        num_tokens: 20,
+        skip_tokens: 0,
+        producer_blocks: &blocks,
+        consumer_blocks: &blocks,
+        only_producer: None,
+    };
+    for layers in [0..3, 2..3] {
+        assert_eq!(
+            plan_layers(&request, layers.clone()).unwrap_err(),
+            PlanError::LayersOutOfRange {
+                layers,
+                num_layers: 2
+            }
+        );
+    }
+    assert!(plan_layers(&request, 1..1).unwrap().ops().is_empty());
+    assert_eq!(
+        plan_layers(&request, 1..2).unwrap().bytes() * 2,
+        plan(&request).unwrap().bytes()
+    );
 }

@@ -4,6 +4,7 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, HashSet};
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -12,7 +13,7 @@ use std::time::Duration;
 
 use kvx_core::wire::{FailureNotice, Hello, Message, Registration, Role};
 use kvx_core::{Attempt, BlockId, Rank, RequestId, TransferId};
-use kvx_layout::{plan, Layout, PlanRequest};
+use kvx_layout::{plan_layers, CopyOp, Layout, PlanError, PlanRequest};
 use kvx_rdma::transport::{Event, Notice, OpId, PeerId, Transport};
 use kvx_rendezvous::{
     Action, AttemptKey, Config, ConsumerId, Matcher, Reason, Timestamp, TransferOutcome,
@@ -56,7 +57,9 @@ enum Command {
     Progress {
         key: AttemptKey,
         blocks: Vec<BlockId>,
-        computed: u64,
+        tokens: u64,
+        /// The layers `tokens` are final in; `None`: all of them.
+        layers: Option<u32>,
     },
     Abort {
         transfer: TransferId,
@@ -267,7 +270,35 @@ impl Producer {
         self.send(Command::Progress {
             key,
             blocks,
-            computed: computed_tokens,
+            tokens: computed_tokens,
+            layers: None,
+        })
+    }
+
+    /// Layer-wise progress of `key` (push): the engine is computing its tokens `..tokens`
+    /// layer by layer, and layers `..layers` of them are final in `blocks`. Those layers are
+    /// written at once, while the next layers compute, so that a request computed in one step
+    /// leaves only its last layer for the finish. Tokens of an earlier
+    /// [`Producer::request_progress`] stay final in every layer, and so do those of an earlier
+    /// layer-wise report for fewer tokens (chunks compute in token order).
+    ///
+    /// On a GPU, call this only once the layers' kernels have completed (an event), as for
+    /// [`Producer::request_progress`].
+    ///
+    /// # Errors
+    /// [`Closed`] after shutdown.
+    pub fn request_layer_progress(
+        &self,
+        key: AttemptKey,
+        blocks: Vec<BlockId>,
+        tokens: u64,
+        layers: u32,
+    ) -> Result<(), Closed> {
+        self.send(Command::Progress {
+            key,
+            blocks,
+            tokens,
+            layers: Some(layers),
         })
     }
 
@@ -458,15 +489,48 @@ const DEAD_TTL: Duration = Duration::from_secs(300);
 /// A request still computing (push): the blocks and tokens of its KV that are final.
 struct Streaming {
     blocks: Vec<BlockId>,
+    /// Tokens `..computed` are final in every layer.
     computed: u64,
+    /// Tokens `..tokens` are final in layers `..layers` (a step computing layer by layer).
+    layered: Option<(u64, u32)>,
     deadline: Timestamp,
 }
 
+impl Streaming {
+    /// Tokens final in `layer`.
+    fn final_in(&self, layer: u32) -> u64 {
+        match self.layered {
+            Some((tokens, layers)) if layer < layers => tokens.max(self.computed),
+            _ => self.computed,
+        }
+    }
+
+    /// The state after a report that tokens `..tokens` are final in layers `..layers` (all of
+    /// them for `None`, or `layers` at least `num_layers`).
+    fn advanced(
+        &self,
+        tokens: u64,
+        layers: Option<u32>,
+        num_layers: u32,
+    ) -> (u64, Option<(u64, u32)>) {
+        match layers {
+            Some(layers) if layers < num_layers => {
+                // A step for more tokens than the last layer-wise one means that one ended.
+                let computed = match self.layered {
+                    Some((before, _)) if tokens > before => self.computed.max(before),
+                    _ => self.computed,
+                };
+                (computed, Some((tokens, layers)))
+            }
+            _ => (tokens, self.layered.filter(|&(t, _)| t > tokens)),
+        }
+    }
+}
+
 /// Writes made to one consumer rank's registration before its request finished.
-#[derive(Default)]
 struct Early {
-    /// Tokens `..written` are written or being written.
-    written: u64,
+    /// Per layer `l`: tokens `..written[l]` are written or being written.
+    written: Vec<u64>,
     /// The request's blocks changed under the early writes (the engine recomputed it elsewhere,
     /// e.g. after a preemption): no more early writes, and the final write rewrites everything.
     /// Early writes still in flight may carry stale bytes; the final write waits for them.
@@ -479,6 +543,18 @@ struct Early {
     /// once it hears of the outcome, so neither the final write (whose notice says that
     /// everything has landed) nor a failure notice may overtake them.
     deferred: Vec<Deferred>,
+}
+
+impl Early {
+    fn new(num_layers: u32) -> Self {
+        Self {
+            written: vec![0; num_layers as usize],
+            reset: false,
+            in_flight: 0,
+            failed: None,
+            deferred: Vec::new(),
+        }
+    }
 }
 
 enum Deferred {
@@ -633,8 +709,9 @@ impl Driver {
             Command::Progress {
                 key,
                 blocks,
-                computed,
-            } => self.progress(now, key, blocks, computed),
+                tokens,
+                layers,
+            } => self.progress(now, key, blocks, tokens, layers),
             Command::Abort { transfer, attempt } => {
                 self.abort(now, transfer, attempt, Reason::Aborted)
             }
@@ -878,7 +955,14 @@ impl Driver {
 
     /// Progress of a request still computing: write what is final to every consumer rank
     /// already registered.
-    fn progress(&mut self, now: Timestamp, key: AttemptKey, blocks: Vec<BlockId>, computed: u64) {
+    fn progress(
+        &mut self,
+        now: Timestamp,
+        key: AttemptKey,
+        blocks: Vec<BlockId>,
+        tokens: u64,
+        layers: Option<u32>,
+    ) {
         let known = self.fanouts.contains_key(&key)
             || self.unfanned.contains_key(&key)
             || self.pull_held.contains_key(&key);
@@ -890,22 +974,31 @@ impl Driver {
             return;
         }
         let deadline = now + self.producer_lease;
-        let first = !self.streams.contains_key(&key);
-        if self
-            .streams
-            .get(&key)
-            .is_some_and(|s| computed < s.computed || !blocks.starts_with(&s.blocks))
-        {
+        let num_layers = self.layout.spec().num_layers;
+        let before = self.streams.get(&key);
+        let first = before.is_none();
+        let (computed, layered) = before.map_or_else(
+            || match layers {
+                Some(layers) if layers < num_layers => (0, Some((tokens, layers))),
+                _ => (tokens, None),
+            },
+            |s| s.advanced(tokens, layers, num_layers),
+        );
+        let streaming = Streaming {
+            blocks,
+            computed,
+            layered,
+            deadline,
+        };
+        // Final tokens never go back, and blocks are only ever appended: otherwise the engine
+        // recomputes the request somewhere else (a preemption).
+        if before.is_some_and(|s| {
+            !streaming.blocks.starts_with(&s.blocks)
+                || (0..num_layers).any(|l| streaming.final_in(l) < s.final_in(l))
+        }) {
             self.reset_early(key);
         }
-        self.streams.insert(
-            key,
-            Streaming {
-                blocks,
-                computed,
-                deadline,
-            },
-        );
+        self.streams.insert(key, streaming);
         if first {
             // Refreshed progress moves the deadline; `expire` checks it when the entry surfaces.
             self.expiry.push(Reverse((deadline, key, Hold::Stream)));
@@ -925,7 +1018,11 @@ impl Driver {
         let Some(streaming) = self.streams.get(&key) else {
             return;
         };
-        let early = self.early.entry(rkey).or_default();
+        let num_layers = self.layout.spec().num_layers;
+        let early = self
+            .early
+            .entry(rkey)
+            .or_insert_with(|| Early::new(num_layers));
         if early.failed.is_some() || early.reset {
             return;
         }
@@ -937,32 +1034,39 @@ impl Driver {
             u64::from(consumer.layout.spec().block_tokens),
         );
         let last = dest.num_tokens.saturating_sub(1);
-        let upto = streaming.computed.min(last) / unit * unit;
-        let from = early.written.max(dest.skip_tokens);
-        if upto <= from {
+        let ranges: Vec<Range<u64>> = early
+            .written
+            .iter()
+            .zip(0..)
+            .map(|(&written, layer)| {
+                let upto = streaming.final_in(layer).min(last) / unit * unit;
+                written.max(dest.skip_tokens)..upto
+            })
+            .collect();
+        if ranges.iter().all(Range::is_empty) {
             return;
         }
-        let planned = plan(&PlanRequest {
-            producers: std::slice::from_ref(&self.layout),
-            consumer: &consumer.layout,
-            num_tokens: upto,
-            skip_tokens: from,
-            producer_blocks: &streaming.blocks,
-            consumer_blocks: &dest.blocks,
-            only_producer: Some(self.rank),
+        let posted = plan_by_layer(
+            &self.layout,
+            &consumer.layout,
+            &streaming.blocks,
+            &dest.blocks,
+            &ranges,
+        )
+        .map_err(|e| format!("cannot plan the early writes of {key}: {e}"))
+        .and_then(|(ops, bytes)| {
+            self.transport
+                .write(consumer.peer, &ops, None)
+                .map(|op| (op, bytes))
+                .map_err(|e| format!("cannot post the early writes of {key}: {e}"))
         });
-        let posted = planned
-            .map_err(|e| format!("cannot plan tokens {from}..{upto} of {key}: {e}"))
-            .and_then(|planned| {
-                self.transport
-                    .write(consumer.peer, planned.ops_for(self.rank), None)
-                    .map(|op| (op, planned.bytes()))
-                    .map_err(|e| format!("cannot post tokens {from}..{upto} of {key}: {e}"))
-            });
         match posted {
             Ok((op, bytes)) => {
+                let (from, upto) = span(&ranges);
                 debug!(%key, from, upto, bytes, "early writes posted");
-                early.written = upto;
+                for (written, range) in early.written.iter_mut().zip(ranges) {
+                    *written = (*written).max(range.end);
+                }
                 early.in_flight += 1;
                 self.partials.insert(op, rkey);
                 self.stats.bytes_written.fetch_add(bytes, Ordering::Relaxed);
@@ -980,7 +1084,7 @@ impl Driver {
         debug!(%key, "blocks changed under early writes; the finish rewrites everything");
         for rank in self.ranks_of(key) {
             if let Some(early) = self.early.get_mut(&rank_key(key, rank)) {
-                early.written = 0;
+                early.written.fill(0);
                 early.reset = true;
             }
         }
@@ -1152,8 +1256,8 @@ impl Driver {
             Some(Early {
                 failed: Some(why), ..
             }) => Err(why),
-            Some(early) => self.post(&ticket, &dest, early.written),
-            None => self.post(&ticket, &dest, 0),
+            Some(early) => self.post(&ticket, &dest, &early.written),
+            None => self.post(&ticket, &dest, &[]),
         };
         match result {
             Ok((op, bytes)) => {
@@ -1186,9 +1290,14 @@ impl Driver {
         }
     }
 
-    /// Posts the writes of tokens `written..` (those before were written early) with the
-    /// notice.
-    fn post(&mut self, ticket: &Ticket, dest: &Dest, written: u64) -> Result<(OpId, u64), String> {
+    /// Posts the writes of tokens `written[l]..` of every layer `l` (those before were written
+    /// early; none when `written` is empty) with the notice.
+    fn post(
+        &mut self,
+        ticket: &Ticket,
+        dest: &Dest,
+        written: &[u64],
+    ) -> Result<(OpId, u64), String> {
         let key = ticket.key;
         let held = &self
             .fanouts
@@ -1201,23 +1310,24 @@ impl Driver {
             .ok_or("the consumer's connection is gone")?;
         let consumer = c.consumer.as_ref().ok_or("no hello from the consumer")?;
         let tokens = held.num_tokens.min(dest.num_tokens);
-        let planned = plan(&PlanRequest {
-            producers: std::slice::from_ref(&self.layout),
-            consumer: &consumer.layout,
-            num_tokens: tokens,
-            skip_tokens: dest.skip_tokens.max(written).min(tokens),
-            producer_blocks: &held.blocks,
-            consumer_blocks: &dest.blocks,
-            only_producer: Some(self.rank),
-        })
+        let ranges: Vec<Range<u64>> = (0..self.layout.spec().num_layers as usize)
+            .map(|layer| {
+                let written = written.get(layer).copied().unwrap_or(0);
+                dest.skip_tokens.max(written).min(tokens)..tokens
+            })
+            .collect();
+        let (ops, bytes) = plan_by_layer(
+            &self.layout,
+            &consumer.layout,
+            &held.blocks,
+            &dest.blocks,
+            &ranges,
+        )
         .map_err(|e| format!("cannot plan {key}: {e}"))?;
-        let ops = planned.ops_for(self.rank);
-        self.stats
-            .bytes_written
-            .fetch_add(planned.bytes(), Ordering::Relaxed);
+        self.stats.bytes_written.fetch_add(bytes, Ordering::Relaxed);
         self.transport
-            .write(consumer.peer, ops, Some(Notice(dest.notice)))
-            .map(|op| (op, planned.bytes()))
+            .write(consumer.peer, &ops, Some(Notice(dest.notice)))
+            .map(|op| (op, bytes))
             .map_err(|e| format!("cannot post the writes of {key}: {e}"))
     }
 
@@ -1389,6 +1499,56 @@ impl Driver {
             c.sender.close();
         }
     }
+}
+
+/// Plans this producer rank's writes of tokens `ranges[l]` of every layer `l` (empty ranges
+/// move nothing), one plan per run of layers that share a range; returns the operations and
+/// their bytes.
+fn plan_by_layer(
+    producer: &Layout,
+    consumer: &Layout,
+    producer_blocks: &[BlockId],
+    consumer_blocks: &[BlockId],
+    ranges: &[Range<u64>],
+) -> Result<(Vec<CopyOp>, u64), PlanError> {
+    let (mut ops, mut bytes) = (Vec::new(), 0);
+    let mut first = 0;
+    while first < ranges.len() {
+        let range = &ranges[first];
+        let end = first + ranges[first..].iter().take_while(|r| *r == range).count();
+        if !range.is_empty() {
+            let planned = plan_layers(
+                &PlanRequest {
+                    producers: std::slice::from_ref(producer),
+                    consumer,
+                    num_tokens: range.end,
+                    skip_tokens: range.start,
+                    producer_blocks,
+                    consumer_blocks,
+                    only_producer: Some(producer.rank()),
+                },
+                first as u32..end as u32,
+            )?;
+            bytes += planned.bytes();
+            if ops.is_empty() {
+                ops = planned.into_ops();
+            } else {
+                ops.extend_from_slice(planned.ops());
+            }
+        }
+        first = end;
+    }
+    Ok((ops, bytes))
+}
+
+/// The tokens a set of per-layer ranges spans, for the log (the empty ones aside).
+fn span(ranges: &[Range<u64>]) -> (u64, u64) {
+    ranges
+        .iter()
+        .filter(|r| !r.is_empty())
+        .fold((u64::MAX, 0), |(from, upto), r| {
+            (from.min(r.start), upto.max(r.end))
+        })
 }
 
 /// Least common multiple of two block sizes (both at least 1).

@@ -346,21 +346,26 @@ impl PyProducer {
 
     /// Prefill of the request (push) is still running and its first `computed_tokens` tokens
     /// are final in `block_ids` (its blocks so far): they are written to decode now if it has
-    /// registered. Optional; `request_finished` writes whatever is left.
-    #[pyo3(signature = (transfer_id, block_ids, computed_tokens, attempt = 0))]
+    /// registered. With `layers`, they are final in the first `layers` layers only (a step
+    /// computing layer by layer). Optional; `request_finished` writes whatever is left.
+    #[pyo3(signature = (transfer_id, block_ids, computed_tokens, attempt = 0, layers = None))]
     fn request_progress(
         &self,
         transfer_id: &str,
         block_ids: Vec<i64>,
         computed_tokens: u64,
         attempt: u32,
+        layers: Option<u32>,
     ) -> PyResult<()> {
         let blocks = blocks(block_ids)?;
         let key = key(transfer_id, attempt);
         // Whole units only: a unit still being computed is not final.
         let units = computed_tokens / self.token_unit;
-        self.with(|p| p.request_progress(key, blocks, units))?
-            .map_err(|_| closed_err())
+        self.with(|p| match layers {
+            Some(layers) => p.request_layer_progress(key, blocks, units, layers),
+            None => p.request_progress(key, blocks, units),
+        })?
+        .map_err(|_| closed_err())
     }
 
     /// Prefill finished the request (pull): its blocks are held until decode has read them.

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use kvx_core::{
     Arrangement, Attempt, BlockId, Dtype, EngineId, LayoutSpec, MemoryOrder, RequestId, TransferId,
 };
-use kvx_layout::synth::{fill_request, verify_request};
+use kvx_layout::synth::{fill_request, for_each_head_vector_in, head_vector, verify_request};
 use kvx_layout::Layout;
 use kvx_rdma::loopback::LoopbackFabric;
 use kvx_rdma::region::{HostBuffer, LocalRegion};
@@ -884,6 +884,193 @@ fn push_streams_computed_tokens_registration_first() {
 #[test]
 fn push_streams_from_two_producer_ranks_into_another_order_progress_first() {
     push_streams(2, MemoryOrder::Hnd, false);
+}
+
+/// Whether decode's blocks hold tokens `tokens` of the request in `layers` (same memory order).
+fn landed_in(
+    side: &Side,
+    blocks: &[BlockId],
+    tokens: std::ops::Range<u64>,
+    layers: std::ops::Range<u32>,
+) -> bool {
+    let mem: Vec<Vec<u8>> = side.buffers.iter().map(|b| b.to_vec()).collect();
+    let hb = side.layout.head_bytes() as usize;
+    let (mut expected, mut held) = (vec![0u8; hb], vec![0u8; hb]);
+    let mut all = true;
+    for_each_head_vector_in(&side.layout, blocks, tokens, layers, |v| {
+        head_vector(SEED, v.layer, v.kv, v.token, v.head, &mut expected);
+        v.load(&mem[v.region as usize], &mut held);
+        all = held == expected;
+        all
+    });
+    all
+}
+
+/// A request computed in steps, each layer by layer (3 layers): each layer's tokens go out
+/// as soon as they are final, in whole blocks of both sides and never the last token; the
+/// finish writes only what is left, and decode gets every byte once.
+fn push_streams_layer_by_layer(registration_first: bool) {
+    let fabric = LoopbackFabric::new();
+    let (p_bt, c_bt, tokens) = (4u32, 8u32, 45u64);
+    let pre = prefill(
+        &fabric,
+        1,
+        p_bt,
+        MemoryOrder::Nhd,
+        Arrangement::PerLayerSplit,
+        LONG,
+    );
+    let (dec, consumer) = decode(
+        &fabric,
+        spec(1, 0, c_bt, MemoryOrder::Nhd, Arrangement::CrossLayer),
+        LONG,
+    );
+    let p_blocks = ids(10..22);
+    let c_blocks: Vec<BlockId> = (0..6).map(|i| BlockId(40 - i)).collect();
+    pre.sides[0].fill(&p_blocks, tokens);
+    let k = key(93, 0);
+    let producer = &pre.producers[0];
+    let layers = |upto: u64, layers: u32| {
+        let blocks = p_blocks[..upto.div_ceil(u64::from(p_bt)) as usize].to_vec();
+        producer
+            .request_layer_progress(k, blocks, upto, layers)
+            .unwrap();
+    };
+    let l = &pre.sides[0].layout;
+    let per_layer_token = l.head_bytes() * u64::from(l.local_heads() * l.kv_parts());
+    let streamed = |bytes: u64| {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while producer.stats().bytes_streamed < bytes * per_layer_token {
+            assert!(Instant::now() < deadline, "early writes never posted");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    };
+    let register = || register(&consumer, pre.base, k, tokens, c_blocks.clone());
+    if registration_first {
+        register();
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // First step: tokens ..20 in layers 0 and 1 (16 tokens of each go: whole 8-token blocks).
+    layers(20, 2);
+    if registration_first {
+        streamed(32);
+        assert!(landed_in(&dec, &c_blocks, 0..16, 0..2));
+        assert!(
+            !landed_in(&dec, &c_blocks, 0..16, 2..3),
+            "a layer not final went"
+        );
+        assert!(
+            !landed_in(&dec, &c_blocks, 16..20, 0..1),
+            "a part block went"
+        );
+    }
+    // Second step (the last): its layer 0. The first step ended, so its tokens are final in
+    // layer 2 too; layer 0 goes up to the last whole block before the last token.
+    layers(tokens, 1);
+    if !registration_first {
+        std::thread::sleep(Duration::from_millis(20));
+        register();
+    }
+    // Layer 0: ..40, layer 1: ..16, layer 2: ..16.
+    streamed(72);
+    assert!(landed_in(&dec, &c_blocks, 0..40, 0..1));
+    assert!(landed_in(&dec, &c_blocks, 0..16, 1..3));
+    assert!(!landed_in(&dec, &c_blocks, 16..24, 1..3));
+    layers(tokens, 2);
+    streamed(96);
+    assert!(landed_in(&dec, &c_blocks, 0..40, 1..2));
+    assert!(
+        !landed_in(&dec, &c_blocks, 40..tokens, 0..3),
+        "the last block went early"
+    );
+    assert!(consumer.take_events().is_empty(), "ready before finished");
+    producer
+        .request_finished(k, RequestId(9), p_blocks.clone(), tokens)
+        .unwrap();
+    let events = wait_events(&consumer, 1);
+    assert_eq!(
+        events,
+        vec![RecvEvent::Ready {
+            key: k,
+            request: RequestId(1)
+        }]
+    );
+    dec.verify(&c_blocks, 0, tokens);
+    assert_eq!(wait_finished(producer, 1)[0].outcome, SendOutcome::Sent);
+    let stats = producer.stats();
+    assert_eq!(stats.bytes_streamed, 96 * per_layer_token);
+    assert_eq!(
+        stats.bytes_written,
+        3 * tokens * per_layer_token,
+        "every token of every layer written once"
+    );
+}
+
+#[test]
+fn push_streams_layer_by_layer_registration_first() {
+    push_streams_layer_by_layer(true);
+}
+
+#[test]
+fn push_streams_layer_by_layer_progress_first() {
+    push_streams_layer_by_layer(false);
+}
+
+/// Layer-wise progress that goes back (fewer layers of the same tokens: the engine recomputes
+/// the request) stops early writes; the finish rewrites everything.
+#[test]
+fn layer_progress_going_back_is_rewritten_at_the_finish() {
+    let fabric = LoopbackFabric::new();
+    let (pre, dec, consumer) = simple_pair(&fabric);
+    pre.sides[0].fill(&ids(0..4), 16);
+    let k = key(14, 0);
+    let producer = &pre.producers[0];
+    register(&consumer, pre.base, k, 16, ids(20..24));
+    std::thread::sleep(Duration::from_millis(50));
+    producer
+        .request_layer_progress(k, ids(0..4), 16, 2)
+        .unwrap();
+    wait_landed_layers(&dec, &ids(20..24), 0..12, 0..2);
+    let streamed = producer.stats().bytes_streamed;
+    producer
+        .request_layer_progress(k, ids(0..4), 16, 1)
+        .unwrap();
+    producer
+        .request_layer_progress(k, ids(0..4), 16, 2)
+        .unwrap();
+    producer
+        .request_finished(k, RequestId(7), ids(0..4), 16)
+        .unwrap();
+    assert_eq!(wait_events(&consumer, 1).len(), 1);
+    dec.verify(&ids(20..24), 0, 16);
+    let stats = producer.stats();
+    assert_eq!(
+        stats.bytes_streamed, streamed,
+        "no early write after going back"
+    );
+    let l = &pre.sides[0].layout;
+    let request = 16 * 3 * l.head_bytes() * u64::from(l.local_heads() * l.kv_parts());
+    assert_eq!(
+        stats.bytes_written,
+        streamed + request,
+        "the finish rewrote everything"
+    );
+}
+
+fn wait_landed_layers(
+    side: &Side,
+    blocks: &[BlockId],
+    tokens: std::ops::Range<u64>,
+    layers: std::ops::Range<u32>,
+) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !landed_in(side, blocks, tokens.clone(), layers.clone()) {
+        assert!(
+            Instant::now() < deadline,
+            "tokens {tokens:?} of layers {layers:?} never landed"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
 }
 
 /// An abort while early writes have landed fails the consumer; the later finish is released.

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
 use kvx_core::{Attempt, BlockId, EngineId, RequestId, TransferId};
-use kvx_layout::synth::{for_each_head_vector, head_vector};
+use kvx_layout::synth::{for_each_head_vector, for_each_head_vector_in, head_vector};
 use kvx_layout::Layout;
 use kvx_rdma::region::{HostBuffer, LocalRegion};
 use kvx_rendezvous::AttemptKey;
@@ -34,6 +34,11 @@ pub(crate) struct PrefillArgs {
     /// registered decode while the next chunk computes.
     #[arg(long, default_value_t = 1024)]
     pub(crate) chunk_tokens: u64,
+    /// Push: compute each step layer by layer and report every finished layer to the
+    /// connector, which writes it while the next layers compute (as an engine with per-layer
+    /// hooks does); `false`: report whole steps only.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub(crate) layer_progress: bool,
     /// Seconds finished blocks wait for their registration (push) or read (pull).
     #[arg(long, default_value_t = 30)]
     pub(crate) lease_s: u64,
@@ -76,17 +81,18 @@ impl RankMemory {
         ))
     }
 
-    /// Writes the synthetic KV of `tokens` into `blocks` (this rank's heads).
+    /// Writes the synthetic KV of `tokens` in `layers` into `blocks` (this rank's heads).
     pub(crate) fn fill(
         &self,
         blocks: &[BlockId],
         tokens: std::ops::Range<u64>,
+        layers: std::ops::Range<u32>,
         seed: u64,
     ) -> anyhow::Result<()> {
         let hb = self.layout.head_bytes();
         let mut vector = vec![0u8; hb as usize];
         let mut result = Ok(());
-        for_each_head_vector(&self.layout, blocks, tokens, |v| {
+        for_each_head_vector_in(&self.layout, blocks, tokens, layers, |v| {
             head_vector(seed, v.layer, v.kv, v.token, v.head, &mut vector);
             let buffer = &self.buffers[v.region as usize];
             result = v.runs(hb).try_for_each(|(at, from, len)| {
@@ -266,17 +272,44 @@ pub(crate) fn run(args: &PrefillArgs) -> anyhow::Result<()> {
             0 => job.tokens,
             n => n,
         };
+        let num_layers = memories[0].layout.spec().num_layers;
+        let layered = args.layer_progress && !job.pull;
+        let parts = if layered { num_layers } else { 1 };
         let mut computed = 0;
         while computed < job.tokens {
             let started = Instant::now();
             let next = (computed + chunk).min(job.tokens);
-            for memory in &memories {
-                memory.fill(&blocks, computed..next, kv_seed(job.key.transfer))?;
-            }
             let compute =
                 Duration::from_secs_f64((next - computed) as f64 * args.per_token_us / 1e6);
-            if let Some(rest) = compute.checked_sub(started.elapsed()) {
-                std::thread::sleep(rest);
+            for part in 0..parts {
+                let layers = if layered {
+                    part..part + 1
+                } else {
+                    0..num_layers
+                };
+                for memory in &memories {
+                    memory.fill(
+                        &blocks,
+                        computed..next,
+                        layers.clone(),
+                        kv_seed(job.key.transfer),
+                    )?;
+                }
+                // The step's compute time, spread evenly over its layers.
+                if let Some(rest) = (compute * (part + 1) / parts).checked_sub(started.elapsed()) {
+                    std::thread::sleep(rest);
+                }
+                if layered && part + 1 < num_layers {
+                    let used = next.div_ceil(u64::from(args.model.block_tokens)) as usize;
+                    for producer in &producers {
+                        producer.request_layer_progress(
+                            job.key,
+                            blocks[..used].to_vec(),
+                            next,
+                            part + 1,
+                        )?;
+                    }
+                }
             }
             computed = next;
             if !job.pull && computed < job.tokens {

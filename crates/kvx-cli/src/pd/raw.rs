@@ -134,7 +134,12 @@ fn time_into(
     for i in 0..=repeats {
         let (plan, source_blocks) = plan_at(layout, tokens, i)?;
         if fresh_source {
-            memory.fill(&source_blocks, 0..tokens, i as u64)?;
+            memory.fill(
+                &source_blocks,
+                0..tokens,
+                0..layout.spec().num_layers,
+                i as u64,
+            )?;
         }
         let ops = plan.ops_for(Rank(0));
         let deadline = Instant::now() + Duration::from_secs(60);
