@@ -194,7 +194,7 @@ pub(crate) fn run_sweep(quick: bool) -> anyhow::Result<()> {
             raw.insert(length, both);
         }
         println!(
-            "\n{:>7} {:>5} | {:>21} | {:>21} | {:>17} | {:>17} | {:>15} | {:>15} | {:>17}",
+            "\n{:>7} {:>5} | {:>21} | {:>21} | {:>17} | {:>17} | {:>15} | {:>15} | {:>17} | {:>17}",
             "tokens",
             "req/s",
             "TTFT p50/p99 push ms",
@@ -203,7 +203,8 @@ pub(crate) fn run_sweep(quick: bool) -> anyhow::Result<()> {
             "crit. path p50 ms",
             "push/raw c / f",
             "TPOT p50 ms",
-            "loop work us/step"
+            "loop work us/step",
+            "decode CPU us/step"
         );
         let mut points = Vec::new();
         for &length in &sweep.lengths {
@@ -230,7 +231,7 @@ pub(crate) fn run_sweep(quick: bool) -> anyhow::Result<()> {
                 )?;
                 let s = |v: &Value, k: &str, q: &str| get(v, &["summary", k, q]);
                 println!(
-                    "{length:>7} {rate:>5} | {:>9.1} / {:>9.1} | {:>9.1} / {:>9.1} | {raw_ms:>7.2} / {fresh_ms:>7.2} | {:>7.2} / {:>7.2} | {:>6.2} / {:>6.2} | {:>6.2} / {:>6.2} | {:>7.1} / {:>7.1}",
+                    "{length:>7} {rate:>5} | {:>9.1} / {:>9.1} | {:>9.1} / {:>9.1} | {raw_ms:>7.2} / {fresh_ms:>7.2} | {:>7.2} / {:>7.2} | {:>6.2} / {:>6.2} | {:>6.2} / {:>6.2} | {:>7.1} / {:>7.1} | {:>7.1} / {:>7.1}",
                     s(&push, "ttft_ms", "p50"),
                     s(&push, "ttft_ms", "p99"),
                     s(&pull, "ttft_ms", "p50"),
@@ -243,6 +244,8 @@ pub(crate) fn run_sweep(quick: bool) -> anyhow::Result<()> {
                     s(&pull, "tpot_ms", "p50"),
                     s(&push, "loop_transfer_us_per_step", "mean"),
                     s(&pull, "loop_transfer_us_per_step", "mean"),
+                    get(&push, &["summary", "connector_cpu_us_per_step"]),
+                    get(&pull, &["summary", "connector_cpu_us_per_step"]),
                 );
                 points.push(json!({
                     "input_tokens": length,

@@ -34,7 +34,7 @@ use crate::error::{
 use crate::local::{self, peer_gone, Completions, Control, Identity, Ledger, Link, NoticeSender};
 use crate::local::{Reader, SameHost};
 use crate::region::LocalRegion;
-use crate::transport::{Capabilities, Event, Notice, OpId, OpKind, PeerId, Transport};
+use crate::transport::{Capabilities, Event, Notice, OpId, OpKind, PeerId, Transport, Waker};
 
 /// Backend name in endpoint descriptions.
 pub const BACKEND: &str = "cma";
@@ -575,6 +575,10 @@ impl Transport for CmaTransport {
     fn wait(&mut self, events: &mut Vec<Event>, timeout: Duration) -> Result<usize, PollError> {
         local::wait(self, events, timeout)
     }
+
+    fn waker(&self) -> Option<Arc<dyn Waker>> {
+        Some(self.control.completions())
+    }
 }
 
 impl SameHost for CmaTransport {
@@ -605,6 +609,31 @@ mod tests {
     use kvx_core::Rank;
     use std::sync::Arc;
     use std::time::Instant;
+
+    /// A waker interrupts a long wait from another thread, and a wake that comes before the
+    /// wait makes the next wait return at once.
+    #[test]
+    fn a_waker_interrupts_a_wait() {
+        let mut t = CmaTransport::open(CmaConfig::default()).unwrap();
+        let waker = t.waker().expect("this transport has a waker");
+        let started = Instant::now();
+        let waking = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            waker.wake();
+        });
+        let mut events = Vec::new();
+        assert_eq!(t.wait(&mut events, Duration::from_secs(60)).unwrap(), 0);
+        let waited = started.elapsed();
+        waking.join().unwrap();
+        assert!(
+            waited >= Duration::from_millis(50) && waited < Duration::from_secs(20),
+            "{waited:?}"
+        );
+        t.waker().unwrap().wake();
+        let started = Instant::now();
+        assert_eq!(t.wait(&mut events, Duration::from_secs(60)).unwrap(), 0);
+        assert!(started.elapsed() < Duration::from_secs(20));
+    }
 
     fn op(src: u64, dst: u64, len: u64, count: u64, strides: (u64, u64)) -> CopyOp {
         CopyOp::strided(Rank(0), (0, src), (0, dst), len, count, strides)

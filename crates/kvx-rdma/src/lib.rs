@@ -92,4 +92,4 @@ pub use error::{
     RegisterError, SendError, Side, WriteError,
 };
 pub use region::{BufferError, HostBuffer, LocalRegion};
-pub use transport::{Capabilities, Event, Notice, OpId, OpKind, PeerId, Transport};
+pub use transport::{Capabilities, Event, Notice, OpId, OpKind, PeerId, Transport, Waker};

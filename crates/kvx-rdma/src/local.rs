@@ -9,12 +9,12 @@ use std::io::{ErrorKind, Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use crate::error::{OpError, PollError, SendError};
-use crate::transport::{Event, Notice, OpId, OpKind, PeerId};
+use crate::transport::{Event, Notice, OpId, OpKind, PeerId, Waker};
 
 /// Longest control message.
 pub(crate) const MAX_MESSAGE_LEN: usize = 64 << 10;
@@ -126,18 +126,32 @@ pub(crate) fn encode_head(magic: [u8; 4], version: u8, who: &Identity) -> Vec<u8
 pub(crate) struct Completions {
     done: Mutex<Vec<(u64, Result<(), OpError>)>>,
     wake: OwnedFd,
+    /// Set by [`Waker::wake`]: the next wait returns even without events.
+    woken: AtomicBool,
+}
+
+impl Waker for Completions {
+    fn wake(&self) {
+        self.woken.store(true, Ordering::SeqCst);
+        self.ring();
+    }
 }
 
 impl Completions {
+    /// Makes the endpoint's wait descriptor readable.
+    fn ring(&self) {
+        // SAFETY: writes one byte from a live local to an fd this struct owns; a full pipe
+        // (EAGAIN) already guarantees a wake-up.
+        let _ = unsafe { libc::write(self.wake.as_raw_fd(), [1u8].as_ptr().cast(), 1) };
+    }
+
     /// Reports finished operations and wakes the endpoint once.
     pub(crate) fn push_all(&self, results: impl IntoIterator<Item = (u64, Result<(), OpError>)>) {
         self.done
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .extend(results);
-        // SAFETY: writes one byte from a live local to an fd this struct owns; a full pipe
-        // (EAGAIN) already guarantees a wake-up.
-        let _ = unsafe { libc::write(self.wake.as_raw_fd(), [1u8].as_ptr().cast(), 1) };
+        self.ring();
     }
 }
 
@@ -312,6 +326,7 @@ impl Control {
             completions: Arc::new(Completions {
                 done: Mutex::new(Vec::new()),
                 wake: wake_tx,
+                woken: AtomicBool::new(false),
             }),
             wake_rx,
         })
@@ -610,6 +625,11 @@ pub(crate) fn wait<T: SameHost>(
         }
         let mut slice = deadline - now;
         let (control, ledger) = transport.parts();
+        // Checked after the poll, which drained the wake-up pipe: a wake from now on leaves a
+        // byte there, so the block below returns.
+        if control.completions.woken.swap(false, Ordering::SeqCst) {
+            return Ok(0);
+        }
         if ledger.busy() {
             slice = slice.min(Duration::from_millis(100));
         }

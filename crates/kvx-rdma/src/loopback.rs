@@ -21,7 +21,7 @@ use crate::error::{
     WriteError,
 };
 use crate::region::LocalRegion;
-use crate::transport::{Capabilities, Event, Notice, OpId, OpKind, PeerId, Transport};
+use crate::transport::{Capabilities, Event, Notice, OpId, OpKind, PeerId, Transport, Waker};
 use crate::validate::check_ops;
 
 /// Backend name of loopback endpoints.
@@ -74,6 +74,8 @@ struct EndpointState {
     regions: HashMap<u32, (LocalRegion, u64)>,
     inbox: VecDeque<Event>,
     wake: Arc<Condvar>,
+    /// Set by the endpoint's [`Waker`]: the next wait returns even without events.
+    woken: bool,
 }
 
 impl Shared {
@@ -108,6 +110,7 @@ impl LoopbackFabric {
                 regions: HashMap::new(),
                 inbox: VecDeque::new(),
                 wake: Arc::clone(&wake),
+                woken: false,
             },
         );
         LoopbackEndpoint {
@@ -491,6 +494,9 @@ impl Transport for LoopbackEndpoint {
                 events.extend(me.inbox.drain(..));
                 return Ok(n);
             }
+            if std::mem::take(&mut me.woken) {
+                return Ok(0);
+            }
             let now = Instant::now();
             if now >= deadline {
                 return Ok(0);
@@ -502,6 +508,32 @@ impl Transport for LoopbackEndpoint {
                 .0;
         }
     }
+
+    fn waker(&self) -> Option<Arc<dyn Waker>> {
+        Some(Arc::new(LoopbackWaker {
+            shared: Arc::clone(&self.shared),
+            id: self.id,
+            wake: Arc::clone(&self.wake),
+        }))
+    }
+}
+
+/// Interrupts one loopback endpoint's wait.
+struct LoopbackWaker {
+    shared: Arc<Shared>,
+    id: u64,
+    wake: Arc<Condvar>,
+}
+
+impl Waker for LoopbackWaker {
+    fn wake(&self) {
+        let mut state = self.shared.lock();
+        if let Some(me) = state.endpoints.get_mut(&self.id) {
+            me.woken = true;
+        }
+        drop(state);
+        self.wake.notify_all();
+    }
 }
 
 #[cfg(test)]
@@ -509,6 +541,31 @@ mod tests {
     use super::*;
     use crate::region::HostBuffer;
     use kvx_core::Rank;
+
+    /// A waker interrupts a long wait from another thread, and a wake that comes before the
+    /// wait makes the next wait return at once.
+    #[test]
+    fn a_waker_interrupts_a_wait() {
+        let mut t = LoopbackFabric::new().endpoint();
+        let waker = t.waker().expect("this transport has a waker");
+        let started = Instant::now();
+        let waking = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            waker.wake();
+        });
+        let mut events = Vec::new();
+        assert_eq!(t.wait(&mut events, Duration::from_secs(60)).unwrap(), 0);
+        let waited = started.elapsed();
+        waking.join().unwrap();
+        assert!(
+            waited >= Duration::from_millis(50) && waited < Duration::from_secs(20),
+            "{waited:?}"
+        );
+        t.waker().unwrap().wake();
+        let started = Instant::now();
+        assert_eq!(t.wait(&mut events, Duration::from_secs(60)).unwrap(), 0);
+        assert!(started.elapsed() < Duration::from_secs(20));
+    }
 
     fn region(index: u32, len: usize, seed: u8) -> (Arc<HostBuffer>, LocalRegion) {
         let buffer = Arc::new(HostBuffer::new(len).unwrap());

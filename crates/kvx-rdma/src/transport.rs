@@ -1,5 +1,6 @@
 //! The transport trait: what the connector needs from a data mover, and nothing engine-specific.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use kvx_core::{MemoryKind, RegionDesc};
@@ -184,4 +185,18 @@ pub trait Transport: Send {
     /// # Errors
     /// [`PollError`] when the endpoint itself is broken.
     fn wait(&mut self, events: &mut Vec<Event>, timeout: Duration) -> Result<usize, PollError>;
+
+    /// A handle that interrupts [`Transport::wait`] from another thread, so that a driver can
+    /// block on its transport alone and still see new commands at once; `None` where the
+    /// backend has no such wake-up (the driver then waits in short slices).
+    fn waker(&self) -> Option<Arc<dyn Waker>> {
+        None
+    }
+}
+
+/// Interrupts a transport's [`Transport::wait`]: once [`Waker::wake`] returns, a wait in
+/// progress, or else the next one, returns soon, possibly with no event.
+pub trait Waker: Send + Sync {
+    /// Wakes the waiting thread.
+    fn wake(&self);
 }

@@ -1,6 +1,8 @@
 //! Pieces both sides share: the clock, the cache a side registers, the driver's wait loop.
 
-use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
+use std::sync::atomic::{fence, AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SendError, Sender, TryRecvError};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvx_core::wire::{Hello, Role};
@@ -8,7 +10,7 @@ use kvx_core::{LayoutSpec, Rank};
 use kvx_layout::Layout;
 use kvx_rdma::desc::EndpointDesc;
 use kvx_rdma::region::LocalRegion;
-use kvx_rdma::transport::{Event, Transport};
+use kvx_rdma::transport::{Event, Transport, Waker};
 use kvx_rendezvous::Timestamp;
 
 use crate::config::ConnectorConfig;
@@ -100,17 +102,81 @@ pub(crate) fn peer_desc(hello: &Hello) -> Option<EndpointDesc> {
     EndpointDesc::from_bytes(&hello.transport_addr).ok()
 }
 
-/// How long a driver waits on the transport when operations are in flight, before it looks at
-/// its command queue again. The wait blocks on the transport's wait object (a completion-queue
-/// wait), so an idle driver with work in flight wakes at most this often; without work in flight
-/// it blocks on its queue alone.
+/// How long a driver waits on a transport without a [`Waker`] when operations are in flight,
+/// before it looks at its command queue again. The wait blocks on the transport's wait object
+/// (a completion-queue wait), so such a driver with work in flight wakes at most this often;
+/// without work in flight it blocks on its queue alone. A driver whose transport has a waker
+/// blocks on the transport until an event, a command or its next deadline.
 pub(crate) const TRANSPORT_SLICE: Duration = Duration::from_millis(1);
+
+/// Whether a driver is blocked on its transport, and how to wake it there.
+struct Parking {
+    parked: AtomicBool,
+    waker: Option<Arc<dyn Waker>>,
+}
+
+/// The sending side of a driver's command queue (the engine's handle, the acceptor, the control
+/// connections): a command wakes the driver when it is blocked on its transport.
+pub(crate) struct CommandSender<C> {
+    tx: Sender<C>,
+    parking: Arc<Parking>,
+}
+
+impl<C> Clone for CommandSender<C> {
+    fn clone(&self) -> Self {
+        Self {
+            tx: self.tx.clone(),
+            parking: Arc::clone(&self.parking),
+        }
+    }
+}
+
+impl<C> CommandSender<C> {
+    /// Queues `command` for the driver.
+    pub(crate) fn send(&self, command: C) -> Result<(), SendError<C>> {
+        self.tx.send(command)?;
+        // Pairs with the fence in `wait_turn`: either the driver sees the command before it
+        // blocks, or this sees it parked and wakes it.
+        fence(Ordering::SeqCst);
+        if self.parking.parked.load(Ordering::SeqCst) {
+            if let Some(waker) = &self.parking.waker {
+                waker.wake();
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The driver's side of its command queue.
+pub(crate) struct CommandReceiver<C> {
+    rx: Receiver<C>,
+    parking: Arc<Parking>,
+}
+
+/// A driver's command queue; `waker` (the transport's) lets a command interrupt the driver's
+/// transport wait.
+pub(crate) fn command_queue<C>(
+    waker: Option<Arc<dyn Waker>>,
+) -> (CommandSender<C>, CommandReceiver<C>) {
+    let (tx, rx) = mpsc::channel();
+    let parking = Arc::new(Parking {
+        parked: AtomicBool::new(false),
+        waker,
+    });
+    (
+        CommandSender {
+            tx,
+            parking: Arc::clone(&parking),
+        },
+        CommandReceiver { rx, parking },
+    )
+}
 
 /// One turn of a driver's loop: wait for commands or transport events, whichever comes, until
 /// `deadline` at the latest. Commands go to `commands`, transport events to `events`. Returns
 /// `Ok(false)` once every sender of the command queue is gone.
 pub(crate) fn wait_turn<C>(
-    rx: &Receiver<C>,
+    queue: &CommandReceiver<C>,
     transport: &mut dyn Transport,
     transport_busy: bool,
     clock: Clock,
@@ -118,6 +184,7 @@ pub(crate) fn wait_turn<C>(
     events: &mut Vec<Event>,
     commands: &mut Vec<C>,
 ) -> Result<bool, kvx_rdma::error::PollError> {
+    let rx = &queue.rx;
     let limit = deadline.map_or(Duration::from_secs(3600), |d| clock.until(d));
     let mut open = true;
     let drain = |commands: &mut Vec<C>| loop {
@@ -134,7 +201,21 @@ pub(crate) fn wait_turn<C>(
         return Ok(open);
     }
     if transport_busy {
-        transport.wait(events, limit.min(TRANSPORT_SLICE))?;
+        let parking = &queue.parking;
+        if parking.waker.is_some() {
+            parking.parked.store(true, Ordering::SeqCst);
+            fence(Ordering::SeqCst);
+            open &= drain(commands);
+            let result = if commands.is_empty() && open {
+                transport.wait(events, limit)
+            } else {
+                transport.poll(events)
+            };
+            parking.parked.store(false, Ordering::SeqCst);
+            result?;
+        } else {
+            transport.wait(events, limit.min(TRANSPORT_SLICE))?;
+        }
         open &= drain(commands);
     } else {
         match rx.recv_timeout(limit) {
@@ -170,7 +251,7 @@ pub(crate) trait Driven {
 
 /// A driver thread's loop: wait for commands or transport events (never spinning), handle them,
 /// let time pass; until a shutdown command or the engine's side of the queue is gone.
-pub(crate) fn drive<D: Driven>(driver: &mut D, rx: &Receiver<D::Command>) {
+pub(crate) fn drive<D: Driven>(driver: &mut D, rx: &CommandReceiver<D::Command>) {
     let mut events = Vec::new();
     let mut commands = Vec::new();
     loop {

@@ -5,7 +5,7 @@
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{self, Receiver, Sender};
+
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, SystemTime};
@@ -18,7 +18,7 @@ use kvx_rdma::transport::{Event, OpId, PeerId, Transport};
 use kvx_rendezvous::{AttemptKey, Reason, Timestamp, Waiter, WaiterAction, WaiterConfig};
 use tracing::{debug, info, warn};
 
-use crate::common::{self, Clock, KvCache};
+use crate::common::{self, Clock, CommandReceiver, CommandSender, KvCache};
 use crate::config::ConnectorConfig;
 use crate::control::{self, ControlSender};
 use crate::error::{Closed, StartError};
@@ -153,7 +153,7 @@ struct Instance {
 /// # Ok(()) }
 /// ```
 pub struct Consumer {
-    tx: Sender<Command>,
+    tx: CommandSender<Command>,
     events: Arc<Mutex<Vec<(RecvEvent, SystemTime)>>>,
     stats: Arc<Stats>,
     stop: Arc<AtomicBool>,
@@ -177,7 +177,7 @@ impl Consumer {
         let waiter = Waiter::new(waiter_config).map_err(|e| {
             StartError::Thread(std::io::Error::new(std::io::ErrorKind::InvalidInput, e))
         })?;
-        let (tx, rx) = mpsc::channel();
+        let (tx, rx) = common::command_queue(transport.waker());
         let events = Arc::new(Mutex::new(Vec::new()));
         let stats = Arc::new(Stats::default());
         let hello = common::hello(&config, Role::Consumer, &layout, &transport.local_desc());
@@ -300,7 +300,7 @@ struct Driver {
     quiescing: HashMap<AttemptKey, Quiescing>,
     next_notice: u64,
     next_heartbeat: Option<Timestamp>,
-    tx: Sender<Command>,
+    tx: CommandSender<Command>,
     events: Arc<Mutex<Vec<(RecvEvent, SystemTime)>>>,
     stats: Arc<Stats>,
     /// The re-layout kernels, for a CUDA cache that needs them (made on first use).
@@ -357,7 +357,7 @@ impl common::Driven for Driver {
 }
 
 impl Driver {
-    fn run(mut self, rx: Receiver<Command>) {
+    fn run(mut self, rx: CommandReceiver<Command>) {
         common::drive(&mut self, &rx);
         let now = self.clock.now();
         self.waiter.shutdown(now);

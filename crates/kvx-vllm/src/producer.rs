@@ -6,7 +6,7 @@ use std::collections::{BinaryHeap, HashMap, HashSet};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{self, Receiver, Sender};
+
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::{self, JoinHandle};
 use std::time::Duration;
@@ -20,7 +20,7 @@ use kvx_rendezvous::{
 };
 use tracing::{debug, info, warn};
 
-use crate::common::{self, Clock, KvCache};
+use crate::common::{self, Clock, CommandReceiver, CommandSender, KvCache};
 use crate::config::ConnectorConfig;
 use crate::control::{self, ControlSender};
 use crate::error::{Closed, StartError};
@@ -131,7 +131,7 @@ struct Flight {
 /// # Ok(()) }
 /// ```
 pub struct Producer {
-    tx: Sender<Command>,
+    tx: CommandSender<Command>,
     finished: Arc<Mutex<Vec<FinishedSending>>>,
     stats: Arc<Stats>,
     addr: SocketAddr,
@@ -158,7 +158,7 @@ impl Producer {
         let matcher = Matcher::new(matcher_config)?;
         let listener = TcpListener::bind(config.listen).map_err(StartError::Listen)?;
         let addr = listener.local_addr().map_err(StartError::Listen)?;
-        let (tx, rx) = mpsc::channel();
+        let (tx, rx) = common::command_queue(transport.waker());
         let finished = Arc::new(Mutex::new(Vec::new()));
         let stats = Arc::new(Stats::default());
         let stop = Arc::new(AtomicBool::new(false));
@@ -379,7 +379,7 @@ impl Drop for Producer {
 
 fn accept_loop(
     listener: TcpListener,
-    tx: Sender<Command>,
+    tx: CommandSender<Command>,
     stop: Arc<AtomicBool>,
     hello: Message,
     handshake_timeout: Duration,
@@ -413,7 +413,7 @@ fn accept_loop(
 fn serve_connection(
     conn: ConnId,
     mut stream: TcpStream,
-    tx: &Sender<Command>,
+    tx: &CommandSender<Command>,
     hello: &Message,
     handshake_timeout: Duration,
 ) {
@@ -657,7 +657,7 @@ impl common::Driven for Driver {
 }
 
 impl Driver {
-    fn run(mut self, rx: Receiver<Command>) {
+    fn run(mut self, rx: CommandReceiver<Command>) {
         common::drive(&mut self, &rx);
         self.shutdown();
     }

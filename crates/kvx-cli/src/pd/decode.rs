@@ -169,6 +169,7 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
     });
 
     let schedule = arrivals(args.requests, args.rate, args.seed);
+    let cpu_before = connector_cpu_ns();
     let start = Instant::now();
     let mut pending: VecDeque<(usize, Duration)> = schedule.iter().copied().enumerate().collect();
     let mut requests: Vec<Request> = Vec::new();
@@ -365,6 +366,13 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
         }
     }
     drop(router);
+    // Before shutdown: the connector's threads are still there to be asked.
+    let connector_cpu_us_per_step = match (cpu_before, connector_cpu_ns()) {
+        (Some(before), Some(after)) if !loop_work.is_empty() => {
+            Some(after.saturating_sub(before) as f64 / 1e3 / loop_work.len() as f64)
+        }
+        _ => None,
+    };
     for mut c in consumers {
         c.shutdown();
     }
@@ -425,6 +433,7 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
         "critical_path_ms": stats(critical),
         "tpot_ms": stats(tpot),
         "loop_transfer_us_per_step": stats(loop_work),
+        "connector_cpu_us_per_step": connector_cpu_us_per_step,
         "by_input_tokens": per_len.into_iter().map(|(len, (t, c))| json!({
             "input_tokens": len,
             "kv_bytes": len * bytes_per_token,
@@ -456,4 +465,26 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
         bail!("{failed} request(s) failed, {bad} verification failure(s)");
     }
     Ok(())
+}
+
+/// CPU time so far of this process's connector threads (named `kvx-…`: the connector's driver
+/// and control threads, the transports' copy and posting threads), in nanoseconds, from
+/// `/proc/self/task/*/schedstat`: the transfer work that competes with the engine loop for the
+/// decode instance's cores. `None` where the kernel does not say.
+fn connector_cpu_ns() -> Option<u64> {
+    let mut total = 0;
+    for task in std::fs::read_dir("/proc/self/task").ok()? {
+        let dir = task.ok()?.path();
+        let Ok(comm) = std::fs::read_to_string(dir.join("comm")) else {
+            continue; // the thread ended meanwhile
+        };
+        if !comm.starts_with("kvx-") {
+            continue;
+        }
+        let Ok(schedstat) = std::fs::read_to_string(dir.join("schedstat")) else {
+            continue;
+        };
+        total += schedstat.split_whitespace().next()?.parse::<u64>().ok()?;
+    }
+    Some(total)
 }

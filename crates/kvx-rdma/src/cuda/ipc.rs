@@ -37,7 +37,7 @@ use crate::local::{
     self, peer_gone, Completions, Control, Identity, Ledger, Link, NoticeSender, Reader, SameHost,
 };
 use crate::region::LocalRegion;
-use crate::transport::{Capabilities, Event, Notice, OpId, OpKind, PeerId, Transport};
+use crate::transport::{Capabilities, Event, Notice, OpId, OpKind, PeerId, Transport, Waker};
 
 /// Backend name in endpoint descriptions.
 pub const BACKEND: &str = "cuda-ipc";
@@ -941,6 +941,10 @@ impl Transport for CudaIpcTransport {
 
     fn wait(&mut self, events: &mut Vec<Event>, timeout: Duration) -> Result<usize, PollError> {
         local::wait(self, events, timeout)
+    }
+
+    fn waker(&self) -> Option<Arc<dyn Waker>> {
+        Some(self.control.completions())
     }
 }
 
