@@ -367,12 +367,20 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
     }
     drop(router);
     // Before shutdown: the connector's threads are still there to be asked.
-    let connector_cpu_us_per_step = match (cpu_before, connector_cpu_ns()) {
-        (Some(before), Some(after)) if !loop_work.is_empty() => {
-            Some(after.saturating_sub(before) as f64 / 1e3 / loop_work.len() as f64)
-        }
-        _ => None,
-    };
+    let connector_cpu_ms: Option<HashMap<String, f64>> =
+        cpu_before.zip(connector_cpu_ns()).map(|(before, after)| {
+            after
+                .into_iter()
+                .map(|(name, ns)| {
+                    let spent = ns.saturating_sub(before.get(&name).copied().unwrap_or(0));
+                    (name, spent as f64 / 1e6)
+                })
+                .collect()
+        });
+    let connector_cpu_us_per_step = connector_cpu_ms
+        .as_ref()
+        .filter(|_| !loop_work.is_empty())
+        .map(|by_thread| by_thread.values().sum::<f64>() * 1e3 / loop_work.len() as f64);
     for mut c in consumers {
         c.shutdown();
     }
@@ -434,6 +442,7 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
         "tpot_ms": stats(tpot),
         "loop_transfer_us_per_step": stats(loop_work),
         "connector_cpu_us_per_step": connector_cpu_us_per_step,
+        "connector_cpu_ms_by_thread": connector_cpu_ms,
         "by_input_tokens": per_len.into_iter().map(|(len, (t, c))| json!({
             "input_tokens": len,
             "kv_bytes": len * bytes_per_token,
@@ -468,23 +477,25 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
 }
 
 /// CPU time so far of this process's connector threads (named `kvx-…`: the connector's driver
-/// and control threads, the transports' copy and posting threads), in nanoseconds, from
-/// `/proc/self/task/*/schedstat`: the transfer work that competes with the engine loop for the
-/// decode instance's cores. `None` where the kernel does not say.
-fn connector_cpu_ns() -> Option<u64> {
-    let mut total = 0;
+/// and control threads, the transports' copy and posting threads), in nanoseconds, by thread
+/// name, from `/proc/self/task/*/schedstat`: the transfer work that competes with the engine
+/// loop for the decode instance's cores. `None` where the kernel does not say.
+fn connector_cpu_ns() -> Option<HashMap<String, u64>> {
+    let mut by_thread = HashMap::new();
     for task in std::fs::read_dir("/proc/self/task").ok()? {
         let dir = task.ok()?.path();
         let Ok(comm) = std::fs::read_to_string(dir.join("comm")) else {
             continue; // the thread ended meanwhile
         };
+        let comm = comm.trim_end();
         if !comm.starts_with("kvx-") {
             continue;
         }
         let Ok(schedstat) = std::fs::read_to_string(dir.join("schedstat")) else {
             continue;
         };
-        total += schedstat.split_whitespace().next()?.parse::<u64>().ok()?;
+        let ns: u64 = schedstat.split_whitespace().next()?.parse().ok()?;
+        *by_thread.entry(comm.to_owned()).or_default() += ns;
     }
-    Some(total)
+    Some(by_thread)
 }
