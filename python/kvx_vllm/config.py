@@ -33,7 +33,8 @@ KEYS: dict[str, tuple[Any, str]] = {
         True,
         "Prefill, push: write a request's KV computed so far while the rest is still being "
         "computed (chunked prefill: each step's finished blocks go to a registered decode during "
-        "the next step), so that only the last chunk is left when the request finishes.",
+        "the next step; with a host cache also layer by layer within a step, as vLLM saves each "
+        "layer), so that only the last chunk's last layer is left when the request finishes.",
     ),
     "registration_lease_s": (
         120.0,

@@ -32,7 +32,7 @@ from vllm.v1.request import RequestStatus
 
 from kvx_vllm import _native
 from kvx_vllm.config import KvxConfig
-from kvx_vllm.layout import CacheDescription, describe
+from kvx_vllm.layout import CacheDescription, describe, ordered_layers
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -70,6 +70,17 @@ class ProgressSpec:
 
 
 @dataclass
+class LayerSpec:
+    """Prefill, push: a request computed in this step, up to ``tokens``. On a host cache (whose
+    forward pass runs synchronously) each layer's KV of those tokens is final once vLLM calls
+    ``save_kv_layer`` for it, and the workers report it then."""
+
+    transfer_id: str
+    block_ids: list[int]
+    tokens: int
+
+
+@dataclass
 class _Computing:
     """Prefill, push: a request being computed, as far as the workers have been told."""
 
@@ -102,6 +113,8 @@ class KvxConnectorMetadata(KVConnectorMetadata):
     sends: list[SendSpec] = field(default_factory=list)
     # Prefill, push: requests still computing, with what of them is final.
     progress: list[ProgressSpec] = field(default_factory=list)
+    # Prefill, push: requests computed in this step, reported layer by layer as they compute.
+    layered: list[LayerSpec] = field(default_factory=list)
     recvs: list[RecvSpec] = field(default_factory=list)
     # Prefill: transfers to abort (the request was aborted before it finished).
     aborts: list[str] = field(default_factory=list)
@@ -228,11 +241,13 @@ class _Scheduler:
                 if c.reported:
                     c.reported = 0
                     self.meta.progress.append(ProgressSpec(c.transfer_id, [], 0))
+        scheduled = getattr(out, "num_scheduled_tokens", None) or {}
         for new in out.scheduled_new_reqs:
             c = self.computing.get(new.req_id)
             if c is not None:
                 c.block_ids = [int(b) for b in new.block_ids[0]]
                 c.pending = None
+                self._layered(c, new.num_computed_tokens, scheduled.get(new.req_id, 0))
         cached = out.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             c = self.computing.get(rid)
@@ -242,10 +257,12 @@ class _Scheduler:
             if rid in cached.resumed_req_ids:
                 c.block_ids = [int(b) for b in added[0]] if added else []
                 c.pending = None
+                self._layered(c, cached.num_computed_tokens[i], scheduled.get(rid, 0))
                 continue
             if added:
                 c.block_ids.extend(int(b) for b in added[0])
             now = cached.num_computed_tokens[i]
+            self._layered(c, now, scheduled.get(rid, 0))
             final = c.pending if self.async_scheduling else now
             c.pending = now
             if final is not None and c.reported < final < c.prompt_tokens:
@@ -254,6 +271,18 @@ class _Scheduler:
                 self.meta.progress.append(
                     ProgressSpec(c.transfer_id, list(c.block_ids[:used]), final)
                 )
+
+    def _layered(self, c: _Computing, start: int, scheduled: int) -> None:
+        """The request computes ``scheduled`` tokens from ``start`` in this step: the workers
+        report them layer by layer (a host cache's forward pass is synchronous, so when vLLM
+        saves a layer, that layer of every token of the step, and of every earlier step, is
+        final, prefix-cache blocks that another request of this batch computes included)."""
+        if scheduled <= 0:
+            return
+        end = min(start + scheduled, c.prompt_tokens)
+        used = -(-end // self.block_size)
+        if used <= len(c.block_ids):
+            self.meta.layered.append(LayerSpec(c.transfer_id, list(c.block_ids[:used]), end))
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for rid in output.finished_sending or ():
@@ -334,6 +363,10 @@ class _Worker:
         self.recv_transfers: dict[str, str] = {}
         self.cancelled: set[str] = set()
         self.load_errors: set[int] = set()
+        # Prefill, push, host cache: the layer index of each cache's name, and this step's
+        # requests to report layer by layer (empty otherwise).
+        self.layer_index: dict[str, int] = {}
+        self.layered: list[LayerSpec] = []
         _native.init_logging(self.cfg.log)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -382,6 +415,12 @@ class _Worker:
                 **common,
             )
             where = f"listening on {self.producer.control_addr}"
+            if not self.pull and self.cfg.stream and not on_gpu:
+                # Layer-wise reports need the layer's kernels to have finished when vLLM saves
+                # it: true of the host (CPU) forward pass, not of a GPU's asynchronous one.
+                self.layer_index = {
+                    name: i for i, (name, _) in enumerate(ordered_layers(kv_caches))
+                }
         else:
             self.consumer = _native.Consumer(
                 self.engine_id, self.cache.layout, self.cache.regions, **common
@@ -401,6 +440,7 @@ class _Worker:
 
     def start_load_kv(self, meta: KvxConnectorMetadata) -> None:
         if self.producer is not None:
+            self.layered = meta.layered if self.layer_index else []
             for tid in meta.aborts:
                 self.producer.abort(tid)
             for p in meta.progress:
@@ -444,6 +484,16 @@ class _Worker:
                     if rid is not None:
                         self.cancelled.add(rid)
                 self.consumer.cancel(tid)
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        index = self.layer_index.get(layer_name)
+        if index is None or index + 1 >= len(self.layer_index):
+            # The last layer: the request's finish (or the next step's report) carries it.
+            return
+        for spec in self.layered:
+            self.producer.request_progress(
+                spec.transfer_id, spec.block_ids, spec.tokens, layers=index + 1
+            )
 
     def get_transfer_results(self) -> KVConnectorTransferResults:
         results = KVConnectorTransferResults()
@@ -559,8 +609,10 @@ class _KvxConnector(KVConnectorBase_V1):
         attn_metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> None:
-        # The producer writes whole requests from the paged cache after they finish.
-        return
+        # Push with a host cache: this layer of the step's requests is final; the producer
+        # writes it to decodes already registered while the next layers compute.
+        if self._worker is not None:
+            self._worker.save_kv_layer(layer_name)
 
     def wait_for_save(self) -> None:
         return

@@ -10,7 +10,14 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from kvx_vllm.connector import KvxConnectorMetadata, ProgressSpec, _Computing, _Scheduler
+from kvx_vllm.connector import (
+    KvxConnectorMetadata,
+    LayerSpec,
+    ProgressSpec,
+    _Computing,
+    _Scheduler,
+    _Worker,
+)
 
 BLOCK = 16
 
@@ -28,9 +35,10 @@ def scheduler(async_scheduling: bool) -> _Scheduler:
     return s
 
 
-def step(s: _Scheduler, *, new=None, cached=None, resumed=False, preempted=False):
+def step(s: _Scheduler, *, new=None, cached=None, resumed=False, preempted=False, layered=None):
     """One scheduling of request "a": `new` = (blocks, computed) at its first scheduling,
-    `cached` = (added blocks or None, computed) later. Returns the progress reported."""
+    `cached` = (added blocks or None, computed) later. Returns the progress reported; the
+    step's layer-wise specs go to `layered` when given (with 32 tokens scheduled)."""
     out = NS(
         scheduled_new_reqs=[NS(req_id="a", block_ids=(new[0],), num_computed_tokens=new[1])]
         if new else [],
@@ -41,8 +49,11 @@ def step(s: _Scheduler, *, new=None, cached=None, resumed=False, preempted=False
             resumed_req_ids={"a"} if resumed else set(),
         ),
         preempted_req_ids={"a"} if preempted else set(),
+        num_scheduled_tokens={"a": 32} if (new or cached) and layered is not None else {},
     )
     meta = s.build_connector_meta(out)
+    if layered is not None:
+        layered.extend(meta.layered)
     return meta.progress
 
 
@@ -92,3 +103,49 @@ def test_finished_or_aborted_requests_are_forgotten():
     s.request_finished(request, [])
     assert "a" not in s.computing
     assert s.meta.aborts == ["t-a"]
+
+
+def test_each_step_is_listed_for_layer_wise_reports_from_its_first_scheduling():
+    s = scheduler(async_scheduling=True)
+    layered: list[LayerSpec] = []
+    # Unlike the step-wise counts, the first scheduling is listed: its layers are final when
+    # vLLM saves them (the whole batch computes each layer together).
+    step(s, new=([1, 2, 3, 4, 5], 48), layered=layered)
+    assert layered == [LayerSpec("t-a", [1, 2, 3, 4, 5], 80)]
+    layered.clear()
+    # The step ends at the prompt's end (100 of 112).
+    step(s, cached=([6, 7], 80), layered=layered)
+    assert layered == [LayerSpec("t-a", [1, 2, 3, 4, 5, 6, 7], 100)]
+    layered.clear()
+    # Nothing scheduled for the request: nothing listed.
+    step(s, cached=(None, 100))
+    assert s.build_connector_meta(NS(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=NS(req_ids=[], new_block_ids=[], num_computed_tokens=[],
+                                 resumed_req_ids=set()),
+        preempted_req_ids=set(),
+    )).layered == []
+
+
+class _Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def request_progress(self, transfer_id, block_ids, tokens, layers=None):
+        self.calls.append((transfer_id, block_ids, tokens, layers))
+
+
+def test_worker_reports_each_saved_layer_but_the_last():
+    w = _Worker.__new__(_Worker)
+    w.producer = _Recorder()
+    w.layer_index = {"model.layers.0.attn": 0, "model.layers.1.attn": 1, "model.layers.2.attn": 2}
+    w.layered = [LayerSpec("t-a", [1, 2], 20), LayerSpec("t-b", [3], 9)]
+    for name in w.layer_index:
+        w.save_kv_layer(name)
+    w.save_kv_layer("model.layers.9.unknown")
+    assert w.producer.calls == [
+        ("t-a", [1, 2], 20, 1),
+        ("t-b", [3], 9, 1),
+        ("t-a", [1, 2], 20, 2),
+        ("t-b", [3], 9, 2),
+    ]

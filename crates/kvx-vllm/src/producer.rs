@@ -1063,7 +1063,8 @@ impl Driver {
         match posted {
             Ok((op, bytes)) => {
                 let (from, upto) = span(&ranges);
-                debug!(%key, from, upto, bytes, "early writes posted");
+                let layers = ranges.iter().filter(|r| !r.is_empty()).count();
+                debug!(%key, from, upto, layers, bytes, "early writes posted");
                 for (written, range) in early.written.iter_mut().zip(ranges) {
                     *written = (*written).max(range.end);
                 }
