@@ -91,6 +91,8 @@ class _Computing:
     # The computed-token count seen at the request's last scheduling that was not its first
     # (nor its first after a preemption), reported one step later under async scheduling.
     pending: int | None = None
+    # Whether the workers were told to report steps of it layer by layer.
+    layered: bool = False
 
 
 @dataclass
@@ -238,8 +240,9 @@ class _Scheduler:
             if c is not None:
                 c.pending = None
                 c.block_ids = []
-                if c.reported:
+                if c.reported or c.layered:
                     c.reported = 0
+                    c.layered = False
                     self.meta.progress.append(ProgressSpec(c.transfer_id, [], 0))
         scheduled = getattr(out, "num_scheduled_tokens", None) or {}
         for new in out.scheduled_new_reqs:
@@ -282,6 +285,7 @@ class _Scheduler:
         end = min(start + scheduled, c.prompt_tokens)
         used = -(-end // self.block_size)
         if used <= len(c.block_ids):
+            c.layered = True
             self.meta.layered.append(LayerSpec(c.transfer_id, list(c.block_ids[:used]), end))
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:

@@ -149,3 +149,12 @@ def test_worker_reports_each_saved_layer_but_the_last():
         ("t-a", [1, 2], 20, 2),
         ("t-b", [3], 9, 2),
     ]
+
+
+def test_preemption_after_layer_wise_reports_only_is_reported():
+    s = scheduler(async_scheduling=True)
+    layered: list[LayerSpec] = []
+    step(s, new=([1, 2], 0), layered=layered)
+    assert layered and s.computing["a"].reported == 0
+    # Only layer-wise reports were made; the producer must still forget them.
+    assert step(s, preempted=True) == [ProgressSpec("t-a", [], 0)]

@@ -515,9 +515,16 @@ impl Streaming {
     ) -> (u64, Option<(u64, u32)>) {
         match layers {
             Some(layers) if layers < num_layers => {
-                // A step for more tokens than the last layer-wise one means that one ended.
+                // Layers only grow within a step, so a report for more tokens, or for as many
+                // but fewer layers (in block units two steps can end in the same block), is a
+                // new step: the last one ended. (A recomputation is reported first, as
+                // progress that loses its blocks.)
                 let computed = match self.layered {
-                    Some((before, _)) if tokens > before => self.computed.max(before),
+                    Some((before, before_layers))
+                        if tokens > before || (tokens == before && layers < before_layers) =>
+                    {
+                        self.computed.max(before)
+                    }
                     _ => self.computed,
                 };
                 (computed, Some((tokens, layers)))
@@ -977,25 +984,27 @@ impl Driver {
         let num_layers = self.layout.spec().num_layers;
         let before = self.streams.get(&key);
         let first = before.is_none();
-        let (computed, layered) = before.map_or_else(
-            || match layers {
-                Some(layers) if layers < num_layers => (0, Some((tokens, layers))),
-                _ => (tokens, None),
-            },
-            |s| s.advanced(tokens, layers, num_layers),
-        );
-        let streaming = Streaming {
+        let fresh = || match layers {
+            Some(layers) if layers < num_layers => (0, Some((tokens, layers))),
+            _ => (tokens, None),
+        };
+        let (computed, layered) =
+            before.map_or_else(fresh, |s| s.advanced(tokens, layers, num_layers));
+        let mut streaming = Streaming {
             blocks,
             computed,
             layered,
             deadline,
         };
         // Final tokens never go back, and blocks are only ever appended: otherwise the engine
-        // recomputes the request somewhere else (a preemption).
+        // recomputes the request somewhere else (a preemption). What was final before says
+        // nothing about the new blocks: the state starts over from this report, for consumer
+        // ranks that register later; those already written to get everything at the finish.
         if before.is_some_and(|s| {
             !streaming.blocks.starts_with(&s.blocks)
                 || (0..num_layers).any(|l| streaming.final_in(l) < s.final_in(l))
         }) {
+            (streaming.computed, streaming.layered) = fresh();
             self.reset_early(key);
         }
         self.streams.insert(key, streaming);

@@ -1016,8 +1016,8 @@ fn push_streams_layer_by_layer_progress_first() {
     push_streams_layer_by_layer(false);
 }
 
-/// Layer-wise progress that goes back (fewer layers of the same tokens: the engine recomputes
-/// the request) stops early writes; the finish rewrites everything.
+/// Layer-wise progress that goes back (fewer tokens: the engine recomputes the request) stops
+/// early writes; the finish rewrites everything.
 #[test]
 fn layer_progress_going_back_is_rewritten_at_the_finish() {
     let fabric = LoopbackFabric::new();
@@ -1032,9 +1032,7 @@ fn layer_progress_going_back_is_rewritten_at_the_finish() {
         .unwrap();
     wait_landed_layers(&dec, &ids(20..24), 0..12, 0..2);
     let streamed = producer.stats().bytes_streamed;
-    producer
-        .request_layer_progress(k, ids(0..4), 16, 1)
-        .unwrap();
+    producer.request_layer_progress(k, ids(0..2), 8, 1).unwrap();
     producer
         .request_layer_progress(k, ids(0..4), 16, 2)
         .unwrap();
@@ -1055,6 +1053,46 @@ fn layer_progress_going_back_is_rewritten_at_the_finish() {
         streamed + request,
         "the finish rewrote everything"
     );
+}
+
+/// A preemption (progress without blocks) after layer-wise progress forgets what was final:
+/// decode registering only afterwards gets the resumed request's KV from its new blocks,
+/// written early as it computes again, and every byte is right.
+#[test]
+fn preemption_after_layer_progress_starts_over_for_a_later_registration() {
+    let fabric = LoopbackFabric::new();
+    let (pre, dec, consumer) = simple_pair(&fabric);
+    // The old blocks 0..4 never hold the request's KV; the new ones 10..14 do.
+    pre.sides[0].fill(&ids(10..14), 16);
+    let k = key(15, 0);
+    let producer = &pre.producers[0];
+    producer
+        .request_layer_progress(k, ids(0..4), 16, 2)
+        .unwrap();
+    producer.request_progress(k, Vec::new(), 0).unwrap();
+    register(&consumer, pre.base, k, 16, ids(20..24));
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(
+        producer.stats().bytes_streamed,
+        0,
+        "nothing is final after the preemption"
+    );
+    producer
+        .request_layer_progress(k, ids(10..14), 16, 1)
+        .unwrap();
+    wait_landed_layers(&dec, &ids(20..24), 0..12, 0..1);
+    producer
+        .request_finished(k, RequestId(7), ids(10..14), 16)
+        .unwrap();
+    assert_eq!(
+        wait_events(&consumer, 1),
+        vec![RecvEvent::Ready {
+            key: k,
+            request: RequestId(1)
+        }]
+    );
+    dec.verify(&ids(20..24), 0, 16);
+    assert_eq!(wait_finished(producer, 1)[0].outcome, SendOutcome::Sent);
 }
 
 fn wait_landed_layers(

@@ -479,11 +479,12 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
 /// CPU time so far of this process's connector threads (named `kvx-…`: the connector's driver
 /// and control threads, the transports' copy and posting threads), in nanoseconds, by thread
 /// name, from `/proc/self/task/*/schedstat`: the transfer work that competes with the engine
-/// loop for the decode instance's cores. `None` where the kernel does not say.
+/// loop for the decode instance's cores (threads that ended are no longer counted). `None`
+/// where the kernel does not say.
 fn connector_cpu_ns() -> Option<HashMap<String, u64>> {
     let mut by_thread = HashMap::new();
-    for task in std::fs::read_dir("/proc/self/task").ok()? {
-        let dir = task.ok()?.path();
+    for task in std::fs::read_dir("/proc/self/task").ok()?.flatten() {
+        let dir = task.path();
         let Ok(comm) = std::fs::read_to_string(dir.join("comm")) else {
             continue; // the thread ended meanwhile
         };
@@ -494,7 +495,13 @@ fn connector_cpu_ns() -> Option<HashMap<String, u64>> {
         let Ok(schedstat) = std::fs::read_to_string(dir.join("schedstat")) else {
             continue;
         };
-        let ns: u64 = schedstat.split_whitespace().next()?.parse().ok()?;
+        let Some(ns) = schedstat
+            .split_whitespace()
+            .next()
+            .and_then(|n| n.parse::<u64>().ok())
+        else {
+            continue;
+        };
         *by_thread.entry(comm.to_owned()).or_default() += ns;
     }
     Some(by_thread)
