@@ -200,3 +200,38 @@ pub trait Waker: Send + Sync {
     /// Wakes the waiting thread.
     fn wake(&self);
 }
+
+/// Checks a transport's [`Waker`]: it interrupts a long wait from another thread, and a wake
+/// that comes before the wait makes the next wait return at once.
+#[cfg(test)]
+pub(crate) fn check_waker(transport: &mut dyn Transport) {
+    use std::time::Instant;
+    let waker = transport.waker().expect("this transport has a waker");
+    let started = Instant::now();
+    let waking = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(50));
+        waker.wake();
+    });
+    let mut events = Vec::new();
+    assert_eq!(
+        transport
+            .wait(&mut events, Duration::from_secs(60))
+            .unwrap(),
+        0
+    );
+    let waited = started.elapsed();
+    waking.join().unwrap();
+    assert!(
+        waited >= Duration::from_millis(50) && waited < Duration::from_secs(20),
+        "{waited:?}"
+    );
+    transport.waker().unwrap().wake();
+    let started = Instant::now();
+    assert_eq!(
+        transport
+            .wait(&mut events, Duration::from_secs(60))
+            .unwrap(),
+        0
+    );
+    assert!(started.elapsed() < Duration::from_secs(20));
+}

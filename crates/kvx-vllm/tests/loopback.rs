@@ -253,6 +253,14 @@ fn wait_events(consumer: &Consumer, n: usize) -> Vec<RecvEvent> {
     events
 }
 
+/// Waits for decode's one event and checks that it says `key` (decode's `request`) is ready.
+fn expect_ready(consumer: &Consumer, key: AttemptKey, request: RequestId) {
+    assert_eq!(
+        wait_events(consumer, 1),
+        vec![RecvEvent::Ready { key, request }]
+    );
+}
+
 fn wait_finished(producer: &Producer, n: usize) -> Vec<FinishedSending> {
     let deadline = Instant::now() + Duration::from_secs(20);
     let mut done = Vec::new();
@@ -325,14 +333,7 @@ fn push_roundtrip(
         std::thread::sleep(Duration::from_millis(20));
         register();
     }
-    let events = wait_events(&consumer, 1);
-    assert_eq!(
-        events,
-        vec![RecvEvent::Ready {
-            key: k,
-            request: RequestId(5)
-        }]
-    );
+    expect_ready(&consumer, k, RequestId(5));
     dec.verify(&c_blocks, 0, tokens);
     // Every producer rank that wrote released its blocks as sent.
     let writers = kvx_layout::writers_for(&dec.layout, p_tp).unwrap();
@@ -416,13 +417,7 @@ fn pull_reads_then_frees_the_producer_blocks() {
             producer_blocks: p_blocks.clone(),
         })
         .unwrap();
-    assert_eq!(
-        wait_events(&consumer, 1),
-        vec![RecvEvent::Ready {
-            key: key(5, 0),
-            request: RequestId(2)
-        }]
-    );
+    expect_ready(&consumer, key(5, 0), RequestId(2));
     dec.verify(&c_blocks, 0, tokens);
     for p in &pre.producers {
         assert_eq!(wait_finished(p, 1)[0].outcome, SendOutcome::Sent);
@@ -564,14 +559,7 @@ fn preempted_request_reregisters_with_a_new_attempt() {
     pre.producers[0]
         .request_finished(key(6, 1), RequestId(8), ids(0..3), tokens)
         .unwrap();
-    let second = wait_events(&consumer, 1);
-    assert_eq!(
-        second,
-        vec![RecvEvent::Ready {
-            key: key(6, 1),
-            request: RequestId(1)
-        }]
-    );
+    expect_ready(&consumer, key(6, 1), RequestId(1));
     dec.verify(&ids(20..23), 0, tokens);
 }
 
@@ -857,14 +845,7 @@ fn push_streams(p_tp: u32, c_order: MemoryOrder, registration_first: bool) {
         p.request_finished(k, RequestId(9), p_blocks.clone(), tokens)
             .unwrap();
     }
-    let events = wait_events(&consumer, 1);
-    assert_eq!(
-        events,
-        vec![RecvEvent::Ready {
-            key: k,
-            request: RequestId(5)
-        }]
-    );
+    expect_ready(&consumer, k, RequestId(5));
     dec.verify(&c_blocks, 0, tokens);
     for p in &pre.producers {
         let done = wait_finished(p, 1);
@@ -987,14 +968,7 @@ fn push_streams_layer_by_layer(registration_first: bool) {
     producer
         .request_finished(k, RequestId(9), p_blocks.clone(), tokens)
         .unwrap();
-    let events = wait_events(&consumer, 1);
-    assert_eq!(
-        events,
-        vec![RecvEvent::Ready {
-            key: k,
-            request: RequestId(1)
-        }]
-    );
+    expect_ready(&consumer, k, RequestId(1));
     dec.verify(&c_blocks, 0, tokens);
     assert_eq!(wait_finished(producer, 1)[0].outcome, SendOutcome::Sent);
     let stats = producer.stats();
@@ -1084,13 +1058,7 @@ fn preemption_after_layer_progress_starts_over_for_a_later_registration() {
     producer
         .request_finished(k, RequestId(7), ids(10..14), 16)
         .unwrap();
-    assert_eq!(
-        wait_events(&consumer, 1),
-        vec![RecvEvent::Ready {
-            key: k,
-            request: RequestId(1)
-        }]
-    );
+    expect_ready(&consumer, k, RequestId(1));
     dec.verify(&ids(20..24), 0, 16);
     assert_eq!(wait_finished(producer, 1)[0].outcome, SendOutcome::Sent);
 }
@@ -1197,14 +1165,7 @@ fn changed_blocks_after_early_writes_are_rewritten_at_the_finish() {
     pre.producers[0]
         .request_finished(k, RequestId(7), ids(10..14), 16)
         .unwrap();
-    let events = wait_events(&consumer, 1);
-    assert_eq!(
-        events,
-        vec![RecvEvent::Ready {
-            key: k,
-            request: RequestId(1)
-        }]
-    );
+    expect_ready(&consumer, k, RequestId(1));
     dec.verify(&ids(20..24), 0, 16);
     let done = wait_finished(&pre.producers[0], 1);
     assert_eq!(done[0].outcome, SendOutcome::Sent);
