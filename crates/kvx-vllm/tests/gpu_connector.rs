@@ -159,6 +159,27 @@ fn push_tp2_into_tp1_on_the_gpu_with_relayout_and_streaming() {
         assert!(Instant::now() < deadline, "no early write in time");
         std::thread::sleep(Duration::from_millis(2));
     }
+    // The last step, layer by layer: layers 0 and 1 of tokens up to 288 (the last whole block
+    // before the last token) go before the finish too.
+    for p in &producers {
+        p.request_layer_progress(key, p_blocks.clone(), tokens, 2)
+            .expect("layer progress");
+    }
+    // One rank's bytes of one token (each holds half of the heads).
+    let l = &sides[0].layout;
+    let per_token =
+        l.head_bytes() * u64::from(l.local_heads() * l.kv_parts() * l.spec().num_layers);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while producers
+        .iter()
+        .any(|p| p.stats().bytes_streamed < per_token * (192 + 96 / 2))
+    {
+        assert!(
+            Instant::now() < deadline,
+            "no layer-wise early write in time"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
     for p in &producers {
         p.request_finished(key, RequestId(9), p_blocks.clone(), tokens)
             .expect("finished");
@@ -189,12 +210,13 @@ fn push_tp2_into_tp1_on_the_gpu_with_relayout_and_streaming() {
             std::thread::sleep(Duration::from_millis(2));
         }
         assert_eq!(done[0].outcome, SendOutcome::Sent);
-        // Each rank wrote its half of every token once, 192 tokens of them early.
+        // Each rank wrote its half of every token once: 192 tokens of them early, and 96 more
+        // in two of the four layers.
         let stats = p.stats();
         assert_eq!(stats.bytes_written % tokens, 0, "{stats:?}");
         assert_eq!(
             stats.bytes_streamed,
-            stats.bytes_written / tokens * 192,
+            stats.bytes_written / tokens * (192 + 96 / 2),
             "{stats:?}"
         );
     }
