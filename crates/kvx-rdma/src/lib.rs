@@ -68,6 +68,8 @@
 
 #[cfg(feature = "cma")]
 pub mod cma;
+#[cfg(any(feature = "libfabric", feature = "nixl"))]
+mod cpu_time;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod desc;

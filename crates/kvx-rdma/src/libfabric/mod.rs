@@ -75,6 +75,7 @@ use kvx_core::{MemoryKind, RegionDesc};
 use kvx_layout::CopyOp;
 use libfabric_sys as sys;
 
+use crate::cpu_time::thread_cpu_time;
 use crate::desc::{EndpointDesc, NoticeSlot};
 use crate::error::{
     ConnectError, DeregisterError, OpError, PollError, ReadError, RegisterError, SendError,
@@ -120,7 +121,8 @@ const MAX_AGAIN: usize = 10_000;
 /// Shortest sleep between completion-queue reads of a waiting thread on a provider without a
 /// wait object.
 const MIN_IDLE_SLEEP: Duration = Duration::from_micros(50);
-/// A completion-queue read that takes longer than this made progress on something.
+/// A completion-queue read that uses more CPU than this made progress on something (the
+/// thread's own CPU time: a read that only waited for a core did no work).
 const BUSY_READ: Duration = Duration::from_micros(20);
 /// Longest such sleep.
 const MAX_IDLE_SLEEP: Duration = Duration::from_micros(200);
@@ -1520,9 +1522,10 @@ impl LibfabricTransport {
             }
             // The provider cannot try-wait: sleep between reads from now on.
         }
-        let started = Instant::now();
+        let started = thread_cpu_time();
         let n = self.drain_all()?;
-        if n == 0 && started.elapsed() < BUSY_READ * self.rails.len() as u32 {
+        if n == 0 && thread_cpu_time().saturating_sub(started) < BUSY_READ * self.rails.len() as u32
+        {
             let limit = Duration::from_millis(u64::try_from(timeout_ms.max(0)).unwrap_or(0));
             std::thread::sleep(self.idle_sleep.min(limit));
             self.idle_sleep = (self.idle_sleep * 2).min(MAX_IDLE_SLEEP);
@@ -1544,9 +1547,11 @@ impl LibfabricTransport {
                 // off from 50 µs to 200 µs, so that a waiting thread never spins. A read that
                 // took long did work (on shm the target's progress copies the data of incoming
                 // writes, which produces no completion): then go straight back to it.
-                let started = Instant::now();
+                let started = thread_cpu_time();
                 let read = cq.read(&mut entries);
-                if matches!(read, CqRead::Empty) && started.elapsed() < BUSY_READ {
+                if matches!(read, CqRead::Empty)
+                    && thread_cpu_time().saturating_sub(started) < BUSY_READ
+                {
                     let limit = Duration::from_millis(u64::try_from(ms.max(0)).unwrap_or(0));
                     std::thread::sleep(self.idle_sleep.min(limit));
                     self.idle_sleep = (self.idle_sleep * 2).min(MAX_IDLE_SLEEP);

@@ -86,6 +86,7 @@ use kvx_core::{MemoryKind, RegionDesc};
 use kvx_layout::CopyOp;
 use nixl_sys as sys;
 
+use crate::cpu_time::thread_cpu_time;
 use crate::desc::{EndpointDesc, MAX_ADDRESS_LEN};
 use crate::error::{
     BackendError, ConnectError, DeregisterError, OpError, PollError, ReadError, RegisterError,
@@ -1201,7 +1202,7 @@ impl Transport for NixlTransport {
     fn wait(&mut self, events: &mut Vec<Event>, timeout: Duration) -> Result<usize, PollError> {
         let deadline = Instant::now() + timeout;
         loop {
-            let started = Instant::now();
+            let started = thread_cpu_time();
             let n = self.poll(events)?;
             if n > 0 {
                 self.idle_sleep = MIN_IDLE_SLEEP;
@@ -1212,9 +1213,11 @@ impl Transport for NixlTransport {
                 return Ok(0);
             }
             // Nothing to block on (NIXL exposes no wait object): sleep a little, backing off
-            // from 50 µs to `max_idle_sleep` while idle; a poll that took long did work (it
-            // moved incoming bytes, which produces no event), so go straight back to it.
-            if now.duration_since(started) < BUSY_POLL {
+            // from 50 µs to `max_idle_sleep` while idle; a poll that used much CPU did work (it
+            // moved incoming bytes, which produces no event), so go straight back to it. (CPU
+            // time, not wall time: a poll that only waited for a core did no work, and going
+            // straight back would then keep the machine busy.)
+            if thread_cpu_time().saturating_sub(started) < BUSY_POLL {
                 std::thread::sleep(self.idle_sleep.min(deadline - now));
                 self.idle_sleep = (self.idle_sleep * 2).min(self.max_idle_sleep);
             } else {
