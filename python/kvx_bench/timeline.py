@@ -34,6 +34,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1] / "python" / "tests"))
 
+# kvx writes colour codes only to a terminal; strip any anyway (a log captured through a pty).
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 LINE = re.compile(r"(\d{4}-\d\d-\d\dT[\d:.]+)Z\s+DEBUG\s+\S+: (.*)")
 # The events kept, by the first words of their log message.

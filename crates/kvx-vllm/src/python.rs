@@ -656,6 +656,8 @@ fn init_logging(filter: &str) -> bool {
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        // Colour codes only on a terminal: vLLM's logs usually go to files.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .try_init()
         .is_ok()
 }

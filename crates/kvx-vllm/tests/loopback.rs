@@ -136,6 +136,16 @@ struct Prefill {
     base: SocketAddr,
 }
 
+impl Prefill {
+    /// Every rank finishes `key` (prefill's request 9) in `blocks`.
+    fn finish(&self, key: AttemptKey, blocks: &[BlockId], tokens: u64) {
+        for p in &self.producers {
+            p.request_finished(key, RequestId(9), blocks.to_vec(), tokens)
+                .unwrap();
+        }
+    }
+}
+
 fn prefill(
     fabric: &LoopbackFabric,
     tp: u32,
@@ -285,6 +295,24 @@ fn ids(range: std::ops::Range<u32>) -> Vec<BlockId> {
 
 const LONG: Duration = Duration::from_secs(30);
 
+/// A `tokens`-token request's blocks: prefill's from 10 up (filled with its KV on every rank),
+/// decode's from 40 down.
+fn request_blocks(
+    pre: &Prefill,
+    tokens: u64,
+    p_bt: u32,
+    c_bt: u32,
+) -> (Vec<BlockId>, Vec<BlockId>) {
+    let p_blocks = ids(10..10 + tokens.div_ceil(u64::from(p_bt)) as u32);
+    let c_blocks = (0..tokens.div_ceil(u64::from(c_bt)) as u32)
+        .map(|i| BlockId(40 - i))
+        .collect();
+    for side in &pre.sides {
+        side.fill(&p_blocks, tokens);
+    }
+    (p_blocks, c_blocks)
+}
+
 fn push_roundtrip(
     p_tp: u32,
     p_bt: u32,
@@ -303,13 +331,7 @@ fn push_roundtrip(
         LONG,
     );
     let (dec, consumer) = decode(&fabric, c_spec.clone(), LONG);
-    let p_blocks = ids(10..10 + tokens.div_ceil(u64::from(p_bt)) as u32);
-    let c_blocks: Vec<BlockId> = (0..tokens.div_ceil(u64::from(c_spec.block_tokens)) as u32)
-        .map(|i| BlockId(40 - i))
-        .collect();
-    for side in &pre.sides {
-        side.fill(&p_blocks, tokens);
-    }
+    let (p_blocks, c_blocks) = request_blocks(&pre, tokens, p_bt, c_spec.block_tokens);
     let k = key(77, 0);
     let register = || {
         register_request(
@@ -325,10 +347,7 @@ fn push_roundtrip(
         register();
         std::thread::sleep(Duration::from_millis(20));
     }
-    for p in &pre.producers {
-        p.request_finished(k, RequestId(9), p_blocks.clone(), tokens)
-            .unwrap();
-    }
+    pre.finish(k, &p_blocks, tokens);
     if !registration_first {
         std::thread::sleep(Duration::from_millis(20));
         register();
@@ -728,27 +747,13 @@ fn pull_by_two_consumer_ranks_frees_after_both() {
     one_producer_two_consumers(true, false);
 }
 
-/// Waits until decode's blocks hold tokens `skip..tokens` of the request.
+/// Waits until decode's blocks hold tokens `skip..tokens` of the request (every layer).
 fn wait_landed(side: &Side, blocks: &[BlockId], skip: u64, tokens: u64) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let mem: Vec<Vec<u8>> = side.buffers.iter().map(|b| b.to_vec()).collect();
-        let views: Vec<&[u8]> = mem.iter().map(Vec::as_slice).collect();
-        if verify_request(&side.layout, &views, blocks, skip, tokens, SEED).is_ok() {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "tokens {skip}..{tokens} never landed"
-        );
-        std::thread::sleep(Duration::from_millis(2));
-    }
+    wait_landed_layers(side, blocks, skip..tokens, 0..side.layout.spec().num_layers);
 }
 
 fn landed(side: &Side, blocks: &[BlockId], skip: u64, tokens: u64) -> bool {
-    let mem: Vec<Vec<u8>> = side.buffers.iter().map(|b| b.to_vec()).collect();
-    let views: Vec<&[u8]> = mem.iter().map(Vec::as_slice).collect();
-    verify_request(&side.layout, &views, blocks, skip, tokens, SEED).is_ok()
+    landed_in(side, blocks, skip..tokens, 0..side.layout.spec().num_layers)
 }
 
 /// Prefill reports progress while "computing": the tokens computed so far land in decode's
@@ -773,13 +778,7 @@ fn push_streams(p_tp: u32, c_order: MemoryOrder, registration_first: bool) {
         spec(1, 0, c_bt, c_order, Arrangement::CrossLayer),
         LONG,
     );
-    let p_blocks = ids(10..10 + tokens.div_ceil(u64::from(p_bt)) as u32);
-    let c_blocks: Vec<BlockId> = (0..tokens.div_ceil(u64::from(c_bt)) as u32)
-        .map(|i| BlockId(40 - i))
-        .collect();
-    for side in &pre.sides {
-        side.fill(&p_blocks, tokens);
-    }
+    let (p_blocks, c_blocks) = request_blocks(&pre, tokens, p_bt, c_bt);
     let k = key(91, 0);
     let register = || {
         register_request(
@@ -841,10 +840,7 @@ fn push_streams(p_tp: u32, c_order: MemoryOrder, registration_first: bool) {
     }
     assert!(consumer.take_events().is_empty(), "ready before finished");
     let streamed: u64 = pre.producers.iter().map(|p| p.stats().bytes_streamed).sum();
-    for p in &pre.producers {
-        p.request_finished(k, RequestId(9), p_blocks.clone(), tokens)
-            .unwrap();
-    }
+    pre.finish(k, &p_blocks, tokens);
     expect_ready(&consumer, k, RequestId(5));
     dec.verify(&c_blocks, 0, tokens);
     for p in &pre.producers {
