@@ -489,14 +489,20 @@ const DEAD_TTL: Duration = Duration::from_secs(300);
 /// A request still computing (push): the blocks and tokens of its KV that are final.
 struct Streaming {
     blocks: Vec<BlockId>,
+    done: Final,
+    deadline: Timestamp,
+}
+
+/// Which tokens of a computing request are final, per layer.
+#[derive(Clone, Copy, Default)]
+struct Final {
     /// Tokens `..computed` are final in every layer.
     computed: u64,
     /// Tokens `..tokens` are final in layers `..layers` (a step computing layer by layer).
     layered: Option<(u64, u32)>,
-    deadline: Timestamp,
 }
 
-impl Streaming {
+impl Final {
     /// Tokens final in `layer`.
     fn final_in(&self, layer: u32) -> u64 {
         match self.layered {
@@ -507,13 +513,8 @@ impl Streaming {
 
     /// The state after a report that tokens `..tokens` are final in layers `..layers` (all of
     /// them for `None`, or `layers` at least `num_layers`).
-    fn advanced(
-        &self,
-        tokens: u64,
-        layers: Option<u32>,
-        num_layers: u32,
-    ) -> (u64, Option<(u64, u32)>) {
-        match layers {
+    fn advanced(self, tokens: u64, layers: Option<u32>, num_layers: u32) -> Self {
+        let (computed, layered) = match layers {
             Some(layers) if layers < num_layers => {
                 // Layers only grow within a step, so a report for more tokens, or for as many
                 // but fewer layers (in block units two steps can end in the same block), is a
@@ -530,7 +531,8 @@ impl Streaming {
                 (computed, Some((tokens, layers)))
             }
             _ => (tokens, self.layered.filter(|&(t, _)| t > tokens)),
-        }
+        };
+        Self { computed, layered }
     }
 }
 
@@ -984,16 +986,10 @@ impl Driver {
         let num_layers = self.layout.spec().num_layers;
         let before = self.streams.get(&key);
         let first = before.is_none();
-        let fresh = || match layers {
-            Some(layers) if layers < num_layers => (0, Some((tokens, layers))),
-            _ => (tokens, None),
-        };
-        let (computed, layered) =
-            before.map_or_else(fresh, |s| s.advanced(tokens, layers, num_layers));
+        let fresh = Final::default().advanced(tokens, layers, num_layers);
         let mut streaming = Streaming {
             blocks,
-            computed,
-            layered,
+            done: before.map_or(fresh, |s| s.done.advanced(tokens, layers, num_layers)),
             deadline,
         };
         // Final tokens never go back, and blocks are only ever appended: otherwise the engine
@@ -1002,9 +998,9 @@ impl Driver {
         // ranks that register later; those already written to get everything at the finish.
         if before.is_some_and(|s| {
             !streaming.blocks.starts_with(&s.blocks)
-                || (0..num_layers).any(|l| streaming.final_in(l) < s.final_in(l))
+                || (0..num_layers).any(|l| streaming.done.final_in(l) < s.done.final_in(l))
         }) {
-            (streaming.computed, streaming.layered) = fresh();
+            streaming.done = fresh;
             self.reset_early(key);
         }
         self.streams.insert(key, streaming);
@@ -1048,7 +1044,7 @@ impl Driver {
             .iter()
             .zip(0..)
             .map(|(&written, layer)| {
-                let upto = streaming.final_in(layer).min(last) / unit * unit;
+                let upto = streaming.done.final_in(layer).min(last) / unit * unit;
                 written.max(dest.skip_tokens)..upto
             })
             .collect();
