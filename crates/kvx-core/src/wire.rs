@@ -20,7 +20,7 @@ use crate::layout::{Arrangement, Dtype, LayoutSpec, MemoryOrder};
 use crate::memory::{MemoryKind, RegionDesc};
 
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u8 = 1;
+pub const PROTOCOL_VERSION: u8 = 2;
 /// The frame magic.
 pub const MAGIC: [u8; 2] = *b"KX";
 /// Bytes in a frame header.
@@ -49,6 +49,8 @@ pub enum MessageKind {
     Abort = 5,
     /// [`Heartbeat`].
     Heartbeat = 6,
+    /// [`Finishing`].
+    Finishing = 7,
 }
 
 impl MessageKind {
@@ -60,6 +62,7 @@ impl MessageKind {
             4 => Self::Failure,
             5 => Self::Abort,
             6 => Self::Heartbeat,
+            7 => Self::Finishing,
             _ => return None,
         })
     }
@@ -96,6 +99,10 @@ pub struct Hello {
     pub transport: String,
     /// Opaque transport endpoint address.
     pub transport_addr: Vec<u8>,
+    /// From a consumer: send a [`Finishing`] message before each transfer's final writes to
+    /// this rank (its transport has no wait object, so it reads its transport only while a
+    /// notice is due). Producers send `false`.
+    pub finishing_hints: bool,
 }
 
 /// Decode tells prefill where one request's KV must land on one decode rank.
@@ -141,6 +148,19 @@ pub struct Completion {
     pub producer_rank: Rank,
     /// Bytes written by this rank.
     pub bytes: u64,
+}
+
+/// Prefill tells a decode rank that asked for it ([`Hello::finishing_hints`]) that one producer
+/// rank has begun the final writes of a transfer attempt: its completion notice follows on the
+/// transport.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Finishing {
+    /// The transfer.
+    pub transfer: TransferId,
+    /// The attempt being written.
+    pub attempt: Attempt,
+    /// The producer rank that writes.
+    pub producer_rank: Rank,
 }
 
 /// Why a transfer failed.
@@ -232,6 +252,8 @@ pub enum Message {
     Abort(Abort),
     /// See [`Heartbeat`].
     Heartbeat(Heartbeat),
+    /// See [`Finishing`].
+    Finishing(Finishing),
 }
 
 /// Why bytes could not be decoded.
@@ -377,6 +399,7 @@ impl Message {
             Self::Failure(_) => MessageKind::Failure,
             Self::Abort(_) => MessageKind::Abort,
             Self::Heartbeat(_) => MessageKind::Heartbeat,
+            Self::Finishing(_) => MessageKind::Finishing,
         }
     }
 
@@ -402,6 +425,10 @@ impl Message {
             Self::Abort(m) => w.abort(m),
             Self::Heartbeat(m) => {
                 w.heartbeat(m);
+                Ok(())
+            }
+            Self::Finishing(m) => {
+                w.finishing(m);
                 Ok(())
             }
         };
@@ -469,6 +496,7 @@ impl Message {
             MessageKind::Failure => Self::Failure(r.failure()?),
             MessageKind::Abort => Self::Abort(r.abort()?),
             MessageKind::Heartbeat => Self::Heartbeat(r.heartbeat()?),
+            MessageKind::Finishing => Self::Finishing(r.finishing()?),
         };
         let extra = payload.len() - r.pos;
         if extra != 0 {
@@ -571,7 +599,9 @@ impl Writer<'_> {
             self.region(r);
         }
         self.string("transport", &m.transport)?;
-        self.bytes("transport_addr", &m.transport_addr, MAX_TRANSPORT_ADDR)
+        self.bytes("transport_addr", &m.transport_addr, MAX_TRANSPORT_ADDR)?;
+        self.u8(u8::from(m.finishing_hints));
+        Ok(())
     }
     fn registration(&mut self, m: &Registration) {
         self.u128(m.transfer.0);
@@ -615,6 +645,11 @@ impl Writer<'_> {
             }
         }
         self.string("reason", &m.reason)
+    }
+    fn finishing(&mut self, m: &Finishing) {
+        self.u128(m.transfer.0);
+        self.u32(m.attempt.0);
+        self.u32(m.producer_rank.0);
     }
     fn heartbeat(&mut self, m: &Heartbeat) {
         self.u64(m.engine.0);
@@ -813,6 +848,7 @@ impl<'a> Reader<'a> {
         let regions = (0..n).map(|_| self.region()).collect::<Result<_, _>>()?;
         let transport = self.string("transport")?;
         let transport_addr = self.bytes("transport_addr", MAX_TRANSPORT_ADDR)?.to_vec();
+        let finishing_hints = self.flag("finishing_hints")?;
         Ok(Hello {
             compat_hash,
             engine,
@@ -822,6 +858,7 @@ impl<'a> Reader<'a> {
             regions,
             transport,
             transport_addr,
+            finishing_hints,
         })
     }
     fn registration(&mut self) -> Result<Registration, DecodeError> {
@@ -857,6 +894,13 @@ impl<'a> Reader<'a> {
             lease_ms,
             notice,
             blocks,
+        })
+    }
+    fn finishing(&mut self) -> Result<Finishing, DecodeError> {
+        Ok(Finishing {
+            transfer: TransferId(self.u128()?),
+            attempt: Attempt(self.u32()?),
+            producer_rank: Rank(self.u32()?),
         })
     }
     fn completion(&mut self) -> Result<Completion, DecodeError> {

@@ -1,8 +1,9 @@
 //! Round-trip and hostile-input properties of the wire codec.
 
 use kvx_core::wire::{
-    Abort, Completion, DecodeError, FailureNotice, FailureReason, FrameHeader, Heartbeat, Hello,
-    Message, Registration, Role, HEADER_LEN, MAX_PAYLOAD, MAX_STRING, PROTOCOL_VERSION,
+    Abort, Completion, DecodeError, FailureNotice, FailureReason, Finishing, FrameHeader,
+    Heartbeat, Hello, Message, Registration, Role, HEADER_LEN, MAX_PAYLOAD, MAX_STRING,
+    PROTOCOL_VERSION,
 };
 use kvx_core::{
     Arrangement, Attempt, BlockId, Dtype, EngineId, Incarnation, LayoutSpec, MemoryKind,
@@ -88,9 +89,10 @@ fn message() -> impl Strategy<Value = Message> {
         prop::collection::vec(region(), 0..8),
         ".{0,40}",
         prop::collection::vec(any::<u8>(), 0..64),
+        any::<bool>(),
     )
         .prop_map(
-            |((hash, engine, inc, producer), layout, regions, transport, addr)| {
+            |((hash, engine, inc, producer), layout, regions, transport, addr, hints)| {
                 Message::Hello(Hello {
                     compat_hash: hash,
                     engine: EngineId(engine),
@@ -104,6 +106,7 @@ fn message() -> impl Strategy<Value = Message> {
                     regions,
                     transport,
                     transport_addr: addr,
+                    finishing_hints: hints,
                 })
             },
         );
@@ -184,7 +187,22 @@ fn message() -> impl Strategy<Value = Message> {
                 transfers: ts.into_iter().map(TransferId).collect(),
             })
         });
-    prop_oneof![hello, registration, completion, failure, abort, heartbeat]
+    let finishing = (any::<u128>(), any::<u32>(), any::<u32>()).prop_map(|(t, a, r)| {
+        Message::Finishing(Finishing {
+            transfer: TransferId(t),
+            attempt: Attempt(a),
+            producer_rank: Rank(r),
+        })
+    });
+    prop_oneof![
+        hello,
+        registration,
+        completion,
+        failure,
+        abort,
+        heartbeat,
+        finishing
+    ]
 }
 
 proptest! {
@@ -357,6 +375,44 @@ fn invalid_enum_codes_and_utf8_are_rejected() {
     assert_eq!(
         Message::decode_exact(&bad),
         Err(DecodeError::InvalidUtf8 { field: "detail" })
+    );
+}
+
+#[test]
+fn a_hello_flag_other_than_0_or_1_is_rejected() {
+    let hello = Message::Hello(Hello {
+        compat_hash: 1,
+        engine: EngineId(2),
+        incarnation: Incarnation(3),
+        role: Role::Consumer,
+        layout: LayoutSpec {
+            num_layers: 2,
+            total_kv_heads: 2,
+            head_dim: 8,
+            dtype: Dtype::F32,
+            mla: false,
+            block_tokens: 4,
+            num_blocks: 8,
+            tp_size: 1,
+            tp_rank: 0,
+            order: MemoryOrder::Nhd,
+            arrangement: Arrangement::PerLayerSplit,
+        },
+        regions: vec![],
+        transport: "loopback".into(),
+        transport_addr: vec![1, 2],
+        finishing_hints: true,
+    });
+    let mut bytes = hello.to_bytes().unwrap();
+    let last = bytes.len() - 1;
+    assert_eq!(bytes[last], 1);
+    bytes[last] = 2;
+    assert_eq!(
+        Message::decode_exact(&bytes),
+        Err(DecodeError::InvalidField {
+            field: "finishing_hints",
+            value: 2
+        })
     );
 }
 

@@ -457,6 +457,7 @@ impl Transport for CmaTransport {
             notice_bits: 64,
             max_message_len: local::MAX_MESSAGE_LEN,
             memory_kinds: vec![MemoryKind::Host],
+            polls_to_wait: false,
         }
     }
 

@@ -247,6 +247,7 @@ impl Transport for LoopbackEndpoint {
             notice_bits: 64,
             max_message_len: MAX_MESSAGE_LEN,
             memory_kinds: vec![MemoryKind::Host],
+            polls_to_wait: false,
         }
     }
 

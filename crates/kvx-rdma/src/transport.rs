@@ -95,6 +95,10 @@ pub struct Capabilities {
     pub max_message_len: usize,
     /// Memory kinds [`Transport::register`] accepts.
     pub memory_kinds: Vec<MemoryKind>,
+    /// Whether [`Transport::wait`] reads the backend over and over, sleeping in between (no wait
+    /// object: libfabric `shm`, NIXL), so that a thread waiting on this endpoint costs CPU for
+    /// as long as it waits.
+    pub polls_to_wait: bool,
 }
 
 /// A data mover between engine instances: registers local memory, describes itself, connects to

@@ -78,12 +78,13 @@ impl Clock {
     }
 }
 
-/// The hello this side sends.
+/// The hello this side sends; `finishing_hints` as in [`Hello::finishing_hints`].
 pub(crate) fn hello(
     config: &ConnectorConfig,
     role: Role,
     layout: &Layout,
     desc: &EndpointDesc,
+    finishing_hints: bool,
 ) -> Hello {
     Hello {
         compat_hash: layout.spec().compat_hash(),
@@ -94,6 +95,7 @@ pub(crate) fn hello(
         regions: desc.regions.clone(),
         transport: desc.backend.clone(),
         transport_addr: desc.to_bytes(),
+        finishing_hints,
     }
 }
 

@@ -34,6 +34,12 @@ pub struct ConnectorConfig {
     /// they write no more (a write already posted cannot be recalled). The failure is reported
     /// when every rank has confirmed, or after this.
     pub quiesce_timeout: Duration,
+    /// Consumer: ask the producer ranks for a `Finishing` message before each transfer's final
+    /// writes, and read the transport only while a notice is due (not for as long as a request
+    /// waits). `None` (the default): only where this side's transport polls to wait
+    /// ([`Capabilities::polls_to_wait`](kvx_rdma::Capabilities::polls_to_wait): libfabric
+    /// `shm`, NIXL).
+    pub finishing_hints: Option<bool>,
 }
 
 impl ConnectorConfig {
@@ -52,6 +58,7 @@ impl ConnectorConfig {
             transfer_timeout: Duration::from_secs(60),
             max_entries: 65_536,
             quiesce_timeout: Duration::from_secs(5),
+            finishing_hints: None,
         }
     }
 }

@@ -80,7 +80,8 @@ enum Command {
         transfer: TransferId,
         attempt: Option<Attempt>,
     },
-    Peer(SocketAddr, Message),
+    /// A message from one rank of a prefill instance.
+    Peer(SocketAddr, Rank, Message),
     PeerClosed(SocketAddr, String),
     Shutdown,
 }
@@ -180,7 +181,16 @@ impl Consumer {
         let (tx, rx) = common::command_queue(transport.waker());
         let events = Arc::new(Mutex::new(Vec::new()));
         let stats = Arc::new(Stats::default());
-        let hello = common::hello(&config, Role::Consumer, &layout, &transport.local_desc());
+        let finishing_hints = config
+            .finishing_hints
+            .unwrap_or_else(|| transport.capabilities().polls_to_wait);
+        let hello = common::hello(
+            &config,
+            Role::Consumer,
+            &layout,
+            &transport.local_desc(),
+            finishing_hints,
+        );
         let rank = layout.rank();
         let driver = Driver {
             clock: Clock::new(),
@@ -191,6 +201,8 @@ impl Consumer {
             hello,
             instances: HashMap::new(),
             notices: HashMap::new(),
+            finishing_hints,
+            hinted: HashSet::new(),
             reads: HashMap::new(),
             quiescing: HashMap::new(),
             next_notice: 1,
@@ -296,6 +308,10 @@ struct Driver {
     hello: Hello,
     instances: HashMap<SocketAddr, Instance>,
     notices: HashMap<u64, (AttemptKey, Rank)>,
+    /// This side asked the producers for `Finishing` hints (its transport polls to wait).
+    finishing_hints: bool,
+    /// Notices due: their producer rank has begun its final writes.
+    hinted: HashSet<u64>,
     reads: HashMap<OpId, (AttemptKey, Rank)>,
     quiescing: HashMap<AttemptKey, Quiescing>,
     next_notice: u64,
@@ -316,7 +332,12 @@ impl common::Driven for Driver {
     }
 
     fn busy(&self) -> bool {
-        !self.waiter.is_empty() || !self.quiescing.is_empty()
+        if self.finishing_hints {
+            // Push notices are due only once their producer rank said so.
+            !self.hinted.is_empty() || !self.reads.is_empty() || !self.quiescing.is_empty()
+        } else {
+            !self.waiter.is_empty() || !self.quiescing.is_empty()
+        }
     }
 
     fn deadline(&mut self) -> Option<Timestamp> {
@@ -343,6 +364,9 @@ impl common::Driven for Driver {
         self.waiter.handle_timeout(now);
         self.heartbeats(now);
         self.actions();
+        // A notice that arrived, or a request that ended, needs no more reading for it.
+        let notices = &self.notices;
+        self.hinted.retain(|n| notices.contains_key(n));
         let overdue: Vec<AttemptKey> = self
             .quiescing
             .iter()
@@ -381,7 +405,7 @@ impl Driver {
                 let now = self.clock.now();
                 self.waiter.cancel(now, transfer, attempt, Reason::Aborted);
             }
-            Command::Peer(addr, message) => self.peer_message(addr, message),
+            Command::Peer(addr, rank, message) => self.peer_message(addr, rank, message),
             Command::PeerClosed(addr, why) => self.instance_lost(&addr, &why),
             Command::Shutdown => {}
         }
@@ -442,7 +466,7 @@ impl Driver {
         let tx = self.tx.clone();
         let sender = control::start(stream, format!("kvx-ctl-{addr}"), move |result| {
             let command = match result {
-                Ok(m) => Command::Peer(instance, m),
+                Ok(m) => Command::Peer(instance, rank, m),
                 Err(e) => Command::PeerClosed(instance, e.to_string()),
             };
             tx.send(command).is_ok()
@@ -630,9 +654,25 @@ impl Driver {
         Ok(())
     }
 
-    fn peer_message(&mut self, instance: SocketAddr, message: Message) {
+    fn peer_message(&mut self, instance: SocketAddr, rank: Rank, message: Message) {
         let now = self.clock.now();
         match message {
+            Message::Finishing(f) if f.producer_rank == rank => {
+                self.stats.finishing_hints.fetch_add(1, Ordering::Relaxed);
+                let key = AttemptKey::new(f.transfer, f.attempt);
+                let due = self
+                    .notices
+                    .iter()
+                    .find(|(_, (k, r))| *k == key && *r == rank)
+                    .map(|(n, _)| *n);
+                match due {
+                    Some(notice) => {
+                        debug!(%key, %rank, "finishing");
+                        self.hinted.insert(notice);
+                    }
+                    None => debug!(%key, %rank, "finishing hint for nothing waited"),
+                }
+            }
             Message::Failure(f) => {
                 let key = AttemptKey::new(f.transfer, f.attempt);
                 debug!(%key, reason = ?f.reason, detail = f.detail, "producer reported failure");

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::{self, JoinHandle};
 use std::time::Duration;
 
-use kvx_core::wire::{FailureNotice, Hello, Message, Registration, Role};
+use kvx_core::wire::{FailureNotice, Finishing, Hello, Message, Registration, Role};
 use kvx_core::{Attempt, BlockId, Rank, RequestId, TransferId};
 use kvx_layout::{plan_layers, CopyOp, Layout, PlanError, PlanRequest};
 use kvx_rdma::transport::{Event, Notice, OpId, PeerId, Transport};
@@ -94,6 +94,8 @@ struct Consumer {
     id: ConsumerId,
     layout: Layout,
     peer: PeerId,
+    /// It asked for a `Finishing` message before each transfer's final writes.
+    finishing_hints: bool,
 }
 
 struct Conn {
@@ -163,7 +165,13 @@ impl Producer {
         let stats = Arc::new(Stats::default());
         let stop = Arc::new(AtomicBool::new(false));
         let rank = layout.rank();
-        let hello = common::hello(&config, Role::Producer, &layout, &transport.local_desc());
+        let hello = common::hello(
+            &config,
+            Role::Producer,
+            &layout,
+            &transport.local_desc(),
+            false,
+        );
         let connect_timeout = config.connect_timeout;
         let driver = Driver {
             clock: Clock::new(),
@@ -1178,14 +1186,19 @@ impl Driver {
                     blocks,
                     destination,
                     ..
-                } => match self.early.get_mut(&key) {
-                    Some(early) if early.in_flight > 0 => early.deferred.push(Deferred::Start {
-                        ticket: blocks,
-                        dest: destination,
-                        cancelled: None,
-                    }),
-                    _ => self.start_transfer(key, blocks, destination, None),
-                },
+                } => {
+                    self.hint_finishing(&destination);
+                    match self.early.get_mut(&key) {
+                        Some(early) if early.in_flight > 0 => {
+                            early.deferred.push(Deferred::Start {
+                                ticket: blocks,
+                                dest: destination,
+                                cancelled: None,
+                            });
+                        }
+                        _ => self.start_transfer(key, blocks, destination, None),
+                    }
+                }
                 Action::ReleaseProducer { blocks, reason, .. } => {
                     self.ticket_back(blocks, SendOutcome::NotSent(reason));
                 }
@@ -1388,6 +1401,28 @@ impl Driver {
                 self.ticket_back(flight.ticket, SendOutcome::NotSent(Reason::TransferFailed));
             }
             _ => {}
+        }
+    }
+
+    /// Tells a consumer rank that asked for it that the final writes of `dest` begin (before
+    /// any wait for early writes), so that it reads its transport until the notice.
+    fn hint_finishing(&self, dest: &Dest) {
+        let Some(c) = self.conns.get(&dest.conn) else {
+            return;
+        };
+        if !c.consumer.as_ref().is_some_and(|c| c.finishing_hints) {
+            return;
+        }
+        let message = Message::Finishing(Finishing {
+            transfer: dest.key.transfer,
+            attempt: dest.key.attempt,
+            producer_rank: self.rank,
+        });
+        match c.sender.send(&message) {
+            Ok(()) => {
+                self.stats.finishing_hints.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(e) => debug!(key = %dest.key, error = %e, "cannot send the finishing hint"),
         }
     }
 
@@ -1601,6 +1636,7 @@ fn accept_consumer(
         },
         layout,
         peer,
+        finishing_hints: hello.finishing_hints,
     })
 }
 

@@ -189,6 +189,7 @@ fn stats_dict<'py>(py: Python<'py>, s: StatsSnapshot) -> PyResult<Bound<'py, PyD
     d.set_item("transfers_failed", s.transfers_failed)?;
     d.set_item("bytes_written", s.bytes_written)?;
     d.set_item("bytes_streamed", s.bytes_streamed)?;
+    d.set_item("finishing_hints", s.finishing_hints)?;
     Ok(d)
 }
 
@@ -420,7 +421,7 @@ impl PyProducer {
     }
 
     /// Counters: held, transfers_started, transfers_ok, transfers_failed, bytes_written,
-    /// bytes_streamed.
+    /// bytes_streamed, finishing_hints.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.with(Producer::stats)?;
         stats_dict(py, s)
@@ -627,7 +628,7 @@ impl PyConsumer {
     }
 
     /// Counters: held (requests waiting), transfers_started, transfers_ok, transfers_failed,
-    /// bytes_written.
+    /// bytes_written, finishing_hints.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.with(Consumer::stats)?;
         stats_dict(py, s)

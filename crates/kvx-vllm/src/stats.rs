@@ -11,6 +11,7 @@ pub(crate) struct Stats {
     pub(crate) transfers_failed: AtomicU64,
     pub(crate) bytes_written: AtomicU64,
     pub(crate) bytes_streamed: AtomicU64,
+    pub(crate) finishing_hints: AtomicU64,
 }
 
 /// A copy of a side's counters.
@@ -29,6 +30,8 @@ pub struct StatsSnapshot {
     pub bytes_written: u64,
     /// Of those, bytes written while their request was still computing (producer, push).
     pub bytes_streamed: u64,
+    /// `Finishing` hints sent (producer) or received (consumer).
+    pub finishing_hints: u64,
 }
 
 impl Stats {
@@ -40,6 +43,7 @@ impl Stats {
             transfers_failed: self.transfers_failed.load(Ordering::Relaxed),
             bytes_written: self.bytes_written.load(Ordering::Relaxed),
             bytes_streamed: self.bytes_streamed.load(Ordering::Relaxed),
+            finishing_hints: self.finishing_hints.load(Ordering::Relaxed),
         }
     }
 }

@@ -400,6 +400,62 @@ fn push_tp2_into_tp1_with_other_block_size_and_order() {
 }
 
 #[test]
+fn push_with_finishing_hints_reads_the_transport_when_the_producers_say() {
+    // Decode asks for hints (as it does where its transport polls to wait) and then reads its
+    // transport only once a producer rank said its final writes begin: with heartbeats a
+    // minute apart, nothing else would wake it for the notices.
+    let fabric = LoopbackFabric::new();
+    let pre = prefill(
+        &fabric,
+        2,
+        4,
+        MemoryOrder::Hnd,
+        Arrangement::PerLayerSplit,
+        LONG,
+    );
+    let c_spec = spec(1, 0, 8, MemoryOrder::Nhd, Arrangement::PerLayerSplit);
+    let (dec, cache) = Side::new(c_spec.clone());
+    let mut c = config(2);
+    c.heartbeat_interval = Duration::from_secs(60);
+    c.finishing_hints = Some(true);
+    let consumer = Consumer::start(c, cache, Box::new(fabric.endpoint())).unwrap();
+    let tokens = 45;
+    let (p_blocks, c_blocks) = request_blocks(&pre, tokens, 4, c_spec.block_tokens);
+    let k = key(78, 0);
+    register_request(
+        &consumer,
+        pre.base,
+        k,
+        RequestId(5),
+        tokens,
+        c_blocks.clone(),
+    );
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(consumer.take_events().is_empty());
+    pre.finish(k, &p_blocks, tokens);
+    expect_ready(&consumer, k, RequestId(5));
+    dec.verify(&c_blocks, 0, tokens);
+    assert_eq!(consumer.stats().finishing_hints, 2);
+    for producer in &pre.producers {
+        assert_eq!(wait_finished(producer, 1)[0].outcome, SendOutcome::Sent);
+        assert_eq!(producer.stats().finishing_hints, 1);
+    }
+    // A consumer that did not ask gets none.
+    let (_, cache) = Side::new(c_spec);
+    let plain = Consumer::start(config(3), cache, Box::new(fabric.endpoint())).unwrap();
+    let k = key(79, 0);
+    register_request(&plain, pre.base, k, RequestId(6), tokens, c_blocks.clone());
+    std::thread::sleep(Duration::from_millis(20));
+    pre.finish(k, &p_blocks, tokens);
+    expect_ready(&plain, k, RequestId(6));
+    assert_eq!(plain.stats().finishing_hints, 0);
+    for producer in &pre.producers {
+        wait_finished(producer, 1);
+        assert_eq!(producer.stats().finishing_hints, 1);
+    }
+}
+
+#[test]
 fn pull_reads_then_frees_the_producer_blocks() {
     let fabric = LoopbackFabric::new();
     let pre = prefill(

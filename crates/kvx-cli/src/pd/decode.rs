@@ -381,6 +381,7 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
         .as_ref()
         .filter(|_| !loop_work.is_empty())
         .map(|by_thread| by_thread.values().sum::<f64>() * 1e3 / loop_work.len() as f64);
+    let finishing_hints: u64 = consumers.iter().map(|c| c.stats().finishing_hints).sum();
     for mut c in consumers {
         c.shutdown();
     }
@@ -443,6 +444,7 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
         "loop_transfer_us_per_step": stats(loop_work),
         "connector_cpu_us_per_step": connector_cpu_us_per_step,
         "connector_cpu_ms_by_thread": connector_cpu_ms,
+        "finishing_hints": finishing_hints,
         "by_input_tokens": per_len.into_iter().map(|(len, (t, c))| json!({
             "input_tokens": len,
             "kv_bytes": len * bytes_per_token,

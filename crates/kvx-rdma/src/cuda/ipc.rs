@@ -705,6 +705,7 @@ impl Transport for CudaIpcTransport {
             memory_kinds: vec![MemoryKind::Cuda {
                 device: self.gpu.ordinal(),
             }],
+            polls_to_wait: false,
         }
     }
 

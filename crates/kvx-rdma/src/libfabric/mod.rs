@@ -55,9 +55,11 @@
 //! # Waiting
 //!
 //! The completion queue is opened with a wait object, and [`Transport::wait`] blocks in
-//! `fi_cq_sread`; nothing spins in the background. With several rails it blocks in `poll(2)` on
-//! every rail's wait descriptor (`fi_control(FI_GETWAIT)`, after `fi_trywait`). Providers without
-//! a wait object (`shm`) are read with short sleeps in between (50 to 200 µs), on every rail.
+//! `poll(2)` on every rail's wait descriptor (`fi_control(FI_GETWAIT)`, after `fi_trywait`) and
+//! on the endpoint's wake-up `eventfd`; nothing spins in the background. Providers without a wait
+//! object (`shm`) are read with short sleeps in between (50 to 200 µs), on every rail. Another
+//! thread interrupts a wait through [`Transport::waker`]: at once on descriptors, within one
+//! sleep otherwise.
 
 pub mod address;
 pub mod fi;
@@ -65,6 +67,7 @@ mod posters;
 pub mod rails;
 mod shm_sweep;
 pub mod stripe;
+mod wake;
 
 use std::collections::{HashMap, VecDeque};
 use std::ffi::c_void;
@@ -82,12 +85,13 @@ use crate::error::{
     WriteError,
 };
 use crate::region::{HostBuffer, LocalRegion};
-use crate::transport::{Capabilities, Event, Notice, OpId, OpKind, PeerId, Transport};
+use crate::transport::{Capabilities, Event, Notice, OpId, OpKind, PeerId, Transport, Waker};
 use crate::validate::check_ops;
 use address::PeerRails;
 use fi::{CqRead, FabricError, FiErrno};
 pub use rails::{select_rails, RailFallback, RailSelection};
 pub use stripe::DEFAULT_STRIPE_THRESHOLD;
+use wake::WakeSignal;
 
 /// Backend name of libfabric endpoints.
 pub const BACKEND: &str = "libfabric";
@@ -126,6 +130,9 @@ const MIN_IDLE_SLEEP: Duration = Duration::from_micros(50);
 const BUSY_READ: Duration = Duration::from_micros(20);
 /// Longest such sleep.
 const MAX_IDLE_SLEEP: Duration = Duration::from_micros(200);
+/// Longest blocking read (`fi_cq_sread`) of a queue whose wait descriptor cannot be polled, so
+/// that a wake-up is seen this soon.
+const WAKE_SLICE_MS: i32 = 1;
 
 /// Which rails an endpoint opens.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -513,8 +520,10 @@ pub struct LibfabricTransport {
     broken: Option<FabricError>,
     /// Current sleep between completion-queue reads while waiting without a wait object.
     idle_sleep: Duration,
-    /// With several rails that all have wait descriptors: the descriptors, for `poll(2)`.
+    /// Where every rail has a wait descriptor: those, and the wake-up signal's, for `poll(2)`.
     wait_fds: Option<Vec<i32>>,
+    /// Raised by [`Transport::waker`]'s wakes; checked by `wait`.
+    wake: Arc<WakeSignal>,
 }
 
 // SAFETY: every libfabric object of the domains is owned by this value and used only through
@@ -575,6 +584,9 @@ pub enum OpenError {
     /// A rail's posting thread could not be started.
     #[error("starting the rails' posting threads failed")]
     Thread(#[source] std::io::Error),
+    /// The wake-up descriptor (`eventfd`) could not be made.
+    #[error("making the endpoint's wake-up descriptor failed")]
+    Wake(#[source] std::io::Error),
 }
 
 impl std::fmt::Debug for LibfabricTransport {
@@ -797,14 +809,15 @@ impl LibfabricTransport {
         let max_msg = infos.iter().map(|i| i.max_msg).min().unwrap_or(0);
         let tx_size = infos.iter().map(|i| i.tx_size).min().unwrap_or(0);
         let delivery_complete = infos.iter().all(|i| i.delivery_complete);
-        let wait_fds = if rails.len() > 1 {
-            rails
-                .iter()
-                .map(|r| r.ep.cq().wait_fd())
-                .collect::<Option<Vec<i32>>>()
-        } else {
-            None
-        };
+        let wake = Arc::new(WakeSignal::new().map_err(OpenError::Wake)?);
+        let wait_fds = rails
+            .iter()
+            .map(|r| r.ep.cq().wait_fd())
+            .collect::<Option<Vec<i32>>>()
+            .map(|mut fds| {
+                fds.push(wake.fd());
+                fds
+            });
         let n = rails.len();
         // `shm` copies a piece inside the post itself: rails post from threads of their own.
         let posters = (n > 1 && first.provider == PROVIDER_SHM)
@@ -838,6 +851,7 @@ impl LibfabricTransport {
             broken: None,
             idle_sleep: MIN_IDLE_SLEEP,
             wait_fds,
+            wake,
         };
         for rail in 0..n {
             for slot in 0..RECV_SLOTS {
@@ -1487,15 +1501,12 @@ impl LibfabricTransport {
         Ok(n)
     }
 
-    /// Blocks until a completion may be ready on any rail, or `timeout_ms` passes; handles what
-    /// it reads. One rail: `fi_cq_sread` (or the sleeping read without a wait object). Several:
-    /// `fi_trywait` on each, then `poll(2)` on their wait descriptors, or, where a rail has
-    /// none, a read of every rail with a short sleep when all were idle.
+    /// Blocks until a completion may be ready on any rail, a wake-up comes, or `timeout_ms`
+    /// passes; handles what it reads. Where every rail has a wait descriptor: `fi_trywait` on
+    /// each, then `poll(2)` on their descriptors and the wake-up signal's. Otherwise, one rail:
+    /// the sleeping read without a wait object (or `fi_cq_sread`, a millisecond at a time);
+    /// several: a read of every rail with a short sleep when all were idle.
     fn block(&mut self, timeout_ms: i32) -> Result<(), FabricError> {
-        if self.rails.len() == 1 {
-            self.drain(0, Some(timeout_ms))?;
-            return Ok(());
-        }
         if let Some(fds) = self.wait_fds.take() {
             let mut ready = false;
             let mut usable = true;
@@ -1515,12 +1526,18 @@ impl LibfabricTransport {
             if usable {
                 if !ready {
                     fi::poll_readable(&fds, timeout_ms);
+                    self.wake.clear_fd();
                 }
                 self.wait_fds = Some(fds);
-                // Whatever woke us (or was ready) is read by the caller's next poll.
+                // Whatever woke us (or was ready) is read by the caller's next poll; a wake-up
+                // left its flag.
                 return Ok(());
             }
             // The provider cannot try-wait: sleep between reads from now on.
+        }
+        if self.rails.len() == 1 {
+            self.drain(0, Some(timeout_ms.min(WAKE_SLICE_MS)))?;
+            return Ok(());
         }
         let started = thread_cpu_time();
         let n = self.drain_all()?;
@@ -1738,6 +1755,7 @@ impl Transport for LibfabricTransport {
             notice_bits: self.notice_bits,
             max_message_len: self.max_message,
             memory_kinds: vec![MemoryKind::Host],
+            polls_to_wait: !self.rails.iter().all(|r| r.ep.cq().can_block()),
         }
     }
 
@@ -2020,7 +2038,7 @@ impl Transport for LibfabricTransport {
                 return Ok(n);
             }
             let now = Instant::now();
-            if now >= deadline {
+            if now >= deadline || self.wake.take() {
                 return Ok(0);
             }
             let mut until = deadline;
@@ -2038,6 +2056,12 @@ impl Transport for LibfabricTransport {
             }
             self.block(ms).map_err(|e| PollError::Backend(backend(e)))?;
         }
+    }
+
+    /// Every libfabric endpoint has one: a wake ends a `poll(2)` on the wait descriptors at
+    /// once, and a wait that reads with sleeps in between (no wait object) within one sleep.
+    fn waker(&self) -> Option<Arc<dyn Waker>> {
+        Some(Arc::clone(&self.wake) as Arc<dyn Waker>)
     }
 }
 

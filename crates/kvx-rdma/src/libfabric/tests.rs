@@ -215,6 +215,19 @@ fn connect_refuses_other_providers_and_broken_descriptions() {
 }
 
 #[test]
+fn wakers_interrupt_waits_on_every_kind_of_queue() {
+    // shm: no wait object (reads with sleeps); tcp: one wait descriptor; two tcp rails: two.
+    for config in [
+        LibfabricConfig::shm(),
+        LibfabricConfig::tcp(Some("lo")),
+        two_rails(LibfabricConfig::tcp(Some("lo"))),
+    ] {
+        let mut endpoint = LibfabricTransport::open(&config).unwrap();
+        crate::transport::check_waker(&mut endpoint);
+    }
+}
+
+#[test]
 fn wait_blocks_until_timeout_without_events() {
     let mut a = LibfabricTransport::open(&LibfabricConfig::tcp(Some("lo"))).unwrap();
     let mut events = Vec::new();

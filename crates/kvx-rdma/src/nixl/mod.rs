@@ -967,6 +967,7 @@ impl Transport for NixlTransport {
             max_message_len: MAX_MESSAGE,
             // CUDA memory of any device (`VRAM`); the ordinal here only names the kind.
             memory_kinds: vec![MemoryKind::Host, MemoryKind::Cuda { device: 0 }],
+            polls_to_wait: true,
         }
     }
 
