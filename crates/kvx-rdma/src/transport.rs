@@ -99,6 +99,11 @@ pub struct Capabilities {
     /// object: libfabric `shm`, NIXL), so that a thread waiting on this endpoint costs CPU for
     /// as long as it waits.
     pub polls_to_wait: bool,
+    /// Whether peers' writes land in this endpoint's memory without it reading its queue (the
+    /// initiator or the hardware moves the data: `cma`, CUDA IPC, loopback, libfabric `shm`
+    /// with cross-memory attach). Where not, an endpoint that stops reading holds up incoming
+    /// writes until it reads again.
+    pub writes_land_unassisted: bool,
 }
 
 /// A data mover between engine instances: registers local memory, describes itself, connects to

@@ -36,9 +36,9 @@ pub struct ConnectorConfig {
     pub quiesce_timeout: Duration,
     /// Consumer: ask the producer ranks for a `Finishing` message before each transfer's final
     /// writes, and read the transport only while a notice is due (not for as long as a request
-    /// waits). `None` (the default): only where this side's transport polls to wait
-    /// ([`Capabilities::polls_to_wait`](kvx_rdma::Capabilities::polls_to_wait): libfabric
-    /// `shm`, NIXL).
+    /// waits). `None` (the default): where this side's transport polls to wait and peers'
+    /// writes land without its help ([`Capabilities`](kvx_rdma::Capabilities)'
+    /// `polls_to_wait` and `writes_land_unassisted`: libfabric `shm` with cross-memory attach).
     pub finishing_hints: Option<bool>,
 }
 

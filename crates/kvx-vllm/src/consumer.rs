@@ -181,9 +181,10 @@ impl Consumer {
         let (tx, rx) = common::command_queue(transport.waker());
         let events = Arc::new(Mutex::new(Vec::new()));
         let stats = Arc::new(Stats::default());
-        let finishing_hints = config
-            .finishing_hints
-            .unwrap_or_else(|| transport.capabilities().polls_to_wait);
+        let finishing_hints = config.finishing_hints.unwrap_or_else(|| {
+            let c = transport.capabilities();
+            c.polls_to_wait && c.writes_land_unassisted
+        });
         let hello = common::hello(
             &config,
             Role::Consumer,

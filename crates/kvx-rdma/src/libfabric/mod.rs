@@ -65,6 +65,7 @@ pub mod address;
 pub mod fi;
 mod posters;
 pub mod rails;
+mod shm_cma;
 mod shm_sweep;
 pub mod stripe;
 mod wake;
@@ -90,6 +91,7 @@ use crate::validate::check_ops;
 use address::PeerRails;
 use fi::{CqRead, FabricError, FiErrno};
 pub use rails::{select_rails, RailFallback, RailSelection};
+pub use shm_cma::cma_usable as shm_uses_cma;
 pub use stripe::DEFAULT_STRIPE_THRESHOLD;
 use wake::WakeSignal;
 
@@ -524,6 +526,8 @@ pub struct LibfabricTransport {
     wait_fds: Option<Vec<i32>>,
     /// Raised by [`Transport::waker`]'s wakes; checked by `wait`.
     wake: Arc<WakeSignal>,
+    /// [`Capabilities::writes_land_unassisted`]: `shm` with cross-memory attach.
+    writes_land_unassisted: bool,
 }
 
 // SAFETY: every libfabric object of the domains is owned by this value and used only through
@@ -852,6 +856,7 @@ impl LibfabricTransport {
             idle_sleep: MIN_IDLE_SLEEP,
             wait_fds,
             wake,
+            writes_land_unassisted: first.provider == PROVIDER_SHM && shm_cma::cma_usable(),
         };
         for rail in 0..n {
             for slot in 0..RECV_SLOTS {
@@ -1756,6 +1761,7 @@ impl Transport for LibfabricTransport {
             max_message_len: self.max_message,
             memory_kinds: vec![MemoryKind::Host],
             polls_to_wait: !self.rails.iter().all(|r| r.ep.cq().can_block()),
+            writes_land_unassisted: self.writes_land_unassisted,
         }
     }
 

@@ -103,8 +103,15 @@ fn tcp_write_delivers_bytes_then_notice() {
 fn modes_follow_the_provider() {
     let shm = LibfabricTransport::open(&LibfabricConfig::shm()).unwrap();
     assert!(shm.uses_virtual_addresses());
+    // shm 1.17 has no wait object; its writes land by cross-memory attach where that works.
+    let caps = shm.capabilities();
+    assert!(caps.polls_to_wait);
+    assert_eq!(caps.writes_land_unassisted, super::shm_cma::cma_usable());
     let tcp = LibfabricTransport::open(&LibfabricConfig::tcp(Some("lo"))).unwrap();
     assert_eq!(tcp.domain_name(), "lo");
+    // tcp blocks on a wait descriptor, and its data needs the target's progress.
+    let caps = tcp.capabilities();
+    assert!(!caps.polls_to_wait && !caps.writes_land_unassisted);
     assert!(!tcp.uses_virtual_addresses());
     assert!(!tcp.uses_provider_keys());
     let mut tcp = tcp;
