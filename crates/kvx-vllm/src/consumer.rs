@@ -661,18 +661,14 @@ impl Driver {
             Message::Finishing(f) if f.producer_rank == rank => {
                 self.stats.finishing_hints.fetch_add(1, Ordering::Relaxed);
                 let key = AttemptKey::new(f.transfer, f.attempt);
-                let due = self
+                let due: Vec<u64> = self
                     .notices
                     .iter()
-                    .find(|(_, (k, r))| *k == key && *r == rank)
-                    .map(|(n, _)| *n);
-                match due {
-                    Some(notice) => {
-                        debug!(%key, %rank, "finishing");
-                        self.hinted.insert(notice);
-                    }
-                    None => debug!(%key, %rank, "finishing hint for nothing waited"),
-                }
+                    .filter(|(_, (k, r))| *k == key && *r == rank)
+                    .map(|(n, _)| *n)
+                    .collect();
+                debug!(%key, %rank, due = due.len(), "finishing");
+                self.hinted.extend(due);
             }
             Message::Failure(f) => {
                 let key = AttemptKey::new(f.transfer, f.attempt);

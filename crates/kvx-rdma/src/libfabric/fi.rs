@@ -54,6 +54,12 @@ impl FiErrno {
         self.code == sys::FI_EAGAIN
     }
 
+    /// Whether the call is not supported by the provider (`-FI_ENOSYS`, `-FI_EOPNOTSUPP`).
+    #[must_use]
+    pub fn is_unsupported(&self) -> bool {
+        self.code == sys::FI_ENOSYS || self.code == sys::FI_EOPNOTSUPP
+    }
+
     /// Whether the error says that the peer is gone or cannot be reached.
     #[must_use]
     pub fn is_unreachable(&self) -> bool {

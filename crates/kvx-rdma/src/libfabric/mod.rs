@@ -133,7 +133,8 @@ const BUSY_READ: Duration = Duration::from_micros(20);
 /// Longest such sleep.
 const MAX_IDLE_SLEEP: Duration = Duration::from_micros(200);
 /// Longest blocking read (`fi_cq_sread`) of a queue whose wait descriptor cannot be polled, so
-/// that a wake-up is seen this soon.
+/// that a wake-up is seen this soon; also the longest `poll(2)` after a `fi_trywait` that failed
+/// for another reason than lack of support.
 const WAKE_SLICE_MS: i32 = 1;
 
 /// Which rails an endpoint opens.
@@ -1515,6 +1516,7 @@ impl LibfabricTransport {
         if let Some(fds) = self.wait_fds.take() {
             let mut ready = false;
             let mut usable = true;
+            let mut limit = timeout_ms;
             for rail in &self.rails {
                 match rail.ep.cq().try_wait() {
                     Ok(true) => {}
@@ -1522,15 +1524,17 @@ impl LibfabricTransport {
                         ready = true;
                         break;
                     }
-                    Err(_) => {
+                    Err(e) if e.is_unsupported() => {
                         usable = false;
                         break;
                     }
+                    // Another failure may pass: block a millisecond at most this time.
+                    Err(_) => limit = limit.min(WAKE_SLICE_MS),
                 }
             }
             if usable {
                 if !ready {
-                    fi::poll_readable(&fds, timeout_ms);
+                    fi::poll_readable(&fds, limit);
                     self.wake.clear_fd();
                 }
                 self.wait_fds = Some(fds);
