@@ -249,6 +249,31 @@ fn pull_over_shm_verifies_every_byte() {
 }
 
 #[test]
+fn pull_over_tcp_verifies_every_byte() {
+    // Over `tcp` decode's reads are messages that prefill's transport answers: prefill keeps
+    // reading it while it holds blocks for pull (it once did only when another command woke
+    // it, so the last request's reads waited for the producer lease).
+    let (report, _, _) = run_pair(&Run {
+        transport: "libfabric:tcp",
+        mode: "pull",
+        prefill: &[],
+        decode: &[],
+        requests: 4,
+        tokens: "100",
+    });
+    check(&report, 4, 400);
+    // Before, a read left waiting was answered when decode's next heartbeat (every 5 s) woke
+    // prefill; a healthy read takes milliseconds.
+    let critical = report["summary"]["critical_path_ms"]["max"]
+        .as_f64()
+        .unwrap();
+    assert!(
+        critical < 2_000.0,
+        "a read waited {critical} ms for prefill"
+    );
+}
+
+#[test]
 fn push_over_tcp_verifies_every_byte() {
     // Each request computed in one step, layer by layer: layer 0 (up to token 96) goes while
     // layer 1 computes.

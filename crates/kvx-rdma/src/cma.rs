@@ -458,7 +458,7 @@ impl Transport for CmaTransport {
             max_message_len: local::MAX_MESSAGE_LEN,
             memory_kinds: vec![MemoryKind::Host],
             polls_to_wait: false,
-            writes_land_unassisted: true,
+            peer_rma_unassisted: true,
         }
     }
 

@@ -248,7 +248,7 @@ impl Transport for LoopbackEndpoint {
             max_message_len: MAX_MESSAGE_LEN,
             memory_kinds: vec![MemoryKind::Host],
             polls_to_wait: false,
-            writes_land_unassisted: true,
+            peer_rma_unassisted: true,
         }
     }
 

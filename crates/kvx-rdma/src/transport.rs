@@ -99,11 +99,12 @@ pub struct Capabilities {
     /// object: libfabric `shm`, NIXL), so that a thread waiting on this endpoint costs CPU for
     /// as long as it waits.
     pub polls_to_wait: bool,
-    /// Whether peers' writes land in this endpoint's memory without it reading its queue (the
-    /// initiator or the hardware moves the data: `cma`, CUDA IPC, loopback, libfabric `shm`
-    /// with cross-memory attach). Where not, an endpoint that stops reading holds up incoming
-    /// writes until it reads again.
-    pub writes_land_unassisted: bool,
+    /// Whether peers' one-sided operations on this endpoint's memory (writes into it, pull
+    /// reads from it) complete without it reading its queue: the initiator or the hardware
+    /// moves the data (`cma`, CUDA IPC, loopback, libfabric `shm` with cross-memory attach).
+    /// Where not (`tcp`, NIXL), an endpoint that stops reading holds them up until it reads
+    /// again.
+    pub peer_rma_unassisted: bool,
 }
 
 /// A data mover between engine instances: registers local memory, describes itself, connects to

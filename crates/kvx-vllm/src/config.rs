@@ -38,7 +38,7 @@ pub struct ConnectorConfig {
     /// writes, and read the transport only while a notice is due (not for as long as a request
     /// waits). `None` (the default): where this side's transport polls to wait and peers'
     /// writes land without its help ([`Capabilities`](kvx_rdma::Capabilities)'
-    /// `polls_to_wait` and `writes_land_unassisted`: libfabric `shm` with cross-memory attach).
+    /// `polls_to_wait` and `peer_rma_unassisted`: libfabric `shm` with cross-memory attach).
     pub finishing_hints: Option<bool>,
 }
 

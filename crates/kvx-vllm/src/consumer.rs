@@ -183,7 +183,7 @@ impl Consumer {
         let stats = Arc::new(Stats::default());
         let finishing_hints = config.finishing_hints.unwrap_or_else(|| {
             let c = transport.capabilities();
-            c.polls_to_wait && c.writes_land_unassisted
+            c.polls_to_wait && c.peer_rma_unassisted
         });
         let hello = common::hello(
             &config,

@@ -173,6 +173,7 @@ impl Producer {
             false,
         );
         let connect_timeout = config.connect_timeout;
+        let peer_rma_unassisted = transport.capabilities().peer_rma_unassisted;
         let driver = Driver {
             clock: Clock::new(),
             rank,
@@ -185,6 +186,7 @@ impl Producer {
             unfanned: HashMap::new(),
             readers_known: HashMap::new(),
             pull_held: HashMap::new(),
+            peer_rma_unassisted,
             dead: HashMap::new(),
             streams: HashMap::new(),
             early: HashMap::new(),
@@ -620,6 +622,9 @@ struct Driver {
     unfanned: HashMap<AttemptKey, (Held, Timestamp)>,
     readers_known: HashMap<AttemptKey, (Vec<Rank>, Timestamp)>,
     pull_held: HashMap<AttemptKey, PullHold>,
+    /// [`Capabilities::peer_rma_unassisted`](kvx_rdma::Capabilities::peer_rma_unassisted) of
+    /// the transport: consumers' reads need no progress of this side.
+    peer_rma_unassisted: bool,
     dead: HashMap<TransferId, (Option<Attempt>, Timestamp)>,
     streams: HashMap<AttemptKey, Streaming>,
     /// Early writes, by matcher key (per consumer rank).
@@ -641,7 +646,11 @@ impl common::Driven for Driver {
     }
 
     fn busy(&self) -> bool {
-        !self.flights.is_empty() || !self.partials.is_empty()
+        // Blocks held for pull are read by the consumer; where that needs this side's progress
+        // (`tcp`: the reads are messages this side answers), keep reading the transport.
+        !self.flights.is_empty()
+            || !self.partials.is_empty()
+            || (!self.pull_held.is_empty() && !self.peer_rma_unassisted)
     }
 
     fn deadline(&mut self) -> Option<Timestamp> {

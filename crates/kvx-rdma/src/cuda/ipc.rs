@@ -706,7 +706,7 @@ impl Transport for CudaIpcTransport {
                 device: self.gpu.ordinal(),
             }],
             polls_to_wait: false,
-            writes_land_unassisted: true,
+            peer_rma_unassisted: true,
         }
     }
 

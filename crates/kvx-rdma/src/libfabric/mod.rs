@@ -527,8 +527,8 @@ pub struct LibfabricTransport {
     wait_fds: Option<Vec<i32>>,
     /// Raised by [`Transport::waker`]'s wakes; checked by `wait`.
     wake: Arc<WakeSignal>,
-    /// [`Capabilities::writes_land_unassisted`]: `shm` with cross-memory attach.
-    writes_land_unassisted: bool,
+    /// [`Capabilities::peer_rma_unassisted`]: `shm` with cross-memory attach.
+    peer_rma_unassisted: bool,
 }
 
 // SAFETY: every libfabric object of the domains is owned by this value and used only through
@@ -857,7 +857,7 @@ impl LibfabricTransport {
             idle_sleep: MIN_IDLE_SLEEP,
             wait_fds,
             wake,
-            writes_land_unassisted: first.provider == PROVIDER_SHM && shm_cma::cma_usable(),
+            peer_rma_unassisted: first.provider == PROVIDER_SHM && shm_cma::cma_usable(),
         };
         for rail in 0..n {
             for slot in 0..RECV_SLOTS {
@@ -1765,7 +1765,7 @@ impl Transport for LibfabricTransport {
             max_message_len: self.max_message,
             memory_kinds: vec![MemoryKind::Host],
             polls_to_wait: !self.rails.iter().all(|r| r.ep.cq().can_block()),
-            writes_land_unassisted: self.writes_land_unassisted,
+            peer_rma_unassisted: self.peer_rma_unassisted,
         }
     }
 

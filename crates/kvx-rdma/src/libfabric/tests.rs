@@ -106,12 +106,12 @@ fn modes_follow_the_provider() {
     // shm 1.17 has no wait object; its writes land by cross-memory attach where that works.
     let caps = shm.capabilities();
     assert!(caps.polls_to_wait);
-    assert_eq!(caps.writes_land_unassisted, super::shm_cma::cma_usable());
+    assert_eq!(caps.peer_rma_unassisted, super::shm_cma::cma_usable());
     let tcp = LibfabricTransport::open(&LibfabricConfig::tcp(Some("lo"))).unwrap();
     assert_eq!(tcp.domain_name(), "lo");
     // tcp blocks on a wait descriptor, and its data needs the target's progress.
     let caps = tcp.capabilities();
-    assert!(!caps.polls_to_wait && !caps.writes_land_unassisted);
+    assert!(!caps.polls_to_wait && !caps.peer_rma_unassisted);
     assert!(!tcp.uses_virtual_addresses());
     assert!(!tcp.uses_provider_keys());
     let mut tcp = tcp;

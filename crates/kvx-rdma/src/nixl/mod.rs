@@ -968,7 +968,7 @@ impl Transport for NixlTransport {
             // CUDA memory of any device (`VRAM`); the ordinal here only names the kind.
             memory_kinds: vec![MemoryKind::Host, MemoryKind::Cuda { device: 0 }],
             polls_to_wait: true,
-            writes_land_unassisted: false,
+            peer_rma_unassisted: false,
         }
     }
 
