@@ -11,8 +11,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::{self, JoinHandle};
 use std::time::Duration;
 
-use kvx_core::wire::{FailureNotice, Finishing, Hello, Message, Registration, Role};
-use kvx_core::{Attempt, BlockId, Rank, RequestId, TransferId};
+use kvx_core::wire::{FailureNotice, Finishing, Heartbeat, Hello, Message, Registration, Role};
+use kvx_core::{Attempt, BlockId, EngineId, Incarnation, Rank, RequestId, TransferId};
 use kvx_layout::{plan_layers, CopyOp, Layout, PlanError, PlanRequest};
 use kvx_rdma::transport::{Event, Notice, OpId, PeerId, Transport};
 use kvx_rendezvous::{
@@ -191,6 +191,9 @@ impl Producer {
             streams: HashMap::new(),
             early: HashMap::new(),
             partials: HashMap::new(),
+            nudged: HashMap::new(),
+            engine: config.engine,
+            incarnation: config.incarnation,
             expiry: BinaryHeap::new(),
             max_consumer_tp: 1,
             producer_lease: config.producer_lease,
@@ -603,6 +606,21 @@ struct PullHold {
 
 /// The matcher key of `key` for consumer rank `rank`: each consumer rank this producer rank
 /// serves registers on its own, so each is its own rendezvous.
+/// An early write in flight.
+struct Partial {
+    /// Its matcher key.
+    rkey: AttemptKey,
+    /// The consumer's connection.
+    conn: ConnId,
+    /// When it was posted.
+    posted: Timestamp,
+}
+
+/// How long an early write may wait before its consumer, if it asked for finishing hints (and
+/// so reads its transport only when woken), is nudged to read it: on `shm` a write holds a slot
+/// of the consumer's command queue until the consumer reads, and a full queue stops the writes.
+const NUDGE_AFTER: Duration = Duration::from_millis(2);
+
 fn rank_key(key: AttemptKey, rank: Rank) -> AttemptKey {
     let mixed = key.transfer.0
         ^ (u128::from(kvx_core::ids::fnv1a_64(&rank.0.to_le_bytes())) << 64)
@@ -629,8 +647,13 @@ struct Driver {
     streams: HashMap<AttemptKey, Streaming>,
     /// Early writes, by matcher key (per consumer rank).
     early: HashMap<AttemptKey, Early>,
-    /// Early writes in flight: their matcher key.
-    partials: HashMap<OpId, AttemptKey>,
+    /// Early writes in flight.
+    partials: HashMap<OpId, Partial>,
+    /// When each consumer connection that asked for finishing hints was last nudged.
+    nudged: HashMap<ConnId, Timestamp>,
+    /// This engine and incarnation (for nudges, which are empty heartbeats).
+    engine: EngineId,
+    incarnation: Incarnation,
     expiry: BinaryHeap<Reverse<(Timestamp, AttemptKey, Hold)>>,
     max_consumer_tp: u32,
     producer_lease: Duration,
@@ -657,6 +680,7 @@ impl common::Driven for Driver {
         [
             self.matcher.poll_timeout(),
             self.expiry.peek().map(|Reverse((at, ..))| *at),
+            self.next_nudge(),
         ]
         .into_iter()
         .flatten()
@@ -679,6 +703,7 @@ impl common::Driven for Driver {
         self.matcher.handle_timeout(now);
         self.expire(now);
         self.actions();
+        self.nudge(now);
     }
 }
 
@@ -1091,7 +1116,15 @@ impl Driver {
                     *written = (*written).max(range.end);
                 }
                 early.in_flight += 1;
-                self.partials.insert(op, rkey);
+                let posted = self.clock.now();
+                self.partials.insert(
+                    op,
+                    Partial {
+                        rkey,
+                        conn: dest.conn,
+                        posted,
+                    },
+                );
                 self.stats.bytes_written.fetch_add(bytes, Ordering::Relaxed);
                 self.stats
                     .bytes_streamed
@@ -1139,7 +1172,7 @@ impl Driver {
 
     /// An early write ended; what waited for the early writes runs once they all have.
     fn early_done(&mut self, op: OpId, error: Option<String>) {
-        let Some(rkey) = self.partials.remove(&op) else {
+        let Some(Partial { rkey, .. }) = self.partials.remove(&op) else {
             return;
         };
         let Some(early) = self.early.get_mut(&rkey) else {
@@ -1411,6 +1444,64 @@ impl Driver {
             }
             _ => {}
         }
+    }
+
+    /// When a consumer that asked for finishing hints is next due a nudge: an early write to it
+    /// has waited [`NUDGE_AFTER`], and it was not nudged for as long.
+    fn next_nudge(&self) -> Option<Timestamp> {
+        self.partials
+            .values()
+            .filter(|p| self.wants_hints(p.conn))
+            .map(|p| {
+                let last = self
+                    .nudged
+                    .get(&p.conn)
+                    .map_or(p.posted, |&at| at.max(p.posted));
+                last + NUDGE_AFTER
+            })
+            .min()
+    }
+
+    /// Nudges every consumer that is due (see [`Self::next_nudge`]) with an empty heartbeat:
+    /// a consumer reads its transport once for every message it gets.
+    fn nudge(&mut self, now: Timestamp) {
+        let due: HashSet<ConnId> = self
+            .partials
+            .values()
+            .filter(|p| self.wants_hints(p.conn))
+            .filter(|p| {
+                let last = self
+                    .nudged
+                    .get(&p.conn)
+                    .map_or(p.posted, |&at| at.max(p.posted));
+                last + NUDGE_AFTER <= now
+            })
+            .map(|p| p.conn)
+            .collect();
+        let message = Message::Heartbeat(Heartbeat {
+            engine: self.engine,
+            incarnation: self.incarnation,
+            transfers: Vec::new(),
+        });
+        for conn in due {
+            self.nudged.insert(conn, now);
+            if let Some(c) = self.conns.get(&conn) {
+                if let Err(e) = c.sender.send(&message) {
+                    debug!(conn, error = %e, "cannot nudge the consumer");
+                }
+            }
+        }
+        let partials = &self.partials;
+        self.nudged
+            .retain(|conn, _| partials.values().any(|p| p.conn == *conn));
+    }
+
+    /// Whether the consumer on `conn` asked for finishing hints.
+    fn wants_hints(&self, conn: ConnId) -> bool {
+        self.conns
+            .get(&conn)
+            .and_then(|c| c.consumer.as_ref())
+            .is_some_and(|c| c.finishing_hints)
     }
 
     /// Tells a consumer rank that asked for it that the final writes of `dest` begin (before

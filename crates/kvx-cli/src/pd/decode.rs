@@ -49,6 +49,10 @@ pub(crate) struct DecodeArgs {
     /// Random seed of the arrival process.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Ask the producers for finishing hints: `auto` (where the transport polls to wait and
+    /// peers' RMA lands unassisted: libfabric `shm` with cross-memory attach), `on` or `off`.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "on", "off"])]
+    finishing_hints: String,
     /// Write the results as JSON here.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -129,6 +133,11 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
         let (memory, cache) = RankMemory::new(args.model.layout(rank)?)?;
         let mut config = ConnectorConfig::new(EngineId(2));
         config.registration_lease = Duration::from_secs(args.lease_s);
+        config.finishing_hints = match args.finishing_hints.as_str() {
+            "on" => Some(true),
+            "off" => Some(false),
+            _ => None,
+        };
         consumers.push(
             Consumer::start(config, cache, spec.open()?).context("cannot start the consumer")?,
         );
