@@ -208,15 +208,7 @@ pub(crate) fn run_sweep(quick: bool) -> anyhow::Result<()> {
         );
         // A short unmeasured run first: the bare transfers above allocate and free gigabytes,
         // and the kernel's clean-up after them slowed whichever point came next.
-        point(
-            &kvx,
-            transport,
-            "push",
-            sweep.lengths[0],
-            4.0,
-            8,
-            &scratch,
-        )?;
+        point(&kvx, transport, "push", sweep.lengths[0], 4.0, 8, &scratch)?;
         let mut points = Vec::new();
         for &length in &sweep.lengths {
             let raw_ms = get(&raw[&length][0], &["transfer_ms_p50"]);

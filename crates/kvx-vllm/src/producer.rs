@@ -1451,15 +1451,19 @@ impl Driver {
     fn next_nudge(&self) -> Option<Timestamp> {
         self.partials
             .values()
-            .filter(|p| self.wants_hints(p.conn))
-            .map(|p| {
-                let last = self
-                    .nudged
-                    .get(&p.conn)
-                    .map_or(p.posted, |&at| at.max(p.posted));
-                last + NUDGE_AFTER
-            })
+            .filter_map(|p| self.nudge_due(p))
             .min()
+    }
+
+    /// When the consumer of early write `p` is due a nudge for it, if it asked for hints.
+    fn nudge_due(&self, p: &Partial) -> Option<Timestamp> {
+        self.wants_hints(p.conn).then(|| {
+            let last = self
+                .nudged
+                .get(&p.conn)
+                .map_or(p.posted, |&at| at.max(p.posted));
+            last + NUDGE_AFTER
+        })
     }
 
     /// Nudges every consumer that is due (see [`Self::next_nudge`]) with an empty heartbeat:
@@ -1468,14 +1472,7 @@ impl Driver {
         let due: HashSet<ConnId> = self
             .partials
             .values()
-            .filter(|p| self.wants_hints(p.conn))
-            .filter(|p| {
-                let last = self
-                    .nudged
-                    .get(&p.conn)
-                    .map_or(p.posted, |&at| at.max(p.posted));
-                last + NUDGE_AFTER <= now
-            })
+            .filter(|p| self.nudge_due(p).is_some_and(|at| at <= now))
             .map(|p| p.conn)
             .collect();
         let message = Message::Heartbeat(Heartbeat {

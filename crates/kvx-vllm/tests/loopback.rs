@@ -182,6 +182,18 @@ fn decode(fabric: &LoopbackFabric, spec: LayoutSpec, lease: Duration) -> (Side, 
     )
 }
 
+/// Two prefill ranks (4-token blocks, HND, K and V apart), long leases.
+fn tp2_prefill(fabric: &LoopbackFabric) -> Prefill {
+    prefill(
+        fabric,
+        2,
+        4,
+        MemoryOrder::Hnd,
+        Arrangement::PerLayerSplit,
+        LONG,
+    )
+}
+
 /// One prefill rank and one decode rank with the same small layout (4-token blocks, NHD, K and V
 /// apart), long leases.
 fn simple_pair(fabric: &LoopbackFabric) -> (Prefill, Side, Consumer) {
@@ -405,14 +417,7 @@ fn push_with_finishing_hints_reads_the_transport_when_the_producers_say() {
     // transport only once a producer rank said its final writes begin: with heartbeats a
     // minute apart, nothing else would wake it for the notices.
     let fabric = LoopbackFabric::new();
-    let pre = prefill(
-        &fabric,
-        2,
-        4,
-        MemoryOrder::Hnd,
-        Arrangement::PerLayerSplit,
-        LONG,
-    );
+    let pre = tp2_prefill(&fabric);
     let c_spec = spec(1, 0, 8, MemoryOrder::Nhd, Arrangement::PerLayerSplit);
     let (dec, cache) = Side::new(c_spec.clone());
     let mut c = config(2);
@@ -458,14 +463,7 @@ fn push_with_finishing_hints_reads_the_transport_when_the_producers_say() {
 #[test]
 fn pull_reads_then_frees_the_producer_blocks() {
     let fabric = LoopbackFabric::new();
-    let pre = prefill(
-        &fabric,
-        2,
-        4,
-        MemoryOrder::Hnd,
-        Arrangement::PerLayerSplit,
-        LONG,
-    );
+    let pre = tp2_prefill(&fabric);
     let (dec, consumer) = decode(
         &fabric,
         spec(1, 0, 4, MemoryOrder::Hnd, Arrangement::PerLayerSplit),
