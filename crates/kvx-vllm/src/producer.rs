@@ -1483,8 +1483,11 @@ impl Driver {
         for conn in due {
             self.nudged.insert(conn, now);
             if let Some(c) = self.conns.get(&conn) {
-                if let Err(e) = c.sender.send(&message) {
-                    debug!(conn, error = %e, "cannot nudge the consumer");
+                match c.sender.send(&message) {
+                    Ok(()) => {
+                        self.stats.nudges.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(e) => debug!(conn, error = %e, "cannot nudge the consumer"),
                 }
             }
         }

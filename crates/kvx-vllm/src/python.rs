@@ -190,6 +190,7 @@ fn stats_dict<'py>(py: Python<'py>, s: StatsSnapshot) -> PyResult<Bound<'py, PyD
     d.set_item("bytes_written", s.bytes_written)?;
     d.set_item("bytes_streamed", s.bytes_streamed)?;
     d.set_item("finishing_hints", s.finishing_hints)?;
+    d.set_item("nudges", s.nudges)?;
     Ok(d)
 }
 
@@ -421,7 +422,7 @@ impl PyProducer {
     }
 
     /// Counters: held, transfers_started, transfers_ok, transfers_failed, bytes_written,
-    /// bytes_streamed, finishing_hints.
+    /// bytes_streamed, finishing_hints, nudges.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.with(Producer::stats)?;
         stats_dict(py, s)

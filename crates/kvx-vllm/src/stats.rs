@@ -12,6 +12,7 @@ pub(crate) struct Stats {
     pub(crate) bytes_written: AtomicU64,
     pub(crate) bytes_streamed: AtomicU64,
     pub(crate) finishing_hints: AtomicU64,
+    pub(crate) nudges: AtomicU64,
 }
 
 /// A copy of a side's counters.
@@ -32,6 +33,9 @@ pub struct StatsSnapshot {
     pub bytes_streamed: u64,
     /// `Finishing` hints sent (producer) or received (consumer).
     pub finishing_hints: u64,
+    /// Empty heartbeats sent to make a consumer that takes hints read its transport, because
+    /// an early write to it waited (producer).
+    pub nudges: u64,
 }
 
 impl Stats {
@@ -44,6 +48,7 @@ impl Stats {
             bytes_written: self.bytes_written.load(Ordering::Relaxed),
             bytes_streamed: self.bytes_streamed.load(Ordering::Relaxed),
             finishing_hints: self.finishing_hints.load(Ordering::Relaxed),
+            nudges: self.nudges.load(Ordering::Relaxed),
         }
     }
 }

@@ -2,7 +2,9 @@
 //! ratios, memory-order re-layout, pull mode, and the failure paths (leases, aborts, cancels, a
 //! dead prefill, bad blocks, an unreachable peer). Every delivered byte is verified.
 
+use std::collections::HashMap;
 use std::net::{SocketAddr, TcpListener};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -13,6 +15,7 @@ use kvx_layout::synth::{fill_request, for_each_head_vector_in, head_vector, veri
 use kvx_layout::Layout;
 use kvx_rdma::loopback::LoopbackFabric;
 use kvx_rdma::region::{HostBuffer, LocalRegion};
+use kvx_rdma::{Capabilities, Event, Notice, OpId, PeerId, Transport};
 use kvx_rendezvous::{AttemptKey, Reason};
 use kvx_vllm::{
     ConnectorConfig, Consumer, FinishedSending, KvCache, Producer, PullRequest, PushRequest,
@@ -1287,4 +1290,206 @@ fn cancel_waits_for_a_silent_producer_until_the_quiesce_timeout() {
         }
         other => panic!("{other:?}"),
     }
+}
+
+/// Counts the reads (polls and waits) of a decode endpoint.
+struct CountedReads {
+    inner: Box<dyn Transport>,
+    reads: Arc<AtomicU64>,
+}
+
+/// A prefill endpoint whose writes without a notice (early writes) report done only once the
+/// decode endpoint has been read after they were posted, as `shm`'s writes do when they need
+/// the target's progress (a full command queue, small pieces).
+struct ReadGatedWrites {
+    inner: Box<dyn Transport>,
+    reads: Arc<AtomicU64>,
+    /// Early writes not reported yet: the decode reads counted when each was posted.
+    gated: HashMap<OpId, u64>,
+    held: Vec<Event>,
+}
+
+impl ReadGatedWrites {
+    /// Moves the gated completions out of `events` (from `first` on) and puts back those whose
+    /// decode endpoint has been read since; returns how many events `events` gained.
+    fn gate(&mut self, events: &mut Vec<Event>, first: usize) -> usize {
+        let reads = self.reads.load(Ordering::SeqCst);
+        let fresh: Vec<Event> = events.drain(first..).collect();
+        for event in fresh {
+            match event {
+                Event::WriteDone { op, .. } if self.gated.contains_key(&op) => {
+                    self.held.push(event);
+                }
+                other => events.push(other),
+            }
+        }
+        for event in std::mem::take(&mut self.held) {
+            let due = match &event {
+                Event::WriteDone { op, .. } => self.gated.get(op).is_some_and(|&at| reads > at),
+                _ => true,
+            };
+            if due {
+                if let Event::WriteDone { op, .. } = &event {
+                    self.gated.remove(op);
+                }
+                events.push(event);
+            } else {
+                self.held.push(event);
+            }
+        }
+        events.len() - first
+    }
+}
+
+macro_rules! forward_transport {
+    () => {
+        fn backend(&self) -> &'static str {
+            self.inner.backend()
+        }
+        fn capabilities(&self) -> Capabilities {
+            self.inner.capabilities()
+        }
+        fn register(
+            &mut self,
+            region: LocalRegion,
+        ) -> Result<kvx_core::RegionDesc, kvx_rdma::RegisterError> {
+            self.inner.register(region)
+        }
+        fn deregister(&mut self, index: u32) -> Result<(), kvx_rdma::DeregisterError> {
+            self.inner.deregister(index)
+        }
+        fn local_desc(&self) -> kvx_rdma::EndpointDesc {
+            self.inner.local_desc()
+        }
+        fn connect(
+            &mut self,
+            peer: &kvx_rdma::EndpointDesc,
+        ) -> Result<PeerId, kvx_rdma::ConnectError> {
+            self.inner.connect(peer)
+        }
+        fn read(
+            &mut self,
+            peer: PeerId,
+            ops: &[kvx_layout::CopyOp],
+        ) -> Result<OpId, kvx_rdma::ReadError> {
+            self.inner.read(peer, ops)
+        }
+        fn send(&mut self, peer: PeerId, message: &[u8]) -> Result<OpId, kvx_rdma::SendError> {
+            self.inner.send(peer, message)
+        }
+        fn waker(&self) -> Option<Arc<dyn kvx_rdma::Waker>> {
+            self.inner.waker()
+        }
+    };
+}
+
+impl Transport for CountedReads {
+    forward_transport!();
+    fn write(
+        &mut self,
+        peer: PeerId,
+        ops: &[kvx_layout::CopyOp],
+        notice: Option<Notice>,
+    ) -> Result<OpId, kvx_rdma::WriteError> {
+        self.inner.write(peer, ops, notice)
+    }
+    fn poll(&mut self, events: &mut Vec<Event>) -> Result<usize, kvx_rdma::PollError> {
+        self.reads.fetch_add(1, Ordering::SeqCst);
+        self.inner.poll(events)
+    }
+    fn wait(
+        &mut self,
+        events: &mut Vec<Event>,
+        timeout: Duration,
+    ) -> Result<usize, kvx_rdma::PollError> {
+        self.reads.fetch_add(1, Ordering::SeqCst);
+        self.inner.wait(events, timeout)
+    }
+}
+
+impl Transport for ReadGatedWrites {
+    forward_transport!();
+    fn write(
+        &mut self,
+        peer: PeerId,
+        ops: &[kvx_layout::CopyOp],
+        notice: Option<Notice>,
+    ) -> Result<OpId, kvx_rdma::WriteError> {
+        let op = self.inner.write(peer, ops, notice)?;
+        if notice.is_none() {
+            self.gated.insert(op, self.reads.load(Ordering::SeqCst));
+        }
+        Ok(op)
+    }
+    fn poll(&mut self, events: &mut Vec<Event>) -> Result<usize, kvx_rdma::PollError> {
+        let first = events.len();
+        self.inner.poll(events)?;
+        Ok(self.gate(events, first))
+    }
+    fn wait(
+        &mut self,
+        events: &mut Vec<Event>,
+        timeout: Duration,
+    ) -> Result<usize, kvx_rdma::PollError> {
+        let first = events.len();
+        self.inner.wait(events, timeout)?;
+        Ok(self.gate(events, first))
+    }
+}
+
+#[test]
+fn an_early_write_waiting_for_a_consumer_that_takes_hints_nudges_it() {
+    // Decode takes finishing hints and, with heartbeats a minute apart, reads its transport only
+    // when woken. Prefill's early write completes only once decode has read after it: without
+    // a nudge it would wait for the finish.
+    let fabric = LoopbackFabric::new();
+    let reads = Arc::new(AtomicU64::new(0));
+    let base = free_ports(1);
+    let (side, cache) = Side::new(spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit));
+    let mut c = config(1);
+    c.listen = base;
+    let gated = ReadGatedWrites {
+        inner: Box::new(fabric.endpoint()),
+        reads: Arc::clone(&reads),
+        gated: HashMap::new(),
+        held: Vec::new(),
+    };
+    let producer = Producer::start(c, cache, Box::new(gated)).unwrap();
+    let c_spec = spec(1, 0, 8, MemoryOrder::Nhd, Arrangement::PerLayerSplit);
+    let (dec, cache) = Side::new(c_spec);
+    let mut c = config(2);
+    c.heartbeat_interval = Duration::from_secs(60);
+    c.finishing_hints = Some(true);
+    let counted = CountedReads {
+        inner: Box::new(fabric.endpoint()),
+        reads: Arc::clone(&reads),
+    };
+    let consumer = Consumer::start(c, cache, Box::new(counted)).unwrap();
+    let tokens = 45;
+    let p_blocks = ids(10..22);
+    side.fill(&p_blocks, tokens);
+    let c_blocks: Vec<BlockId> = (0..6).map(|i| BlockId(40 - i)).collect();
+    let k = key(93, 0);
+    register_request(&consumer, base, k, RequestId(5), tokens, c_blocks.clone());
+    std::thread::sleep(Duration::from_millis(20));
+    // 21 tokens computed: their first two 8-token blocks of decode go early.
+    producer
+        .request_progress(k, p_blocks[..6].to_vec(), 21)
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while producer.stats().nudges == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the waiting consumer was never nudged"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert!(producer.stats().bytes_streamed > 0);
+    producer
+        .request_finished(k, RequestId(9), p_blocks.clone(), tokens)
+        .unwrap();
+    expect_ready(&consumer, k, RequestId(5));
+    dec.verify(&c_blocks, 0, tokens);
+    assert_eq!(wait_finished(&producer, 1)[0].outcome, SendOutcome::Sent);
+    assert_eq!(producer.stats().finishing_hints, 1);
 }
