@@ -87,6 +87,8 @@ pub mod region;
 pub mod topology;
 pub mod transport;
 pub mod validate;
+#[cfg(any(feature = "libfabric", feature = "cuda", feature = "cma"))]
+mod wake;
 
 pub use desc::{DescError, EndpointDesc, NoticeSlot};
 pub use error::{

@@ -1,20 +1,21 @@
 //! The control plane of the same-host backends (`cuda-ipc`, `cma`): a Unix stream socket per
 //! endpoint in the abstract namespace (nothing left on disk) that carries framed completion
 //! notices and control messages, the completions a backend's worker thread reports, and the
-//! blocking wait over all of it (`poll(2)` on the listener, the connections and a wake pipe: no
-//! thread spins).
+//! blocking wait over all of it (`poll(2)` on the listener, the connections and a wake-up
+//! `eventfd`: no thread spins).
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{ErrorKind, Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::AsRawFd;
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use crate::error::{OpError, PollError, SendError};
 use crate::transport::{Event, Notice, OpId, OpKind, PeerId, Waker};
+use crate::wake::WakeSignal;
 
 /// Longest control message.
 pub(crate) const MAX_MESSAGE_LEN: usize = 64 << 10;
@@ -122,36 +123,27 @@ pub(crate) fn encode_head(magic: [u8; 4], version: u8, who: &Identity) -> Vec<u8
     out
 }
 
-/// Operations finished by a backend's worker, with their outcome; the pipe wakes `wait`.
+/// Operations finished by a backend's worker, with their outcome; its signal wakes `wait`.
 pub(crate) struct Completions {
     done: Mutex<Vec<(u64, Result<(), OpError>)>>,
-    wake: OwnedFd,
-    /// Set by [`Waker::wake`]: the next wait returns even without events.
-    woken: AtomicBool,
+    /// Rung when operations finish; raised by [`Waker::wake`].
+    signal: WakeSignal,
 }
 
 impl Waker for Completions {
     fn wake(&self) {
-        self.woken.store(true, Ordering::SeqCst);
-        self.ring();
+        self.signal.wake();
     }
 }
 
 impl Completions {
-    /// Makes the endpoint's wait descriptor readable.
-    fn ring(&self) {
-        // SAFETY: writes one byte from a live local to an fd this struct owns; a full pipe
-        // (EAGAIN) already guarantees a wake-up.
-        let _ = unsafe { libc::write(self.wake.as_raw_fd(), [1u8].as_ptr().cast(), 1) };
-    }
-
     /// Reports finished operations and wakes the endpoint once.
     pub(crate) fn push_all(&self, results: impl IntoIterator<Item = (u64, Result<(), OpError>)>) {
         self.done
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .extend(results);
-        self.ring();
+        self.signal.ring();
     }
 }
 
@@ -282,13 +274,12 @@ struct Inbound {
     buf: Vec<u8>,
 }
 
-/// An endpoint's socket, its accepted connections and its completion pipe.
+/// An endpoint's socket, its accepted connections and its completions.
 pub(crate) struct Control {
     identity: Identity,
     listener: UnixListener,
     inbound: Vec<Inbound>,
     completions: Arc<Completions>,
-    wake_rx: OwnedFd,
 }
 
 impl Control {
@@ -307,14 +298,6 @@ impl Control {
         let listener =
             UnixListener::bind_addr(&SocketAddr::from_abstract_name(socket.as_bytes())?)?;
         listener.set_nonblocking(true)?;
-        let mut fds = [0 as RawFd; 2];
-        // SAFETY: `fds` has room for the two descriptors pipe2 returns.
-        if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_NONBLOCK | libc::O_CLOEXEC) } != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: pipe2 returned two fresh descriptors that nothing else owns.
-        let (wake_rx, wake_tx) =
-            unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
         Ok(Self {
             identity: Identity {
                 pid,
@@ -325,10 +308,8 @@ impl Control {
             inbound: Vec::new(),
             completions: Arc::new(Completions {
                 done: Mutex::new(Vec::new()),
-                wake: wake_tx,
-                woken: AtomicBool::new(false),
+                signal: WakeSignal::new()?,
             }),
-            wake_rx,
         })
     }
 
@@ -385,16 +366,7 @@ impl Control {
 
     /// The operations finished since the last call.
     pub(crate) fn completed(&mut self) -> Vec<(u64, Result<(), OpError>)> {
-        let mut drain = [0u8; 256];
-        // SAFETY: reads into a live local buffer from the pipe's read end (non-blocking).
-        while unsafe {
-            libc::read(
-                self.wake_rx.as_raw_fd(),
-                drain.as_mut_ptr().cast(),
-                drain.len(),
-            )
-        } > 0
-        {}
+        self.completions.signal.clear_fd();
         std::mem::take(
             &mut *self
                 .completions
@@ -406,7 +378,7 @@ impl Control {
 
     /// Blocks until a connection, a frame or a completion may be ready, or `timeout` passes.
     pub(crate) fn block(&self, timeout: Duration) -> std::io::Result<()> {
-        let mut fds: Vec<libc::pollfd> = [self.listener.as_raw_fd(), self.wake_rx.as_raw_fd()]
+        let mut fds: Vec<libc::pollfd> = [self.listener.as_raw_fd(), self.completions.signal.fd()]
             .into_iter()
             .chain(self.inbound.iter().map(|i| i.conn.as_raw_fd()))
             .map(|fd| libc::pollfd {
@@ -625,9 +597,9 @@ pub(crate) fn wait<T: SameHost>(
         }
         let mut slice = deadline - now;
         let (control, ledger) = transport.parts();
-        // Checked after the poll, which drained the wake-up pipe: a wake from now on leaves a
-        // byte there, so the block below returns.
-        if control.completions.woken.swap(false, Ordering::SeqCst) {
+        // Checked after the poll, which emptied the wake-up descriptor: a wake from now on makes
+        // it readable, so the block below returns.
+        if control.completions.signal.take() {
             return Ok(0);
         }
         if ledger.busy() {

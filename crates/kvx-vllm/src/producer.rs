@@ -1482,14 +1482,7 @@ impl Driver {
         });
         for conn in due {
             self.nudged.insert(conn, now);
-            if let Some(c) = self.conns.get(&conn) {
-                match c.sender.send(&message) {
-                    Ok(()) => {
-                        self.stats.nudges.fetch_add(1, Ordering::Relaxed);
-                    }
-                    Err(e) => debug!(conn, error = %e, "cannot nudge the consumer"),
-                }
-            }
+            self.send_counted(conn, &message, &self.stats.nudges);
         }
         let partials = &self.partials;
         self.nudged
@@ -1507,22 +1500,27 @@ impl Driver {
     /// Tells a consumer rank that asked for it that the final writes of `dest` begin (before
     /// any wait for early writes), so that it reads its transport until the notice.
     fn hint_finishing(&self, dest: &Dest) {
-        let Some(c) = self.conns.get(&dest.conn) else {
+        if self.wants_hints(dest.conn) {
+            let message = Message::Finishing(Finishing {
+                transfer: dest.key.transfer,
+                attempt: dest.key.attempt,
+                producer_rank: self.rank,
+            });
+            self.send_counted(dest.conn, &message, &self.stats.finishing_hints);
+        }
+    }
+
+    /// Sends `message` on `conn` (if it is still open) and counts it in `sent`; a hint or a
+    /// nudge that cannot be sent needs no more: the closed connection fails what it served.
+    fn send_counted(&self, conn: ConnId, message: &Message, sent: &AtomicU64) {
+        let Some(c) = self.conns.get(&conn) else {
             return;
         };
-        if !c.consumer.as_ref().is_some_and(|c| c.finishing_hints) {
-            return;
-        }
-        let message = Message::Finishing(Finishing {
-            transfer: dest.key.transfer,
-            attempt: dest.key.attempt,
-            producer_rank: self.rank,
-        });
-        match c.sender.send(&message) {
+        match c.sender.send(message) {
             Ok(()) => {
-                self.stats.finishing_hints.fetch_add(1, Ordering::Relaxed);
+                sent.fetch_add(1, Ordering::Relaxed);
             }
-            Err(e) => debug!(key = %dest.key, error = %e, "cannot send the finishing hint"),
+            Err(e) => debug!(conn, kind = ?message.kind(), error = %e, "cannot send"),
         }
     }
 

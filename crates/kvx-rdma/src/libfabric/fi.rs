@@ -1125,19 +1125,6 @@ extern "C" {
     fn poll(fds: *mut PollFd, nfds: std::os::raw::c_ulong, timeout: i32) -> i32;
 }
 
-/// Whether `fd` is readable now (poll(2) without waiting).
-#[cfg(test)]
-pub(crate) fn readable(fd: i32) -> bool {
-    let mut set = PollFd {
-        fd,
-        events: POLLIN,
-        revents: 0,
-    };
-    // SAFETY: one initialised pollfd that lives across the call.
-    let n = unsafe { poll(&mut set, 1, 0) };
-    n == 1 && set.revents & POLLIN != 0
-}
-
 /// Blocks in poll(2) until one of `fds` is readable or `timeout_ms` passes (an interrupted call
 /// returns early, as a timeout does).
 pub(crate) fn poll_readable(fds: &[i32], timeout_ms: i32) {

@@ -68,7 +68,6 @@ pub mod rails;
 mod shm_cma;
 mod shm_sweep;
 pub mod stripe;
-mod wake;
 
 use std::collections::{HashMap, VecDeque};
 use std::ffi::c_void;
@@ -88,12 +87,12 @@ use crate::error::{
 use crate::region::{HostBuffer, LocalRegion};
 use crate::transport::{Capabilities, Event, Notice, OpId, OpKind, PeerId, Transport, Waker};
 use crate::validate::check_ops;
+use crate::wake::WakeSignal;
 use address::PeerRails;
 use fi::{CqRead, FabricError, FiErrno};
 pub use rails::{select_rails, RailFallback, RailSelection};
 pub use shm_cma::cma_usable as shm_uses_cma;
 pub use stripe::DEFAULT_STRIPE_THRESHOLD;
-use wake::WakeSignal;
 
 /// Backend name of libfabric endpoints.
 pub const BACKEND: &str = "libfabric";
@@ -136,6 +135,19 @@ const MAX_IDLE_SLEEP: Duration = Duration::from_micros(200);
 /// that a wake-up is seen this soon; also the longest `poll(2)` after a `fi_trywait` that failed
 /// for another reason than lack of support.
 const WAKE_SLICE_MS: i32 = 1;
+
+/// After a read of queues without a wait object: when it found nothing and did no work
+/// (`idle`), sleep `idle_sleep` (at most `timeout_ms`) and double it up to [`MAX_IDLE_SLEEP`];
+/// otherwise start again from [`MIN_IDLE_SLEEP`].
+fn rest_if_idle(idle_sleep: &mut Duration, idle: bool, timeout_ms: i32) {
+    if idle {
+        let limit = Duration::from_millis(u64::try_from(timeout_ms.max(0)).unwrap_or(0));
+        std::thread::sleep((*idle_sleep).min(limit));
+        *idle_sleep = (*idle_sleep * 2).min(MAX_IDLE_SLEEP);
+    } else {
+        *idle_sleep = MIN_IDLE_SLEEP;
+    }
+}
 
 /// Which rails an endpoint opens.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -1550,14 +1562,9 @@ impl LibfabricTransport {
         }
         let started = thread_cpu_time();
         let n = self.drain_all()?;
-        if n == 0 && thread_cpu_time().saturating_sub(started) < BUSY_READ * self.rails.len() as u32
-        {
-            let limit = Duration::from_millis(u64::try_from(timeout_ms.max(0)).unwrap_or(0));
-            std::thread::sleep(self.idle_sleep.min(limit));
-            self.idle_sleep = (self.idle_sleep * 2).min(MAX_IDLE_SLEEP);
-        } else {
-            self.idle_sleep = MIN_IDLE_SLEEP;
-        }
+        let idle = n == 0
+            && thread_cpu_time().saturating_sub(started) < BUSY_READ * self.rails.len() as u32;
+        rest_if_idle(&mut self.idle_sleep, idle, timeout_ms);
         Ok(())
     }
 
@@ -1575,15 +1582,9 @@ impl LibfabricTransport {
                 // writes, which produces no completion): then go straight back to it.
                 let started = thread_cpu_time();
                 let read = cq.read(&mut entries);
-                if matches!(read, CqRead::Empty)
-                    && thread_cpu_time().saturating_sub(started) < BUSY_READ
-                {
-                    let limit = Duration::from_millis(u64::try_from(ms.max(0)).unwrap_or(0));
-                    std::thread::sleep(self.idle_sleep.min(limit));
-                    self.idle_sleep = (self.idle_sleep * 2).min(MAX_IDLE_SLEEP);
-                } else {
-                    self.idle_sleep = MIN_IDLE_SLEEP;
-                }
+                let idle = matches!(read, CqRead::Empty)
+                    && thread_cpu_time().saturating_sub(started) < BUSY_READ;
+                rest_if_idle(&mut self.idle_sleep, idle, ms);
                 read
             }
             None => cq.read(&mut entries),

@@ -1,7 +1,8 @@
-//! Waking a thread in [`Transport::wait`](crate::Transport::wait) of a libfabric endpoint from
-//! another thread, without calling into libfabric (whose objects that thread owns under
-//! `FI_THREAD_DOMAIN`): a flag that the wait loop checks between reads, and an `eventfd` that
-//! sits in the wait's `poll(2)` set beside the rails' wait descriptors.
+//! Waking a thread in [`Transport::wait`](crate::Transport::wait) from another thread: a flag
+//! that the wait loop checks, and an `eventfd` that sits in the wait's `poll(2)` set (beside the
+//! rails' wait descriptors on libfabric, the control socket and its connections on the
+//! same-host backends). Nothing here calls into a backend, whose objects the waiting thread
+//! owns.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -62,6 +63,14 @@ impl WakeSignal {
 impl Waker for WakeSignal {
     fn wake(&self) {
         self.woken.store(true, Ordering::SeqCst);
+        self.ring();
+    }
+}
+
+impl WakeSignal {
+    /// Makes the descriptor readable without raising the flag (news for the waiting thread to
+    /// read, such as finished operations, rather than a wake-up).
+    pub(crate) fn ring(&self) {
         let one = 1u64;
         // SAFETY: writes 8 bytes from a live local to a descriptor this value owns; the only
         // failure (a counter at its maximum) leaves the descriptor readable, as wanted.
@@ -79,15 +88,33 @@ impl Waker for WakeSignal {
 mod tests {
     use super::*;
 
+    /// Whether `fd` is readable now.
+    fn readable(fd: RawFd) -> bool {
+        let mut set = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one initialised pollfd that lives across the call.
+        let n = unsafe { libc::poll(&mut set, 1, 0) };
+        n == 1 && set.revents & libc::POLLIN != 0
+    }
+
     #[test]
     fn a_wake_is_taken_once_and_leaves_the_descriptor_empty() {
         let signal = WakeSignal::new().unwrap();
         assert!(!signal.take());
         signal.wake();
         signal.wake();
-        assert!(super::super::fi::readable(signal.fd()));
+        assert!(readable(signal.fd()));
         assert!(signal.take());
         assert!(!signal.take());
-        assert!(!super::super::fi::readable(signal.fd()));
+        assert!(!readable(signal.fd()));
+        // A ring is news to read, not a wake-up.
+        signal.ring();
+        assert!(readable(signal.fd()));
+        assert!(!signal.take());
+        signal.clear_fd();
+        assert!(!readable(signal.fd()));
     }
 }
