@@ -810,6 +810,15 @@ impl<P, R> Matcher<P, R> {
         })
     }
 
+    /// Whether the matcher still has an entry for `key` (either half held, or its transfer in
+    /// flight). O(1): drivers use it to forget keys they tracked for entries now gone.
+    #[must_use]
+    pub fn is_live(&self, key: AttemptKey) -> bool {
+        self.records
+            .get(&key.transfer)
+            .is_some_and(|record| record.attempt == key.attempt)
+    }
+
     /// The destination of the registration held for `key`: that attempt registered, is not yet
     /// matched with its prefill, and its lease has not run out by the latest time seen. A driver
     /// may write the KV already computed there ahead of [`Matcher::prefill_done`] (streaming),
@@ -1348,6 +1357,25 @@ mod tests {
         m.prefill_done(secs(6), key(2, 0), "src");
         // Matched: in flight, not held.
         assert_eq!(m.held_registration(key(2, 0)), None);
+    }
+
+    #[test]
+    fn an_entry_is_live_from_its_first_half_until_it_ends() {
+        let mut m = M::new(Config::default()).unwrap();
+        m.register(secs(0), key(1, 0), C, Duration::from_secs(5), "dst");
+        assert!(m.is_live(key(1, 0)));
+        assert!(!m.is_live(key(1, 1)), "another attempt is another entry");
+        m.prefill_done(secs(1), key(1, 0), "src");
+        assert!(m.is_live(key(1, 0)), "in flight");
+        m.transfer_finished(secs(1), key(1, 0), TransferOutcome::Succeeded);
+        assert!(!m.is_live(key(1, 0)), "finished");
+        m.register(secs(1), key(2, 0), C, Duration::from_secs(5), "d2");
+        m.handle_timeout(secs(7));
+        assert!(!m.is_live(key(2, 0)), "its lease ran out");
+        m.prefill_done(secs(7), key(3, 0), "s3");
+        assert!(m.is_live(key(3, 0)));
+        m.abort(secs(7), TransferId(3), None, Reason::Aborted);
+        assert!(!m.is_live(key(3, 0)), "aborted");
     }
 
     #[test]

@@ -101,7 +101,44 @@ struct Consumer {
 struct Conn {
     sender: ControlSender,
     consumer: Option<Consumer>,
+    /// The matcher keys of the registrations that came over this connection, to abort if it
+    /// closes. Those that ended are forgotten in batches (see [`Conn::remember`]).
     keys: HashSet<AttemptKey>,
+    /// The size at which [`Conn::remember`] next forgets the keys that ended.
+    forget_at: usize,
+}
+
+/// The fewest remembered keys at which a connection forgets those that ended.
+const FORGET_AT_LEAST: usize = 64;
+
+impl Conn {
+    fn new(sender: ControlSender, consumer: Option<Consumer>) -> Self {
+        Self {
+            sender,
+            consumer,
+            keys: HashSet::new(),
+            forget_at: FORGET_AT_LEAST,
+        }
+    }
+
+    /// Remembers `key`, first forgetting the keys the matcher no longer has once the set has
+    /// doubled since the last time: amortised O(1), and the set stays within twice this
+    /// connection's live registrations (or [`FORGET_AT_LEAST`]) however long it lives.
+    fn remember<P, R>(&mut self, key: AttemptKey, matcher: &Matcher<P, R>, stats: &Stats) {
+        if self.keys.len() >= self.forget_at {
+            let before = self.keys.len();
+            self.keys.retain(|k| matcher.is_live(*k));
+            stats
+                .remembered_registrations
+                .fetch_sub((before - self.keys.len()) as u64, Ordering::Relaxed);
+            self.forget_at = (2 * self.keys.len()).max(FORGET_AT_LEAST);
+        }
+        if self.keys.insert(key) {
+            stats
+                .remembered_registrations
+                .fetch_add(1, Ordering::Relaxed);
+        }
+    }
 }
 
 struct Flight {
@@ -789,20 +826,16 @@ impl Driver {
                         None
                     }
                 };
-                self.conns.insert(
-                    conn,
-                    Conn {
-                        sender,
-                        consumer,
-                        keys: HashSet::new(),
-                    },
-                );
+                self.conns.insert(conn, Conn::new(sender, consumer));
             }
             Command::Peer(conn, message) => self.peer_message(conn, message),
             Command::PeerClosed(conn, why) => {
                 if let Some(c) = self.conns.remove(&conn) {
                     debug!(conn, why, "consumer connection closed");
                     // The consumer is gone: its registrations will never be served.
+                    self.stats
+                        .remembered_registrations
+                        .fetch_sub(c.keys.len() as u64, Ordering::Relaxed);
                     for key in c.keys {
                         self.matcher
                             .abort(now, key.transfer, Some(key.attempt), Reason::Aborted);
@@ -973,9 +1006,9 @@ impl Driver {
                 return;
             }
         };
-        c.keys.insert(rank_key(key, reg.consumer_rank));
-        let lease = Duration::from_millis(u64::from(reg.lease_ms));
         let id = consumer.id;
+        c.remember(rank_key(key, reg.consumer_rank), &self.matcher, &self.stats);
+        let lease = Duration::from_millis(u64::from(reg.lease_ms));
         self.matcher.register(
             now,
             rank_key(key, reg.consumer_rank),

@@ -191,6 +191,7 @@ fn stats_dict<'py>(py: Python<'py>, s: StatsSnapshot) -> PyResult<Bound<'py, PyD
     d.set_item("bytes_streamed", s.bytes_streamed)?;
     d.set_item("finishing_hints", s.finishing_hints)?;
     d.set_item("nudges", s.nudges)?;
+    d.set_item("remembered_registrations", s.remembered_registrations)?;
     Ok(d)
 }
 

@@ -13,6 +13,7 @@ pub(crate) struct Stats {
     pub(crate) bytes_streamed: AtomicU64,
     pub(crate) finishing_hints: AtomicU64,
     pub(crate) nudges: AtomicU64,
+    pub(crate) remembered_registrations: AtomicU64,
 }
 
 /// A copy of a side's counters.
@@ -36,6 +37,10 @@ pub struct StatsSnapshot {
     /// Empty heartbeats sent to make a consumer that takes hints read its transport, because
     /// an early write to it waited (producer).
     pub nudges: u64,
+    /// Registrations the producer's consumer connections remember, to abort them if their
+    /// consumer disconnects: those still live, plus at most as many that ended since the last
+    /// clean-up (a gauge that stays bounded however long a connection lives).
+    pub remembered_registrations: u64,
 }
 
 impl Stats {
@@ -49,6 +54,7 @@ impl Stats {
             bytes_streamed: self.bytes_streamed.load(Ordering::Relaxed),
             finishing_hints: self.finishing_hints.load(Ordering::Relaxed),
             nudges: self.nudges.load(Ordering::Relaxed),
+            remembered_registrations: self.remembered_registrations.load(Ordering::Relaxed),
         }
     }
 }

@@ -464,6 +464,26 @@ fn push_with_finishing_hints_reads_the_transport_when_the_producers_say() {
 }
 
 #[test]
+fn a_long_lived_connection_forgets_the_registrations_that_ended() {
+    let fabric = LoopbackFabric::new();
+    let (pre, dec, consumer) = simple_pair(&fabric);
+    let producer = &pre.producers[0];
+    pre.sides[0].fill(&ids(10..12), 8);
+    for t in 0..200 {
+        let k = key(1000 + t, 0);
+        register(&consumer, pre.base, k, 8, ids(20..22));
+        pre.finish(k, &ids(10..12), 8);
+        expect_ready(&consumer, k, RequestId(1));
+        assert_eq!(wait_finished(producer, 1)[0].outcome, SendOutcome::Sent);
+    }
+    dec.verify(&ids(20..22), 0, 8);
+    // All 200 came over one connection and all ended: it remembers at most the 64 it keeps
+    // before it next forgets, not the whole history.
+    let remembered = producer.stats().remembered_registrations;
+    assert!(remembered <= 64, "{remembered} registrations remembered");
+}
+
+#[test]
 fn pull_reads_then_frees_the_producer_blocks() {
     let fabric = LoopbackFabric::new();
     let pre = tp2_prefill(&fabric);
