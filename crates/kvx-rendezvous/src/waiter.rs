@@ -169,6 +169,12 @@ impl<D> Waiter<D> {
         self.waits.keys().copied()
     }
 
+    /// The attempt of `transfer` waited for now, if any (O(1)).
+    #[must_use]
+    pub fn attempt_of(&self, transfer: TransferId) -> Option<Attempt> {
+        self.waits.get(&transfer).map(|wait| wait.attempt)
+    }
+
     /// Every attempt waited for with its deadline (O(n), for metrics and tests).
     pub fn entries(&self) -> impl Iterator<Item = (AttemptKey, Timestamp)> + '_ {
         self.waits

@@ -80,9 +80,10 @@ enum Command {
         transfer: TransferId,
         attempt: Option<Attempt>,
     },
-    /// A message from one rank of a prefill instance.
-    Peer(SocketAddr, Rank, Message),
-    PeerClosed(SocketAddr, String),
+    /// A message from one rank of a prefill instance, over connection `ConnId`.
+    Peer(SocketAddr, Rank, ConnId, Message),
+    /// That connection closed.
+    PeerClosed(SocketAddr, Rank, ConnId, String),
     Shutdown,
 }
 
@@ -116,7 +117,12 @@ impl Quiescing {
     }
 }
 
+/// Which control connection a reader thread serves: commands from a connection that was since
+/// replaced (its instance lost and reconnected) are ignored.
+type ConnId = u64;
+
 struct RankConn {
+    id: ConnId,
     sender: ControlSender,
     hello: Hello,
     layout: Layout,
@@ -207,6 +213,7 @@ impl Consumer {
             reads: HashMap::new(),
             quiescing: HashMap::new(),
             next_notice: 1,
+            next_conn: 0,
             next_heartbeat: None,
             tx: tx.clone(),
             events: Arc::clone(&events),
@@ -316,6 +323,8 @@ struct Driver {
     reads: HashMap<OpId, (AttemptKey, Rank)>,
     quiescing: HashMap<AttemptKey, Quiescing>,
     next_notice: u64,
+    /// The id of the next control connection.
+    next_conn: ConnId,
     next_heartbeat: Option<Timestamp>,
     tx: CommandSender<Command>,
     events: Arc<Mutex<Vec<(RecvEvent, SystemTime)>>>,
@@ -406,20 +415,39 @@ impl Driver {
                 let now = self.clock.now();
                 self.waiter.cancel(now, transfer, attempt, Reason::Aborted);
             }
-            Command::Peer(addr, rank, message) => self.peer_message(addr, rank, message),
-            Command::PeerClosed(addr, why) => self.instance_lost(&addr, &why),
+            Command::Peer(addr, rank, conn, message) => {
+                if self.is_current(addr, rank, conn) {
+                    self.peer_message(addr, rank, message);
+                }
+            }
+            Command::PeerClosed(addr, rank, conn, why) => {
+                // The other ranks' readers report their closing too, after `instance_lost`
+                // closed them: by then the instance may have been reconnected for a new
+                // request, which their late reports must not fail.
+                if self.is_current(addr, rank, conn) {
+                    self.instance_lost(&addr, &why);
+                }
+            }
             Command::Shutdown => {}
         }
+    }
+
+    /// Whether `conn` is the live control connection to `rank` of `instance`.
+    fn is_current(&self, instance: SocketAddr, rank: Rank, conn: ConnId) -> bool {
+        self.instances
+            .get(&instance)
+            .and_then(|i| i.ranks.get(&rank))
+            .is_some_and(|c| c.id == conn)
     }
 
     /// Connects to every rank of `instance` that `writers` names (and to rank 0 to learn the
     /// instance's TP size), handshaking once per rank.
     fn connect_rank(&mut self, instance: SocketAddr, rank: Rank) -> Result<(), String> {
-        let entry = self.instances.entry(instance).or_insert_with(|| Instance {
-            ranks: HashMap::new(),
-            waiting: HashSet::new(),
-        });
-        if entry.ranks.contains_key(&rank) {
+        if self
+            .instances
+            .get(&instance)
+            .is_some_and(|i| i.ranks.contains_key(&rank))
+        {
             return Ok(());
         }
         let addr = common::rank_addr(instance, rank);
@@ -463,19 +491,27 @@ impl Driver {
         let layout = Layout::new(hello.layout.clone()).map_err(|e| e.to_string())?;
         // A restarted rank closes its connection (the instance is then dropped and reconnected
         // with the new incarnation's hello), so a live connection's metadata is current.
-        let entry = self.instances.get_mut(&instance).expect("inserted above");
         let tx = self.tx.clone();
+        let id = self.next_conn;
+        self.next_conn += 1;
         let sender = control::start(stream, format!("kvx-ctl-{addr}"), move |result| {
             let command = match result {
-                Ok(m) => Command::Peer(instance, rank, m),
-                Err(e) => Command::PeerClosed(instance, e.to_string()),
+                Ok(m) => Command::Peer(instance, rank, id, m),
+                Err(e) => Command::PeerClosed(instance, rank, id, e.to_string()),
             };
             tx.send(command).is_ok()
         })
         .map_err(|e| e.to_string())?;
+        // The instance is known once a rank of it is connected: a prefill that cannot be
+        // reached leaves nothing behind.
+        let entry = self.instances.entry(instance).or_insert_with(|| Instance {
+            ranks: HashMap::new(),
+            waiting: HashSet::new(),
+        });
         entry.ranks.insert(
             rank,
             RankConn {
+                id,
                 sender,
                 hello,
                 layout,
@@ -500,18 +536,46 @@ impl Driver {
 
     fn start(&mut self, request: PushRequest, producer_blocks: Option<Vec<BlockId>>) {
         let key = request.key;
-        match self.try_start(&request, producer_blocks) {
-            Ok(()) => {}
-            Err(detail) => {
-                warn!(%key, detail, "request cannot be served");
-                self.push_event(RecvEvent::Failed {
-                    key,
-                    request: request.request,
-                    reason: Reason::PeerFailed,
-                    detail,
-                });
+        let result = match self.refusal(key) {
+            Some(refused) => Err(refused),
+            None => self
+                .try_start(&request, producer_blocks)
+                .map_err(|detail| (Reason::PeerFailed, detail)),
+        };
+        if let Err((reason, detail)) = result {
+            warn!(%key, detail, "request cannot be served");
+            self.push_event(RecvEvent::Failed {
+                key,
+                request: request.request,
+                reason,
+                detail,
+            });
+        }
+    }
+
+    /// Why `key` cannot be waited for, if it cannot: checked before anything is sent, since a
+    /// second wait for an attempt would share the first one's notices and release.
+    fn refusal(&self, key: AttemptKey) -> Option<(Reason, String)> {
+        if let Some(waited) = self.waiter.attempt_of(key.transfer) {
+            if key.attempt == waited {
+                return Some((
+                    Reason::Duplicate,
+                    "this attempt is already waited for".into(),
+                ));
+            }
+            if key.attempt < waited {
+                return Some((
+                    Reason::Stale,
+                    format!("attempt {} of this transfer is waited for", waited.0),
+                ));
             }
         }
+        self.quiescing.contains_key(&key).then(|| {
+            (
+                Reason::Duplicate,
+                "this attempt failed and its blocks are still being released".into(),
+            )
+        })
     }
 
     fn try_start(
@@ -522,6 +586,8 @@ impl Driver {
         let now = self.clock.now();
         let key = request.key;
         let instance = request.prefill;
+        let num_tokens = u32::try_from(request.num_tokens).map_err(|_| "too many tokens")?;
+        let skip_tokens = u32::try_from(request.skip_tokens).map_err(|_| "too many tokens")?;
         let writers = self.writers(instance)?;
         let any_producer = self.instances[&instance].ranks[&writers[0]].layout.clone();
         let permute = permute_for(
@@ -550,7 +616,17 @@ impl Driver {
         };
         let lease = self.config.registration_lease;
         if let Some(producer_blocks) = producer_blocks {
-            self.post_reads(request, &producer_blocks, &writers)?;
+            if let Err(detail) = self.post_reads(request, &producer_blocks, &writers) {
+                if !self.reads.values().any(|(k, _)| *k == key) {
+                    return Err(detail);
+                }
+                // Reads from other ranks are in flight into the request's blocks: the failure
+                // waits for them like any other, so that the engine cannot reuse the blocks
+                // under them.
+                warn!(%key, detail, "request cannot be served");
+                self.give_up(key, waiting, Reason::PeerFailed);
+                return Ok(());
+            }
         } else {
             for (index, &rank) in writers.iter().enumerate() {
                 let notice = self.next_notice;
@@ -564,9 +640,8 @@ impl Driver {
                     consumer: self.config.engine,
                     consumer_incarnation: self.config.incarnation,
                     consumer_rank: self.layout.rank(),
-                    num_tokens: u32::try_from(request.num_tokens).map_err(|_| "too many tokens")?,
-                    skip_tokens: u32::try_from(request.skip_tokens)
-                        .map_err(|_| "too many tokens")?,
+                    num_tokens,
+                    skip_tokens,
                     lease_ms: u32::try_from(lease.as_millis()).unwrap_or(u32::MAX),
                     notice,
                     blocks: request.blocks.clone(),

@@ -631,6 +631,34 @@ fn consumer_cancel_makes_prefill_release_its_blocks() {
 }
 
 #[test]
+fn a_second_wait_for_the_same_attempt_is_refused_and_the_first_still_lands() {
+    let fabric = LoopbackFabric::new();
+    let (pre, dec, consumer) = simple_pair(&fabric);
+    let tokens = 12;
+    pre.sides[0].fill(&ids(0..3), tokens);
+    let k = key(8, 0);
+    register_request(&consumer, pre.base, k, RequestId(1), tokens, ids(10..13));
+    register_request(&consumer, pre.base, k, RequestId(2), tokens, ids(20..23));
+    let refused = wait_events(&consumer, 1);
+    assert!(
+        matches!(
+            refused[..],
+            [RecvEvent::Failed {
+                request: RequestId(2),
+                reason: Reason::Duplicate,
+                ..
+            }]
+        ),
+        "{refused:?}"
+    );
+    // The refusal reached neither the producer nor the first wait.
+    pre.finish(k, &ids(0..3), tokens);
+    expect_ready(&consumer, k, RequestId(1));
+    dec.verify(&ids(10..13), 0, tokens);
+    assert!(!landed(&dec, &ids(20..23), 0, tokens));
+}
+
+#[test]
 fn preempted_request_reregisters_with_a_new_attempt() {
     let fabric = LoopbackFabric::new();
     let (pre, dec, consumer) = simple_pair(&fabric);
