@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -56,10 +57,10 @@ def events(path: Path) -> list[tuple[float, str]]:
     return out
 
 
-def stream(url: str, prompt: list[int]) -> tuple[float, float]:
+def stream(url: str, prompt: list[int], max_tokens: int = 8) -> tuple[float, float]:
     """Sends one streamed completion; returns (sent, first token) in unix time."""
-    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0,
-                       "stream": True, "ignore_eos": True}).encode()
+    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
+                       "temperature": 0, "stream": True, "ignore_eos": True}).encode()
     req = urllib.request.Request(f"{url}/v1/completions", data=body,
                                  headers={"content-type": "application/json"})
     sent = time.time()
@@ -81,6 +82,10 @@ def main() -> None:
     ap.add_argument("--input-tokens", type=int, default=256)
     ap.add_argument("--requests", type=int, default=12)
     ap.add_argument("--gap-s", type=float, default=0.5)
+    ap.add_argument("--rate", type=float,
+                    help="Poisson arrivals at this many requests/s (overlapping) instead of "
+                         "sequential requests --gap-s apart")
+    ap.add_argument("--max-tokens", type=int, default=8)
     args = ap.parse_args()
     os.environ["KVX_BIN"] = str(Path(args.kvx_bin).resolve())
     os.environ["KVX_LOG"] = "kvx_vllm=debug"
@@ -99,9 +104,19 @@ def main() -> None:
             s.wait_ready()
         for _ in range(3):  # warm-up
             stream(url, [rng.randrange(10, 400) for _ in range(args.input_tokens)])
-        for _ in range(args.requests):
-            sends.append(stream(url, [rng.randrange(10, 400) for _ in range(args.input_tokens)]))
-            time.sleep(args.gap_s)
+        prompts = [[rng.randrange(10, 400) for _ in range(args.input_tokens)]
+                   for _ in range(args.requests)]
+        if args.rate:
+            with ThreadPoolExecutor(max_workers=args.requests) as pool:
+                futures = []
+                for prompt in prompts:
+                    futures.append(pool.submit(stream, url, prompt, args.max_tokens))
+                    time.sleep(rng.expovariate(args.rate))
+                sends = [f.result() for f in futures]
+        else:
+            for prompt in prompts:
+                sends.append(stream(url, prompt, args.max_tokens))
+                time.sleep(args.gap_s)
     finally:
         for s in (proxy, d, p):
             s.kill()

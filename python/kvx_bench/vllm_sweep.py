@@ -3,7 +3,7 @@
 Run by `cargo xtask bench vllm [--quick]` with the venv's Python (see xtask/src/vllm_bench.rs);
 standalone:
 
-    .kvx-cache/venv/bin/python -m kvx_bench.vllm_sweep --kvx-bin target/debug/kvx [--quick]
+    .kvx-cache/venv/bin/python -m kvx_bench.vllm_sweep [--kvx-bin target/release/kvx] [--quick]
         (from python/, or with python/ on PYTHONPATH)
 
 For each system — kvx push, kvx pull (the kvx_vllm connectors behind `kvx proxy`), vLLM's
@@ -12,7 +12,12 @@ NixlConnector (pull) and NixlPushConnector, each of the vLLM ones "as shipped" a
 on core 1 (the tiny float32 model of python/tests/tiny_model.py, prefix caching off on both),
 the router, sends warm-up requests, then for every input length and request rate a Poisson
 stream of streamed completions (random token ids, so nothing is cached; `ignore_eos`, fixed
-output length). TTFT (request sent to first streamed token) and TPOT ((last token - first
+output length). The systems that leave an idle machine alone (kvx, the corrected vLLM ones) run
+side by side: all started at once, and each point is measured in rounds (`--rounds`, default
+3) in which every system gets the same requests in turn, another system first each round, so
+that the machine's slow spells (a shared 2-core VM whose vLLM workers spin in their message
+queues) fall on all of them alike. The "as shipped" vLLM systems, whose progress threads spin
+even when idle, run alone afterwards. TTFT (request sent to first streamed token) and TPOT ((last token - first
 token) / (output tokens - 1)) are measured by this client. A request that fails or takes longer
 than the cap counts as an error or a timeout: a result, not a crash.
 
@@ -51,6 +56,12 @@ REQUEST_CAP_S = 60.0
 START_TIMEOUT = 420.0
 P_CORES, D_CORES = "0", "1"
 NIXL_SITE = HERE / "nixl_site"
+# At most this many systems run side by side: a pair of instances takes about 5 GiB here
+# (vLLM's CPU worker allocates at least 1 GiB of KV cache whatever it is told).
+MAX_SIDE_BY_SIDE = 3
+# vLLM's workers spin on their message queue for 1 s after their last step: a system's turn
+# starts this long after the previous one ended, so that it does not pay for that spin.
+TURN_GAP_S = 1.5
 
 # (name, router, connector, corrected)
 SYSTEMS = [
@@ -211,7 +222,8 @@ def make_prompt(rng: random.Random, length: int) -> list[int]:
     return [rng.randrange(10, VOCAB) for _ in range(length)]
 
 
-async def run_point(url: str, length: int, rate: float, n: int, seed: int) -> dict:
+async def run_point(url: str, length: int, rate: float, n: int, seed: int) -> tuple[list, float]:
+    """One stream of `n` requests at `rate`: the per-request results and the wall time."""
     import aiohttp
 
     rng = random.Random(seed)
@@ -230,10 +242,16 @@ async def run_point(url: str, length: int, rate: float, n: int, seed: int) -> di
             tasks.append(asyncio.create_task(one_request(session, url, prompt, sent)))
         results = await asyncio.gather(*tasks)
         wall = time.perf_counter() - t0
+    return list(results), wall
+
+
+def summarize(length: int, rate: float, results: list, wall: float, rounds: int) -> dict:
+    """A point's figures from all its rounds' requests."""
     ok = [r for r in results if r["ok"]]
     errors = [r for r in results if not r["ok"]]
+    n = len(results)
     return {
-        "input_tokens": length, "rate": rate, "requests": n, "ok": len(ok),
+        "input_tokens": length, "rate": rate, "requests": n, "rounds": rounds, "ok": len(ok),
         "timeouts": sum(1 for r in errors if r.get("timeout")),
         "errors": len(errors), "wall_s": wall,
         "achieved_rate": n / wall if wall > 0 else None,
@@ -316,7 +334,9 @@ def nixl_env(corrected: bool, side_port: int) -> dict[str, str]:
     return env
 
 
-def run_system(system: tuple, args, model: Path, log_dir: Path, lengths, rates) -> dict:
+def start_system(system: tuple, args, model: Path, log_dir: Path, lengths) -> dict:
+    """Starts a system's prefill and decode instances and its router, and warms it up. The
+    returned state has `servers`, `url` and `result` (`result["failed"]` if it did not start)."""
     # The end-to-end tests' helpers (imported here, not at the top: the router process
     # runs this module too and needs neither them nor vLLM).
     from test_e2e_vllm import Server, free_port
@@ -358,46 +378,99 @@ def run_system(system: tuple, args, model: Path, log_dir: Path, lengths, rates) 
                   "--decode", d_url]
         r_env = dict(os.environ)
     proxy = Server(f"{name}-router", r_args, log_dir, r_env, f"{router_url}/health")
-    servers = [p, d, proxy]
-    result = {"system": name, "connector": connector, "router": router,
-              "corrected": corrected, "points": []}
+    state = {"servers": [p, d, proxy], "url": router_url,
+             "result": {"system": name, "connector": connector, "router": router,
+                        "corrected": corrected, "points": []}}
+    result = state["result"]
     t_start = time.monotonic()
     try:
-        for s in servers:
-            s.wait_ready(START_TIMEOUT)
+        for srv in state["servers"]:
+            srv.wait_ready(START_TIMEOUT)
         result["startup_s"] = time.monotonic() - t_start
         log(f"{name}: ready after {result['startup_s']:.0f} s; warming up")
         result["warmup"] = asyncio.run(warm_up(router_url, lengths, args.warmup))
         log(f"{name}: warm-up {result['warmup']['ok']}/{result['warmup']['sent']} ok")
-        for length in lengths:
-            saturated = False
-            for rate in rates:
-                if saturated:
-                    result["points"].append({"input_tokens": length, "rate": rate,
-                                             "skipped": "the previous rate already failed "
-                                                        "half of its requests"})
+    except Exception as e:  # a system that cannot start is a result too
+        result["failed"] = f"{type(e).__name__}: {e}"[:2000]
+        log(f"{name}: FAILED: {result['failed'][:500]}")
+        stop_system(state)
+    return state
+
+
+def stop_system(state: dict) -> None:
+    servers = state.pop("servers", [])
+    for srv in reversed(servers):
+        srv.kill()
+    for srv in servers[:2]:
+        text = srv.log.read_text(errors="replace")
+        state["result"].setdefault("log_tracebacks", {})[srv.name] = text.count("Traceback")
+
+
+def run_group(states: list[dict], args, lengths, rates) -> None:
+    """Every point of every running system of `states`, in `args.rounds` rounds: each round
+    sends `args.requests` requests (the same prompts and arrival times for every system) to
+    each system in turn, starting with another system each round, so that the systems meet
+    the machine's slow spells alike. A point pools its rounds."""
+    for length in lengths:
+        for rate in rates:
+            pooled: dict[int, tuple[list, float]] = {}
+            for r in range(args.rounds):
+                order = [states[(i + r) % len(states)] for i in range(len(states))]
+                for st in order:
+                    res = st["result"]
+                    if res.get("failed") or res.get("saturated_at") == length:
+                        continue
+                    seed = hash((length, rate, r)) & 0xFFFF
+                    time.sleep(TURN_GAP_S)
+                    got, wall = asyncio.run(run_point(st["url"], length, rate, args.requests,
+                                                      seed))
+                    acc, walls = pooled.get(id(st), ([], 0.0))
+                    pooled[id(st)] = (acc + got, walls + wall)
+            for st in states:
+                res = st["result"]
+                if res.get("failed"):
                     continue
-                seed = hash((length, rate)) & 0xFFFF
-                pt = asyncio.run(run_point(router_url, length, rate, args.requests, seed))
-                result["points"].append(pt)
+                if id(st) not in pooled:
+                    res["points"].append({"input_tokens": length, "rate": rate,
+                                          "skipped": "the previous rate already failed half "
+                                                     "of its requests"})
+                    continue
+                got, wall = pooled[id(st)]
+                pt = summarize(length, rate, got, wall, args.rounds)
+                res["points"].append(pt)
                 t, tp = pt["ttft_ms"], pt["tpot_ms"]
                 fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
-                log(f"{name} {length} tok {rate}/s: ok {pt['ok']}/{pt['requests']} "
+                log(f"{res['system']} {length} tok {rate}/s: ok {pt['ok']}/{pt['requests']} "
                     f"(timeouts {pt['timeouts']}), TTFT p50 {fmt(t['p50'])} p99 {fmt(t['p99'])} "
                     f"ms, TPOT p50 {fmt(tp['p50'])} ms"
                     + (f"; errors: {pt['error_samples']}" if pt["errors"] else ""))
                 if pt["errors"] * 2 >= pt["requests"]:
-                    saturated = True
-    except Exception as e:  # a system that cannot start is a result too
-        result["failed"] = f"{type(e).__name__}: {e}"[:2000]
-        log(f"{name}: FAILED: {result['failed'][:500]}")
-    finally:
-        for s in reversed(servers):
-            s.kill()
-        for s in (p, d):
-            text = s.log.read_text(errors="replace")
-            result.setdefault("log_tracebacks", {})[s.name] = text.count("Traceback")
-    return result
+                    res["saturated_at"] = length
+
+
+def run_systems(systems: list[tuple], args, model: Path, log_dir: Path, lengths,
+                rates) -> list[dict]:
+    """Runs the systems that leave an idle machine alone side by side (started together, at
+    most `MAX_SIDE_BY_SIDE` at a time, points interleaved: `run_group`), then each vLLM connector "as shipped" on its own: its
+    progress thread spins even when idle and would slow every other system down."""
+    # kvx push and the corrected vLLM connectors it is judged against first, in one group.
+    first = ("kvx-push", "nixl-push-corrected", "nixl-pull-corrected")
+    together = sorted((s for s in systems if s[3] is not False),
+                      key=lambda s: first.index(s[0]) if s[0] in first else len(first))
+    groups = [together[i:i + MAX_SIDE_BY_SIDE]
+              for i in range(0, len(together), MAX_SIDE_BY_SIDE)]
+    groups += [[s] for s in systems if s[3] is False]
+    results = {}
+    for group in groups:
+        states = [start_system(s, args, model, log_dir, lengths) for s in group]
+        try:
+            run_group(states, args, lengths, rates)
+        finally:
+            for st in states:
+                stop_system(st)
+                st["result"].pop("saturated_at", None)
+                results[st["result"]["system"]] = st["result"]
+    return [results[s[0]] for s in systems]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -475,7 +548,8 @@ def markdown(report: dict) -> str:
         "",
         f"Tiny float32 Llama (2 layers, 2 KV heads, head dim 32), vLLM {report['vllm']} on CPU, "
         f"prefill on core 0, decode on core 1; {report['requests_per_point']} requests per "
-        f"point, Poisson arrivals, {OUTPUT_TOKENS} output tokens, streamed; warm-up "
+        f"point ({report['rounds']} rounds of {report['requests_per_round']}, the systems "
+        "running side by side and taking turns, another first each round), Poisson arrivals, {OUTPUT_TOKENS} output tokens, streamed; warm-up "
         f"{report['warmup_per_length']} requests per input length first; requests capped at "
         f"{REQUEST_CAP_S:.0f} s. TTFT and TPOT in ms (client side); `err` = failed or timed-out "
         "requests of the point.",
@@ -539,14 +613,15 @@ def main() -> None:
                                      a.p_side_port))
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--kvx-bin", type=Path, default=REPO / "target" / "debug" / "kvx")
+    ap.add_argument("--kvx-bin", type=Path, default=REPO / "target" / "release" / "kvx")
     ap.add_argument("--out", type=Path, default=REPO / "target" / "kvx-bench")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--systems", help="comma-separated subset of: "
                     + ", ".join(s[0] for s in SYSTEMS))
     ap.add_argument("--lengths")
     ap.add_argument("--rates")
-    ap.add_argument("--requests", type=int)
+    ap.add_argument("--requests", type=int, help="requests per point and round")
+    ap.add_argument("--rounds", type=int, help="rounds per point (systems interleaved)")
     ap.add_argument("--warmup", type=int)
     ap.add_argument("--kvx-transport", help="kvx's data transport (default: the connector's, "
                     "libfabric:shm); e.g. cma")
@@ -554,9 +629,10 @@ def main() -> None:
     global KVX_TRANSPORT
     KVX_TRANSPORT = args.kvx_transport
     if args.quick:
-        lengths, rates, requests, warmup = [256, 1024], [1.0, 4.0], 10, 4
+        lengths, rates, requests, warmup = [256, 1024], [1.0, 4.0], 12, 4
     else:
         lengths, rates, requests, warmup = [256, 1024], [1.0, 2.0, 4.0], 24, 4
+    args.rounds = args.rounds or 3
     if args.lengths:
         lengths = [int(x) for x in args.lengths.split(",")]
     if args.rates:
@@ -568,7 +644,7 @@ def main() -> None:
         want = args.systems.split(",")
         systems = [s for s in SYSTEMS if s[0] in want]
     if not args.kvx_bin.exists():
-        sys.exit(f"no kvx binary at {args.kvx_bin}: cargo build -p kvx-cli")
+        sys.exit(f"no kvx binary at {args.kvx_bin}: cargo build --release -p kvx-cli")
 
     from tiny_model import build
 
@@ -585,9 +661,7 @@ def main() -> None:
     global VOCAB
     VOCAB = json.loads((model / "config.json").read_text())["vocab_size"]
     t0 = time.monotonic()
-    results = []
-    for system in systems:
-        results.append(run_system(system, args, model, log_dir, lengths, rates))
+    results = run_systems(systems, args, model, log_dir, lengths, rates)
     report = {
         "what": "kvx push/pull vs vLLM NixlConnector / NixlPushConnector, as shipped and "
                 "corrected, through a router, on real vLLM (CPU)",
@@ -597,7 +671,8 @@ def main() -> None:
         "quick": args.quick,
         "model": "tiny random Llama, float32: 2 layers, hidden 64, 2 KV heads, head dim 32, "
                  "block size 32",
-        "lengths": lengths, "rates": rates, "requests_per_point": args.requests,
+        "lengths": lengths, "rates": rates, "requests_per_round": args.requests,
+        "rounds": args.rounds, "requests_per_point": args.requests * args.rounds,
         "warmup_per_length": args.warmup, "output_tokens": OUTPUT_TOKENS,
         "request_cap_s": REQUEST_CAP_S,
         "corrections": "nixl_site/sitecustomize.py: KVX_BENCH_VLLM_CORRECTED=1 skips "

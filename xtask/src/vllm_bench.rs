@@ -9,7 +9,7 @@
 //!    Rust tests use, cached in `.kvx-cache/nixl/`) into the venv with `pip install --no-deps`.
 //!    The meta package picks `nixl_cu13` because the venv's torch reports CUDA 13; the harness
 //!    points it at `nixl_cu12` at run time (`python/kvx_bench/nixl_site/sitecustomize.py`);
-//! 3. the `kvx` binary (`cargo build -p kvx-cli`, for `kvx proxy`) and `kvx_vllm` into the venv
+//! 3. the `kvx` binary (`cargo build --release -p kvx-cli`, for `kvx proxy`) and `kvx_vllm` into the venv
 //!    (`maturin develop --release`, as `cargo xtask test` does);
 //! 4. the sweep, `python -m kvx_bench.vllm_sweep` with the venv's Python (the method is in its
 //!    docstring and in docs/benchmarks.md): `target/kvx-bench/vllm.json` and `vllm.md`, logs in
@@ -81,8 +81,8 @@ pub(crate) fn run_sweep(quick: bool) -> anyhow::Result<()> {
     let venv = crate::vllm::ensure_vllm_env()?;
     let python = venv.join("bin").join("python");
     ensure_nixl_in_venv(&python)?;
-    step("benchmark vllm: kvx binary for the proxy");
-    run(cargo().args(["build", "-p", "kvx-cli"]))?;
+    step("benchmark vllm: kvx binary for the proxy (release: it is on every request's path)");
+    run(cargo().args(["build", "--release", "-p", "kvx-cli"]))?;
     step("benchmark vllm: kvx_vllm into the venv (maturin develop --release)");
     run(Command::new(venv.join("bin").join("maturin"))
         .args(["develop", "--release", "--quiet"])
@@ -98,7 +98,7 @@ pub(crate) fn run_sweep(quick: bool) -> anyhow::Result<()> {
     ));
     let mut cmd = Command::new(&python);
     cmd.args(["-m", "kvx_bench.vllm_sweep", "--kvx-bin"])
-        .arg(root().join("target/debug/kvx"))
+        .arg(root().join("target/release/kvx"))
         .arg("--out")
         .arg(&out_dir)
         .env("PYTHONPATH", root().join("python"))
