@@ -280,6 +280,10 @@ pub(crate) struct Control {
     listener: UnixListener,
     inbound: Vec<Inbound>,
     completions: Arc<Completions>,
+    /// What the last [`Control::block`] saw readable, for the next receive.
+    seen: Option<Readiness>,
+    /// The `poll(2)` array, reused.
+    fds: Vec<libc::pollfd>,
 }
 
 impl Control {
@@ -310,6 +314,8 @@ impl Control {
                 done: Mutex::new(Vec::new()),
                 signal: WakeSignal::new()?,
             }),
+            seen: None,
+            fds: Vec::new(),
         })
     }
 
@@ -323,22 +329,72 @@ impl Control {
         Arc::clone(&self.completions)
     }
 
+    /// Which of this endpoint's descriptors are readable: those [`Control::block`] saw, or
+    /// else a `poll(2)` that does not wait. A poll then reads only those, so an idle endpoint
+    /// costs one system call rather than one per descriptor.
+    fn readiness(&mut self) -> std::io::Result<Readiness> {
+        match self.seen.take() {
+            Some(ready) => Ok(ready),
+            None => self.poll_fds(0),
+        }
+    }
+
+    /// One `poll(2)` over the listener, the wake-up descriptor and the connections, waiting
+    /// at most `ms` milliseconds.
+    fn poll_fds(&mut self, ms: i32) -> std::io::Result<Readiness> {
+        self.fds.clear();
+        self.fds.extend(
+            [self.listener.as_raw_fd(), self.completions.signal.fd()]
+                .into_iter()
+                .chain(self.inbound.iter().map(|i| i.conn.as_raw_fd()))
+                .map(|fd| libc::pollfd {
+                    fd,
+                    events: libc::POLLIN,
+                    revents: 0,
+                }),
+        );
+        // SAFETY: `fds` is a live array of `fds.len()` pollfd entries.
+        let r = unsafe { libc::poll(self.fds.as_mut_ptr(), self.fds.len() as libc::nfds_t, ms) };
+        if r < 0 {
+            let err = std::io::Error::last_os_error();
+            if err.kind() != ErrorKind::Interrupted {
+                return Err(err);
+            }
+            // Interrupted: nothing is known, so everything is looked at.
+            return Ok(Readiness::all(self.inbound.len()));
+        }
+        let ready = |f: &libc::pollfd| f.revents != 0;
+        Ok(Readiness {
+            listener: ready(&self.fds[0]),
+            signal: ready(&self.fds[1]),
+            inbound: self.fds[2..].iter().map(ready).collect(),
+        })
+    }
+
     /// Accepts new connections and turns every complete frame received into an event; a
-    /// connection that closes or sends garbage is dropped.
-    pub(crate) fn receive(&mut self, events: &mut VecDeque<Event>) {
-        while let Ok((conn, _)) = self.listener.accept() {
-            // Only processes of this user may send notices and messages here (the socket's name
-            // is visible to every process of the network namespace).
-            if same_user(&conn) && conn.set_nonblocking(true).is_ok() {
-                self.inbound.push(Inbound {
-                    conn,
-                    buf: Vec::new(),
-                });
+    /// connection that closes or sends garbage is dropped. Returns whether the wake-up
+    /// descriptor was readable (news from the workers, or a wake).
+    pub(crate) fn receive(&mut self, events: &mut VecDeque<Event>) -> std::io::Result<bool> {
+        let ready = self.readiness()?;
+        if ready.listener {
+            while let Ok((conn, _)) = self.listener.accept() {
+                // Only processes of this user may send notices and messages here (the socket's
+                // name is visible to every process of the network namespace).
+                if same_user(&conn) && conn.set_nonblocking(true).is_ok() {
+                    self.inbound.push(Inbound {
+                        conn,
+                        buf: Vec::new(),
+                    });
+                }
             }
         }
         let mut chunk = [0u8; 16 << 10];
-        let mut i = 0;
-        while i < self.inbound.len() {
+        // Walked from the end, so that dropping a connection (swap_remove) moves only one
+        // already looked at; connections accepted just now were not polled and are read too.
+        for i in (0..self.inbound.len()).rev() {
+            if !ready.inbound.get(i).copied().unwrap_or(true) {
+                continue;
+            }
             let mut closed = false;
             loop {
                 match self.inbound[i].conn.read(&mut chunk) {
@@ -346,7 +402,13 @@ impl Control {
                         closed = true;
                         break;
                     }
-                    Ok(n) => self.inbound[i].buf.extend_from_slice(&chunk[..n]),
+                    Ok(n) => {
+                        self.inbound[i].buf.extend_from_slice(&chunk[..n]);
+                        if n < chunk.len() {
+                            // Drained for now: more would make it readable again.
+                            break;
+                        }
+                    }
                     Err(e) if e.kind() == ErrorKind::Interrupted => {}
                     Err(e) if e.kind() == ErrorKind::WouldBlock => break,
                     Err(_) => {
@@ -358,15 +420,17 @@ impl Control {
             let malformed = parse_frames(&mut self.inbound[i].buf, events);
             if closed || malformed {
                 self.inbound.swap_remove(i);
-            } else {
-                i += 1;
             }
         }
+        Ok(ready.signal)
     }
 
-    /// The operations finished since the last call.
-    pub(crate) fn completed(&mut self) -> Vec<(u64, Result<(), OpError>)> {
-        self.completions.signal.clear_fd();
+    /// The operations finished since the last call; `signalled`: the wake-up descriptor was
+    /// readable, and is emptied.
+    pub(crate) fn completed(&mut self, signalled: bool) -> Vec<(u64, Result<(), OpError>)> {
+        if signalled {
+            self.completions.signal.clear_fd();
+        }
         std::mem::take(
             &mut *self
                 .completions
@@ -376,27 +440,31 @@ impl Control {
         )
     }
 
-    /// Blocks until a connection, a frame or a completion may be ready, or `timeout` passes.
-    pub(crate) fn block(&self, timeout: Duration) -> std::io::Result<()> {
-        let mut fds: Vec<libc::pollfd> = [self.listener.as_raw_fd(), self.completions.signal.fd()]
-            .into_iter()
-            .chain(self.inbound.iter().map(|i| i.conn.as_raw_fd()))
-            .map(|fd| libc::pollfd {
-                fd,
-                events: libc::POLLIN,
-                revents: 0,
-            })
-            .collect();
+    /// Blocks until a connection, a frame or a completion may be ready, or `timeout` passes;
+    /// the next [`Control::receive`] reads what this saw.
+    pub(crate) fn block(&mut self, timeout: Duration) -> std::io::Result<()> {
         let ms = timeout.as_millis().clamp(1, i32::MAX as u128) as i32;
-        // SAFETY: `fds` is a live array of `fds.len()` pollfd entries.
-        let r = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
-        if r < 0 {
-            let err = std::io::Error::last_os_error();
-            if err.kind() != ErrorKind::Interrupted {
-                return Err(err);
-            }
-        }
+        let ready = self.poll_fds(ms)?;
+        self.seen = Some(ready);
         Ok(())
+    }
+}
+
+/// What one `poll(2)` found readable.
+struct Readiness {
+    listener: bool,
+    signal: bool,
+    /// Per connection, in `Control::inbound` order.
+    inbound: Vec<bool>,
+}
+
+impl Readiness {
+    fn all(connections: usize) -> Self {
+        Self {
+            listener: true,
+            signal: true,
+            inbound: vec![true; connections],
+        }
     }
 }
 
@@ -570,8 +638,10 @@ pub(crate) trait SameHost {
         self.before_poll();
         let timeout = self.op_timeout();
         let (control, ledger) = self.parts();
-        control.receive(ledger.inbox());
-        let done = control.completed();
+        let signalled = control
+            .receive(ledger.inbox())
+            .map_err(|e| PollError::Backend(Box::new(e)))?;
+        let done = control.completed(signalled);
         ledger.settle(done, timeout);
         Ok(ledger.drain_into(events))
     }
@@ -799,7 +869,7 @@ mod tests {
         let deadline = Instant::now() + Duration::from_secs(5);
         while events.len() < 4 {
             control.block(Duration::from_millis(100)).unwrap();
-            control.receive(&mut events);
+            control.receive(&mut events).unwrap();
             assert!(Instant::now() < deadline);
         }
         assert!(matches!(&events[0], Event::Message(m) if m == b"hello"));
@@ -810,11 +880,21 @@ mod tests {
                 "{event:?}"
             );
         }
+        // Nothing new: the poll reads nothing and the wake-up descriptor is not readable.
+        assert!(!control.receive(&mut events).unwrap());
+        assert_eq!(events.len(), 4);
         control.completions().push_all([(5, Ok(()))]);
         control.block(Duration::from_secs(5)).unwrap();
-        let done = control.completed();
+        let signalled = control.receive(&mut events).unwrap();
+        assert!(
+            signalled,
+            "the worker's report made the descriptor readable"
+        );
+        let done = control.completed(signalled);
         assert_eq!(done.len(), 1);
         assert_eq!(done[0].0, 5);
+        // Emptied: the next poll finds it quiet again.
+        assert!(!control.receive(&mut events).unwrap());
         drop(control);
         // The peer's socket is gone: the link notices within a millisecond or two.
         std::thread::sleep(Duration::from_millis(5));
