@@ -87,7 +87,12 @@ pub mod region;
 pub mod topology;
 pub mod transport;
 pub mod validate;
-#[cfg(any(feature = "libfabric", feature = "cuda", feature = "cma"))]
+#[cfg(any(
+    feature = "libfabric",
+    feature = "cuda",
+    feature = "cma",
+    feature = "nixl"
+))]
 mod wake;
 
 pub use desc::{DescError, EndpointDesc, NoticeSlot};

@@ -154,6 +154,15 @@ fn open_or_skip(test: &str) -> Option<NixlTransport> {
     Some(NixlTransport::open(&config).expect("open a NIXL endpoint"))
 }
 
+/// A waker ends a wait from another thread, and a wake before the wait ends the next one.
+#[test]
+fn a_waker_interrupts_a_wait() {
+    let Some(mut endpoint) = open_or_skip("a_waker_interrupts_a_wait") else {
+        return;
+    };
+    crate::transport::check_waker(&mut endpoint);
+}
+
 fn op(src: (u32, u64), dst: (u32, u64), len: u64, count: u64, strides: (u64, u64)) -> CopyOp {
     CopyOp::strided(Rank(0), src, dst, len, count, strides)
 }
