@@ -33,6 +33,7 @@ use crate::error::{
 };
 use crate::local::{self, peer_gone, Completions, Control, Identity, Ledger, Link, NoticeSender};
 use crate::local::{Reader, SameHost};
+use crate::peers::PeerTable;
 use crate::region::LocalRegion;
 use crate::transport::{Capabilities, Event, Notice, OpId, OpKind, PeerId, Transport, Waker};
 
@@ -289,7 +290,7 @@ pub struct CmaTransport {
     config: CmaConfig,
     control: Control,
     regions: BTreeMap<u32, LocalRegion>,
-    peers: Vec<Peer>,
+    peers: PeerTable<Peer>,
     ledger: Ledger,
     shares: Option<Sender<Share>>,
     workers: Vec<std::thread::JoinHandle<()>>,
@@ -328,7 +329,7 @@ impl CmaTransport {
             config,
             control,
             regions: BTreeMap::new(),
-            peers: Vec::new(),
+            peers: PeerTable::default(),
             ledger: Ledger::default(),
             shares: Some(shares),
             workers,
@@ -358,7 +359,7 @@ impl CmaTransport {
         notice: Option<Notice>,
     ) -> Result<OpId, OpPostError> {
         let read = kind == OpKind::Read;
-        let Some(p) = self.peers.get_mut(peer.0 as usize) else {
+        let Some(p) = self.peers.get_mut(peer) else {
             return Err(OpPostError::UnknownPeer);
         };
         let local = |i: u32| self.regions.get(&i).map(|r| (r.addr() as u64, r.len()));
@@ -528,9 +529,11 @@ impl Transport for CmaTransport {
             .iter()
             .map(|r| (r.index, (r.addr, r.len)))
             .collect();
-        if let Some(i) = self.peers.iter().position(|p| p.who == who) {
-            self.peers[i].regions = regions;
-            return Ok(PeerId(i as u32));
+        if let Some(id) = self.peers.find(|p| p.who == who) {
+            if let Some(known) = self.peers.get_mut(id) {
+                known.regions = regions;
+            }
+            return Ok(id);
         }
         let link = Link::connect(&who.socket).map_err(|e| ConnectError::Unreachable {
             source: Box::new(CmaError::Io {
@@ -538,8 +541,13 @@ impl Transport for CmaTransport {
                 source: e,
             }),
         })?;
-        self.peers.push(Peer { who, link, regions });
-        Ok(PeerId(self.peers.len() as u32 - 1))
+        Ok(self.peers.insert(Peer { who, link, regions }))
+    }
+
+    fn disconnect(&mut self, peer: PeerId) {
+        // Operations in flight carry what they need (the peer's pid, and a handle on its
+        // socket for their notice, which closes when the last of them ends).
+        self.peers.remove(peer);
     }
 
     fn write(
@@ -566,7 +574,7 @@ impl Transport for CmaTransport {
     }
 
     fn send(&mut self, peer: PeerId, message: &[u8]) -> Result<OpId, SendError> {
-        let link = self.peers.get_mut(peer.0 as usize).map(|p| &mut p.link);
+        let link = self.peers.get_mut(peer).map(|p| &mut p.link);
         local::send(link, &mut self.ledger, peer, message)
     }
 
@@ -617,6 +625,24 @@ mod tests {
     #[test]
     fn a_waker_interrupts_a_wait() {
         crate::transport::check_waker(&mut CmaTransport::open(CmaConfig::default()).unwrap());
+    }
+
+    #[test]
+    fn a_disconnected_peer_is_refused_and_a_new_connection_works() {
+        let mut a = CmaTransport::open(CmaConfig::default()).unwrap();
+        let mut b = CmaTransport::open(CmaConfig::default()).unwrap();
+        let len = 8 << 20;
+        a.register(LocalRegion::host(
+            0,
+            Arc::new(HostBuffer::new(len).unwrap()),
+        ))
+        .unwrap();
+        b.register(LocalRegion::host(
+            0,
+            Arc::new(HostBuffer::new(len).unwrap()),
+        ))
+        .unwrap();
+        crate::transport::check_disconnect(&mut a, &mut b, len as u64);
     }
 
     fn op(src: u64, dst: u64, len: u64, count: u64, strides: (u64, u64)) -> CopyOp {

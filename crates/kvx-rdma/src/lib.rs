@@ -83,6 +83,7 @@ pub mod loopback;
 pub mod neuron;
 #[cfg(feature = "nixl")]
 pub mod nixl;
+mod peers;
 pub mod region;
 pub mod topology;
 pub mod transport;

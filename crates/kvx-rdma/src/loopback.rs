@@ -20,6 +20,7 @@ use crate::error::{
     ConnectError, DeregisterError, OpError, PollError, ReadError, RegisterError, SendError,
     WriteError,
 };
+use crate::peers::PeerTable;
 use crate::region::LocalRegion;
 use crate::transport::{Capabilities, Event, Notice, OpId, OpKind, PeerId, Transport, Waker};
 use crate::validate::check_ops;
@@ -118,7 +119,7 @@ impl LoopbackFabric {
             id,
             fabric_id,
             wake,
-            peers: Vec::new(),
+            peers: PeerTable::default(),
             next_op: 0,
         }
     }
@@ -132,7 +133,7 @@ pub struct LoopbackEndpoint {
     id: u64,
     fabric_id: u64,
     wake: Arc<Condvar>,
-    peers: Vec<Peer>,
+    peers: PeerTable<Peer>,
     next_op: u64,
 }
 
@@ -166,7 +167,7 @@ impl LoopbackEndpoint {
     }
 
     fn peer(&self, peer: PeerId) -> Option<&Peer> {
-        self.peers.get(peer.0 as usize)
+        self.peers.get(peer)
     }
 
     /// Runs the copies of `ops` from `from`'s memory into `to`'s, under the fabric lock.
@@ -348,15 +349,22 @@ impl Transport for LoopbackEndpoint {
                 source: "the peer is on another loopback fabric".into(),
             });
         }
-        if let Some(i) = self.peers.iter().position(|p| p.endpoint == endpoint) {
-            self.peers[i].desc = peer.clone();
-            return Ok(PeerId(i as u32));
+        if let Some(id) = self.peers.find(|p| p.endpoint == endpoint) {
+            if let Some(known) = self.peers.get_mut(id) {
+                known.desc = peer.clone();
+            }
+            return Ok(id);
         }
-        self.peers.push(Peer {
+        Ok(self.peers.insert(Peer {
             endpoint,
             desc: peer.clone(),
-        });
-        Ok(PeerId((self.peers.len() - 1) as u32))
+        }))
+    }
+
+    fn disconnect(&mut self, peer: PeerId) {
+        // Operations run to their end under the fabric lock when they are posted: nothing of
+        // the peer's is in use afterwards.
+        self.peers.remove(peer);
     }
 
     fn write(
@@ -564,6 +572,15 @@ mod tests {
             (dst_region, dst_offset),
             len,
         )
+    }
+
+    #[test]
+    fn a_disconnected_peer_is_refused_and_a_new_connection_works() {
+        let fabric = LoopbackFabric::new();
+        let (mut a, mut b) = (fabric.endpoint(), fabric.endpoint());
+        a.register(region(0, 1 << 16, 1).1).unwrap();
+        b.register(region(0, 1 << 16, 2).1).unwrap();
+        crate::transport::check_disconnect(&mut a, &mut b, 1 << 16);
     }
 
     #[test]

@@ -154,6 +154,16 @@ pub trait Transport: Send {
     /// unreachable peer.
     fn connect(&mut self, peer: &EndpointDesc) -> Result<PeerId, ConnectError>;
 
+    /// Forgets a peer (its process exited or restarted, or the caller is done with it):
+    /// operations on `peer` from now on fail with `UnknownPeer`, and what this endpoint holds
+    /// for it (its address, its connection, memory of its that is mapped here) is released, once
+    /// the operations already posted to it have ended (they end as they would have). Connecting
+    /// to it again gives a new id; ids are never reused. An unknown id is ignored.
+    ///
+    /// Without it, every peer ever connected would stay: a long-lived prefill whose decode
+    /// instances restart would accumulate their sockets, addresses and mappings.
+    fn disconnect(&mut self, peer: PeerId);
+
     /// Writes local `src` ranges into the peer's `dst` ranges, then delivers `notice` (if any) to
     /// the peer, only after all the data is visible there. Reported by [`Event::WriteDone`] or
     /// [`Event::Failed`]; a failed write delivers no notice.
@@ -244,4 +254,56 @@ pub(crate) fn check_waker(transport: &mut dyn Transport) {
         0
     );
     assert!(started.elapsed() < Duration::from_secs(20));
+}
+
+/// Checks [`Transport::disconnect`] between `a` (which has local region 0) and `b` (region 0,
+/// at least `len` bytes): a write posted just before the disconnect still ends as it would
+/// have (done, its notice delivered), later operations on the old id are refused, and
+/// connecting again gives a new id that works.
+#[cfg(test)]
+pub(crate) fn check_disconnect(a: &mut dyn Transport, b: &mut dyn Transport, len: u64) {
+    use crate::error::WriteError;
+    use kvx_core::Rank;
+    use std::time::Instant;
+
+    let op = CopyOp::run(Rank(0), (0, 0), (0, 0), len);
+    // Waits on both until `a` reports `id` and `b` received `notice`.
+    let settle = |a: &mut dyn Transport, b: &mut dyn Transport, id: OpId, notice: u64| {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let (mut ea, mut eb) = (Vec::new(), Vec::new());
+        loop {
+            let done = ea.iter().any(
+                |e| matches!(e, Event::WriteDone { op, bytes, .. } if *op == id && *bytes == len),
+            );
+            let noticed = eb
+                .iter()
+                .any(|e| matches!(e, Event::Notice(Notice(n)) if *n == notice));
+            if done && noticed {
+                return;
+            }
+            assert!(Instant::now() < deadline, "a: {ea:?}, b: {eb:?}");
+            a.wait(&mut ea, Duration::from_millis(5)).unwrap();
+            b.wait(&mut eb, Duration::from_millis(5)).unwrap();
+        }
+    };
+    let first = a.connect(&b.local_desc()).unwrap();
+    let id = a.write(first, &[op], Some(Notice(7))).unwrap();
+    a.disconnect(first);
+    assert!(matches!(
+        a.write(first, &[op], None),
+        Err(WriteError::UnknownPeer(p)) if p == first
+    ));
+    settle(a, b, id, 7);
+    assert!(matches!(
+        a.write(first, &[op], None),
+        Err(WriteError::UnknownPeer(_))
+    ));
+    assert!(a.send(first, b"x").is_err());
+    let again = a.connect(&b.local_desc()).unwrap();
+    assert_ne!(again, first, "ids are not reused");
+    let id = a.write(again, &[op], Some(Notice(8))).unwrap();
+    settle(a, b, id, 8);
+    // Unknown ids are ignored.
+    a.disconnect(first);
+    a.disconnect(PeerId(u32::MAX));
 }

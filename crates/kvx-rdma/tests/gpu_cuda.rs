@@ -519,6 +519,55 @@ fn ipc_refuses_out_of_bounds_and_foreign_memory() {
     assert!(got[..(1 << 20) - 8192].iter().all(|&b| b == 0));
 }
 
+/// A copy in flight when its peer is disconnected still ends and delivers its notice (the
+/// peer's streams are synchronised before its mappings close); the old id is refused, and a
+/// new connection works.
+#[test]
+fn ipc_a_disconnected_peer_is_refused_and_a_new_connection_works() {
+    let Some(_) = gpus(
+        "ipc_a_disconnected_peer_is_refused_and_a_new_connection_works",
+        1,
+    ) else {
+        return;
+    };
+    let mut a = CudaIpcTransport::open(CudaIpcConfig::new(0)).expect("open");
+    let mut b = CudaIpcTransport::open(CudaIpcConfig::new(0)).expect("open");
+    let gpu = Arc::clone(a.gpu());
+    let len = 64 << 20;
+    let src = Arc::new(DeviceBuffer::new(&gpu, len).expect("alloc"));
+    src.fill_with(|i| (i % 251) as u8).expect("fill");
+    let dst = Arc::new(DeviceBuffer::new(&gpu, len).expect("alloc"));
+    a.register(LocalRegion::cuda(0, Arc::clone(&src)))
+        .expect("register");
+    b.register(LocalRegion::cuda(0, Arc::clone(&dst)))
+        .expect("register");
+    let op = CopyOp::run(Rank(0), (0, 0), (0, 0), len);
+    let first = a.connect(&b.local_desc()).expect("connect");
+    a.write(first, &[op], Some(Notice(7))).expect("write");
+    a.disconnect(first);
+    assert!(matches!(
+        a.write(first, &[op], None),
+        Err(kvx_rdma::WriteError::UnknownPeer(_))
+    ));
+    wait_for(&mut a, |e| matches!(e, Event::WriteDone { .. }));
+    assert!(matches!(
+        wait_for(&mut b, |e| matches!(e, Event::Notice(_))),
+        Event::Notice(Notice(7))
+    ));
+    assert_eq!(
+        dst.to_vec().expect("read back"),
+        src.to_vec().expect("read back")
+    );
+    let again = a.connect(&b.local_desc()).expect("connect again");
+    assert_ne!(again, first);
+    a.write(again, &[op], Some(Notice(8))).expect("write again");
+    wait_for(&mut a, |e| matches!(e, Event::WriteDone { .. }));
+    assert!(matches!(
+        wait_for(&mut b, |e| matches!(e, Event::Notice(_))),
+        Event::Notice(Notice(8))
+    ));
+}
+
 /// Random permute chunks on the GPU against `Permute::apply`.
 #[test]
 fn permute_kernels_match_the_cpu_reference() {

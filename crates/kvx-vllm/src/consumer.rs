@@ -787,6 +787,16 @@ impl Driver {
         }
         for conn in lost.ranks.values() {
             conn.sender.close();
+            // Its endpoint (connected for pull) is forgotten once its reads in flight end.
+            if let Some(peer) = conn.peer {
+                let shared = self
+                    .instances
+                    .values()
+                    .any(|i| i.ranks.values().any(|r| r.peer == Some(peer)));
+                if !shared {
+                    self.transport.disconnect(peer);
+                }
+            }
         }
     }
 

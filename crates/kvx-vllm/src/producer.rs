@@ -832,6 +832,17 @@ impl Driver {
             Command::PeerClosed(conn, why) => {
                 if let Some(c) = self.conns.remove(&conn) {
                     debug!(conn, why, "consumer connection closed");
+                    // The transport forgets the consumer's endpoint (once its writes in flight
+                    // end) unless another connection of the same endpoint still uses it.
+                    if let Some(gone) = &c.consumer {
+                        let shared = self
+                            .conns
+                            .values()
+                            .any(|o| o.consumer.as_ref().is_some_and(|x| x.peer == gone.peer));
+                        if !shared {
+                            self.transport.disconnect(gone.peer);
+                        }
+                    }
                     // The consumer is gone: its registrations will never be served.
                     self.stats
                         .remembered_registrations

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::net::{SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvx_core::{
@@ -1390,7 +1390,19 @@ impl ReadGatedWrites {
 }
 
 macro_rules! forward_transport {
-    () => {
+    (connections) => {
+        forward_transport!(base);
+        fn connect(
+            &mut self,
+            peer: &kvx_rdma::EndpointDesc,
+        ) -> Result<PeerId, kvx_rdma::ConnectError> {
+            self.inner.connect(peer)
+        }
+        fn disconnect(&mut self, peer: PeerId) {
+            self.inner.disconnect(peer);
+        }
+    };
+    (base) => {
         fn backend(&self) -> &'static str {
             self.inner.backend()
         }
@@ -1409,12 +1421,6 @@ macro_rules! forward_transport {
         fn local_desc(&self) -> kvx_rdma::EndpointDesc {
             self.inner.local_desc()
         }
-        fn connect(
-            &mut self,
-            peer: &kvx_rdma::EndpointDesc,
-        ) -> Result<PeerId, kvx_rdma::ConnectError> {
-            self.inner.connect(peer)
-        }
         fn read(
             &mut self,
             peer: PeerId,
@@ -1432,7 +1438,7 @@ macro_rules! forward_transport {
 }
 
 impl Transport for CountedReads {
-    forward_transport!();
+    forward_transport!(connections);
     fn write(
         &mut self,
         peer: PeerId,
@@ -1456,7 +1462,7 @@ impl Transport for CountedReads {
 }
 
 impl Transport for ReadGatedWrites {
-    forward_transport!();
+    forward_transport!(connections);
     fn write(
         &mut self,
         peer: PeerId,
@@ -1540,4 +1546,86 @@ fn an_early_write_waiting_for_a_consumer_that_takes_hints_nudges_it() {
     dec.verify(&c_blocks, 0, tokens);
     assert_eq!(wait_finished(&producer, 1)[0].outcome, SendOutcome::Sent);
     assert_eq!(producer.stats().finishing_hints, 1);
+}
+
+/// A loopback endpoint that records the peers it connected and those it was told to forget.
+struct RecordedPeers {
+    inner: Box<dyn Transport>,
+    connected: Arc<Mutex<Vec<PeerId>>>,
+    forgotten: Arc<Mutex<Vec<PeerId>>>,
+}
+
+impl Transport for RecordedPeers {
+    forward_transport!(base);
+    fn connect(&mut self, peer: &kvx_rdma::EndpointDesc) -> Result<PeerId, kvx_rdma::ConnectError> {
+        let id = self.inner.connect(peer)?;
+        self.connected.lock().unwrap().push(id);
+        Ok(id)
+    }
+    fn disconnect(&mut self, peer: PeerId) {
+        self.forgotten.lock().unwrap().push(peer);
+        self.inner.disconnect(peer);
+    }
+    fn write(
+        &mut self,
+        peer: PeerId,
+        ops: &[kvx_layout::CopyOp],
+        notice: Option<Notice>,
+    ) -> Result<OpId, kvx_rdma::WriteError> {
+        self.inner.write(peer, ops, notice)
+    }
+    fn poll(&mut self, events: &mut Vec<Event>) -> Result<usize, kvx_rdma::PollError> {
+        self.inner.poll(events)
+    }
+    fn wait(
+        &mut self,
+        events: &mut Vec<Event>,
+        timeout: Duration,
+    ) -> Result<usize, kvx_rdma::PollError> {
+        self.inner.wait(events, timeout)
+    }
+}
+
+#[test]
+fn prefill_forgets_the_endpoint_of_a_decode_that_went_away() {
+    let fabric = LoopbackFabric::new();
+    let base = free_ports(1);
+    let (side, cache) = Side::new(spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit));
+    let mut c = config(1);
+    c.listen = base;
+    let connected = Arc::new(Mutex::new(Vec::new()));
+    let forgotten = Arc::new(Mutex::new(Vec::new()));
+    let recorded = RecordedPeers {
+        inner: Box::new(fabric.endpoint()),
+        connected: Arc::clone(&connected),
+        forgotten: Arc::clone(&forgotten),
+    };
+    let producer = Producer::start(c, cache, Box::new(recorded)).unwrap();
+    side.fill(&ids(10..13), 12);
+    let (dec, mut consumer) = decode(
+        &fabric,
+        spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit),
+        LONG,
+    );
+    let k = key(95, 0);
+    register(&consumer, base, k, 12, ids(20..23));
+    producer
+        .request_finished(k, RequestId(9), ids(10..13), 12)
+        .unwrap();
+    expect_ready(&consumer, k, RequestId(1));
+    dec.verify(&ids(20..23), 0, 12);
+    assert_eq!(wait_finished(&producer, 1)[0].outcome, SendOutcome::Sent);
+    let peer = connected.lock().unwrap()[0];
+    assert!(forgotten.lock().unwrap().is_empty());
+    // Decode goes away: its control connection closes, and prefill's transport forgets it.
+    consumer.shutdown();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while forgotten.lock().unwrap().is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "the endpoint was never forgotten"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert_eq!(*forgotten.lock().unwrap(), vec![peer]);
 }

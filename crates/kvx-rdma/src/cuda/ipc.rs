@@ -891,6 +891,17 @@ impl Transport for CudaIpcTransport {
         Ok(PeerId(id as u32))
     }
 
+    fn disconnect(&mut self, peer: PeerId) {
+        // Its posted copies get their completion events first (with handles on its socket for
+        // their notices); dropping it then waits on its streams for them to end before its
+        // mappings of the peer's memory close (`Peer::drop`). Its slot stays empty: ids are
+        // not reused.
+        self.flush();
+        if let Some(slot) = self.peers.get_mut(peer.0 as usize) {
+            drop(slot.take());
+        }
+    }
+
     fn write(
         &mut self,
         peer: PeerId,

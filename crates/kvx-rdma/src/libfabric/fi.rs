@@ -821,6 +821,20 @@ impl AddressVector {
     }
 }
 
+impl AddressVector {
+    /// Removes one entry that [`AddressVector::insert`] returned; nothing may be in flight to it.
+    pub(crate) fn remove(&self, addr: sys::fi_addr_t) -> Result<(), FiErrno> {
+        let mut addr = addr;
+        // SAFETY: the AV is open and `addr` is one of its entries, with no operation in flight
+        // to it (the caller's contract); the provider reads one entry.
+        let ret = unsafe { sys::kvx_fi_av_remove(self.ptr.as_ptr(), &mut addr, 1, 0) };
+        if ret < 0 {
+            return Err(FiErrno::new(i64::from(ret)));
+        }
+        Ok(())
+    }
+}
+
 impl Endpoint {
     /// Opens an RDM endpoint of the domain's description, binds it to `cq` (transmit and receive)
     /// and `av`, and enables it.

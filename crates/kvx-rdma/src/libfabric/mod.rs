@@ -84,6 +84,7 @@ use crate::error::{
     ConnectError, DeregisterError, OpError, PollError, ReadError, RegisterError, SendError,
     WriteError,
 };
+use crate::peers::PeerTable;
 use crate::region::{HostBuffer, LocalRegion};
 use crate::transport::{Capabilities, Event, Notice, OpId, OpKind, PeerId, Transport, Waker};
 use crate::validate::check_ops;
@@ -377,6 +378,8 @@ struct Peer {
     /// The peer's address in each local rail's address vector, for the links in use: local rail
     /// `i` talks to the peer's rail `i`, for `i` below both rail counts.
     links: Vec<sys::fi_addr_t>,
+    /// Disconnected: refused to new operations, released when its last one settles.
+    closing: bool,
 }
 
 /// One resolved copy operation: where its pieces start on both sides.
@@ -525,7 +528,7 @@ pub struct LibfabricTransport {
     next_op: u64,
     /// Round-robin rail of the next operation that goes on one rail.
     next_rail: usize,
-    peers: Vec<Peer>,
+    peers: PeerTable<Peer>,
     pending: HashMap<u64, Pending>,
     post_queue: VecDeque<u64>,
     events: VecDeque<Event>,
@@ -860,7 +863,7 @@ impl LibfabricTransport {
             next_key: FIRST_KEY + 1,
             next_op: 0,
             next_rail: 0,
-            peers: Vec::new(),
+            peers: PeerTable::default(),
             pending: HashMap::new(),
             post_queue: VecDeque::new(),
             events: VecDeque::new(),
@@ -912,7 +915,7 @@ impl LibfabricTransport {
     /// two); `None` for an unknown peer.
     #[must_use]
     pub fn links(&self, peer: PeerId) -> Option<usize> {
-        self.peers.get(peer.0 as usize).map(|p| p.links.len())
+        self.live_peer(peer).map(|p| p.links.len())
     }
 
     /// Whether transmit completions have delivery-complete semantics (see the module
@@ -1049,20 +1052,47 @@ impl LibfabricTransport {
         segments
     }
 
+    /// `peer`, unless unknown or disconnected.
+    fn live_peer(&self, peer: PeerId) -> Option<&Peer> {
+        self.peers.get(peer).filter(|p| !p.closing)
+    }
+
+    /// Releases a disconnected peer (its address-vector entries) once no operation of its is
+    /// pending.
+    fn release_if_idle(&mut self, peer: PeerId) {
+        if self.pending.values().any(|p| p.peer == peer) {
+            return;
+        }
+        let Some(gone) = self.peers.remove(peer) else {
+            return;
+        };
+        for (rail, addr) in self.rails.iter().zip(gone.links) {
+            // A provider that cannot remove an entry keeps it: nothing refers to it any more,
+            // so that costs its memory only.
+            let _ = rail.ep.av().remove(addr);
+        }
+    }
+
     /// Splits `ops` into one stripe per link of `peer` that gets any (see [`stripe::stripe`]).
     fn stripes(&mut self, peer: PeerId, ops: &[CopyOp], write: bool) -> Vec<Stripe> {
-        let index = peer.0 as usize;
-        let links = self.peers[index].links.len();
+        let Some(links) = self.peers.get(peer).map(|p| p.links.len()) else {
+            return Vec::new();
+        };
         if links <= 1 {
+            let Some(p) = self.peers.get(peer) else {
+                return Vec::new();
+            };
             return vec![Stripe {
                 link: 0,
-                segments: self.resolve(&self.peers[index], 0, ops, write),
+                segments: self.resolve(p, 0, ops, write),
                 cursor: (0, 0, 0),
             }];
         }
         let first = self.next_rail % links;
         self.next_rail = self.next_rail.wrapping_add(1);
-        let peer = &self.peers[index];
+        let Some(peer) = self.peers.get(peer) else {
+            return Vec::new();
+        };
         stripe::stripe(ops, links, self.stripe_threshold, first)
             .into_iter()
             .enumerate()
@@ -1182,7 +1212,10 @@ impl LibfabricTransport {
         let Some(p) = self.pending.get(&op) else {
             return Ok(());
         };
-        let peer = &self.peers[p.peer.0 as usize];
+        // A pending operation's peer stays until the operation settles (`disconnect`).
+        let Some(peer) = self.peers.get(p.peer) else {
+            return Ok(());
+        };
         if p.flush_due() {
             let link = p.flush[p.flush.len() - 1];
             let (Some(&peer_addr), Some(target)) =
@@ -1327,7 +1360,9 @@ impl LibfabricTransport {
         };
         let link = stripe.link;
         let kind = p.kind;
-        let peer_addr = self.peers[p.peer.0 as usize].links[link];
+        let Some(&peer_addr) = self.peers.get(p.peer).and_then(|peer| peer.links.get(link)) else {
+            return Ok(false);
+        };
         let ep = &self.rails[link].ep;
         let ctx = self.contexts.take(Use::Data { op });
         // SAFETY: the range was checked against the local registration, which cannot be
@@ -1382,7 +1417,9 @@ impl LibfabricTransport {
         let room = self.in_flight_cap.saturating_sub(self.contexts.in_flight());
         let per_stripe = (room / p.stripes.len().max(1)).max(1);
         let read = p.kind == OpKind::Read;
-        let links = &self.peers[p.peer.0 as usize].links;
+        let Some(links) = self.peers.get(p.peer).map(|peer| &peer.links) else {
+            return Ok(());
+        };
         let max_chunk = self.max_chunk as u64;
         let mut work: Vec<Vec<posters::Piece>> = vec![Vec::new(); self.rails.len()];
         // Per rail: the stripe it carries and the cursor after each of its pieces.
@@ -1472,6 +1509,9 @@ impl LibfabricTransport {
         let Some(p) = self.pending.remove(&op) else {
             return;
         };
+        if self.peers.get(p.peer).is_some_and(|peer| peer.closing) {
+            self.release_if_idle(p.peer);
+        }
         if let Some((slot, _)) = p.send {
             // Never posted (failed or timed out before): the slot is free again.
             self.rails[0].scratch.free_sends.push(slot);
@@ -1894,14 +1934,18 @@ impl Transport for LibfabricTransport {
         }
         let rails = address::decode(peer, slot).map_err(ConnectError::BadDescription)?;
         // The same peer (its first rail's address) again: refresh its region table and keys.
-        if let Some(i) = self
+        // One disconnected but not yet released (operations of its still settling) is taken
+        // back under its id: its address-vector entries are still there.
+        if let Some(id) = self
             .peers
-            .iter()
-            .position(|p| p.rails.rails[0].address == rails.rails[0].address)
+            .find(|p| p.rails.rails[0].address == rails.rails[0].address)
         {
-            self.peers[i].desc = peer.clone();
-            self.peers[i].rails = rails;
-            return Ok(PeerId(i as u32));
+            if let Some(known) = self.peers.get_mut(id) {
+                known.desc = peer.clone();
+                known.rails = rails;
+                known.closing = false;
+            }
+            return Ok(id);
         }
         let links = self.rails.len().min(rails.rails.len());
         let mut addrs = Vec::with_capacity(links);
@@ -1911,19 +1955,31 @@ impl Transport for LibfabricTransport {
             // our own address plus room for a terminator, so that no read goes past the buffer.
             let mut padded = remote.address.clone();
             padded.resize(remote.address.len().max(local.address.len()) + 64, 0);
-            let addr = local
-                .ep
-                .av()
-                .insert(&padded)
-                .map_err(|e| ConnectError::BadAddress { source: backend(e) })?;
-            addrs.push(addr);
+            match local.ep.av().insert(&padded) {
+                Ok(addr) => addrs.push(addr),
+                Err(e) => {
+                    // The rails inserted already are taken out again.
+                    for (rail, addr) in self.rails.iter().zip(addrs) {
+                        let _ = rail.ep.av().remove(addr);
+                    }
+                    return Err(ConnectError::BadAddress { source: backend(e) });
+                }
+            }
         }
-        self.peers.push(Peer {
+        Ok(self.peers.insert(Peer {
             desc: peer.clone(),
             rails,
             links: addrs,
-        });
-        Ok(PeerId((self.peers.len() - 1) as u32))
+            closing: false,
+        }))
+    }
+
+    fn disconnect(&mut self, peer: PeerId) {
+        let Some(known) = self.peers.get_mut(peer) else {
+            return;
+        };
+        known.closing = true;
+        self.release_if_idle(peer);
     }
 
     fn write(
@@ -1933,8 +1989,7 @@ impl Transport for LibfabricTransport {
         notice: Option<Notice>,
     ) -> Result<OpId, WriteError> {
         let peer = self
-            .peers
-            .get(peer_id.0 as usize)
+            .live_peer(peer_id)
             .ok_or(WriteError::UnknownPeer(peer_id))?;
         if let Some(Notice(value)) = notice {
             if self.notice_bits < 64 && value >> self.notice_bits != 0 {
@@ -1964,8 +2019,7 @@ impl Transport for LibfabricTransport {
 
     fn read(&mut self, peer_id: PeerId, ops: &[CopyOp]) -> Result<OpId, ReadError> {
         let peer = self
-            .peers
-            .get(peer_id.0 as usize)
+            .live_peer(peer_id)
             .ok_or(ReadError::UnknownPeer(peer_id))?;
         let bytes = check_ops(
             ops,
@@ -1979,7 +2033,7 @@ impl Transport for LibfabricTransport {
     }
 
     fn send(&mut self, peer_id: PeerId, message: &[u8]) -> Result<OpId, SendError> {
-        if self.peers.get(peer_id.0 as usize).is_none() {
+        if self.live_peer(peer_id).is_none() {
             return Err(SendError::UnknownPeer(peer_id));
         }
         if message.len() > self.max_message {

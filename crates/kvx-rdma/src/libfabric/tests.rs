@@ -221,6 +221,20 @@ fn connect_refuses_other_providers_and_broken_descriptions() {
     ));
 }
 
+/// A write in flight when its peer is disconnected still ends (its address-vector entry goes
+/// only then); the old id is refused, and a new connection works, over both providers.
+#[test]
+fn a_disconnected_peer_is_refused_and_a_new_connection_works() {
+    for config in [LibfabricConfig::shm(), LibfabricConfig::tcp(Some("lo"))] {
+        let (mut a, mut b) = pair(&config);
+        let len = 4 << 20;
+        let region = || LocalRegion::host(0, Arc::new(HostBuffer::new(len).unwrap()));
+        a.register(region()).unwrap();
+        b.register(region()).unwrap();
+        crate::transport::check_disconnect(&mut a, &mut b, len as u64);
+    }
+}
+
 #[test]
 fn wakers_interrupt_waits_on_every_kind_of_queue() {
     // shm: no wait object (reads with sleeps); tcp: one wait descriptor; two tcp rails: two.

@@ -94,6 +94,7 @@ use crate::error::{
     BackendError, ConnectError, DeregisterError, OpError, PollError, ReadError, RegisterError,
     SendError, WriteError,
 };
+use crate::peers::PeerTable;
 use crate::region::LocalRegion;
 use crate::topology::{PciAddress, Topology};
 use crate::transport::{Capabilities, Event, Notice, OpId, OpKind, PeerId, Transport, Waker};
@@ -393,6 +394,9 @@ struct Registration {
 struct Peer {
     name: String,
     desc: EndpointDesc,
+    /// Disconnected: refused to new operations; its metadata is invalidated when its last
+    /// transfer finishes.
+    closing: bool,
 }
 
 impl Peer {
@@ -427,7 +431,7 @@ pub struct NixlTransport {
     plugin: String,
     /// This endpoint's address: name and metadata blob (see the module documentation).
     address: Vec<u8>,
-    peers: Vec<Peer>,
+    peers: PeerTable<Peer>,
     op_timeout: Duration,
     next_op: u64,
     events: VecDeque<Event>,
@@ -622,7 +626,7 @@ impl NixlTransport {
             agent,
             name,
             plugin: config.plugin.clone(),
-            peers: Vec::new(),
+            peers: PeerTable::default(),
             op_timeout: config.op_timeout,
             next_op: 0,
             events: VecDeque::new(),
@@ -767,7 +771,10 @@ impl NixlTransport {
         bytes: u64,
         notice: Option<Notice>,
     ) -> Result<u64, BackendError> {
-        let peer = &self.peers[peer_id.0 as usize];
+        let peer = self
+            .peers
+            .get(peer_id)
+            .ok_or_else(|| BackendError::from("unknown peer"))?;
         let write = kind == OpKind::Write;
         let (local, remote, locals) = self.descriptors(peer, ops, write)?;
         let mut args = sys::OptArgs::new().map_err(nixl_error("createOptArgs"))?;
@@ -817,9 +824,31 @@ impl NixlTransport {
         Ok(op)
     }
 
+    /// `peer`, unless unknown or disconnected.
+    fn live_peer(&self, peer: PeerId) -> Option<&Peer> {
+        self.peers.get(peer).filter(|p| !p.closing)
+    }
+
+    /// Forgets a disconnected peer (NIXL drops its metadata and connection) once no transfer
+    /// of its is pending.
+    fn release_if_idle(&mut self, peer: PeerId) {
+        if self.pending.values().any(|p| p.peer == peer) {
+            return;
+        }
+        let Some(gone) = self.peers.remove(peer) else {
+            return;
+        };
+        // The same agent connected again under another id keeps its metadata.
+        if self.peers.find(|p| p.name == gone.name).is_none() {
+            // A peer whose metadata cannot be invalidated stays loaded in the agent: nothing
+            // of kvx's refers to it any more.
+            let _ = self.agent.invalidate_remote_md(&gone.name);
+        }
+    }
+
     /// The asynchronous error for a failed transfer to `peer` (see the module documentation).
     fn classify(&self, peer: PeerId, source: BackendError) -> OpError {
-        let Some(p) = self.peers.get(peer.0 as usize) else {
+        let Some(p) = self.peers.get(peer) else {
             return OpError::Backend { source };
         };
         match self.agent.send_notification(&p.name, TAG_PROBE, None) {
@@ -833,6 +862,9 @@ impl NixlTransport {
         let Some(p) = self.pending.remove(&op) else {
             return;
         };
+        if self.peers.get(p.peer).is_some_and(|peer| peer.closing) {
+            self.release_if_idle(p.peer);
+        }
         for index in &p.local_regions {
             if let Some(r) = self.regions.get_mut(index) {
                 r.users = r.users.saturating_sub(1);
@@ -1088,12 +1120,16 @@ impl Transport for NixlTransport {
                 source: "the description is this endpoint's own".into(),
             });
         }
-        let known = self.peers.iter().position(|p| p.name == name);
-        if let Some(i) = known {
-            if self.peers[i].metadata() == metadata {
-                // Same registrations: nothing to load again.
-                self.peers[i].desc = peer.clone();
-                return Ok(PeerId(i as u32));
+        let known = self.peers.find(|p| p.name == name);
+        if let Some(id) = known {
+            if let Some(p) = self.peers.get_mut(id) {
+                if p.metadata() == metadata {
+                    // Same registrations: nothing to load again (a disconnected peer whose
+                    // transfers still settle is taken back under its id).
+                    p.desc = peer.clone();
+                    p.closing = false;
+                    return Ok(id);
+                }
             }
         }
         // `nixl-sys` panics on an agent name that is not UTF-8 inside the metadata; a corrupt
@@ -1124,7 +1160,7 @@ impl Transport for NixlTransport {
             }
         };
         if loaded != name {
-            if !self.peers.iter().any(|p| p.name == loaded) {
+            if self.peers.find(|p| p.name == loaded).is_none() {
                 let _ = self.agent.invalidate_remote_md(&loaded);
             }
             return Err(ConnectError::BadAddress {
@@ -1132,15 +1168,26 @@ impl Transport for NixlTransport {
                     .into(),
             });
         }
-        if let Some(i) = known {
-            self.peers[i].desc = peer.clone();
-            return Ok(PeerId(i as u32));
+        if let Some(id) = known {
+            if let Some(p) = self.peers.get_mut(id) {
+                p.desc = peer.clone();
+                p.closing = false;
+            }
+            return Ok(id);
         }
-        self.peers.push(Peer {
+        Ok(self.peers.insert(Peer {
             name: name.to_owned(),
             desc: peer.clone(),
-        });
-        Ok(PeerId((self.peers.len() - 1) as u32))
+            closing: false,
+        }))
+    }
+
+    fn disconnect(&mut self, peer: PeerId) {
+        let Some(known) = self.peers.get_mut(peer) else {
+            return;
+        };
+        known.closing = true;
+        self.release_if_idle(peer);
     }
 
     fn write(
@@ -1150,8 +1197,7 @@ impl Transport for NixlTransport {
         notice: Option<Notice>,
     ) -> Result<OpId, WriteError> {
         let peer = self
-            .peers
-            .get(peer_id.0 as usize)
+            .live_peer(peer_id)
             .ok_or(WriteError::UnknownPeer(peer_id))?;
         let bytes = check_ops(
             ops,
@@ -1166,8 +1212,7 @@ impl Transport for NixlTransport {
 
     fn read(&mut self, peer_id: PeerId, ops: &[CopyOp]) -> Result<OpId, ReadError> {
         let peer = self
-            .peers
-            .get(peer_id.0 as usize)
+            .live_peer(peer_id)
             .ok_or(ReadError::UnknownPeer(peer_id))?;
         let bytes = check_ops(
             ops,
@@ -1182,8 +1227,7 @@ impl Transport for NixlTransport {
 
     fn send(&mut self, peer_id: PeerId, message: &[u8]) -> Result<OpId, SendError> {
         let peer = self
-            .peers
-            .get(peer_id.0 as usize)
+            .live_peer(peer_id)
             .ok_or(SendError::UnknownPeer(peer_id))?;
         if message.len() > MAX_MESSAGE {
             return Err(SendError::TooLarge {

@@ -154,6 +154,21 @@ fn open_or_skip(test: &str) -> Option<NixlTransport> {
     Some(NixlTransport::open(&config).expect("open a NIXL endpoint"))
 }
 
+/// A transfer in flight when its peer is disconnected still ends (the peer's metadata goes
+/// only then); the old id is refused, and connecting again loads the peer anew.
+#[test]
+fn a_disconnected_peer_is_refused_and_a_new_connection_works() {
+    let test = "a_disconnected_peer_is_refused_and_a_new_connection_works";
+    let (Some(mut a), Some(mut b)) = (open_or_skip(test), open_or_skip(test)) else {
+        return;
+    };
+    let len = 4 << 20;
+    let region = || LocalRegion::host(0, Arc::new(HostBuffer::new(len).unwrap()));
+    a.register(region()).unwrap();
+    b.register(region()).unwrap();
+    crate::transport::check_disconnect(&mut a, &mut b, len as u64);
+}
+
 /// A waker ends a wait from another thread, and a wake before the wait ends the next one.
 #[test]
 fn a_waker_interrupts_a_wait() {
