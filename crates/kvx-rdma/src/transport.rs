@@ -158,7 +158,8 @@ pub trait Transport: Send {
     /// operations on `peer` from now on fail with `UnknownPeer`, and what this endpoint holds
     /// for it (its address, its connection, memory of its that is mapped here) is released, once
     /// the operations already posted to it have ended (they end as they would have). Connecting
-    /// to it again gives a new id; ids are never reused. An unknown id is ignored.
+    /// to it again gives a new id (or, while its operations still settle, its old one back);
+    /// an id is never given to another peer. An unknown id is ignored.
     ///
     /// Without it, every peer ever connected would stay: a long-lived prefill whose decode
     /// instances restart would accumulate their sockets, addresses and mappings.
