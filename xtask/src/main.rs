@@ -208,7 +208,13 @@ fn main() -> anyhow::Result<()> {
     match Cli::parse().task {
         Task::Setup => setup::ensure_packages(),
         Task::Test { no_lint } => test(no_lint),
-        Task::Bench { names, quick } => bench::run(&names, quick),
+        Task::Bench { names, quick } => {
+            // The benchmarks stop (kill) their processes too: let libfabric `shm` sweep what
+            // killed ones left in /dev/shm, as `test` does (one machine, one pid namespace).
+            // Set before any thread or child starts.
+            std::env::set_var("KVX_SHM_SWEEP", "1");
+            bench::run(&names, quick)
+        }
         Task::Fuzz { target, seconds } => fuzz(&target, seconds),
     }
 }

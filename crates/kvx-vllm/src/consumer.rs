@@ -771,15 +771,22 @@ impl Driver {
             return;
         };
         warn!(%instance, why, "prefill instance lost");
-        // Its writers are gone: nothing more can land.
+        // Its writers are gone: none of their writes can land any more (a connection is
+        // declared dead only after 25 s of silence, longer than any write takes). This side's
+        // own reads from it are still waited for: they land until they end or fail.
         let gone: Vec<AttemptKey> = self
             .quiescing
-            .iter()
+            .iter_mut()
             .filter(|(_, q)| q.instance == *instance)
-            .map(|(k, _)| *k)
+            .map(|(k, q)| {
+                q.ranks.clear();
+                *k
+            })
             .collect();
         for key in gone {
-            self.quiesced(key);
+            if self.quiescing.get(&key).is_some_and(Quiescing::quiet) {
+                self.quiesced(key);
+            }
         }
         let now = self.clock.now();
         for key in lost.waiting {
@@ -948,10 +955,11 @@ impl Driver {
             reads,
             deadline: self.clock.now() + self.config.quiesce_timeout,
         };
-        let quiet = quiescing.quiet() || !reachable;
+        // The producer instance gone: its writes can land no more, but this side's own reads
+        // (pull) still may until they end.
+        let quiet = quiescing.reads == 0 && (quiescing.ranks.is_empty() || !reachable);
         self.quiescing.insert(key, quiescing);
         if quiet {
-            // Nothing in flight, or the producer instance is gone: nothing more can land.
             self.quiesced(key);
         }
     }

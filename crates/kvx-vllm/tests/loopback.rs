@@ -1629,3 +1629,118 @@ fn prefill_forgets_the_endpoint_of_a_decode_that_went_away() {
     }
     assert_eq!(*forgotten.lock().unwrap(), vec![peer]);
 }
+
+/// A loopback endpoint whose reads complete only once `release` is set (their bytes move at
+/// once; their `ReadDone` events wait).
+struct HeldReads {
+    inner: Box<dyn Transport>,
+    release: Arc<std::sync::atomic::AtomicBool>,
+    held: Vec<Event>,
+}
+
+impl HeldReads {
+    fn hold(&mut self, events: &mut Vec<Event>, first: usize) -> usize {
+        let new: Vec<Event> = events.drain(first..).collect();
+        for event in new {
+            if matches!(event, Event::ReadDone { .. }) {
+                self.held.push(event);
+            } else {
+                events.push(event);
+            }
+        }
+        if self.release.load(Ordering::SeqCst) {
+            events.append(&mut self.held);
+        }
+        events.len() - first
+    }
+}
+
+impl Transport for HeldReads {
+    forward_transport!(connections);
+    fn write(
+        &mut self,
+        peer: PeerId,
+        ops: &[kvx_layout::CopyOp],
+        notice: Option<Notice>,
+    ) -> Result<OpId, kvx_rdma::WriteError> {
+        self.inner.write(peer, ops, notice)
+    }
+    fn poll(&mut self, events: &mut Vec<Event>) -> Result<usize, kvx_rdma::PollError> {
+        let first = events.len();
+        self.inner.poll(events)?;
+        Ok(self.hold(events, first))
+    }
+    fn wait(
+        &mut self,
+        events: &mut Vec<Event>,
+        timeout: Duration,
+    ) -> Result<usize, kvx_rdma::PollError> {
+        let first = events.len();
+        self.inner.wait(events, timeout)?;
+        Ok(self.hold(events, first))
+    }
+}
+
+#[test]
+fn a_lost_prefill_fails_a_pull_only_once_its_reads_ended() {
+    let fabric = LoopbackFabric::new();
+    let mut pre = prefill(
+        &fabric,
+        1,
+        4,
+        MemoryOrder::Nhd,
+        Arrangement::PerLayerSplit,
+        LONG,
+    );
+    let (_dec, cache) = Side::new(spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit));
+    let endpoint = fabric.endpoint();
+    let waker = endpoint.waker().expect("the loopback endpoint has a waker");
+    let release = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let held = HeldReads {
+        inner: Box::new(endpoint),
+        release: Arc::clone(&release),
+        held: Vec::new(),
+    };
+    let mut c = config(2);
+    c.registration_lease = LONG;
+    c.quiesce_timeout = LONG;
+    let consumer = Consumer::start(c, cache, Box::new(held)).unwrap();
+    let tokens = 8;
+    pre.sides[0].fill(&ids(0..2), tokens);
+    pre.producers[0]
+        .request_finished_pull(key(9, 0), RequestId(1), ids(0..2), tokens)
+        .unwrap();
+    consumer
+        .pull(PullRequest {
+            push: PushRequest {
+                key: key(9, 0),
+                request: RequestId(2),
+                prefill: pre.base,
+                num_tokens: tokens,
+                skip_tokens: 0,
+                blocks: ids(20..22),
+            },
+            producer_blocks: ids(0..2),
+        })
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    // Prefill goes away while decode's read is in flight: the request fails, but only once
+    // the read has ended, so that the engine never gets blocks back that it may still write.
+    pre.producers[0].shutdown();
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        consumer.take_events(),
+        vec![],
+        "failed with a read in flight"
+    );
+    release.store(true, Ordering::SeqCst);
+    waker.wake();
+    let events = wait_events(&consumer, 1);
+    assert!(
+        matches!(
+            &events[..],
+            [RecvEvent::Failed { reason: Reason::PeerFailed, detail, .. }] if detail.is_empty()
+        ),
+        "{events:?}"
+    );
+}

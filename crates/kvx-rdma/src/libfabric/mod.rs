@@ -150,6 +150,11 @@ fn rest_if_idle(idle_sleep: &mut Duration, idle: bool, timeout_ms: i32) {
     }
 }
 
+/// The error of an operation whose peer link is gone (see `post_one`).
+fn no_link() -> FiErrno {
+    FiErrno::new(-i64::from(sys::FI_ENOENT))
+}
+
 /// Which rails an endpoint opens.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
@@ -1212,16 +1217,18 @@ impl LibfabricTransport {
         let Some(p) = self.pending.get(&op) else {
             return Ok(());
         };
-        // A pending operation's peer stays until the operation settles (`disconnect`).
+        // A pending operation's peer stays until the operation settles (`disconnect`); a link
+        // it cannot find (a reconnect that described fewer rails) fails the operation rather
+        // than leaving it queued for ever.
         let Some(peer) = self.peers.get(p.peer) else {
-            return Ok(());
+            return Err(no_link());
         };
         if p.flush_due() {
             let link = p.flush[p.flush.len() - 1];
             let (Some(&peer_addr), Some(target)) =
                 (peer.links.get(link), peer.rails.rails.get(link))
             else {
-                return Ok(());
+                return Err(no_link());
             };
             let slot = target.notice;
             let rail = &self.rails[link];
@@ -1257,7 +1264,7 @@ impl LibfabricTransport {
             let (Some(&peer_addr), Some(target)) =
                 (peer.links.get(link), peer.rails.rails.get(link))
             else {
-                return Ok(());
+                return Err(no_link());
             };
             let slot = target.notice;
             let data = p.notice.unwrap_or(0);
@@ -1361,7 +1368,7 @@ impl LibfabricTransport {
         let link = stripe.link;
         let kind = p.kind;
         let Some(&peer_addr) = self.peers.get(p.peer).and_then(|peer| peer.links.get(link)) else {
-            return Ok(false);
+            return Err(no_link());
         };
         let ep = &self.rails[link].ep;
         let ctx = self.contexts.take(Use::Data { op });

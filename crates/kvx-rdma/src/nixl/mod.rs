@@ -862,38 +862,47 @@ impl NixlTransport {
         let Some(p) = self.pending.remove(&op) else {
             return;
         };
-        if self.peers.get(p.peer).is_some_and(|peer| peer.closing) {
-            self.release_if_idle(p.peer);
+        let Pending {
+            request,
+            kind,
+            peer,
+            bytes,
+            local_regions,
+            abandoned,
+            ..
+        } = p;
+        // The request goes before the peer's metadata may (the backend may still need it).
+        drop(request);
+        if self.peers.get(peer).is_some_and(|known| known.closing) {
+            self.release_if_idle(peer);
         }
-        for index in &p.local_regions {
+        for index in &local_regions {
             if let Some(r) = self.regions.get_mut(index) {
                 r.users = r.users.saturating_sub(1);
             }
         }
-        if p.abandoned {
+        if abandoned {
             return;
         }
         let id = OpId(op);
         self.events.push_back(match failed {
             Some(error) => Event::Failed {
                 op: id,
-                kind: p.kind,
-                peer: p.peer,
+                kind,
+                peer,
                 error,
             },
-            None if p.kind == OpKind::Read => Event::ReadDone {
+            None if kind == OpKind::Read => Event::ReadDone {
                 op: id,
-                peer: p.peer,
-                bytes: p.bytes,
+                peer,
+                bytes,
             },
             None => Event::WriteDone {
                 op: id,
-                peer: p.peer,
-                bytes: p.bytes,
+                peer,
+                bytes,
             },
         });
-        // `p.request` is released here (after the status said it is complete, failed or
-        // timed out and given back).
     }
 
     /// Reads the status of every transfer in flight (which also sends deferred notifications)
