@@ -53,6 +53,7 @@ impl Identity {
     }
 
     /// Whether the endpoint lives in this process.
+    #[cfg(feature = "cuda")]
     pub(crate) fn is_this_process(&self) -> bool {
         self.pid == std::process::id()
     }

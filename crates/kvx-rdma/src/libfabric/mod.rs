@@ -383,8 +383,6 @@ struct Peer {
     /// The peer's address in each local rail's address vector, for the links in use: local rail
     /// `i` talks to the peer's rail `i`, for `i` below both rail counts.
     links: Vec<sys::fi_addr_t>,
-    /// Disconnected: refused to new operations, released when its last one settles.
-    closing: bool,
 }
 
 /// One resolved copy operation: where its pieces start on both sides.
@@ -920,7 +918,7 @@ impl LibfabricTransport {
     /// two); `None` for an unknown peer.
     #[must_use]
     pub fn links(&self, peer: PeerId) -> Option<usize> {
-        self.live_peer(peer).map(|p| p.links.len())
+        self.peers.live(peer).map(|p| p.links.len())
     }
 
     /// Whether transmit completions have delivery-complete semantics (see the module
@@ -1057,18 +1055,11 @@ impl LibfabricTransport {
         segments
     }
 
-    /// `peer`, unless unknown or disconnected.
-    fn live_peer(&self, peer: PeerId) -> Option<&Peer> {
-        self.peers.get(peer).filter(|p| !p.closing)
-    }
-
     /// Releases a disconnected peer (its address-vector entries) once no operation of its is
     /// pending.
     fn release_if_idle(&mut self, peer: PeerId) {
-        if self.pending.values().any(|p| p.peer == peer) {
-            return;
-        }
-        let Some(gone) = self.peers.remove(peer) else {
+        let in_flight = self.pending.values().any(|p| p.peer == peer);
+        let Some(gone) = self.peers.release(peer, in_flight) else {
             return;
         };
         for (rail, addr) in self.rails.iter().zip(gone.links) {
@@ -1516,7 +1507,7 @@ impl LibfabricTransport {
         let Some(p) = self.pending.remove(&op) else {
             return;
         };
-        if self.peers.get(p.peer).is_some_and(|peer| peer.closing) {
+        if self.peers.is_closing(p.peer) {
             self.release_if_idle(p.peer);
         }
         if let Some((slot, _)) = p.send {
@@ -1950,8 +1941,8 @@ impl Transport for LibfabricTransport {
             if let Some(known) = self.peers.get_mut(id) {
                 known.desc = peer.clone();
                 known.rails = rails;
-                known.closing = false;
             }
+            self.peers.reopen(id);
             return Ok(id);
         }
         let links = self.rails.len().min(rails.rails.len());
@@ -1977,16 +1968,13 @@ impl Transport for LibfabricTransport {
             desc: peer.clone(),
             rails,
             links: addrs,
-            closing: false,
         }))
     }
 
     fn disconnect(&mut self, peer: PeerId) {
-        let Some(known) = self.peers.get_mut(peer) else {
-            return;
-        };
-        known.closing = true;
-        self.release_if_idle(peer);
+        if self.peers.close(peer) {
+            self.release_if_idle(peer);
+        }
     }
 
     fn write(
@@ -1996,7 +1984,8 @@ impl Transport for LibfabricTransport {
         notice: Option<Notice>,
     ) -> Result<OpId, WriteError> {
         let peer = self
-            .live_peer(peer_id)
+            .peers
+            .live(peer_id)
             .ok_or(WriteError::UnknownPeer(peer_id))?;
         if let Some(Notice(value)) = notice {
             if self.notice_bits < 64 && value >> self.notice_bits != 0 {
@@ -2026,7 +2015,8 @@ impl Transport for LibfabricTransport {
 
     fn read(&mut self, peer_id: PeerId, ops: &[CopyOp]) -> Result<OpId, ReadError> {
         let peer = self
-            .live_peer(peer_id)
+            .peers
+            .live(peer_id)
             .ok_or(ReadError::UnknownPeer(peer_id))?;
         let bytes = check_ops(
             ops,
@@ -2040,7 +2030,7 @@ impl Transport for LibfabricTransport {
     }
 
     fn send(&mut self, peer_id: PeerId, message: &[u8]) -> Result<OpId, SendError> {
-        if self.live_peer(peer_id).is_none() {
+        if self.peers.live(peer_id).is_none() {
             return Err(SendError::UnknownPeer(peer_id));
         }
         if message.len() > self.max_message {

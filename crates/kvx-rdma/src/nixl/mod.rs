@@ -394,9 +394,6 @@ struct Registration {
 struct Peer {
     name: String,
     desc: EndpointDesc,
-    /// Disconnected: refused to new operations; its metadata is invalidated when its last
-    /// transfer finishes.
-    closing: bool,
 }
 
 impl Peer {
@@ -824,18 +821,11 @@ impl NixlTransport {
         Ok(op)
     }
 
-    /// `peer`, unless unknown or disconnected.
-    fn live_peer(&self, peer: PeerId) -> Option<&Peer> {
-        self.peers.get(peer).filter(|p| !p.closing)
-    }
-
     /// Forgets a disconnected peer (NIXL drops its metadata and connection) once no transfer
     /// of its is pending.
     fn release_if_idle(&mut self, peer: PeerId) {
-        if self.pending.values().any(|p| p.peer == peer) {
-            return;
-        }
-        let Some(gone) = self.peers.remove(peer) else {
+        let in_flight = self.pending.values().any(|p| p.peer == peer);
+        let Some(gone) = self.peers.release(peer, in_flight) else {
             return;
         };
         // The same agent connected again under another id keeps its metadata.
@@ -873,7 +863,7 @@ impl NixlTransport {
         } = p;
         // The request goes before the peer's metadata may (the backend may still need it).
         drop(request);
-        if self.peers.get(peer).is_some_and(|known| known.closing) {
+        if self.peers.is_closing(peer) {
             self.release_if_idle(peer);
         }
         for index in &local_regions {
@@ -1136,7 +1126,7 @@ impl Transport for NixlTransport {
                     // Same registrations: nothing to load again (a disconnected peer whose
                     // transfers still settle is taken back under its id).
                     p.desc = peer.clone();
-                    p.closing = false;
+                    self.peers.reopen(id);
                     return Ok(id);
                 }
             }
@@ -1180,23 +1170,20 @@ impl Transport for NixlTransport {
         if let Some(id) = known {
             if let Some(p) = self.peers.get_mut(id) {
                 p.desc = peer.clone();
-                p.closing = false;
             }
+            self.peers.reopen(id);
             return Ok(id);
         }
         Ok(self.peers.insert(Peer {
             name: name.to_owned(),
             desc: peer.clone(),
-            closing: false,
         }))
     }
 
     fn disconnect(&mut self, peer: PeerId) {
-        let Some(known) = self.peers.get_mut(peer) else {
-            return;
-        };
-        known.closing = true;
-        self.release_if_idle(peer);
+        if self.peers.close(peer) {
+            self.release_if_idle(peer);
+        }
     }
 
     fn write(
@@ -1206,7 +1193,8 @@ impl Transport for NixlTransport {
         notice: Option<Notice>,
     ) -> Result<OpId, WriteError> {
         let peer = self
-            .live_peer(peer_id)
+            .peers
+            .live(peer_id)
             .ok_or(WriteError::UnknownPeer(peer_id))?;
         let bytes = check_ops(
             ops,
@@ -1221,7 +1209,8 @@ impl Transport for NixlTransport {
 
     fn read(&mut self, peer_id: PeerId, ops: &[CopyOp]) -> Result<OpId, ReadError> {
         let peer = self
-            .live_peer(peer_id)
+            .peers
+            .live(peer_id)
             .ok_or(ReadError::UnknownPeer(peer_id))?;
         let bytes = check_ops(
             ops,
@@ -1236,7 +1225,8 @@ impl Transport for NixlTransport {
 
     fn send(&mut self, peer_id: PeerId, message: &[u8]) -> Result<OpId, SendError> {
         let peer = self
-            .live_peer(peer_id)
+            .peers
+            .live(peer_id)
             .ok_or(SendError::UnknownPeer(peer_id))?;
         if message.len() > MAX_MESSAGE {
             return Err(SendError::TooLarge {
