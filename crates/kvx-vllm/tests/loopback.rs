@@ -1390,6 +1390,34 @@ impl ReadGatedWrites {
 }
 
 macro_rules! forward_transport {
+    // `write` as it is.
+    (writes) => {
+        fn write(
+            &mut self,
+            peer: PeerId,
+            ops: &[kvx_layout::CopyOp],
+            notice: Option<Notice>,
+        ) -> Result<OpId, kvx_rdma::WriteError> {
+            self.inner.write(peer, ops, notice)
+        }
+    };
+    // `poll` and `wait`, with the events they add passed through `self.$filter(events, first)`.
+    (polls $filter:ident) => {
+        fn poll(&mut self, events: &mut Vec<Event>) -> Result<usize, kvx_rdma::PollError> {
+            let first = events.len();
+            self.inner.poll(events)?;
+            Ok(self.$filter(events, first))
+        }
+        fn wait(
+            &mut self,
+            events: &mut Vec<Event>,
+            timeout: Duration,
+        ) -> Result<usize, kvx_rdma::PollError> {
+            let first = events.len();
+            self.inner.wait(events, timeout)?;
+            Ok(self.$filter(events, first))
+        }
+    };
     (connections) => {
         forward_transport!(base);
         fn connect(
@@ -1439,14 +1467,7 @@ macro_rules! forward_transport {
 
 impl Transport for CountedReads {
     forward_transport!(connections);
-    fn write(
-        &mut self,
-        peer: PeerId,
-        ops: &[kvx_layout::CopyOp],
-        notice: Option<Notice>,
-    ) -> Result<OpId, kvx_rdma::WriteError> {
-        self.inner.write(peer, ops, notice)
-    }
+    forward_transport!(writes);
     fn poll(&mut self, events: &mut Vec<Event>) -> Result<usize, kvx_rdma::PollError> {
         self.reads.fetch_add(1, Ordering::SeqCst);
         self.inner.poll(events)
@@ -1475,20 +1496,7 @@ impl Transport for ReadGatedWrites {
         }
         Ok(op)
     }
-    fn poll(&mut self, events: &mut Vec<Event>) -> Result<usize, kvx_rdma::PollError> {
-        let first = events.len();
-        self.inner.poll(events)?;
-        Ok(self.gate(events, first))
-    }
-    fn wait(
-        &mut self,
-        events: &mut Vec<Event>,
-        timeout: Duration,
-    ) -> Result<usize, kvx_rdma::PollError> {
-        let first = events.len();
-        self.inner.wait(events, timeout)?;
-        Ok(self.gate(events, first))
-    }
+    forward_transport!(polls gate);
 }
 
 #[test]
@@ -1566,23 +1574,13 @@ impl Transport for RecordedPeers {
         self.forgotten.lock().unwrap().push(peer);
         self.inner.disconnect(peer);
     }
-    fn write(
-        &mut self,
-        peer: PeerId,
-        ops: &[kvx_layout::CopyOp],
-        notice: Option<Notice>,
-    ) -> Result<OpId, kvx_rdma::WriteError> {
-        self.inner.write(peer, ops, notice)
-    }
-    fn poll(&mut self, events: &mut Vec<Event>) -> Result<usize, kvx_rdma::PollError> {
-        self.inner.poll(events)
-    }
-    fn wait(
-        &mut self,
-        events: &mut Vec<Event>,
-        timeout: Duration,
-    ) -> Result<usize, kvx_rdma::PollError> {
-        self.inner.wait(events, timeout)
+    forward_transport!(writes);
+    forward_transport!(polls unchanged);
+}
+
+impl RecordedPeers {
+    fn unchanged(&mut self, events: &mut [Event], first: usize) -> usize {
+        events.len() - first
     }
 }
 
@@ -1657,28 +1655,8 @@ impl HeldReads {
 
 impl Transport for HeldReads {
     forward_transport!(connections);
-    fn write(
-        &mut self,
-        peer: PeerId,
-        ops: &[kvx_layout::CopyOp],
-        notice: Option<Notice>,
-    ) -> Result<OpId, kvx_rdma::WriteError> {
-        self.inner.write(peer, ops, notice)
-    }
-    fn poll(&mut self, events: &mut Vec<Event>) -> Result<usize, kvx_rdma::PollError> {
-        let first = events.len();
-        self.inner.poll(events)?;
-        Ok(self.hold(events, first))
-    }
-    fn wait(
-        &mut self,
-        events: &mut Vec<Event>,
-        timeout: Duration,
-    ) -> Result<usize, kvx_rdma::PollError> {
-        let first = events.len();
-        self.inner.wait(events, timeout)?;
-        Ok(self.hold(events, first))
-    }
+    forward_transport!(writes);
+    forward_transport!(polls hold);
 }
 
 #[test]
