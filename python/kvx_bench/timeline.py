@@ -9,6 +9,7 @@ events (from the instances' logs) against the client's clock:
 
     .kvx-cache/venv/bin/python -m kvx_bench.timeline --kvx-bin target/debug/kvx \\
         [--mode push|pull] [--transport cma] [--input-tokens 256] [--requests 12]
+        [--max-tokens 8] [--rate R (Poisson arrivals, overlapping, instead of sequential)]
         (from python/, or with python/ on PYTHONPATH; `maturin develop` first)
 
 It prints one line per request and the medians of the phases: how long the connector's own part
