@@ -197,17 +197,22 @@ fn tp2_prefill(fabric: &LoopbackFabric) -> Prefill {
     )
 }
 
-/// One prefill rank and one decode rank with the same small layout (4-token blocks, NHD, K and V
-/// apart), long leases.
-fn simple_pair(fabric: &LoopbackFabric) -> (Prefill, Side, Consumer) {
-    let pre = prefill(
+/// One prefill rank (4-token blocks, NHD, K and V apart), long leases.
+fn tp1_prefill(fabric: &LoopbackFabric) -> Prefill {
+    prefill(
         fabric,
         1,
         4,
         MemoryOrder::Nhd,
         Arrangement::PerLayerSplit,
         LONG,
-    );
+    )
+}
+
+/// One prefill rank and one decode rank with the same small layout (4-token blocks, NHD, K and V
+/// apart), long leases.
+fn simple_pair(fabric: &LoopbackFabric) -> (Prefill, Side, Consumer) {
+    let pre = tp1_prefill(fabric);
     let (dec, consumer) = decode(
         fabric,
         spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit),
@@ -524,14 +529,7 @@ fn pull_reads_then_frees_the_producer_blocks() {
 #[test]
 fn registration_without_prefill_fails_after_its_lease() {
     let fabric = LoopbackFabric::new();
-    let pre = prefill(
-        &fabric,
-        1,
-        4,
-        MemoryOrder::Nhd,
-        Arrangement::PerLayerSplit,
-        LONG,
-    );
+    let pre = tp1_prefill(&fabric);
     let (_dec, consumer) = decode(
         &fabric,
         spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit),
@@ -690,14 +688,7 @@ fn preempted_request_reregisters_with_a_new_attempt() {
 #[test]
 fn killed_prefill_fails_waiting_requests_at_once() {
     let fabric = LoopbackFabric::new();
-    let mut pre = prefill(
-        &fabric,
-        1,
-        4,
-        MemoryOrder::Nhd,
-        Arrangement::PerLayerSplit,
-        LONG,
-    );
+    let mut pre = tp1_prefill(&fabric);
     let (_dec, consumer) = decode(
         &fabric,
         spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit),
@@ -1282,14 +1273,7 @@ fn cancel_waits_for_a_silent_producer_until_the_quiesce_timeout() {
     use std::sync::atomic::{AtomicBool, Ordering};
 
     let fabric = LoopbackFabric::new();
-    let pre = prefill(
-        &fabric,
-        1,
-        4,
-        MemoryOrder::Nhd,
-        Arrangement::PerLayerSplit,
-        LONG,
-    );
+    let pre = tp1_prefill(&fabric);
     // The relay: the handshake passes both ways, later messages from decode are dropped.
     let relay = TcpListener::bind("127.0.0.1:0").unwrap();
     let relay_addr = relay.local_addr().unwrap();
@@ -1662,14 +1646,7 @@ impl Transport for HeldReads {
 #[test]
 fn a_lost_prefill_fails_a_pull_only_once_its_reads_ended() {
     let fabric = LoopbackFabric::new();
-    let mut pre = prefill(
-        &fabric,
-        1,
-        4,
-        MemoryOrder::Nhd,
-        Arrangement::PerLayerSplit,
-        LONG,
-    );
+    let mut pre = tp1_prefill(&fabric);
     let (_dec, cache) = Side::new(spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit));
     let endpoint = fabric.endpoint();
     let waker = endpoint.waker().expect("the loopback endpoint has a waker");
