@@ -745,7 +745,8 @@ impl Driver {
                 debug!(%key, %rank, due = due.len(), "finishing");
                 self.hinted.extend(due);
             }
-            Message::Failure(f) => {
+            // Each producer rank speaks for itself only, on its own connection.
+            Message::Failure(f) if f.rank == rank => {
                 let key = AttemptKey::new(f.transfer, f.attempt);
                 debug!(%key, reason = ?f.reason, detail = f.detail, "producer reported failure");
                 if let Some(q) = self.quiescing.get_mut(&key) {

@@ -215,7 +215,7 @@ impl Producer {
             clock: Clock::new(),
             rank,
             layout,
-            transport,
+            transport: Some(transport),
             matcher,
             conns: HashMap::new(),
             flights: HashMap::new(),
@@ -658,6 +658,13 @@ struct Partial {
 /// of the consumer's command queue until the consumer reads, and a full queue stops the writes.
 const NUDGE_AFTER: Duration = Duration::from_millis(2);
 
+/// The transport is open from start until shutdown.
+const OPEN: &str = "the transport is open until shutdown";
+
+/// How long a shutting-down producer lets its writes in flight end before it closes the
+/// transport and tells their consumers that they failed.
+const SHUTDOWN_DRAIN: Duration = Duration::from_secs(2);
+
 fn rank_key(key: AttemptKey, rank: Rank) -> AttemptKey {
     let mixed = key.transfer.0
         ^ (u128::from(kvx_core::ids::fnv1a_64(&rank.0.to_le_bytes())) << 64)
@@ -669,7 +676,8 @@ struct Driver {
     clock: Clock,
     rank: Rank,
     layout: Layout,
-    transport: Box<dyn Transport>,
+    /// Open until [`Driver::shutdown`] closes it.
+    transport: Option<Box<dyn Transport>>,
     matcher: Matcher<Ticket, Dest>,
     conns: HashMap<ConnId, Conn>,
     flights: HashMap<OpId, Flight>,
@@ -702,7 +710,7 @@ impl common::Driven for Driver {
     type Command = Command;
 
     fn transport(&mut self) -> (&mut dyn Transport, Clock) {
-        (self.transport.as_mut(), self.clock)
+        (self.transport.as_deref_mut().expect(OPEN), self.clock)
     }
 
     fn busy(&self) -> bool {
@@ -813,8 +821,11 @@ impl Driver {
                 }
             }
             Command::Accepted(conn, sender, hello) => {
-                let consumer = match accept_consumer(&self.layout, &hello, self.transport.as_mut())
-                {
+                let consumer = match accept_consumer(
+                    &self.layout,
+                    &hello,
+                    self.transport.as_deref_mut().expect(OPEN),
+                ) {
                     Ok(consumer) => {
                         self.max_consumer_tp =
                             self.max_consumer_tp.max(consumer.layout.spec().tp_size);
@@ -840,7 +851,10 @@ impl Driver {
                             .values()
                             .any(|o| o.consumer.as_ref().is_some_and(|x| x.peer == gone.peer));
                         if !shared {
-                            self.transport.disconnect(gone.peer);
+                            self.transport
+                                .as_deref_mut()
+                                .expect(OPEN)
+                                .disconnect(gone.peer);
                         }
                     }
                     // The consumer is gone: its registrations will never be served.
@@ -1147,6 +1161,8 @@ impl Driver {
         .map_err(|e| format!("cannot plan the early writes of {key}: {e}"))
         .and_then(|(ops, bytes)| {
             self.transport
+                .as_deref_mut()
+                .expect(OPEN)
                 .write(consumer.peer, &ops, None)
                 .map(|op| (op, bytes))
                 .map_err(|e| format!("cannot post the early writes of {key}: {e}"))
@@ -1431,6 +1447,8 @@ impl Driver {
         .map_err(|e| format!("cannot plan {key}: {e}"))?;
         self.stats.bytes_written.fetch_add(bytes, Ordering::Relaxed);
         self.transport
+            .as_deref_mut()
+            .expect(OPEN)
             .write(consumer.peer, &ops, Some(Notice(dest.notice)))
             .map(|op| (op, bytes))
             .map_err(|e| format!("cannot post the writes of {key}: {e}"))
@@ -1652,6 +1670,33 @@ impl Driver {
         let now = self.clock.now();
         self.matcher.shutdown(now);
         self.actions();
+        // Writes in flight end as they would (their notices reach decode), for a while.
+        let deadline = now + SHUTDOWN_DRAIN;
+        let mut events = Vec::new();
+        while !(self.flights.is_empty() && self.partials.is_empty()) {
+            let left = self.clock.until(deadline);
+            if left.is_zero() {
+                break;
+            }
+            let transport = self.transport.as_deref_mut().expect(OPEN);
+            if let Err(e) = transport.wait(&mut events, left) {
+                warn!(error = %e, "transport wait failed while draining writes");
+                break;
+            }
+            for event in events.drain(..) {
+                self.on_event(event);
+            }
+        }
+        // Close the transport before decode hears that the rest failed: once a consumer is
+        // told, it gives the blocks back to its engine, and nothing of ours may land in them
+        // after that (closing waits for or cancels what is still in flight).
+        if !(self.flights.is_empty() && self.partials.is_empty()) {
+            warn!(
+                writes = self.flights.len() + self.partials.len(),
+                "closing the transport with writes in flight"
+            );
+        }
+        drop(self.transport.take());
         for (_, flight) in std::mem::take(&mut self.flights) {
             self.tell_consumer(flight.conn, flight.original, Reason::Shutdown, "");
             self.ticket_back(flight.ticket, SendOutcome::NotSent(Reason::Shutdown));

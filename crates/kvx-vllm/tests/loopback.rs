@@ -2,7 +2,7 @@
 //! ratios, memory-order re-layout, pull mode, and the failure paths (leases, aborts, cancels, a
 //! dead prefill, bad blocks, an unreachable peer). Every delivered byte is verified.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::{SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -1698,4 +1698,105 @@ fn a_lost_prefill_fails_a_pull_only_once_its_reads_ended() {
         ),
         "{events:?}"
     );
+}
+
+/// A loopback endpoint whose writes never end: their bytes move, but their notices are
+/// dropped and their completions withheld, as for a write stuck in the fabric. Closing it
+/// takes `close_time`; `closed` says when it ended.
+struct StuckWrites {
+    inner: Box<dyn Transport>,
+    stuck: HashSet<OpId>,
+    close_time: Duration,
+    closed: Arc<Mutex<Option<std::time::SystemTime>>>,
+}
+
+impl Transport for StuckWrites {
+    forward_transport!(connections);
+    fn write(
+        &mut self,
+        peer: PeerId,
+        ops: &[kvx_layout::CopyOp],
+        _notice: Option<Notice>,
+    ) -> Result<OpId, kvx_rdma::WriteError> {
+        let op = self.inner.write(peer, ops, None)?;
+        self.stuck.insert(op);
+        Ok(op)
+    }
+    forward_transport!(polls withhold);
+}
+
+impl StuckWrites {
+    fn withhold(&mut self, events: &mut Vec<Event>, first: usize) -> usize {
+        let new: Vec<Event> = events.drain(first..).collect();
+        for event in new {
+            let stuck = matches!(
+                &event,
+                Event::WriteDone { op, .. } | Event::Failed { op, .. } if self.stuck.contains(op)
+            );
+            if !stuck {
+                events.push(event);
+            }
+        }
+        events.len() - first
+    }
+}
+
+impl Drop for StuckWrites {
+    fn drop(&mut self) {
+        std::thread::sleep(self.close_time);
+        *self.closed.lock().unwrap() = Some(std::time::SystemTime::now());
+    }
+}
+
+#[test]
+fn a_producer_shutting_down_closes_its_transport_before_decode_hears_of_the_failure() {
+    let fabric = LoopbackFabric::new();
+    let base = free_ports(1);
+    let (side, cache) = Side::new(spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit));
+    let mut c = config(1);
+    c.listen = base;
+    let closed = Arc::new(Mutex::new(None));
+    let stuck = StuckWrites {
+        inner: Box::new(fabric.endpoint()),
+        stuck: HashSet::new(),
+        close_time: Duration::from_millis(300),
+        closed: Arc::clone(&closed),
+    };
+    let mut producer = Producer::start(c, cache, Box::new(stuck)).unwrap();
+    side.fill(&ids(10..13), 12);
+    let (_dec, consumer) = decode(
+        &fabric,
+        spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit),
+        LONG,
+    );
+    let k = key(96, 0);
+    register(&consumer, base, k, 12, ids(20..23));
+    producer
+        .request_finished(k, RequestId(9), ids(10..13), 12)
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(consumer.take_events(), vec![], "a stuck write never ends");
+    // Prefill shuts down with the write in flight: decode hears that it failed only once
+    // prefill's transport is closed, so that nothing can land in blocks it gives back.
+    let started = Instant::now();
+    producer.shutdown();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let (event, told) = loop {
+        if let Some(timed) = consumer.take_events_timed().into_iter().next() {
+            break timed;
+        }
+        assert!(Instant::now() < deadline, "decode never heard");
+        std::thread::sleep(Duration::from_millis(2));
+    };
+    let closed = closed.lock().unwrap().expect("the transport was closed");
+    assert!(
+        told >= closed,
+        "decode was told {:?} before the transport closed",
+        closed.duration_since(told).unwrap_or_default()
+    );
+    assert!(
+        matches!(event, RecvEvent::Failed { key: failed, .. } if failed == k),
+        "{event:?}"
+    );
+    assert!(started.elapsed() < LONG, "failed only after the lease");
 }
