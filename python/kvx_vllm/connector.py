@@ -106,6 +106,8 @@ class RecvSpec:
     skip_tokens: int
     block_ids: list[int]
     producer_block_ids: list[int] | None = None
+    # Set when the request's kv_transfer_params were unusable: its load fails at once.
+    error: str | None = None
 
 
 @dataclass
@@ -124,14 +126,41 @@ class KvxConnectorMetadata(KVConnectorMetadata):
     cancels: list[str] = field(default_factory=list)
 
 
-def _transfer_id(params: dict[str, Any], request: Request) -> str:
+def _transfer_id(params: dict[str, Any]) -> str:
+    """The router's transfer id; ``ValueError`` when absent."""
     tid = params.get("kvx_transfer_id")
     if not tid:
         raise ValueError(
-            f"request {request.request_id}: kv_transfer_params lack kvx_transfer_id "
+            "kv_transfer_params lack kvx_transfer_id "
             "(route requests through `kvx proxy`, or set it yourself)"
         )
     return str(tid)
+
+
+def _recv_params(
+    params: dict[str, Any], pull: bool, prompt_tokens: int
+) -> tuple[str, str, list[int] | None, int]:
+    """Decode: the transfer id, the prefill's kvx address, (pull) prefill's block ids and the
+    tokens to receive, checked; ``ValueError`` naming what is wrong. Any client can set
+    ``kv_transfer_params``: a bad value fails its request's load, never the engine."""
+    transfer_id = _transfer_id(params)
+    prefill = params.get("kvx_prefill")
+    if not isinstance(prefill, str) or not prefill:
+        raise ValueError(f"kvx_prefill must be a HOST:PORT string, not {prefill!r}")
+    host, sep, port = prefill.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"kvx_prefill must be HOST:PORT, not {prefill!r}")
+    if not pull:
+        return transfer_id, prefill, None, prompt_tokens
+    blocks = params.get("kvx_remote_block_ids")
+    if not isinstance(blocks, list) or not all(
+        isinstance(b, int) and not isinstance(b, bool) and 0 <= b < 2**32 for b in blocks
+    ):
+        raise ValueError("kvx_remote_block_ids must be a list of block ids (0 <= id < 2**32)")
+    num_tokens = params.get("kvx_num_tokens", prompt_tokens)
+    if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
+        raise ValueError(f"kvx_num_tokens must be a count of tokens, not {num_tokens!r}")
+    return transfer_id, prefill, list(blocks), min(prompt_tokens, num_tokens)
 
 
 class _Scheduler:
@@ -177,10 +206,15 @@ class _Scheduler:
     ) -> None:
         params = request.kv_transfer_params
         if self.stream and params and params.get("do_remote_decode"):
-            self.computing.setdefault(
-                request.request_id,
-                _Computing(_transfer_id(params, request), request.num_prompt_tokens),
-            )
+            try:
+                transfer_id = _transfer_id(params)
+            except ValueError as e:
+                # Not streamed; request_finished says the same and keeps its KV here.
+                logger.warning("kvx: request %s: %s", request.request_id, e)
+            else:
+                self.computing.setdefault(
+                    request.request_id, _Computing(transfer_id, request.num_prompt_tokens)
+                )
         if not params or not params.get("do_remote_prefill"):
             return
         # Only once: a re-entry (the second call after the load, or after a preemption) must
@@ -188,21 +222,31 @@ class _Scheduler:
         params["do_remote_prefill"] = False
         if num_external_tokens <= 0:
             return
-        transfer_id = _transfer_id(params, request)
-        prefill = params.get("kvx_prefill")
-        if not prefill:
-            raise ValueError(f"request {request.request_id}: kv_transfer_params lack kvx_prefill")
         (block_ids,) = blocks.get_block_ids()
-        num_tokens = request.num_prompt_tokens
-        producer_blocks = None
-        if self.pull:
-            producer_blocks = [int(b) for b in params.get("kvx_remote_block_ids", [])]
-            num_tokens = min(num_tokens, int(params.get("kvx_num_tokens", num_tokens)))
+        try:
+            transfer_id, prefill, producer_blocks, num_tokens = _recv_params(
+                params, self.pull, request.num_prompt_tokens
+            )
+        except ValueError as e:
+            # The worker reports the load failed, and vLLM fails or recomputes the request
+            # per its kv_load_failure_policy.
+            self.meta.recvs.append(
+                RecvSpec(
+                    request_id=request.request_id,
+                    transfer_id="",
+                    prefill="",
+                    num_tokens=0,
+                    skip_tokens=0,
+                    block_ids=list(block_ids),
+                    error=f"bad kv_transfer_params: {e}",
+                )
+            )
+            return
         self.meta.recvs.append(
             RecvSpec(
                 request_id=request.request_id,
                 transfer_id=transfer_id,
-                prefill=str(prefill),
+                prefill=prefill,
                 num_tokens=num_tokens,
                 skip_tokens=request.num_prompt_tokens - num_external_tokens,
                 block_ids=list(block_ids),
@@ -310,7 +354,11 @@ class _Scheduler:
         if not params.get("do_remote_decode"):
             return False, None
         # Prefill.
-        transfer_id = _transfer_id(params, request)
+        try:
+            transfer_id = _transfer_id(params)
+        except ValueError as e:
+            logger.warning("kvx: request %s: %s; its KV stays here", rid, e)
+            return False, None
         if request.status not in _FINISHED_OK or not block_ids:
             # Aborted (or nothing computed): a registration that arrived must fail now rather
             # than at the end of its lease.
@@ -367,6 +415,8 @@ class _Worker:
         self.recv_transfers: dict[str, str] = {}
         self.cancelled: set[str] = set()
         self.load_errors: set[int] = set()
+        # Decode: requests refused before anything was sent (bad kv_transfer_params), with why.
+        self.refused: list[tuple[str, str]] = []
         # Prefill, push, host cache: the layer index of each cache's name, and this step's
         # requests to report layer by layer (empty otherwise).
         self.layer_index: dict[str, int] = {}
@@ -460,34 +510,47 @@ class _Worker:
                     )
         if self.consumer is not None:
             for r in meta.recvs:
-                with self.lock:
-                    self.recv_blocks[r.request_id] = (r.transfer_id, r.block_ids)
-                    self.recv_transfers[r.transfer_id] = r.request_id
-                if r.producer_block_ids is not None:
-                    self.consumer.pull(
-                        r.transfer_id,
-                        r.request_id,
-                        r.prefill,
-                        r.num_tokens,
-                        r.skip_tokens,
-                        r.block_ids,
-                        r.producer_block_ids,
-                    )
+                if r.error is None:
+                    with self.lock:
+                        self.recv_blocks[r.request_id] = (r.transfer_id, r.block_ids)
+                        self.recv_transfers[r.transfer_id] = r.request_id
+                    try:
+                        self._receive(r)
+                        continue
+                    except ValueError as e:
+                        # What the native side refuses (an address that does not resolve, a
+                        # block id out of range) fails this request's load, not the engine.
+                        error = str(e)
+                        with self.lock:
+                            self.recv_blocks.pop(r.request_id, None)
+                            self.recv_transfers.pop(r.transfer_id, None)
                 else:
-                    self.consumer.request_allocated(
-                        r.transfer_id,
-                        r.request_id,
-                        r.prefill,
-                        r.num_tokens,
-                        r.skip_tokens,
-                        r.block_ids,
-                    )
+                    error = r.error
+                with self.lock:
+                    self.refused.append((r.request_id, error))
+                    self.load_errors.update(r.block_ids)
             for tid in meta.cancels:
                 with self.lock:
                     rid = self.recv_transfers.get(tid)
                     if rid is not None:
                         self.cancelled.add(rid)
                 self.consumer.cancel(tid)
+
+    def _receive(self, r: RecvSpec) -> None:
+        if r.producer_block_ids is not None:
+            self.consumer.pull(
+                r.transfer_id,
+                r.request_id,
+                r.prefill,
+                r.num_tokens,
+                r.skip_tokens,
+                r.block_ids,
+                r.producer_block_ids,
+            )
+        else:
+            self.consumer.request_allocated(
+                r.transfer_id, r.request_id, r.prefill, r.num_tokens, r.skip_tokens, r.block_ids
+            )
 
     def save_kv_layer(self, layer_name: str) -> None:
         index = self.layer_index.get(layer_name)
@@ -507,6 +570,12 @@ class _Worker:
                     logger.warning("kvx: KV of %s not delivered (%s); blocks freed", rid, reason)
                 results.finished_sending.add(rid)
         if self.consumer is not None:
+            with self.lock:
+                refused, self.refused = self.refused, []
+            for rid, error in refused:
+                logger.warning("kvx: KV of %s cannot be received: %s", rid, error)
+                results.finished_recving.add(rid)
+                results.failed_recving.add(rid)
             for rid, ok, reason, detail in self.consumer.take_events():
                 results.finished_recving.add(rid)
                 with self.lock:

@@ -1,0 +1,113 @@
+"""Bad ``kv_transfer_params`` (any client can set them) fail the one request's load, through
+vLLM's own load-failure path, and never raise into the engine: the scheduler glue checks them,
+and the worker turns what the native side refuses into a failed load with its blocks reported
+as load errors. The native consumer here is the real one (loopback transport)."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace as NS
+
+import pytest
+
+from kvx_vllm.connector import KvxConnectorMetadata, RecvSpec, _Scheduler, _Worker
+from test_native import cpu_caches, start_pair
+
+GOOD = {"do_remote_prefill": True, "kvx_transfer_id": "t-1", "kvx_prefill": "127.0.0.1:7100"}
+PULL = {**GOOD, "kvx_remote_block_ids": [4, 5], "kvx_num_tokens": 40}
+
+
+def decode_scheduler(pull: bool) -> _Scheduler:
+    s = _Scheduler.__new__(_Scheduler)
+    s.pull = pull
+    s.block_size = 16
+    s.meta = KvxConnectorMetadata()
+    s.held = set()
+    s.waiting = {}
+    s.computing = {}
+    s.stream = not pull
+    s.async_scheduling = True
+    return s
+
+
+def allocate(s: _Scheduler, params: dict) -> list[RecvSpec]:
+    request = NS(request_id="r", kv_transfer_params=dict(params), num_prompt_tokens=40)
+    blocks = NS(get_block_ids=lambda: ([1, 2, 3],))
+    count, is_async = s.get_num_new_matched_tokens(request, 0)
+    assert (count, is_async) == (40, True)
+    s.update_state_after_alloc(request, blocks, count)
+    return s.build_connector_meta(NS(preempted_req_ids=set())).recvs
+
+
+@pytest.mark.parametrize(
+    "pull, params, why",
+    [
+        (False, {**GOOD, "kvx_transfer_id": None}, "kvx_transfer_id"),
+        (False, {k: v for k, v in GOOD.items() if k != "kvx_prefill"}, "kvx_prefill"),
+        (False, {**GOOD, "kvx_prefill": 7100}, "kvx_prefill"),
+        (False, {**GOOD, "kvx_prefill": "no-port"}, "kvx_prefill"),
+        (False, {**GOOD, "kvx_prefill": "host:99999"}, "kvx_prefill"),
+        (True, {**PULL, "kvx_remote_block_ids": ["x"]}, "kvx_remote_block_ids"),
+        (True, {**PULL, "kvx_remote_block_ids": [-1]}, "kvx_remote_block_ids"),
+        (True, {**PULL, "kvx_remote_block_ids": 7}, "kvx_remote_block_ids"),
+        (True, {**PULL, "kvx_num_tokens": "many"}, "kvx_num_tokens"),
+    ],
+)
+def test_scheduler_turns_bad_params_into_a_failed_load(pull, params, why):
+    s = decode_scheduler(pull)
+    (spec,) = allocate(s, params)
+    assert spec.error is not None and why in spec.error
+    assert spec.block_ids == [1, 2, 3]
+    # Nothing is waited for: the worker reports the failure itself.
+    assert s.waiting == {}
+
+
+@pytest.mark.parametrize("pull", [False, True])
+def test_scheduler_passes_good_params_on(pull):
+    s = decode_scheduler(pull)
+    (spec,) = allocate(s, PULL if pull else GOOD)
+    assert spec.error is None
+    assert (spec.transfer_id, spec.prefill) == ("t-1", "127.0.0.1:7100")
+    assert spec.producer_block_ids == ([4, 5] if pull else None)
+    assert s.waiting == {"r": "t-1"}
+
+
+def test_prefill_keeps_the_kv_of_a_request_without_transfer_id():
+    s = decode_scheduler(pull=False)
+    request = NS(request_id="p", kv_transfer_params={"do_remote_decode": True},
+                 num_prompt_tokens=40, status=None, num_computed_tokens=40)
+    s.update_state_after_alloc(request, NS(get_block_ids=lambda: ([1],)), 0)
+    assert s.computing == {}
+    assert s.request_finished(request, [1, 2]) == (False, None)
+    assert s.meta.sends == [] and s.held == set()
+
+
+def test_worker_reports_refused_requests_as_failed_loads():
+    caches = cpu_caches(2, 8, 2, 16, fill=False)
+    producer, consumer, _, _ = start_pair(caches, cpu_caches(2, 8, 2, 16, fill=False),
+                                          heads=2, p_bs=16, d_bs=16)
+    w = _Worker.__new__(_Worker)
+    w.producer, w.consumer, w.pull = None, consumer, False
+    w.lock = threading.Lock()
+    w.recv_blocks, w.recv_transfers, w.cancelled = {}, {}, set()
+    w.load_errors, w.refused = set(), []
+    meta = KvxConnectorMetadata(recvs=[
+        # Refused by the scheduler glue.
+        RecvSpec("a", "", "", 0, 0, [1], error="bad kv_transfer_params: no kvx_prefill"),
+        # Refused by the native side: a block id out of range, an address with a bad port.
+        RecvSpec("b", "t-b", "127.0.0.1:7100", 16, 0, [-2]),
+        RecvSpec("c", "t-c", "127.0.0.1:99999", 16, 0, [3]),
+        # Accepted: waits for its KV from the producer.
+        RecvSpec("d", "t-d", producer.control_addr, 16, 0, [4]),
+    ])
+    w.start_load_kv(meta)
+    results = w.get_transfer_results()
+    assert results.finished_recving == {"a", "b", "c"}
+    assert results.failed_recving == {"a", "b", "c"}
+    assert w.get_block_ids_with_load_errors() == {1, -2, 3}
+    assert set(w.recv_blocks) == {"d"} and set(w.recv_transfers) == {"t-d"}
+    # Reported once.
+    again = w.get_transfer_results()
+    assert not again.finished_recving & {"a", "b", "c"}
+    consumer.shutdown()
+    producer.shutdown()
