@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -382,14 +383,16 @@ def test_pull_matches_a_single_instance(model, workdir, reference):
 
 
 def test_failures_never_hang_and_never_leak(model, workdir, reference):
-    """With one push pair:
-    1. decode describes its cache block by block (`layout = block`) with blocks of 64 tokens
+    """With one push prefill and three decodes:
+    1. decode `f` describes its cache block by block (`layout = block`) with blocks of 64 tokens
        against prefill's token-exact 32: kvx refuses the pairing at the handshake, decode's
        `recompute` policy recomputes — and the answer is still exact, never decoded on garbage;
-    2. a prefill whose decode never registers (an aborted or lost decode request) and one whose
-       decode was killed after registering both give their blocks back after the producer lease
-       (prefill's KV-cache usage returns to zero);
-    3. a killed prefill gives the client an error, not a hang."""
+    2. a prefill whose decode never registers (an aborted or lost decode request), and one whose
+       decode (`k`) was killed after registering (seen in its log), both give their blocks back
+       after the producer lease (prefill's KV-cache usage returns to zero);
+    3. prefill is killed while decode `w` waits for a request's KV: `w` fails the load at once
+       and recomputes, exactly, instead of hanging; a client of the proxy gets an error naming
+       prefill."""
     kvx_port = free_port()
     lease = 4.0
     p_cfg = kv_config("KvxPushConnector", "kv_producer", "p-f", listen=f"127.0.0.1:{kvx_port}",
@@ -399,13 +402,20 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
     p, p_url = start_vllm("prefill-f", model, workdir, kv=p_cfg, cores=P_CORES)
     d, d_url = start_vllm("decode-f", model, workdir, kv=d_cfg, prefix_caching=False,
                           block_size=2 * BLOCK, cores=D_CORES)
+    dk, dk_url = start_vllm("decode-k", model, workdir, prefix_caching=False, cores=D_CORES,
+                            kv=kv_config("KvxPushConnector", "kv_consumer", "d-k"),
+                            kvx_log="kvx_vllm=debug")
+    dw, dw_url = start_vllm("decode-w", model, workdir, prefix_caching=False, cores=D_CORES,
+                            kv=kv_config("KvxPushConnector", "kv_consumer", "d-w",
+                                         _policy="recompute"),
+                            kvx_log="kvx_vllm=debug")
     proxy_port = free_port()
     proxy_url = f"http://127.0.0.1:{proxy_port}"
     proxy = Server("proxy-f",
                    [str(KVX_BIN), "proxy", "--mode", "push", "--listen",
                     f"127.0.0.1:{proxy_port}", "--prefill", f"{p_url}@127.0.0.1:{kvx_port}",
                     "--decode", d_url], workdir, dict(os.environ), f"{proxy_url}/health")
-    servers = [p, d, proxy]
+    servers = [p, d, dk, dw, proxy]
 
     def usage() -> float:
         return metric(p_url, "vllm:kv_cache_usage_perc")
@@ -416,6 +426,31 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
             assert time.monotonic() - t0 < limit, f"{what}: prefill still holds blocks"
             time.sleep(0.25)
         return time.monotonic() - t0
+
+    def registrations(server: Server) -> int:
+        return server.log.read_text(errors="replace").count("registered")
+
+    def send_waiting(base: str, body: dict, results: list) -> threading.Thread:
+        def run():
+            try:
+                results.append(http("POST", f"{base}/v1/completions", body, timeout=90))
+            except OSError as e:  # the server was killed under the request
+                results.append((None, repr(e).encode()))
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        return t
+
+    def wait_registered(server: Server, before: int) -> None:
+        t0 = time.monotonic()
+        while registrations(server) <= before:
+            assert time.monotonic() - t0 < 60, f"{server.name} never registered"
+            time.sleep(0.1)
+
+    def remote(text: str, transfer_id: str, max_tokens: int) -> dict:
+        return {"model": "tiny", "prompt": text, "max_tokens": max_tokens, "temperature": 0,
+                "logprobs": 1, "ignore_eos": True,
+                "kv_transfer_params": {"do_remote_prefill": True, "kvx_transfer_id": transfer_id,
+                                       "kvx_prefill": f"127.0.0.1:{kvx_port}"}}
 
     try:
         for s in servers:
@@ -443,32 +478,40 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
 
         # 2b. Decode registers, is killed, then prefill finishes.
         text = prompt(PROMPT_WORDS[3], salt=1)
-        d_body = {"model": "tiny", "prompt": text, "max_tokens": 4, "temperature": 0,
-                  "kv_transfer_params": {"do_remote_prefill": True, "kvx_transfer_id": "dead-1",
-                                         "kvx_prefill": f"127.0.0.1:{kvx_port}"}}
-        import threading
-
-        t = threading.Thread(target=lambda: http("POST", f"{d_url}/v1/completions", d_body,
-                                                 timeout=30), daemon=True)
-        t.start()
-        time.sleep(3)  # decode admits the request and registers
-        d.kill(signal.SIGKILL)
+        seen = registrations(dk)
+        send_waiting(dk_url, remote(text, "dead-1", 4), [])
+        wait_registered(dk, seen)
+        dk.kill(signal.SIGKILL)
         body["prompt"] = text
         body["kv_transfer_params"]["kvx_transfer_id"] = "dead-1"
         status, _ = http("POST", f"{p_url}/v1/completions", body)
         assert status == 200
         wait_usage_zero("killed decode", lease + 10)
 
-        # 3. Killed prefill: the client gets an error quickly.
+        # 3. Prefill killed while decode w waits: w's load fails at once and it recomputes.
+        n = PROMPT_WORDS[1]
+        seen = registrations(dw)
+        answers: list = []
+        waiting = send_waiting(dw_url, remote(prompt(n), "orphan-2", MAX_TOKENS), answers)
+        wait_registered(dw, seen)
         p.kill(signal.SIGKILL)
         t0 = time.monotonic()
+        waiting.join(timeout=60)
+        assert answers, "decode hung after prefill was killed"
+        status, raw = answers[0]
+        assert status == 200, raw
+        out = json.loads(raw)
+        choice = out["choices"][0]
+        assert_same({"tokens": choice["logprobs"]["tokens"],
+                     "logprobs": choice["logprobs"]["token_logprobs"],
+                     "prompt_tokens": out["usage"]["prompt_tokens"]},
+                    reference[n], "prefill killed while decode waited, recompute policy")
+        assert time.monotonic() - t0 < 30
+        # Through the proxy, the client hears that prefill is down.
         status, err = http("POST", f"{proxy_url}/v1/completions",
                            {"model": "tiny", "prompt": prompt(20), "max_tokens": 4}, timeout=60)
         assert status in (502, 503), (status, err)
-        # Decode was killed in 2b too, and push dispatches to both legs at once: whichever the
-        # proxy finds down first is named. What matters is a prompt error, never a hang.
-        assert b"prefill" in err or b"decode" in err, err
-        assert time.monotonic() - t0 < 30
+        assert b"prefill" in err, err
     except Exception:
         for s in servers:
             print(f"--- {s.name} ---\n{s.tail(40)}", file=sys.stderr)
