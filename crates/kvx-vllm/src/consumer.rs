@@ -3,7 +3,7 @@
 //! or failed.
 
 use std::collections::{HashMap, HashSet};
-use std::net::SocketAddr;
+use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use std::sync::{Arc, Mutex, PoisonError};
@@ -84,8 +84,23 @@ enum Command {
     Peer(SocketAddr, Rank, ConnId, Message),
     /// That connection closed.
     PeerClosed(SocketAddr, Rank, ConnId, String),
+    /// A helper thread's handshake with one rank of a prefill instance ended.
+    Handshaken(SocketAddr, Rank, Result<(TcpStream, Hello), String>),
     Shutdown,
 }
+
+/// Requests for a prefill instance whose ranks are still being connected, and the ranks whose
+/// handshake runs on a helper thread: a prefill that answers slowly, or never, delays only the
+/// requests that go to it.
+#[derive(Default)]
+struct Connecting {
+    ranks: HashSet<Rank>,
+    queued: Vec<(PushRequest, Option<Vec<BlockId>>)>,
+}
+
+/// How long a prefill instance that could not be connected is not tried again: the requests
+/// for it meanwhile fail at once with the same error.
+const RETRY_UNREACHABLE: Duration = Duration::from_secs(1);
 
 #[derive(Debug)]
 struct Waiting {
@@ -207,6 +222,8 @@ impl Consumer {
             waiter,
             hello,
             instances: HashMap::new(),
+            connecting: HashMap::new(),
+            unreachable: HashMap::new(),
             notices: HashMap::new(),
             finishing_hints,
             hinted: HashSet::new(),
@@ -315,6 +332,9 @@ struct Driver {
     waiter: Waiter<Waiting>,
     hello: Hello,
     instances: HashMap<SocketAddr, Instance>,
+    connecting: HashMap<SocketAddr, Connecting>,
+    /// Instances whose connection failed recently, when and why.
+    unreachable: HashMap<SocketAddr, (Timestamp, String)>,
     notices: HashMap<u64, (AttemptKey, Rank)>,
     /// This side asked the producers for `Finishing` hints (its transport polls to wait).
     finishing_hints: bool,
@@ -394,6 +414,11 @@ impl Driver {
     fn run(mut self, rx: CommandReceiver<Command>) {
         common::drive(&mut self, &rx);
         let now = self.clock.now();
+        for (_, connecting) in std::mem::take(&mut self.connecting) {
+            for (request, _) in connecting.queued {
+                self.refuse(&request, Reason::Shutdown, "the consumer shut down".into());
+            }
+        }
         self.waiter.shutdown(now);
         self.actions();
         let keys: Vec<AttemptKey> = self.quiescing.keys().copied().collect();
@@ -414,6 +439,27 @@ impl Driver {
             Command::Cancel { transfer, attempt } => {
                 let now = self.clock.now();
                 self.waiter.cancel(now, transfer, attempt, Reason::Aborted);
+                let cancelled = |r: &PushRequest| {
+                    r.key.transfer == transfer && attempt.is_none_or(|a| a == r.key.attempt)
+                };
+                let mut gone = Vec::new();
+                for connecting in self.connecting.values_mut() {
+                    let (out, kept) = std::mem::take(&mut connecting.queued)
+                        .into_iter()
+                        .partition(|(r, _)| cancelled(r));
+                    connecting.queued = kept;
+                    gone.extend(out);
+                }
+                for (request, _) in gone {
+                    self.refuse(
+                        &request,
+                        Reason::Aborted,
+                        "cancelled while connecting".into(),
+                    );
+                }
+            }
+            Command::Handshaken(instance, rank, result) => {
+                self.handshaken(instance, rank, result);
             }
             Command::Peer(addr, rank, conn, message) => {
                 if self.is_current(addr, rank, conn) {
@@ -440,38 +486,16 @@ impl Driver {
             .is_some_and(|c| c.id == conn)
     }
 
-    /// Connects to every rank of `instance` that `writers` names (and to rank 0 to learn the
-    /// instance's TP size), handshaking once per rank.
-    fn connect_rank(&mut self, instance: SocketAddr, rank: Rank) -> Result<(), String> {
-        if self
-            .instances
-            .get(&instance)
-            .is_some_and(|i| i.ranks.contains_key(&rank))
-        {
-            return Ok(());
-        }
+    /// Takes over a control connection whose handshake a helper thread finished: checks the
+    /// producer's hello and starts the connection's reader.
+    fn adopt(
+        &mut self,
+        instance: SocketAddr,
+        rank: Rank,
+        stream: TcpStream,
+        hello: Hello,
+    ) -> Result<(), String> {
         let addr = common::rank_addr(instance, rank);
-        let mut stream =
-            control::connect(addr, self.config.connect_timeout).map_err(|e| e.to_string())?;
-        // Handshake synchronously (once per peer rank): our hello, then theirs.
-        stream
-            .set_read_timeout(Some(self.config.connect_timeout))
-            .map_err(|e| e.to_string())?;
-        let mut writer = stream.try_clone().map_err(|e| e.to_string())?;
-        use std::io::Write as _;
-        writer
-            .write_all(
-                &Message::Hello(self.hello.clone())
-                    .to_bytes()
-                    .map_err(|e| e.to_string())?,
-            )
-            .map_err(|e| format!("cannot send hello to {addr}: {e}"))?;
-        let hello = match control::read_message(&mut stream) {
-            Ok(Message::Hello(h)) => h,
-            Ok(_) => return Err(format!("{addr} did not answer with a hello")),
-            Err(e) => return Err(format!("no hello from {addr}: {e}")),
-        };
-        stream.set_read_timeout(None).map_err(|e| e.to_string())?;
         if hello.role != Role::Producer {
             return Err(format!("{addr} is not a producer"));
         }
@@ -521,36 +545,152 @@ impl Driver {
         Ok(())
     }
 
-    fn writers(&mut self, instance: SocketAddr) -> Result<Vec<Rank>, String> {
-        self.connect_rank(instance, Rank(0))?;
+    /// The ranks of `instance` still to connect before a request can be registered with it:
+    /// rank 0 first (its hello says the instance's TP size), then every writer.
+    fn missing_ranks(&self, instance: SocketAddr) -> Result<Vec<Rank>, String> {
+        let Some(known) = self.instances.get(&instance) else {
+            return Ok(vec![Rank(0)]);
+        };
+        let Some(first) = known.ranks.get(&Rank(0)) else {
+            return Ok(vec![Rank(0)]);
+        };
+        let writers =
+            writers_for(&self.layout, first.layout.spec().tp_size).map_err(|e| e.to_string())?;
+        Ok(writers
+            .into_iter()
+            .filter(|r| !known.ranks.contains_key(r))
+            .collect())
+    }
+
+    /// The producer ranks that write to this rank (every one connected).
+    fn writers(&self, instance: SocketAddr) -> Result<Vec<Rank>, String> {
         let tp = self.instances[&instance].ranks[&Rank(0)]
             .layout
             .spec()
             .tp_size;
-        let writers = writers_for(&self.layout, tp).map_err(|e| e.to_string())?;
-        for &rank in &writers {
-            self.connect_rank(instance, rank)?;
+        writers_for(&self.layout, tp).map_err(|e| e.to_string())
+    }
+
+    /// Handshakes with `rank` of `instance` on a helper thread (once at a time per rank); the
+    /// result comes back as [`Command::Handshaken`].
+    fn handshake_in_background(&mut self, instance: SocketAddr, rank: Rank) {
+        let connecting = self.connecting.entry(instance).or_default();
+        if !connecting.ranks.insert(rank) {
+            return;
         }
-        Ok(writers)
+        let addr = common::rank_addr(instance, rank);
+        let hello = Message::Hello(self.hello.clone());
+        let timeout = self.config.connect_timeout;
+        let tx = self.tx.clone();
+        let spawned = thread::Builder::new()
+            .name(format!("kvx-hs-{addr}"))
+            .spawn(move || {
+                let result = handshake(addr, &hello, timeout);
+                let _ = tx.send(Command::Handshaken(instance, rank, result));
+            });
+        if let Err(e) = spawned {
+            self.handshaken(
+                instance,
+                rank,
+                Err(format!("cannot start a handshake with {addr}: {e}")),
+            );
+        }
+    }
+
+    /// A handshake ended: the connection is adopted, and once every writer of the instance is
+    /// connected, the requests queued for it start; on failure they fail, and the instance is
+    /// not tried again for [`RETRY_UNREACHABLE`].
+    fn handshaken(
+        &mut self,
+        instance: SocketAddr,
+        rank: Rank,
+        result: Result<(TcpStream, Hello), String>,
+    ) {
+        let Some(connecting) = self.connecting.get_mut(&instance) else {
+            // The instance failed meanwhile: this connection is not wanted (it closes).
+            return;
+        };
+        connecting.ranks.remove(&rank);
+        let next = result
+            .and_then(|(stream, hello)| self.adopt(instance, rank, stream, hello))
+            .and_then(|()| self.missing_ranks(instance));
+        match next {
+            Ok(missing) if missing.is_empty() => {
+                let connecting = self.connecting.remove(&instance).unwrap_or_default();
+                for (request, producer_blocks) in connecting.queued {
+                    self.begin(request, producer_blocks);
+                }
+            }
+            Ok(missing) => {
+                for rank in missing {
+                    self.handshake_in_background(instance, rank);
+                }
+            }
+            Err(detail) => {
+                let now = self.clock.now();
+                self.unreachable.insert(instance, (now, detail.clone()));
+                let connecting = self.connecting.remove(&instance).unwrap_or_default();
+                for (request, _) in connecting.queued {
+                    self.refuse(&request, Reason::PeerFailed, detail.clone());
+                }
+            }
+        }
     }
 
     fn start(&mut self, request: PushRequest, producer_blocks: Option<Vec<BlockId>>) {
-        let key = request.key;
-        let result = match self.refusal(key) {
-            Some(refused) => Err(refused),
-            None => self
-                .try_start(&request, producer_blocks)
-                .map_err(|detail| (Reason::PeerFailed, detail)),
-        };
-        if let Err((reason, detail)) = result {
-            warn!(%key, detail, "request cannot be served");
-            self.push_event(RecvEvent::Failed {
-                key,
-                request: request.request,
-                reason,
-                detail,
-            });
+        if let Some((reason, detail)) = self.refusal(request.key) {
+            self.refuse(&request, reason, detail);
+            return;
         }
+        let instance = request.prefill;
+        let missing = match self.missing_ranks(instance) {
+            Ok(missing) if missing.is_empty() => {
+                self.begin(request, producer_blocks);
+                return;
+            }
+            Ok(missing) => missing,
+            Err(detail) => {
+                self.refuse(&request, Reason::PeerFailed, detail);
+                return;
+            }
+        };
+        if !self.connecting.contains_key(&instance) {
+            let now = self.clock.now();
+            if let Some((at, why)) = self.unreachable.get(&instance) {
+                if now < *at + RETRY_UNREACHABLE {
+                    let detail = why.clone();
+                    self.refuse(&request, Reason::PeerFailed, detail);
+                    return;
+                }
+            }
+            self.unreachable.remove(&instance);
+        }
+        self.connecting
+            .entry(instance)
+            .or_default()
+            .queued
+            .push((request, producer_blocks));
+        for rank in missing {
+            self.handshake_in_background(instance, rank);
+        }
+    }
+
+    /// Registers (push) or reads (pull) a request whose prefill instance is connected.
+    fn begin(&mut self, request: PushRequest, producer_blocks: Option<Vec<BlockId>>) {
+        if let Err(detail) = self.try_start(&request, producer_blocks) {
+            self.refuse(&request, Reason::PeerFailed, detail);
+        }
+    }
+
+    /// The request fails before anything was registered for it.
+    fn refuse(&self, request: &PushRequest, reason: Reason, detail: String) {
+        warn!(key = %request.key, detail, "request cannot be served");
+        self.push_event(RecvEvent::Failed {
+            key: request.key,
+            request: request.request,
+            reason,
+            detail,
+        });
     }
 
     /// Why `key` cannot be waited for, if it cannot: checked before anything is sent, since a
@@ -569,6 +709,27 @@ impl Driver {
                     format!("attempt {} of this transfer is waited for", waited.0),
                 ));
             }
+        }
+        let queued = self
+            .connecting
+            .values()
+            .flat_map(|c| &c.queued)
+            .find(|(r, _)| r.key.transfer == key.transfer);
+        if let Some((r, _)) = queued {
+            return Some(if r.key.attempt == key.attempt {
+                (
+                    Reason::Duplicate,
+                    "this attempt is already waited for".into(),
+                )
+            } else {
+                (
+                    Reason::Stale,
+                    format!(
+                        "attempt {} of this transfer waits for its prefill's connection",
+                        r.key.attempt.0
+                    ),
+                )
+            });
         }
         self.quiescing.contains_key(&key).then(|| {
             (
@@ -1095,4 +1256,33 @@ impl Driver {
             .unwrap_or_else(PoisonError::into_inner)
             .push(event);
     }
+}
+
+/// Connects to `addr` and exchanges hellos (ours first), each step bounded by `timeout`; the
+/// stream is left blocking without a timeout.
+fn handshake(
+    addr: SocketAddr,
+    hello: &Message,
+    timeout: Duration,
+) -> Result<(TcpStream, Hello), String> {
+    use std::io::Write as _;
+    let mut stream = control::connect(addr, timeout).map_err(|e| e.to_string())?;
+    stream
+        .set_read_timeout(Some(timeout))
+        .and_then(|()| stream.set_write_timeout(Some(timeout)))
+        .map_err(|e| e.to_string())?;
+    let bytes = hello.to_bytes().map_err(|e| e.to_string())?;
+    stream
+        .write_all(&bytes)
+        .map_err(|e| format!("cannot send hello to {addr}: {e}"))?;
+    let theirs = match control::read_message(&mut stream) {
+        Ok(Message::Hello(h)) => h,
+        Ok(_) => return Err(format!("{addr} did not answer with a hello")),
+        Err(e) => return Err(format!("no hello from {addr}: {e}")),
+    };
+    stream
+        .set_read_timeout(None)
+        .and_then(|()| stream.set_write_timeout(None))
+        .map_err(|e| e.to_string())?;
+    Ok((stream, theirs))
 }

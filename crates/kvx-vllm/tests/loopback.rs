@@ -1800,3 +1800,136 @@ fn a_producer_shutting_down_closes_its_transport_before_decode_hears_of_the_fail
     );
     assert!(started.elapsed() < LONG, "failed only after the lease");
 }
+
+/// A loopback endpoint that loses every notice it receives (their data lands; the notices
+/// never arrive), counting them.
+struct LostNotices {
+    inner: Box<dyn Transport>,
+    lost: Arc<AtomicU64>,
+}
+
+impl Transport for LostNotices {
+    forward_transport!(connections);
+    forward_transport!(writes);
+    forward_transport!(polls lose);
+}
+
+impl LostNotices {
+    fn lose(&mut self, events: &mut Vec<Event>, first: usize) -> usize {
+        let before = events.len();
+        let mut at = 0;
+        events.retain(|event| {
+            at += 1;
+            at <= first || !matches!(event, Event::Notice(_))
+        });
+        self.lost
+            .fetch_add((before - events.len()) as u64, Ordering::SeqCst);
+        events.len() - first
+    }
+}
+
+#[test]
+fn a_lost_notice_fails_the_request_at_its_lease_and_nothing_stays_held() {
+    let fabric = LoopbackFabric::new();
+    let pre = tp1_prefill(&fabric);
+    let (_dec, cache) = Side::new(spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit));
+    let lost = Arc::new(AtomicU64::new(0));
+    let losing = LostNotices {
+        inner: Box::new(fabric.endpoint()),
+        lost: Arc::clone(&lost),
+    };
+    let mut c = config(2);
+    c.registration_lease = Duration::from_millis(500);
+    c.quiesce_timeout = Duration::from_millis(300);
+    let consumer = Consumer::start(c, cache, Box::new(losing)).unwrap();
+    let k = key(97, 0);
+    pre.sides[0].fill(&ids(0..2), 8);
+    register(&consumer, pre.base, k, 8, ids(4..6));
+    pre.producers[0]
+        .request_finished(k, RequestId(9), ids(0..2), 8)
+        .unwrap();
+    // Prefill wrote and released its blocks; decode never heard.
+    assert_eq!(
+        wait_finished(&pre.producers[0], 1)[0].outcome,
+        SendOutcome::Sent
+    );
+    let started = Instant::now();
+    let events = wait_events(&consumer, 1);
+    assert!(
+        matches!(
+            events[0],
+            RecvEvent::Failed { key: failed, reason: Reason::LeaseExpired, .. } if failed == k
+        ),
+        "{events:?}"
+    );
+    assert_eq!(lost.load(Ordering::SeqCst), 1, "the notice was not lost");
+    assert!(started.elapsed() < LONG, "failed only long after the lease");
+    assert_eq!(consumer.stats().held, 0);
+    assert_eq!(pre.producers[0].stats().held, 0);
+}
+
+#[test]
+fn a_prefill_that_never_answers_delays_only_its_own_requests() {
+    let fabric = LoopbackFabric::new();
+    let pre = tp1_prefill(&fabric);
+    // A "prefill" whose connections the kernel accepts and nobody ever answers.
+    let silent = TcpListener::bind("127.0.0.1:0").unwrap();
+    let silent_addr = silent.local_addr().unwrap();
+    let (dec, cache) = Side::new(spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit));
+    let mut c = config(2);
+    c.registration_lease = LONG;
+    c.connect_timeout = Duration::from_secs(3);
+    let consumer = Consumer::start(c, cache, Box::new(fabric.endpoint())).unwrap();
+    let started = Instant::now();
+    let stuck = key(98, 0);
+    register(&consumer, silent_addr, stuck, 8, ids(0..2));
+    // A request for the live prefill goes through while that handshake waits.
+    let k = key(99, 0);
+    pre.sides[0].fill(&ids(0..3), 12);
+    register(&consumer, pre.base, k, 12, ids(4..7));
+    pre.producers[0]
+        .request_finished(k, RequestId(9), ids(0..3), 12)
+        .unwrap();
+    let events = wait_events(&consumer, 1);
+    assert!(
+        matches!(events[0], RecvEvent::Ready { key: ready, .. } if ready == k),
+        "{events:?}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "waited for the silent prefill's handshake: {:?}",
+        started.elapsed()
+    );
+    dec.verify(&ids(4..7), 0, 12);
+    // The silent prefill's request fails once its handshake times out...
+    let events = wait_events(&consumer, 1);
+    assert!(
+        matches!(
+            &events[0],
+            RecvEvent::Failed { key: failed, reason: Reason::PeerFailed, .. } if *failed == stuck
+        ),
+        "{events:?}"
+    );
+    assert!(started.elapsed() >= Duration::from_secs(3));
+    // ... and the next one for it fails at once, without another wait.
+    let again = Instant::now();
+    register(&consumer, silent_addr, key(100, 0), 8, ids(8..10));
+    let events = wait_events(&consumer, 1);
+    assert!(
+        matches!(
+            events[0],
+            RecvEvent::Failed {
+                reason: Reason::PeerFailed,
+                ..
+            }
+        ),
+        "{events:?}"
+    );
+    assert!(
+        again.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        again.elapsed()
+    );
+    assert_eq!(consumer.stats().held, 0);
+    drop(silent);
+}
