@@ -11,8 +11,9 @@
 //! Decode's answer (streamed or not) goes back to the client. Instances are chosen by fewest
 //! requests in flight; an instance that refuses connections is skipped (the dispatch is retried
 //! elsewhere with a new transfer id), and when none of a kind is reachable the client gets 503.
-//! A prefill that fails while decode waits ends the client's request with 502 (or, once a
-//! stream has started, with an error event) instead of leaving it hanging. In push mode decode's
+//! A prefill that fails while decode waits ends the client's request with 502 instead of
+//! leaving it hanging; a decode answer that breaks off once streaming has started ends with an
+//! error event (`data: {"error": ...}`). In push mode decode's
 //! answer goes to the client as soon as decode answers, without waiting for prefill's HTTP
 //! answer (a busy prefill API server can send it long after the KV went out); the prefill
 //! request then runs to its end on its own.
@@ -423,6 +424,12 @@ async fn check_prefill(r: reqwest::Response) -> Result<Option<Value>, LegError> 
         .filter(|p| !p.is_null()))
 }
 
+/// A server-sent event carrying an OpenAI-style error object.
+fn error_event(message: &str) -> axum::body::Bytes {
+    let event = json!({"error": {"object": "error", "message": message, "type": "BadGateway", "code": 502}});
+    axum::body::Bytes::from(format!("data: {event}\n\n"))
+}
+
 /// Sends decode's answer to the client, streaming it through.
 fn forward(r: reqwest::Response, load: Load) -> Response {
     let status = r.status();
@@ -441,6 +448,9 @@ fn respond(
 ) -> Response {
     let status = StatusCode::from_u16(status.as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
     let mut headers = HeaderMap::new();
+    let events = content_type
+        .as_ref()
+        .is_some_and(|ct| ct.as_bytes().starts_with(b"text/event-stream"));
     if let Some(v) = content_type.and_then(|ct| HeaderValue::from_bytes(ct.as_bytes()).ok()) {
         headers.insert(axum::http::header::CONTENT_TYPE, v);
     }
@@ -448,9 +458,20 @@ fn respond(
     let ended = matches!(first, Some(None));
     let head = futures_util::stream::iter(first.flatten());
     let rest = futures_util::stream::iter((!ended).then_some(body)).flatten();
-    let body = head.chain(rest).map(move |chunk| {
+    // An event stream that breaks off ends with an error event, as vLLM's own errors do, so
+    // that the client can tell a failed answer from a finished one; any other body is cut.
+    let body = head.chain(rest).scan(false, move |failed, chunk| {
         let _ = &load;
-        chunk.map_err(std::io::Error::other)
+        let item = match chunk {
+            _ if *failed => None,
+            Ok(bytes) => Some(Ok(bytes)),
+            Err(e) if events => {
+                *failed = true;
+                Some(Ok(error_event(&format!("decode's answer broke off: {e}"))))
+            }
+            Err(e) => Some(Err(std::io::Error::other(e))),
+        };
+        std::future::ready(item)
     });
     let mut resp = Response::new(Body::from_stream(body));
     *resp.status_mut() = status;
@@ -827,6 +848,53 @@ mod tests {
             // The prefill leg was not aborted: it finishes on its own.
             tokio::time::sleep(Duration::from_millis(2500)).await;
             assert_eq!(p_done.load(Ordering::SeqCst), 1);
+        });
+    }
+
+    /// A decode stream that breaks off reaches the client as the events so far and an error
+    /// event, not as a stream that just stops.
+    #[test]
+    fn a_broken_decode_stream_ends_with_an_error_event() {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(async {
+            let (p_url, _) = fake_instance(200, "{}", Duration::ZERO).await;
+            let app = Router::new().route(
+                "/v1/completions",
+                post(|| async {
+                    let chunks: Vec<Result<&'static str, std::io::Error>> = vec![
+                        Ok("data: {\"text\":\"a\"}\n\n"),
+                        Err(std::io::Error::other("decode died")),
+                    ];
+                    // The break comes after the first event has gone out.
+                    let paced = futures_util::stream::iter(chunks).then(|chunk| async move {
+                        if chunk.is_err() {
+                            tokio::time::sleep(Duration::from_millis(200)).await;
+                        }
+                        chunk
+                    });
+                    let mut resp = Response::new(Body::from_stream(paced));
+                    resp.headers_mut().insert(
+                        axum::http::header::CONTENT_TYPE,
+                        HeaderValue::from_static("text/event-stream"),
+                    );
+                    resp
+                }),
+            );
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let d_url = format!("http://{}", listener.local_addr().unwrap());
+            tokio::spawn(async move { axum::serve(listener, app).await });
+            let proxy = push_proxy(&p_url, &d_url);
+            let r = proxy
+                .route("/v1/completions", json!({"prompt": "x", "stream": true}))
+                .await
+                .unwrap();
+            let body = body_of(r).await;
+            let events: Vec<&str> = body.split("\n\n").filter(|e| !e.is_empty()).collect();
+            assert_eq!(events.len(), 2, "{body}");
+            assert_eq!(events[0], r#"data: {"text":"a"}"#);
+            let error: serde_json::Value =
+                serde_json::from_str(events[1].strip_prefix("data: ").unwrap()).unwrap();
+            assert_eq!(error["error"]["code"], 502, "{body}");
         });
     }
 
