@@ -56,11 +56,12 @@ fn point(
 ) -> anyhow::Result<Value> {
     let control = free_port()?;
     let side = free_port()?;
+    let blocks = blocks_for(length).to_string();
     let model = [
         "--model",
         "qwen2.5-0.5b",
         "--blocks",
-        "8192",
+        &blocks,
         "--transport",
         transport,
     ];
@@ -127,6 +128,13 @@ fn point(
     Ok(serde_json::from_str(&text)?)
 }
 
+/// Blocks of 16 tokens in each process's cache: room for 8 requests of `length` tokens at once
+/// (at least 8,192 blocks, 1.5 GiB of Qwen2.5-0.5B KV), so that admission waits for free
+/// blocks only under overload.
+fn blocks_for(length: u64) -> u64 {
+    (length.div_ceil(16) * 8).max(8192)
+}
+
 fn get(v: &Value, path: &[&str]) -> f64 {
     path.iter()
         .fold(v, |v, k| &v[*k])
@@ -144,7 +152,7 @@ pub(crate) fn run_sweep(quick: bool) -> anyhow::Result<()> {
         }
     } else {
         Sweep {
-            lengths: vec![1024, 4096, 8192],
+            lengths: vec![1024, 4096, 8192, 16384],
             rates: vec![1.0, 2.0, 4.0, 8.0],
             requests: 24,
         }
@@ -172,7 +180,8 @@ pub(crate) fn run_sweep(quick: bool) -> anyhow::Result<()> {
             for fresh in [false, true] {
                 let mut command = Command::new(&kvx);
                 command
-                    .args(["pd", "raw", "--model", "qwen2.5-0.5b", "--blocks", "8192"])
+                    .args(["pd", "raw", "--model", "qwen2.5-0.5b", "--blocks"])
+                    .arg(blocks_for(length).to_string())
                     .args([
                         "--transport",
                         transport,
