@@ -45,7 +45,8 @@ KEYS: dict[str, tuple[Any, str]] = {
         "Prefill: how long finished blocks wait for decode's registration (push) or read (pull) "
         "before they are freed.",
     ),
-    "heartbeat_interval_s": (5.0, "Decode: heartbeat period for the transfers it waits for."),
+    "heartbeat_interval_s": (5.0, "Decode: heartbeat period for the transfers it waits for; "
+                             "prefill drops a registration after three periods without one."),
     "connect_timeout_s": (
         30.0,
         "Bound on connecting to a peer's control address and on its handshake answer. Generous "

@@ -21,7 +21,9 @@ pub struct ConnectorConfig {
     pub registration_lease: Duration,
     /// Producer: how long finished blocks wait for a registration (push) or a read (pull).
     pub producer_lease: Duration,
-    /// How often the consumer sends heartbeats for the transfers it waits for.
+    /// How often the consumer sends heartbeats for the transfers it waits for. Prefill keeps a
+    /// registration for three intervals (at most `registration_lease`) from its arrival or last
+    /// heartbeat, so that one whose decode fell silent does not wait for the whole lease.
     pub heartbeat_interval: Duration,
     /// Bound on connecting to a peer's control address.
     pub connect_timeout: Duration,

@@ -98,6 +98,9 @@ struct Connecting {
     queued: Vec<(PushRequest, Option<Vec<BlockId>>)>,
 }
 
+/// Heartbeat intervals that a registration lasts at prefill without a heartbeat.
+const HEARTBEATS_PER_LEASE: u32 = 3;
+
 /// How long a prefill instance that could not be connected is not tried again: the requests
 /// for it meanwhile fail at once with the same error.
 const RETRY_UNREACHABLE: Duration = Duration::from_secs(1);
@@ -776,6 +779,10 @@ impl Driver {
             pull,
         };
         let lease = self.config.registration_lease;
+        // Prefill keeps a registration for a few heartbeats at a time: one whose decode went
+        // silent (a driver stuck, a peer that answers TCP but no longer this protocol) goes
+        // long before decode's own lease would end.
+        let producer_lease = lease.min(self.config.heartbeat_interval * HEARTBEATS_PER_LEASE);
         if let Some(producer_blocks) = producer_blocks {
             if let Err(detail) = self.post_reads(request, &producer_blocks, &writers) {
                 if !self.reads.values().any(|(k, _)| *k == key) {
@@ -803,7 +810,7 @@ impl Driver {
                     consumer_rank: self.layout.rank(),
                     num_tokens,
                     skip_tokens,
-                    lease_ms: u32::try_from(lease.as_millis()).unwrap_or(u32::MAX),
+                    lease_ms: u32::try_from(producer_lease.as_millis()).unwrap_or(u32::MAX),
                     notice,
                     blocks: request.blocks.clone(),
                 });

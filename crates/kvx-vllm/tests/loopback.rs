@@ -1700,12 +1700,14 @@ fn a_lost_prefill_fails_a_pull_only_once_its_reads_ended() {
     );
 }
 
-/// A loopback endpoint whose writes never end: their bytes move, but their notices are
-/// dropped and their completions withheld, as for a write stuck in the fabric. Closing it
-/// takes `close_time`; `closed` says when it ended.
+/// A loopback endpoint whose writes do not end until `release` is set: their bytes move, but
+/// their notices are dropped and their completions withheld, as for a write stuck in the
+/// fabric. Closing it takes `close_time`; `closed` says when it ended.
 struct StuckWrites {
     inner: Box<dyn Transport>,
     stuck: HashSet<OpId>,
+    held: Vec<Event>,
+    release: Arc<std::sync::atomic::AtomicBool>,
     close_time: Duration,
     closed: Arc<Mutex<Option<std::time::SystemTime>>>,
 }
@@ -1733,9 +1735,14 @@ impl StuckWrites {
                 &event,
                 Event::WriteDone { op, .. } | Event::Failed { op, .. } if self.stuck.contains(op)
             );
-            if !stuck {
+            if stuck {
+                self.held.push(event);
+            } else {
                 events.push(event);
             }
+        }
+        if self.release.load(Ordering::SeqCst) {
+            events.append(&mut self.held);
         }
         events.len() - first
     }
@@ -1759,6 +1766,8 @@ fn a_producer_shutting_down_closes_its_transport_before_decode_hears_of_the_fail
     let stuck = StuckWrites {
         inner: Box::new(fabric.endpoint()),
         stuck: HashSet::new(),
+        held: Vec::new(),
+        release: Arc::new(std::sync::atomic::AtomicBool::new(false)),
         close_time: Duration::from_millis(300),
         closed: Arc::clone(&closed),
     };
@@ -1932,4 +1941,132 @@ fn a_prefill_that_never_answers_delays_only_its_own_requests() {
     );
     assert_eq!(consumer.stats().held, 0);
     drop(silent);
+}
+
+#[test]
+fn a_cancel_after_matching_fails_only_once_the_write_in_flight_ended() {
+    let fabric = LoopbackFabric::new();
+    let base = free_ports(1);
+    let (side, cache) = Side::new(spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit));
+    let mut c = config(1);
+    c.listen = base;
+    let release = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let endpoint = fabric.endpoint();
+    let waker = endpoint.waker().expect("the loopback endpoint has a waker");
+    let stuck = StuckWrites {
+        inner: Box::new(endpoint),
+        stuck: HashSet::new(),
+        held: Vec::new(),
+        release: Arc::clone(&release),
+        close_time: Duration::ZERO,
+        closed: Arc::new(Mutex::new(None)),
+    };
+    let producer = Producer::start(c, cache, Box::new(stuck)).unwrap();
+    side.fill(&ids(10..13), 12);
+    let (_dec, cache) = Side::new(spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit));
+    let mut dc = config(2);
+    dc.registration_lease = LONG;
+    dc.quiesce_timeout = LONG;
+    let consumer = Consumer::start(dc, cache, Box::new(fabric.endpoint())).unwrap();
+    let k = key(101, 0);
+    register(&consumer, base, k, 12, ids(20..23));
+    producer
+        .request_finished(k, RequestId(9), ids(10..13), 12)
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(producer.stats().held, 1);
+    // Decode gives up while prefill's write is in flight: the engine hears of it only once
+    // prefill says the write ended (it may still land until then).
+    consumer.cancel(k.transfer, Some(k.attempt)).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        consumer.take_events(),
+        vec![],
+        "failed with a write in flight"
+    );
+    assert_eq!(
+        producer.stats().held,
+        1,
+        "blocks released under a write in flight"
+    );
+    release.store(true, Ordering::SeqCst);
+    waker.wake();
+    let events = wait_events(&consumer, 1);
+    assert!(
+        matches!(
+            events[0],
+            RecvEvent::Failed { key: failed, reason: Reason::Aborted, .. } if failed == k
+        ),
+        "{events:?}"
+    );
+    let done = wait_finished(&producer, 1);
+    assert!(
+        matches!(done[0].outcome, SendOutcome::NotSent(_)),
+        "{done:?}"
+    );
+    assert_eq!(producer.stats().held, 0);
+    assert_eq!(consumer.stats().held, 0);
+}
+
+#[test]
+fn a_prefill_preempted_at_an_attempt_fails_it_and_serves_the_next() {
+    let fabric = LoopbackFabric::new();
+    let (pre, dec, consumer) = simple_pair(&fabric);
+    let first = key(102, 0);
+    register(&consumer, pre.base, first, 8, ids(0..2));
+    std::thread::sleep(Duration::from_millis(100));
+    // Prefill's engine preempts the request: decode's wait for that attempt fails at once.
+    pre.producers[0].preempted(first).unwrap();
+    let events = wait_events(&consumer, 1);
+    assert!(
+        matches!(events[0], RecvEvent::Failed { key: failed, .. } if failed == first),
+        "{events:?}"
+    );
+    assert_eq!(consumer.stats().held, 0);
+    // A finish for the preempted attempt is released at once, never written.
+    pre.producers[0]
+        .request_finished(first, RequestId(8), ids(2..4), 8)
+        .unwrap();
+    let done = wait_finished(&pre.producers[0], 1);
+    assert!(
+        matches!(done[0].outcome, SendOutcome::NotSent(_)),
+        "{done:?}"
+    );
+    // The request comes back at the next attempt and is served.
+    let second = key(102, 1);
+    pre.sides[0].fill(&ids(0..2), 8);
+    register(&consumer, pre.base, second, 8, ids(4..6));
+    pre.producers[0]
+        .request_finished(second, RequestId(9), ids(0..2), 8)
+        .unwrap();
+    expect_ready(&consumer, second, RequestId(1));
+    dec.verify(&ids(4..6), 0, 8);
+    assert_eq!(
+        wait_finished(&pre.producers[0], 1)[0].outcome,
+        SendOutcome::Sent
+    );
+    assert_eq!(pre.producers[0].stats().held, 0);
+}
+
+#[test]
+fn heartbeats_keep_a_registration_alive_past_its_producer_side_lease() {
+    let fabric = LoopbackFabric::new();
+    let pre = tp1_prefill(&fabric);
+    let (dec, cache) = Side::new(spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit));
+    let mut c = config(2);
+    c.registration_lease = LONG;
+    c.heartbeat_interval = Duration::from_millis(100);
+    let consumer = Consumer::start(c, cache, Box::new(fabric.endpoint())).unwrap();
+    let k = key(103, 0);
+    register(&consumer, pre.base, k, 8, ids(0..2));
+    // Prefill holds the registration for three heartbeat intervals at a time: only decode's
+    // heartbeats keep it for the second that prefill takes here.
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(consumer.take_events(), vec![]);
+    pre.sides[0].fill(&ids(4..6), 8);
+    pre.producers[0]
+        .request_finished(k, RequestId(9), ids(4..6), 8)
+        .unwrap();
+    expect_ready(&consumer, k, RequestId(1));
+    dec.verify(&ids(0..2), 0, 8);
 }
