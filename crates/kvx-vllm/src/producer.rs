@@ -5,7 +5,7 @@ use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, HashSet};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::{self, JoinHandle};
@@ -427,6 +427,11 @@ impl Drop for Producer {
     }
 }
 
+/// Most control connections a producer rank serves at once (each has a reader thread): decode
+/// ranks connect once each, so this is far above any deployment's need, and a peer that opens
+/// connections without end cannot exhaust the process's threads.
+const MAX_CONTROL_CONNECTIONS: usize = 1024;
+
 fn accept_loop(
     listener: TcpListener,
     tx: CommandSender<Command>,
@@ -435,6 +440,7 @@ fn accept_loop(
     handshake_timeout: Duration,
 ) {
     let next = AtomicU64::new(1);
+    let open = Arc::new(AtomicUsize::new(0));
     for stream in listener.incoming() {
         if stop.load(Ordering::SeqCst) {
             return;
@@ -446,15 +452,45 @@ fn accept_loop(
                 continue;
             }
         };
+        let Some(slot) = ConnectionSlot::take(&open, MAX_CONTROL_CONNECTIONS) else {
+            warn!(
+                limit = MAX_CONTROL_CONNECTIONS,
+                "too many control connections: refusing a new one"
+            );
+            let _ = stream.shutdown(std::net::Shutdown::Both);
+            continue;
+        };
         let conn = next.fetch_add(1, Ordering::Relaxed);
         let tx = tx.clone();
         let hello = hello.clone();
         let spawned = thread::Builder::new()
             .name(format!("kvx-ctl-{conn}"))
-            .spawn(move || serve_connection(conn, stream, &tx, &hello, handshake_timeout));
+            .spawn(move || {
+                let _slot = slot;
+                serve_connection(conn, stream, &tx, &hello, handshake_timeout);
+            });
         if let Err(e) = spawned {
             warn!(error = %e, "cannot start a control connection thread");
         }
+    }
+}
+
+/// One of a bounded number of open control connections, given back on drop.
+struct ConnectionSlot(Arc<AtomicUsize>);
+
+impl ConnectionSlot {
+    fn take(open: &Arc<AtomicUsize>, limit: usize) -> Option<Self> {
+        open.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+            (n < limit).then_some(n + 1)
+        })
+        .ok()
+        .map(|_| Self(Arc::clone(open)))
+    }
+}
+
+impl Drop for ConnectionSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -1851,4 +1887,24 @@ fn check_destination(layout: &Layout, reg: &Registration) -> Result<(), String> 
         ));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn control_connections_are_bounded_and_their_slots_come_back() {
+        let open = Arc::new(AtomicUsize::new(0));
+        let a = ConnectionSlot::take(&open, 2).unwrap();
+        let b = ConnectionSlot::take(&open, 2).unwrap();
+        assert!(
+            ConnectionSlot::take(&open, 2).is_none(),
+            "a third connection"
+        );
+        drop(a);
+        let c = ConnectionSlot::take(&open, 2).expect("a slot given back is free again");
+        drop((b, c));
+        assert_eq!(open.load(Ordering::SeqCst), 0);
+    }
 }
