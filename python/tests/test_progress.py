@@ -158,3 +158,24 @@ def test_preemption_after_layer_wise_reports_only_is_reported():
     assert layered and s.computing["a"].reported == 0
     # Only layer-wise reports were made; the producer must still forget them.
     assert step(s, preempted=True) == [ProgressSpec("t-a", [], 0)]
+
+
+def test_pending_push_work_lasts_while_blocks_are_held_or_metadata_is_unsent():
+    """vLLM keeps a prefill engine stepping while `has_pending_push_work` is true: from the
+    request's finish until the producer gave its blocks back (finished_sending)."""
+    from vllm.v1.request import RequestStatus
+
+    s = scheduler(async_scheduling=True)
+    s.computing = {}
+    assert not s.has_pending_work()
+    request = NS(request_id="p", kv_transfer_params={"do_remote_decode": True,
+                                                    "kvx_transfer_id": "t-p"},
+                 status=RequestStatus.FINISHED_LENGTH_CAPPED, num_computed_tokens=40)
+    delay, params = s.request_finished(request, [1, 2, 3])
+    assert delay and params["kvx_transfer_id"] == "t-p"
+    assert s.has_pending_work(), "the send is not in the metadata yet"
+    meta = s.build_connector_meta(NS(preempted_req_ids=set()))
+    assert [x.transfer_id for x in meta.sends] == ["t-p"]
+    assert s.has_pending_work(), "the producer still holds the blocks"
+    s.update_connector_output(NS(finished_sending={"p"}, finished_recving=None))
+    assert not s.has_pending_work()
