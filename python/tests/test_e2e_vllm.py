@@ -22,6 +22,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from http.client import HTTPConnection
 from pathlib import Path
 
 import pytest
@@ -390,6 +391,7 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
     2. a prefill whose decode never registers (an aborted or lost decode request), and one whose
        decode (`k`) was killed after registering (seen in its log), both give their blocks back
        after the producer lease (prefill's KV-cache usage returns to zero);
+       A client that gives up on a request that `w` waits for gets its blocks back at once;
     3. prefill is killed while decode `w` waits for a request's KV: `w` fails the load at once
        and recomputes, exactly, instead of hanging; a client of the proxy gets an error naming
        prefill."""
@@ -487,6 +489,23 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
         status, _ = http("POST", f"{p_url}/v1/completions", body)
         assert status == 200
         wait_usage_zero("killed decode", lease + 10)
+
+        # 2c. A client gives up on a decode request that waits for its KV (prefill never
+        # serves it): vLLM aborts the request, kvx cancels the wait, and decode's blocks
+        # come back without waiting for the lease.
+        seen = registrations(dw)
+        abandoned = remote(prompt(PROMPT_WORDS[2], salt=2), "abandoned-1", MAX_TOKENS)
+        abandoned["stream"] = True
+        client = HTTPConnection("127.0.0.1", int(dw_url.rsplit(":", 1)[1]), timeout=30)
+        client.request("POST", "/v1/completions", json.dumps(abandoned),
+                       {"content-type": "application/json"})
+        wait_registered(dw, seen)
+        assert metric(dw_url, "vllm:kv_cache_usage_perc") > 0, "decode holds no blocks"
+        client.close()
+        t0 = time.monotonic()
+        while metric(dw_url, "vllm:kv_cache_usage_perc") > 0:
+            assert time.monotonic() - t0 < 20, "decode kept the aborted request's blocks"
+            time.sleep(0.25)
 
         # 3. Prefill killed while decode w waits: w's load fails at once and it recomputes.
         n = PROMPT_WORDS[1]
