@@ -65,6 +65,26 @@ impl ConnectorConfig {
     }
 }
 
+impl ConnectorConfig {
+    /// Checks that every duration and count that must be positive is.
+    pub(crate) fn validate(&self) -> Result<(), crate::StartError> {
+        let durations = [
+            ("registration_lease", self.registration_lease),
+            ("producer_lease", self.producer_lease),
+            ("heartbeat_interval", self.heartbeat_interval),
+            ("connect_timeout", self.connect_timeout),
+            ("transfer_timeout", self.transfer_timeout),
+        ];
+        if let Some((name, _)) = durations.iter().find(|(_, d)| d.is_zero()) {
+            return Err(crate::StartError::ZeroSetting(name));
+        }
+        if self.max_entries == 0 {
+            return Err(crate::StartError::ZeroSetting("max_entries"));
+        }
+        Ok(())
+    }
+}
+
 /// A random incarnation, from the standard library's per-process random hash keys.
 #[must_use]
 pub fn random_incarnation() -> Incarnation {

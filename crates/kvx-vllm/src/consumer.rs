@@ -189,19 +189,19 @@ impl Consumer {
     /// Registers the cache with the transport and starts the driver thread.
     ///
     /// # Errors
-    /// [`StartError`] when the cache is invalid or registration fails.
+    /// [`StartError`] when a setting is zero that must not be, the cache is invalid or
+    /// registration fails.
     pub fn start(
         config: ConnectorConfig,
         cache: KvCache,
         mut transport: Box<dyn Transport>,
     ) -> Result<Self, StartError> {
+        config.validate()?;
         let (layout, regions) = common::register_cache(transport.as_mut(), cache)?;
         let mut waiter_config = WaiterConfig::default();
         waiter_config.max_waiting = config.max_entries;
-        waiter_config.max_lease = config.registration_lease.max(Duration::from_millis(1));
-        let waiter = Waiter::new(waiter_config).map_err(|e| {
-            StartError::Thread(std::io::Error::new(std::io::ErrorKind::InvalidInput, e))
-        })?;
+        waiter_config.max_lease = config.registration_lease;
+        let waiter = Waiter::new(waiter_config)?;
         let (tx, rx) = common::command_queue(transport.waker());
         let events = Arc::new(Mutex::new(Vec::new()));
         let stats = Arc::new(Stats::default());

@@ -4,7 +4,7 @@ use std::io;
 
 use kvx_layout::LayoutError;
 use kvx_rdma::error::RegisterError;
-use kvx_rendezvous::ConfigError;
+use kvx_rendezvous::{ConfigError, WaiterConfigError};
 
 /// Why a connector side could not start.
 #[derive(Debug, thiserror::Error)]
@@ -45,6 +45,13 @@ pub enum StartError {
     /// The matcher configuration is invalid.
     #[error("invalid rendezvous configuration: {0}")]
     Config(#[from] ConfigError),
+    /// The waiter configuration is invalid.
+    #[error("invalid waiter configuration: {0}")]
+    WaiterConfig(#[from] WaiterConfigError),
+    /// A duration or count of [`ConnectorConfig`](crate::ConnectorConfig) that must be positive
+    /// is zero (a zero heartbeat interval, for one, would wake the driver without pause).
+    #[error("connector setting `{0}` must be greater than zero")]
+    ZeroSetting(&'static str),
     /// Binding the control address failed.
     #[error("cannot listen on the control address: {0}")]
     Listen(#[source] io::Error),

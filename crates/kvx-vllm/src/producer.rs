@@ -183,12 +183,14 @@ impl Producer {
     /// acceptor and driver threads.
     ///
     /// # Errors
-    /// [`StartError`] when the cache is invalid, registration fails or the address is taken.
+    /// [`StartError`] when a setting is zero that must not be, the cache is invalid,
+    /// registration fails or the address is taken.
     pub fn start(
         config: ConnectorConfig,
         cache: KvCache,
         mut transport: Box<dyn Transport>,
     ) -> Result<Self, StartError> {
+        config.validate()?;
         let (layout, _regions) = common::register_cache(transport.as_mut(), cache)?;
         let mut matcher_config = Config::default();
         matcher_config.max_entries = config.max_entries;

@@ -1612,6 +1612,29 @@ fn prefill_forgets_the_endpoint_of_a_decode_that_went_away() {
     assert_eq!(*forgotten.lock().unwrap(), vec![peer]);
 }
 
+/// Moves the events from `first` on that `is_held` picks into `held`, and gives every held one
+/// back once `release` is set; returns how many events from `first` remain.
+fn hold_back(
+    events: &mut Vec<Event>,
+    first: usize,
+    held: &mut Vec<Event>,
+    release: &std::sync::atomic::AtomicBool,
+    is_held: impl Fn(&Event) -> bool,
+) -> usize {
+    let new: Vec<Event> = events.drain(first..).collect();
+    for event in new {
+        if is_held(&event) {
+            held.push(event);
+        } else {
+            events.push(event);
+        }
+    }
+    if release.load(Ordering::SeqCst) {
+        events.append(held);
+    }
+    events.len() - first
+}
+
 /// A loopback endpoint whose reads complete only once `release` is set (their bytes move at
 /// once; their `ReadDone` events wait).
 struct HeldReads {
@@ -1622,18 +1645,9 @@ struct HeldReads {
 
 impl HeldReads {
     fn hold(&mut self, events: &mut Vec<Event>, first: usize) -> usize {
-        let new: Vec<Event> = events.drain(first..).collect();
-        for event in new {
-            if matches!(event, Event::ReadDone { .. }) {
-                self.held.push(event);
-            } else {
-                events.push(event);
-            }
-        }
-        if self.release.load(Ordering::SeqCst) {
-            events.append(&mut self.held);
-        }
-        events.len() - first
+        hold_back(events, first, &mut self.held, &self.release, |event| {
+            matches!(event, Event::ReadDone { .. })
+        })
     }
 }
 
@@ -1729,22 +1743,13 @@ impl Transport for StuckWrites {
 
 impl StuckWrites {
     fn withhold(&mut self, events: &mut Vec<Event>, first: usize) -> usize {
-        let new: Vec<Event> = events.drain(first..).collect();
-        for event in new {
-            let stuck = matches!(
-                &event,
-                Event::WriteDone { op, .. } | Event::Failed { op, .. } if self.stuck.contains(op)
-            );
-            if stuck {
-                self.held.push(event);
-            } else {
-                events.push(event);
-            }
-        }
-        if self.release.load(Ordering::SeqCst) {
-            events.append(&mut self.held);
-        }
-        events.len() - first
+        let stuck = &self.stuck;
+        hold_back(events, first, &mut self.held, &self.release, |event| {
+            matches!(
+                event,
+                Event::WriteDone { op, .. } | Event::Failed { op, .. } if stuck.contains(op)
+            )
+        })
     }
 }
 
@@ -2069,4 +2074,40 @@ fn heartbeats_keep_a_registration_alive_past_its_producer_side_lease() {
         .unwrap();
     expect_ready(&consumer, k, RequestId(1));
     dec.verify(&ids(0..2), 0, 8);
+}
+
+#[test]
+fn settings_that_must_be_positive_are_refused_at_start() {
+    let fabric = LoopbackFabric::new();
+    type Zeroes = fn(&mut ConnectorConfig);
+    let zero: [(&str, Zeroes); 3] = [
+        ("heartbeat_interval", |c| {
+            c.heartbeat_interval = Duration::ZERO
+        }),
+        ("registration_lease", |c| {
+            c.registration_lease = Duration::ZERO
+        }),
+        ("connect_timeout", |c| c.connect_timeout = Duration::ZERO),
+    ];
+    for (name, set) in zero {
+        let (_side, cache) = Side::new(spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit));
+        let mut c = config(2);
+        set(&mut c);
+        let refused = Consumer::start(c, cache, Box::new(fabric.endpoint())).err();
+        assert!(
+            matches!(refused, Some(kvx_vllm::StartError::ZeroSetting(n)) if n == name),
+            "{name}: {refused:?}"
+        );
+    }
+    let (_side, cache) = Side::new(spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit));
+    let mut c = config(1);
+    c.producer_lease = Duration::ZERO;
+    let refused = Producer::start(c, cache, Box::new(fabric.endpoint())).err();
+    assert!(
+        matches!(
+            refused,
+            Some(kvx_vllm::StartError::ZeroSetting("producer_lease"))
+        ),
+        "{refused:?}"
+    );
 }

@@ -101,6 +101,9 @@ pub const BACKEND: &str = "libfabric";
 pub const PROVIDER_TCP: &str = "tcp;ofi_rxm";
 /// The `shm` provider: within one host.
 pub const PROVIDER_SHM: &str = "shm";
+
+/// How often operations towards a disconnected `shm` peer look whether its process exited.
+const EXIT_CHECK: Duration = Duration::from_millis(50);
 /// The `efa` provider: AWS Elastic Fabric Adapter.
 pub const PROVIDER_EFA: &str = "efa";
 /// Most rails one endpoint opens.
@@ -380,6 +383,8 @@ struct RailInfo {
 struct Peer {
     desc: EndpointDesc,
     rails: PeerRails,
+    /// `shm`: the process that owns the peer's endpoint, from its address.
+    pid: Option<i32>,
     /// The peer's address in each local rail's address vector, for the links in use: local rail
     /// `i` talks to the peer's rail `i`, for `i` below both rail counts.
     links: Vec<sys::fi_addr_t>,
@@ -527,6 +532,9 @@ pub struct LibfabricTransport {
     in_flight_cap: usize,
     stripe_threshold: u64,
     op_timeout: Duration,
+    /// When [`Self::expire`] next looks whether disconnected `shm` peers with operations in
+    /// flight have exited.
+    next_exit_check: Instant,
     next_key: u64,
     next_op: u64,
     /// Round-robin rail of the next operation that goes on one rail.
@@ -863,6 +871,7 @@ impl LibfabricTransport {
             in_flight_cap: (tx_size.clamp(16, 1024) + RECV_SLOTS) * n,
             stripe_threshold: config.stripe_threshold,
             op_timeout: config.op_timeout,
+            next_exit_check: Instant::now(),
             next_key: FIRST_KEY + 1,
             next_op: 0,
             next_rail: 0,
@@ -1743,8 +1752,9 @@ impl LibfabricTransport {
         }
     }
 
-    /// Reports operations past their deadline as timed out; their completions, if they ever
-    /// come, are drained silently.
+    /// Reports operations past their deadline as timed out, and those towards a disconnected
+    /// `shm` peer whose process has exited as failed (they can never complete: only the peer
+    /// moves their data); their completions, if they ever come, are drained silently.
     fn expire(&mut self) {
         let now = Instant::now();
         let expired: Vec<u64> = self
@@ -1753,29 +1763,81 @@ impl LibfabricTransport {
             .filter(|(_, p)| !p.abandoned && p.deadline <= now)
             .map(|(&op, _)| op)
             .collect();
+        let timeout = self.op_timeout;
         for op in expired {
-            let Some(p) = self.pending.get_mut(&op) else {
-                continue;
-            };
-            p.abandoned = true;
-            // Nothing more is posted for it, and no notice.
-            for stripe in &mut p.stripes {
-                stripe.cursor = (stripe.segments.len(), 0, 0);
-            }
-            p.notice = None;
-            p.flush.clear();
-            if p.failed.is_none() {
-                p.failed = Some(OpError::TimedOut(self.op_timeout));
-            }
-            let (kind, peer) = (p.kind, p.peer);
-            self.events.push_back(Event::Failed {
-                op: OpId(op),
-                kind,
-                peer,
-                error: OpError::TimedOut(self.op_timeout),
-            });
-            self.settle(op);
+            self.abandon(op, || OpError::TimedOut(timeout));
         }
+        if self.watching_exits() && now >= self.next_exit_check {
+            self.next_exit_check = now + EXIT_CHECK;
+            let mut exited: HashMap<PeerId, bool> = HashMap::new();
+            let gone: Vec<u64> = self
+                .pending
+                .iter()
+                .filter(|(_, p)| !p.abandoned && self.peers.is_closing(p.peer))
+                .filter(|(_, p)| {
+                    *exited.entry(p.peer).or_insert_with(|| {
+                        self.peers
+                            .get(p.peer)
+                            .and_then(|peer| peer.pid)
+                            .is_some_and(shm_sweep::exited)
+                    })
+                })
+                .map(|(&op, _)| op)
+                .collect();
+            for op in gone {
+                self.abandon(op, || OpError::PeerUnreachable {
+                    source: "the peer's process has exited".into(),
+                });
+            }
+        }
+    }
+
+    /// The process that owns a peer's `shm` endpoint (other providers: none).
+    fn shm_pid(&self, rails: &PeerRails) -> Option<i32> {
+        if self.provider != PROVIDER_SHM {
+            return None;
+        }
+        rails
+            .rails
+            .first()
+            .and_then(|rail| shm_sweep::address_pid(&rail.address))
+    }
+
+    /// Whether an operation waits on a disconnected peer whose process may exit (`shm`).
+    fn watching_exits(&self) -> bool {
+        self.pending.values().any(|p| {
+            !p.abandoned
+                && self.peers.is_closing(p.peer)
+                && self
+                    .peers
+                    .get(p.peer)
+                    .is_some_and(|peer| peer.pid.is_some())
+        })
+    }
+
+    /// Gives up on `op`: nothing more is posted for it, no notice goes, and it is reported
+    /// failed with the error `error` makes.
+    fn abandon(&mut self, op: u64, error: impl Fn() -> OpError) {
+        let Some(p) = self.pending.get_mut(&op) else {
+            return;
+        };
+        p.abandoned = true;
+        for stripe in &mut p.stripes {
+            stripe.cursor = (stripe.segments.len(), 0, 0);
+        }
+        p.notice = None;
+        p.flush.clear();
+        if p.failed.is_none() {
+            p.failed = Some(error());
+        }
+        let (kind, peer) = (p.kind, p.peer);
+        self.events.push_back(Event::Failed {
+            op: OpId(op),
+            kind,
+            peer,
+            error: error(),
+        });
+        self.settle(op);
     }
 
     fn nearest_deadline(&self) -> Option<Instant> {
@@ -1938,8 +2000,10 @@ impl Transport for LibfabricTransport {
             .peers
             .find(|p| p.rails.rails[0].address == rails.rails[0].address)
         {
+            let pid = self.shm_pid(&rails);
             if let Some(known) = self.peers.get_mut(id) {
                 known.desc = peer.clone();
+                known.pid = pid;
                 known.rails = rails;
             }
             self.peers.reopen(id);
@@ -1964,9 +2028,11 @@ impl Transport for LibfabricTransport {
                 }
             }
         }
+        let pid = self.shm_pid(&rails);
         Ok(self.peers.insert(Peer {
             desc: peer.clone(),
             rails,
+            pid,
             links: addrs,
         }))
     }
@@ -2106,6 +2172,9 @@ impl Transport for LibfabricTransport {
             let mut until = deadline;
             if let Some(op_deadline) = self.nearest_deadline() {
                 until = until.min(op_deadline);
+            }
+            if self.watching_exits() {
+                until = until.min(self.next_exit_check);
             }
             let mut ms = until
                 .saturating_duration_since(now)

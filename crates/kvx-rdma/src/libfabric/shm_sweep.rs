@@ -46,6 +46,28 @@ fn region_pid(name: &str) -> Option<i32> {
     (digits(parts.next()) && digits(parts.next()) && parts.next().is_none()).then_some(pid)
 }
 
+/// The pid of the process that owns an `shm` endpoint address (the provider names endpoints
+/// `fi_shm://<pid>:<domain>:<endpoint>`), if the address has that form.
+pub(super) fn address_pid(address: &[u8]) -> Option<i32> {
+    let text = std::str::from_utf8(address).ok()?.trim_end_matches('\0');
+    region_pid(text.strip_prefix("fi_shm://")?)
+}
+
+/// Whether process `pid` has exited: it no longer exists (in this pid namespace), or it is a
+/// zombie that its parent has not reaped yet.
+pub(super) fn exited(pid: i32) -> bool {
+    if !alive(pid) {
+        return true;
+    }
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| {
+            let (_, rest) = stat.rsplit_once(") ")?;
+            rest.chars().next()
+        })
+        .is_some_and(|state| matches!(state, 'Z' | 'X'))
+}
+
 /// Whether a process `pid` exists (in this pid namespace).
 fn alive(pid: i32) -> bool {
     if pid <= 0 {
@@ -86,6 +108,33 @@ pub(super) fn sweep(dir: &Path, own_pid_too: bool) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_endpoint_address_names_its_process() {
+        assert_eq!(address_pid(b"fi_shm://1234:0:1\0\0"), Some(1234));
+        assert_eq!(address_pid(b"fi_shm://x:0:1"), None);
+        assert_eq!(address_pid(b"1234:0:1"), None);
+        assert_eq!(address_pid(&[0xff, 0xfe]), None);
+    }
+
+    #[test]
+    fn a_process_that_exited_is_seen_so_even_unreaped() {
+        let me = i32::try_from(std::process::id()).unwrap();
+        assert!(!exited(me));
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = i32::try_from(child.id()).unwrap();
+        // Not reaped yet: a zombie once it has exited.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !exited(pid) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the child never exited"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        child.wait().unwrap();
+        assert!(exited(pid));
+    }
 
     #[test]
     fn only_provider_region_names_count() {

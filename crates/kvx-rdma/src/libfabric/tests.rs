@@ -819,3 +819,96 @@ mod selection {
             .any(|d| d == "lo"));
     }
 }
+
+/// Child role of [`a_write_to_an_exited_shm_peer_fails_soon_after_disconnect`]: opens an
+/// `shm` endpoint with one registered region, prints its description, and never reads its
+/// queue again, until killed.
+#[test]
+#[ignore = "child role of a_write_to_an_exited_shm_peer_fails_soon_after_disconnect; started by it"]
+fn shm_silent_child_role() {
+    if std::env::var_os("KVX_SHM_SILENT_CHILD").is_none() {
+        return;
+    }
+    let mut t = LibfabricTransport::open(&LibfabricConfig::shm()).expect("child endpoint");
+    let buf = Arc::new(HostBuffer::new(1 << 20).unwrap());
+    t.register(LocalRegion::host(0, buf)).unwrap();
+    println!("DESC {}", t.local_desc().to_hex());
+    loop {
+        std::thread::sleep(Duration::from_secs(1));
+    }
+}
+
+/// A write towards an `shm` peer that never reads its queue stays in flight; once the peer's
+/// process has exited (killed, not even reaped) and this side disconnected it, the write fails
+/// within a fraction of a second instead of at the operation timeout.
+#[test]
+fn a_write_to_an_exited_shm_peer_fails_soon_after_disconnect() {
+    use std::io::BufRead as _;
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--ignored",
+            "--exact",
+            "libfabric::tests::shm_silent_child_role",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("KVX_SHM_SILENT_CHILD", "1")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let desc = loop {
+        let line = lines
+            .next()
+            .expect("the child printed its endpoint")
+            .unwrap();
+        // After libtest's "test … … " on the same line.
+        if let Some((_, hex)) = line.split_once("DESC ") {
+            break EndpointDesc::from_hex(hex.trim()).unwrap();
+        }
+    };
+    let mut config = LibfabricConfig::shm();
+    config.op_timeout = Duration::from_secs(120);
+    let mut t = LibfabricTransport::open(&config).unwrap();
+    let src = Arc::new(HostBuffer::new(1 << 16).unwrap());
+    t.register(LocalRegion::host(0, src)).unwrap();
+    let peer = t.connect(&desc).unwrap();
+    let write = t
+        .write(peer, &[op(0, 0, 0, 0, 4096)], Some(Notice(7)))
+        .unwrap();
+    let mut events = Vec::new();
+    let quiet_until = Instant::now() + Duration::from_millis(300);
+    while Instant::now() < quiet_until {
+        t.wait(&mut events, Duration::from_millis(20)).unwrap();
+    }
+    assert!(
+        !events
+            .iter()
+            .any(|e| matches!(e, Event::WriteDone { op, .. } if *op == write)),
+        "the write ended although the peer never read its queue: {events:?}"
+    );
+    child.kill().unwrap();
+    t.disconnect(peer);
+    let started = Instant::now();
+    let deadline = started + Duration::from_secs(10);
+    let failed = loop {
+        if let Some(e) = events
+            .iter()
+            .find(|e| matches!(e, Event::Failed { op, .. } if *op == write))
+        {
+            break format!("{e:?}");
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the write never failed: {events:?}"
+        );
+        t.wait(&mut events, Duration::from_millis(100)).unwrap();
+    };
+    assert!(failed.contains("PeerUnreachable"), "{failed}");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    child.wait().unwrap();
+}
