@@ -442,17 +442,9 @@ impl Driver {
             Command::Cancel { transfer, attempt } => {
                 let now = self.clock.now();
                 self.waiter.cancel(now, transfer, attempt, Reason::Aborted);
-                let cancelled = |r: &PushRequest| {
+                let gone = self.take_queued(|r| {
                     r.key.transfer == transfer && attempt.is_none_or(|a| a == r.key.attempt)
-                };
-                let mut gone = Vec::new();
-                for connecting in self.connecting.values_mut() {
-                    let (out, kept) = std::mem::take(&mut connecting.queued)
-                        .into_iter()
-                        .partition(|(r, _)| cancelled(r));
-                    connecting.queued = kept;
-                    gone.extend(out);
-                }
+                });
                 for (request, _) in gone {
                     self.refuse(
                         &request,
@@ -645,6 +637,16 @@ impl Driver {
             self.refuse(&request, reason, detail);
             return;
         }
+        // An older attempt of the transfer still queued is superseded, as a waited one is.
+        let key = request.key;
+        let older = self.take_queued(|r| r.key.transfer == key.transfer);
+        for (old, _) in older {
+            self.refuse(
+                &old,
+                Reason::Superseded,
+                format!("attempt {} replaces it", key.attempt.0),
+            );
+        }
         let instance = request.prefill;
         let missing = match self.missing_ranks(instance) {
             Ok(missing) if missing.is_empty() => {
@@ -676,6 +678,22 @@ impl Driver {
         for rank in missing {
             self.handshake_in_background(instance, rank);
         }
+    }
+
+    /// Takes the requests queued for a connection that `pick` selects out of their queues.
+    fn take_queued(
+        &mut self,
+        pick: impl Fn(&PushRequest) -> bool,
+    ) -> Vec<(PushRequest, Option<Vec<BlockId>>)> {
+        let mut taken = Vec::new();
+        for connecting in self.connecting.values_mut() {
+            let (out, kept) = std::mem::take(&mut connecting.queued)
+                .into_iter()
+                .partition(|(r, _)| pick(r));
+            connecting.queued = kept;
+            taken.extend(out);
+        }
+        taken
     }
 
     /// Registers (push) or reads (pull) a request whose prefill instance is connected.
@@ -713,11 +731,12 @@ impl Driver {
                 ));
             }
         }
+        // A queued request counts as waited for; a newer attempt replaces it (see `start`).
         let queued = self
             .connecting
             .values()
             .flat_map(|c| &c.queued)
-            .find(|(r, _)| r.key.transfer == key.transfer);
+            .find(|(r, _)| r.key.transfer == key.transfer && r.key.attempt >= key.attempt);
         if let Some((r, _)) = queued {
             return Some(if r.key.attempt == key.attempt {
                 (

@@ -2111,3 +2111,43 @@ fn settings_that_must_be_positive_are_refused_at_start() {
         "{refused:?}"
     );
 }
+
+#[test]
+fn a_newer_attempt_replaces_one_that_waits_for_its_prefills_connection() {
+    let fabric = LoopbackFabric::new();
+    let silent = TcpListener::bind("127.0.0.1:0").unwrap();
+    let (_dec, cache) = Side::new(spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit));
+    let mut c = config(2);
+    c.connect_timeout = Duration::from_secs(1);
+    let consumer = Consumer::start(c, cache, Box::new(fabric.endpoint())).unwrap();
+    let addr = silent.local_addr().unwrap();
+    register(&consumer, addr, key(104, 0), 8, ids(0..2));
+    register(&consumer, addr, key(104, 1), 8, ids(2..4));
+    // The same attempt again, or an older one, is refused; the newer one replaced the first.
+    register(&consumer, addr, key(104, 0), 8, ids(4..6));
+    let events = wait_events(&consumer, 2);
+    assert!(
+        matches!(
+            events[0],
+            RecvEvent::Failed { key: failed, reason: Reason::Superseded, .. } if failed == key(104, 0)
+        ),
+        "{events:?}"
+    );
+    assert!(
+        matches!(
+            events[1],
+            RecvEvent::Failed { key: failed, reason: Reason::Stale, .. } if failed == key(104, 0)
+        ),
+        "{events:?}"
+    );
+    // The newer attempt fails only when the handshake does.
+    let events = wait_events(&consumer, 1);
+    assert!(
+        matches!(
+            events[0],
+            RecvEvent::Failed { key: failed, reason: Reason::PeerFailed, .. } if failed == key(104, 1)
+        ),
+        "{events:?}"
+    );
+    drop(silent);
+}

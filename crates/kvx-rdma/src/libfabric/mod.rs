@@ -69,7 +69,7 @@ mod shm_cma;
 mod shm_sweep;
 pub mod stripe;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::ffi::c_void;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -1767,21 +1767,13 @@ impl LibfabricTransport {
         for op in expired {
             self.abandon(op, || OpError::TimedOut(timeout));
         }
-        if self.watching_exits() && now >= self.next_exit_check {
+        if now >= self.next_exit_check {
             self.next_exit_check = now + EXIT_CHECK;
-            let mut exited: HashMap<PeerId, bool> = HashMap::new();
+            let exited = self.exited_peers();
             let gone: Vec<u64> = self
                 .pending
                 .iter()
-                .filter(|(_, p)| !p.abandoned && self.peers.is_closing(p.peer))
-                .filter(|(_, p)| {
-                    *exited.entry(p.peer).or_insert_with(|| {
-                        self.peers
-                            .get(p.peer)
-                            .and_then(|peer| peer.pid)
-                            .is_some_and(shm_sweep::exited)
-                    })
-                })
+                .filter(|(_, p)| !p.abandoned && exited.contains(&p.peer))
                 .map(|(&op, _)| op)
                 .collect();
             for op in gone {
@@ -1790,6 +1782,26 @@ impl LibfabricTransport {
                 });
             }
         }
+    }
+
+    /// The disconnected `shm` peers with operations pending whose process has exited (each
+    /// looked up once).
+    fn exited_peers(&self) -> HashSet<PeerId> {
+        let closing: HashSet<PeerId> = self
+            .pending
+            .values()
+            .filter(|p| !p.abandoned && self.peers.is_closing(p.peer))
+            .map(|p| p.peer)
+            .collect();
+        closing
+            .into_iter()
+            .filter(|&peer| {
+                self.peers
+                    .get(peer)
+                    .and_then(|p| p.pid)
+                    .is_some_and(shm_sweep::exited)
+            })
+            .collect()
     }
 
     /// The process that owns a peer's `shm` endpoint (other providers: none).
