@@ -26,7 +26,8 @@ use std::time::Duration;
 use kvx_core::{MemoryKind, RegionDesc};
 use kvx_layout::CopyOp;
 
-use crate::desc::EndpointDesc;
+use crate::board::{self, NoticeBoard};
+use crate::desc::{EndpointDesc, NoticeSlot};
 use crate::error::{
     ConnectError, DeregisterError, OpError, PollError, ReadError, RegisterError, SendError,
     WriteError,
@@ -94,10 +95,19 @@ struct Job {
     op: u64,
     pid: libc::pid_t,
     read: bool,
-    notice: Option<(NoticeSender, u64)>,
+    notice: Option<JobNotice>,
     /// Shares not finished yet; the thread that finishes the last one reports the operation.
     left: AtomicUsize,
     failed: Mutex<Option<OpError>>,
+}
+
+/// How a job's notice reaches the peer once every share succeeded.
+enum JobNotice {
+    /// As a frame on the same-host control socket.
+    Message(NoticeSender, u64),
+    /// Written into the peer's notice board, at this address in its process (the value is
+    /// boxed so that its address stays put while the job waits for its shares).
+    Board { addr: u64, value: Box<u64> },
 }
 
 /// Part of a job for one copy thread: pieces (local address, remote address, length).
@@ -134,14 +144,20 @@ fn work(shares: &Mutex<Receiver<Share>>, completions: &Completions) {
         let result = match (failed, &job.notice) {
             (Some(e), _) => Err(e),
             (None, None) => Ok(()),
-            (None, Some((sender, notice))) => {
-                sender
-                    .send_all(&[*notice])
-                    .1
-                    .map_err(|e| OpError::PeerUnreachable {
-                        source: Box::new(e),
-                    })
-            }
+            (None, Some(JobNotice::Message(sender, notice))) => sender
+                .send_all(&[*notice])
+                .1
+                .map_err(|e| OpError::PeerUnreachable {
+                    source: Box::new(e),
+                }),
+            // After every share's copy returned: the data is in the peer's memory before the
+            // notice is (one more 8-byte copy; the peer compares the whole value, so a torn
+            // write never reads as arrived).
+            (None, Some(JobNotice::Board { addr, value })) => copy(
+                job.pid,
+                false,
+                &[(std::ptr::from_ref::<u64>(value) as u64, *addr, 8)],
+            ),
         };
         completions.push_all([(job.op, result)]);
     }
@@ -283,6 +299,8 @@ struct Peer {
     link: Link,
     /// Region index → (address in the peer's process, length).
     regions: HashMap<u32, (u64, u64)>,
+    /// The peer's notice board (address in its process, bytes), if it has one.
+    board: Option<(u64, u64)>,
 }
 
 /// The CMA endpoint. See the [module documentation](self).
@@ -294,6 +312,7 @@ pub struct CmaTransport {
     ledger: Ledger,
     shares: Option<Sender<Share>>,
     workers: Vec<std::thread::JoinHandle<()>>,
+    board: Option<Arc<NoticeBoard>>,
 }
 
 impl CmaTransport {
@@ -333,6 +352,7 @@ impl CmaTransport {
             ledger: Ledger::default(),
             shares: Some(shares),
             workers,
+            board: None,
         })
     }
 
@@ -370,6 +390,18 @@ impl CmaTransport {
             crate::validate::check_ops(ops, |i| local(i).map(|x| x.1), |i| remote(i).map(|x| x.1))
         }
         .map_err(OpPostError::Plan)?;
+        let notice = match notice {
+            Some(n) if board::board_slot(n).is_some() => {
+                let (addr, len) = p.board.unwrap_or_default();
+                let addr = board::remote_slot(addr, len, n).map_err(OpPostError::Board)?;
+                Some(JobNotice::Board {
+                    addr,
+                    value: Box::new(n.0),
+                })
+            }
+            Some(Notice(n)) => Some(JobNotice::Message(p.link.notices(), n)),
+            None => None,
+        };
         if !p.link.alive() {
             return Ok(self.ledger.done_now(peer, kind, Err(peer_gone())));
         }
@@ -419,7 +451,7 @@ impl CmaTransport {
             op: self.ledger.next_id(),
             pid: p.who.pid as libc::pid_t,
             read,
-            notice: notice.map(|Notice(n)| (p.link.notices(), n)),
+            notice,
             left: AtomicUsize::new(shares.len()),
             failed: Mutex::new(None),
         });
@@ -441,6 +473,7 @@ impl CmaTransport {
 enum OpPostError {
     UnknownPeer,
     Plan(crate::error::PlanError),
+    Board(board::SlotOutOfRange),
     Worker,
 }
 
@@ -489,7 +522,11 @@ impl Transport for CmaTransport {
             backend: BACKEND.to_owned(),
             provider: String::new(),
             address: self.address(),
-            notice_slot: None,
+            notice_slot: self.board.as_ref().map(|b| NoticeSlot {
+                addr: b.addr(),
+                key: 0,
+                len: b.bytes(),
+            }),
             regions: self
                 .regions
                 .values()
@@ -529,9 +566,11 @@ impl Transport for CmaTransport {
             .iter()
             .map(|r| (r.index, (r.addr, r.len)))
             .collect();
+        let board = desc.notice_slot.map(|s| (s.addr, s.len));
         if let Some(id) = self.peers.find(|p| p.who == who) {
             if let Some(known) = self.peers.get_mut(id) {
                 known.regions = regions;
+                known.board = board;
             }
             return Ok(id);
         }
@@ -541,7 +580,12 @@ impl Transport for CmaTransport {
                 source: e,
             }),
         })?;
-        Ok(self.peers.insert(Peer { who, link, regions }))
+        Ok(self.peers.insert(Peer {
+            who,
+            link,
+            regions,
+            board,
+        }))
     }
 
     fn disconnect(&mut self, peer: PeerId) {
@@ -560,6 +604,7 @@ impl Transport for CmaTransport {
             .map_err(|e| match e {
                 OpPostError::UnknownPeer => WriteError::UnknownPeer(peer),
                 OpPostError::Plan(p) => WriteError::Plan(p),
+                OpPostError::Board(b) => WriteError::NoBoardSlot(b),
                 OpPostError::Worker => WriteError::Backend(worker_gone()),
             })
     }
@@ -569,8 +614,15 @@ impl Transport for CmaTransport {
             .map_err(|e| match e {
                 OpPostError::UnknownPeer => ReadError::UnknownPeer(peer),
                 OpPostError::Plan(p) => ReadError::Plan(p),
-                OpPostError::Worker => ReadError::Backend(worker_gone()),
+                OpPostError::Board(_) | OpPostError::Worker => ReadError::Backend(worker_gone()),
             })
+    }
+
+    fn notice_board(&mut self, slots: usize) -> Option<Arc<NoticeBoard>> {
+        Some(Arc::clone(
+            self.board
+                .get_or_insert_with(|| Arc::new(NoticeBoard::new(slots))),
+        ))
     }
 
     fn send(&mut self, peer: PeerId, message: &[u8]) -> Result<OpId, SendError> {
@@ -660,6 +712,20 @@ mod tests {
             }
             assert!(Instant::now() < deadline, "no matching event");
         }
+    }
+
+    #[test]
+    fn board_notices_land_in_the_peers_memory_after_the_data() {
+        let mut a = CmaTransport::open(CmaConfig::default()).unwrap();
+        let mut b = CmaTransport::open(CmaConfig::default()).unwrap();
+        let src = Arc::new(HostBuffer::new(1 << 20).unwrap());
+        src.fill_with(|i| (i * 7 % 251) as u8);
+        let dst = Arc::new(HostBuffer::new(1 << 20).unwrap());
+        a.register(LocalRegion::host(0, Arc::clone(&src))).unwrap();
+        b.register(LocalRegion::host(0, Arc::clone(&dst))).unwrap();
+        crate::transport::check_notice_board(&mut a, &mut b, 1 << 20, &|| {
+            dst.to_vec() == src.to_vec()
+        });
     }
 
     /// Two endpoints of one process: CMA into the own process is allowed, so the whole path

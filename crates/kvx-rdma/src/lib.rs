@@ -66,6 +66,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+pub mod board;
 #[cfg(feature = "cma")]
 pub mod cma;
 #[cfg(any(feature = "libfabric", feature = "nixl"))]

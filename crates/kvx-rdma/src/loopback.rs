@@ -15,7 +15,8 @@ use std::time::{Duration, Instant};
 use kvx_core::{MemoryKind, RegionDesc};
 use kvx_layout::CopyOp;
 
-use crate::desc::EndpointDesc;
+use crate::board::{self, NoticeBoard};
+use crate::desc::{EndpointDesc, NoticeSlot};
 use crate::error::{
     ConnectError, DeregisterError, OpError, PollError, ReadError, RegisterError, SendError,
     WriteError,
@@ -77,6 +78,8 @@ struct EndpointState {
     wake: Arc<Condvar>,
     /// Set by the endpoint's [`Waker`]: the next wait returns even without events.
     woken: bool,
+    /// Where board notices for this endpoint go.
+    board: Option<Arc<NoticeBoard>>,
 }
 
 impl Shared {
@@ -112,6 +115,7 @@ impl LoopbackFabric {
                 inbox: VecDeque::new(),
                 wake: Arc::clone(&wake),
                 woken: false,
+                board: None,
             },
         );
         LoopbackEndpoint {
@@ -319,11 +323,20 @@ impl Transport for LoopbackEndpoint {
             })
             .unwrap_or_default();
         regions.sort_by_key(|r| r.index);
+        let notice_slot = state
+            .endpoints
+            .get(&self.id)
+            .and_then(|me| me.board.as_ref())
+            .map(|b| NoticeSlot {
+                addr: b.addr(),
+                key: 0,
+                len: b.bytes(),
+            });
         EndpointDesc {
             backend: BACKEND.into(),
             provider: String::new(),
             address: encode_address(self.fabric_id, self.id),
-            notice_slot: None,
+            notice_slot,
             regions,
         }
     }
@@ -374,6 +387,10 @@ impl Transport for LoopbackEndpoint {
         notice: Option<Notice>,
     ) -> Result<OpId, WriteError> {
         let peer = self.peer(peer_id).ok_or(WriteError::UnknownPeer(peer_id))?;
+        if let Some(n) = notice.filter(|n| board::board_slot(*n).is_some()) {
+            let (addr, len) = peer.desc.notice_slot.map_or((0, 0), |s| (s.addr, s.len));
+            board::remote_slot(addr, len, n)?;
+        }
         let state = self.shared.lock();
         let me = state.endpoints.get(&self.id);
         let bytes = check_ops(
@@ -390,8 +407,20 @@ impl Transport for LoopbackEndpoint {
             Ok(()) => {
                 if let Some(notice) = notice {
                     if let Some(them) = state.endpoints.get_mut(&target) {
-                        them.inbox.push_back(Event::Notice(notice));
-                        them.wake.notify_all();
+                        match them
+                            .board
+                            .as_ref()
+                            .filter(|_| board::board_slot(notice).is_some())
+                        {
+                            // The data was copied above, under the fabric lock's order.
+                            Some(b) => {
+                                let _ = b.deliver(notice);
+                            }
+                            None => {
+                                them.inbox.push_back(Event::Notice(notice));
+                                them.wake.notify_all();
+                            }
+                        }
                     }
                 }
                 Event::WriteDone {
@@ -412,6 +441,15 @@ impl Transport for LoopbackEndpoint {
         }
         self.wake.notify_all();
         Ok(op)
+    }
+
+    fn notice_board(&mut self, slots: usize) -> Option<Arc<NoticeBoard>> {
+        let mut state = self.shared.lock();
+        let me = state.endpoints.get_mut(&self.id)?;
+        Some(Arc::clone(
+            me.board
+                .get_or_insert_with(|| Arc::new(NoticeBoard::new(slots))),
+        ))
     }
 
     fn read(&mut self, peer_id: PeerId, ops: &[CopyOp]) -> Result<OpId, ReadError> {
@@ -581,6 +619,19 @@ mod tests {
         a.register(region(0, 1 << 16, 1).1).unwrap();
         b.register(region(0, 1 << 16, 2).1).unwrap();
         crate::transport::check_disconnect(&mut a, &mut b, 1 << 16);
+    }
+
+    #[test]
+    fn board_notices_land_in_the_peers_memory_after_the_data() {
+        let fabric = LoopbackFabric::new();
+        let (mut a, mut b) = (fabric.endpoint(), fabric.endpoint());
+        let (src, r) = region(0, 4096, 1);
+        a.register(r).unwrap();
+        let (dst, r) = region(0, 4096, 2);
+        b.register(r).unwrap();
+        crate::transport::check_notice_board(&mut a, &mut b, 4096, &|| {
+            dst.to_vec() == src.to_vec()
+        });
     }
 
     #[test]

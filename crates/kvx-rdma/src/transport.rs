@@ -213,6 +213,17 @@ pub trait Transport: Send {
     fn waker(&self) -> Option<Arc<dyn Waker>> {
         None
     }
+
+    /// Gives this endpoint a [notice board](crate::board) of `slots` slots, if the backend can
+    /// have peers write notices into its memory (peers' writes land here unassisted): from then
+    /// on, a write whose notice is a [board notice](crate::board::board_notice) puts it into the
+    /// board, after the data, instead of delivering it as an [`Event::Notice`]. Its place is in
+    /// [`Transport::local_desc`] (`notice_slot`), so peers must connect (or refresh) after this.
+    /// `None` where the backend has none; asking again returns the same board.
+    fn notice_board(&mut self, slots: usize) -> Option<Arc<crate::board::NoticeBoard>> {
+        let _ = slots;
+        None
+    }
 }
 
 /// Interrupts a transport's [`Transport::wait`]: once [`Waker::wake`] returns, a wait in
@@ -255,6 +266,69 @@ pub(crate) fn check_waker(transport: &mut dyn Transport) {
         0
     );
     assert!(started.elapsed() < Duration::from_secs(20));
+}
+
+/// Checks a [notice board](crate::board) of `b`, written by `a` (both with region 0 of at
+/// least `len` bytes): a board notice is refused while `b` has no board (or for a slot it
+/// lacks); once it has one, the notice lands in the board after the data (`landed` checks the
+/// bytes), with no event at `b`; other notices still come as events.
+#[cfg(test)]
+pub(crate) fn check_notice_board(
+    a: &mut dyn Transport,
+    b: &mut dyn Transport,
+    len: u64,
+    landed: &dyn Fn() -> bool,
+) {
+    use crate::board::board_notice;
+    use crate::error::WriteError;
+    use kvx_core::Rank;
+    use std::time::Instant;
+
+    let op = CopyOp::run(Rank(0), (0, 0), (0, 0), len);
+    let n = board_notice(3, 1).unwrap();
+    let peer = a.connect(&b.local_desc()).unwrap();
+    assert!(matches!(
+        a.write(peer, &[op], Some(n)),
+        Err(WriteError::NoBoardSlot(_))
+    ));
+    let board = b.notice_board(4).expect("a board");
+    assert!(Arc::ptr_eq(&board, &b.notice_board(8).unwrap()));
+    let peer = a.connect(&b.local_desc()).unwrap();
+    assert!(matches!(
+        a.write(peer, &[op], Some(board_notice(4, 1).unwrap())),
+        Err(WriteError::NoBoardSlot(_))
+    ));
+    assert!(!board.arrived(n));
+    let id = a.write(peer, &[op], Some(n)).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut ea = Vec::new();
+    // `b` never reads its queue: the notice needs nothing from it.
+    while !board.arrived(n) {
+        assert!(Instant::now() < deadline, "no board notice; a: {ea:?}");
+        a.wait(&mut ea, Duration::from_millis(1)).unwrap();
+    }
+    assert!(landed(), "the notice came before the data");
+    while !ea
+        .iter()
+        .any(|e| matches!(e, Event::WriteDone { op, .. } if *op == id))
+    {
+        assert!(Instant::now() < deadline, "a: {ea:?}");
+        a.wait(&mut ea, Duration::from_millis(5)).unwrap();
+    }
+    let mut eb = Vec::new();
+    b.poll(&mut eb).unwrap();
+    assert!(
+        !eb.iter().any(|e| matches!(e, Event::Notice(_))),
+        "a board notice also came as a message: {eb:?}"
+    );
+    // A plain notice is still a message.
+    a.write(peer, &[op], Some(Notice(9))).unwrap();
+    let mut eb = Vec::new();
+    while !eb.iter().any(|e| matches!(e, Event::Notice(Notice(9)))) {
+        assert!(Instant::now() < deadline, "b: {eb:?}");
+        a.poll(&mut ea).unwrap();
+        b.wait(&mut eb, Duration::from_millis(5)).unwrap();
+    }
 }
 
 /// Checks [`Transport::disconnect`] between `a` (which has local region 0) and `b` (region 0,

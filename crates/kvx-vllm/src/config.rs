@@ -42,6 +42,13 @@ pub struct ConnectorConfig {
     /// writes land without its help ([`Capabilities`](kvx_rdma::Capabilities)'
     /// `polls_to_wait` and `peer_rma_unassisted`: libfabric `shm` with cross-memory attach).
     pub finishing_hints: Option<bool>,
+    /// Consumer: where the transport can (`cma`, loopback), let producers write push
+    /// notices into a notice board in this rank's memory, which [`Consumer::take_events`]
+    /// reads: a transfer then costs decode's driver thread no wake-up. True by default; false
+    /// delivers every notice as a message to the driver.
+    ///
+    /// [`Consumer::take_events`]: crate::Consumer::take_events
+    pub notice_board: bool,
 }
 
 impl ConnectorConfig {
@@ -61,6 +68,7 @@ impl ConnectorConfig {
             max_entries: 65_536,
             quiesce_timeout: Duration::from_secs(5),
             finishing_hints: None,
+            notice_board: true,
         }
     }
 }

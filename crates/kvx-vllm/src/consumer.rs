@@ -18,6 +18,7 @@ use kvx_rdma::transport::{Event, OpId, PeerId, Transport};
 use kvx_rendezvous::{AttemptKey, Reason, Timestamp, Waiter, WaiterAction, WaiterConfig};
 use tracing::{debug, info, warn};
 
+use crate::board::{self, BoardSlots, Disarmed, SharedBoard, BOARD_SLOTS};
 use crate::common::{self, Clock, CommandReceiver, CommandSender, KvCache};
 use crate::config::ConnectorConfig;
 use crate::control::{self, ControlSender};
@@ -97,6 +98,10 @@ struct Connecting {
     ranks: HashSet<Rank>,
     queued: Vec<(PushRequest, Option<Vec<BlockId>>)>,
 }
+
+/// How often the driver reads the notice board while a failed request waits for a writer rank
+/// whose confirmation would land there.
+const BOARD_QUIESCE_POLL: Duration = Duration::from_millis(2);
 
 /// Heartbeat intervals that a registration lasts at prefill without a heartbeat.
 const HEARTBEATS_PER_LEASE: u32 = 3;
@@ -180,6 +185,7 @@ struct Instance {
 pub struct Consumer {
     tx: CommandSender<Command>,
     events: Arc<Mutex<Vec<(RecvEvent, SystemTime)>>>,
+    board: Option<Arc<SharedBoard>>,
     stats: Arc<Stats>,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
@@ -198,6 +204,12 @@ impl Consumer {
     ) -> Result<Self, StartError> {
         config.validate()?;
         let (layout, regions) = common::register_cache(transport.as_mut(), cache)?;
+        // Before the hello: the board's place is part of this endpoint's description.
+        let board = config
+            .notice_board
+            .then(|| transport.notice_board(BOARD_SLOTS))
+            .flatten()
+            .map(|b| Arc::new(SharedBoard::new(b)));
         let mut waiter_config = WaiterConfig::default();
         waiter_config.max_waiting = config.max_entries;
         waiter_config.max_lease = config.registration_lease;
@@ -232,6 +244,8 @@ impl Consumer {
             hinted: HashSet::new(),
             reads: HashMap::new(),
             quiescing: HashMap::new(),
+            board: board.as_ref().map(|b| BoardSlots::new(Arc::clone(b))),
+            engine_ready: HashSet::new(),
             next_notice: 1,
             next_conn: 0,
             next_heartbeat: None,
@@ -250,6 +264,7 @@ impl Consumer {
         Ok(Self {
             tx,
             events,
+            board,
             stats,
             stop: Arc::new(AtomicBool::new(false)),
             thread: Some(thread),
@@ -282,7 +297,9 @@ impl Consumer {
         self.send(Command::Cancel { transfer, attempt })
     }
 
-    /// What happened since the last call.
+    /// What happened since the last call. Call it every engine step: it is also where push
+    /// requests whose notices land in the transport's notice board (see
+    /// [`ConnectorConfig::notice_board`]) are found ready.
     #[must_use]
     pub fn take_events(&self) -> Vec<RecvEvent> {
         self.take_events_timed()
@@ -295,7 +312,12 @@ impl Consumer {
     /// when its last notice arrived and any re-layout was done), for engines and benchmarks that
     /// poll less often than transfers finish.
     pub fn take_events_timed(&self) -> Vec<(RecvEvent, SystemTime)> {
-        std::mem::take(&mut *self.events.lock().unwrap_or_else(PoisonError::into_inner))
+        let mut events =
+            std::mem::take(&mut *self.events.lock().unwrap_or_else(PoisonError::into_inner));
+        if let Some(board) = &self.board {
+            board.collect(&self.stats, &mut events);
+        }
+        events
     }
 
     /// Counters, including requests waiting now.
@@ -345,6 +367,10 @@ struct Driver {
     hinted: HashSet<u64>,
     reads: HashMap<OpId, (AttemptKey, Rank)>,
     quiescing: HashMap<AttemptKey, Quiescing>,
+    /// The notice board's slots, where the transport has a board.
+    board: Option<BoardSlots>,
+    /// Requests the engine thread found ready in the board, still in the waiter.
+    engine_ready: HashSet<AttemptKey>,
     next_notice: u64,
     /// The id of the next control connection.
     next_conn: ConnId,
@@ -374,7 +400,12 @@ impl common::Driven for Driver {
     }
 
     fn deadline(&mut self) -> Option<Timestamp> {
-        let quiesce = self.quiescing.values().map(|q| q.deadline).min();
+        let mut quiesce = self.quiescing.values().map(|q| q.deadline).min();
+        if self.quiescing_on_board() {
+            // Their writers confirm by writing the board, which wakes no one.
+            let poll = self.clock.now() + BOARD_QUIESCE_POLL;
+            quiesce = Some(quiesce.map_or(poll, |q| q.min(poll)));
+        }
         [self.waiter.poll_timeout(), self.next_heartbeat, quiesce]
             .into_iter()
             .flatten()
@@ -386,6 +417,7 @@ impl common::Driven for Driver {
     }
 
     fn command(&mut self, command: Command) {
+        self.absorb_engine_ready();
         self.handle(command);
     }
 
@@ -394,6 +426,8 @@ impl common::Driven for Driver {
     }
 
     fn tick(&mut self, now: Timestamp) {
+        self.absorb_engine_ready();
+        self.board_quiesce();
         self.waiter.handle_timeout(now);
         self.heartbeats(now);
         self.actions();
@@ -815,9 +849,25 @@ impl Driver {
                 return Ok(());
             }
         } else {
+            // Board notices where the request needs nothing done once its KV is in (no
+            // re-layout) and the board has room; message notices otherwise.
+            let on_board = match (&mut self.board, &waiting.permute) {
+                (Some(slots), None) => slots.take(now, writers.len()),
+                _ => None,
+            };
+            if let (Some(notices), Some(slots)) = (&on_board, &self.board) {
+                slots
+                    .shared
+                    .arm(key, request.request, writers.clone(), notices);
+            }
             for (index, &rank) in writers.iter().enumerate() {
-                let notice = self.next_notice;
-                self.next_notice = self.next_notice % u64::from(u32::MAX) + 1;
+                let notice = if let Some(notices) = &on_board {
+                    notices[index]
+                } else {
+                    let n = self.next_notice;
+                    self.next_notice = self.next_notice % u64::from(u32::MAX) + 1;
+                    n
+                };
                 self.notices.insert(notice, (key, rank));
                 waiting.notices.push(notice);
                 let registration = Message::Registration(Registration {
@@ -838,13 +888,21 @@ impl Driver {
                     let detail = format!("cannot register with {rank}: {e}");
                     self.notices.remove(&notice);
                     waiting.notices.pop();
+                    // The notices of the ranks not registered with are never written.
+                    if let (Some(notices), Some(slots)) = (&on_board, &mut self.board) {
+                        slots.give_back(now, &notices[index..], |_| true);
+                    }
                     if index == 0 {
+                        if let Some(slots) = &self.board {
+                            let _ = slots.shared.disarm(key);
+                        }
                         return Err(detail);
                     }
                     // The ranks registered already may write (early): they are told to stop,
                     // and the failure waits for them like any other.
                     warn!(%key, detail, "request cannot be served");
                     waiting.writers.truncate(index);
+                    self.claim(key, &waiting);
                     self.give_up(key, waiting, Reason::PeerFailed);
                     return Ok(());
                 }
@@ -999,6 +1057,15 @@ impl Driver {
         let now = self.clock.now();
         match event {
             Event::Notice(notice) => {
+                let armed = self.notices.get(&notice.0).is_some_and(|(key, _)| {
+                    self.board
+                        .as_ref()
+                        .is_some_and(|b| b.shared.seen_elsewhere(*key, notice.0))
+                });
+                if armed {
+                    // The engine thread reports it with the request's other notices.
+                    return;
+                }
                 if let Some((key, rank)) = self.notices.remove(&notice.0) {
                     if let Some(q) = self.quiescing.get_mut(&key) {
                         q.ranks.remove(&rank);
@@ -1069,12 +1136,89 @@ impl Driver {
             (!self.waiter.is_empty()).then(|| now + self.config.heartbeat_interval);
     }
 
+    /// Takes over what the engine thread found ready in the board: the waiter hears of every
+    /// writer's notice, and the request's end is then not reported again.
+    fn absorb_engine_ready(&mut self) {
+        let Some(slots) = &self.board else {
+            return;
+        };
+        let ready = slots.shared.take_ready();
+        if ready.is_empty() {
+            return;
+        }
+        let now = self.clock.now();
+        for (key, ranks) in ready {
+            self.engine_ready.insert(key);
+            for rank in ranks {
+                self.waiter.completion(now, key, rank);
+            }
+        }
+    }
+
+    /// Whether a failed request waits for a writer rank whose notice would land in the board.
+    fn quiescing_on_board(&self) -> bool {
+        self.board.is_some()
+            && self.quiescing.values().any(|q| {
+                q.notices
+                    .iter()
+                    .any(|n| board::is_board_notice(*n) && self.notices.contains_key(n))
+            })
+    }
+
+    /// Failed requests' notices that landed in the board count as their ranks' confirmation.
+    fn board_quiesce(&mut self) {
+        let Some(slots) = &self.board else {
+            return;
+        };
+        let arrived: Vec<u64> = self
+            .quiescing
+            .values()
+            .flat_map(|q| &q.notices)
+            .filter(|n| self.notices.contains_key(n) && slots.shared.arrived(**n))
+            .copied()
+            .collect();
+        for n in arrived {
+            self.on_event(Event::Notice(kvx_rdma::transport::Notice(n)));
+        }
+    }
+
+    /// Takes `key` back from the engine thread: `false` if it reported the request ready
+    /// already (it is then forgotten here without a word). Notices of it already in the
+    /// board count as arrived.
+    fn claim(&mut self, key: AttemptKey, payload: &Waiting) -> bool {
+        if self.engine_ready.remove(&key) {
+            return false;
+        }
+        let Some(slots) = &self.board else {
+            return true;
+        };
+        match slots.shared.disarm(key) {
+            Disarmed::Ready => false,
+            Disarmed::NotArmed => true,
+            Disarmed::Pending(pending) => {
+                for n in &payload.notices {
+                    if !pending.contains(n) || slots.shared.arrived(*n) {
+                        self.notices.remove(n);
+                    }
+                }
+                true
+            }
+        }
+    }
+
     fn actions(&mut self) {
+        self.absorb_engine_ready();
         let actions: Vec<WaiterAction<Waiting>> = self.waiter.drain_actions().collect();
         for action in actions {
             match action {
+                WaiterAction::Ready { key, payload } if !self.claim(key, &payload) => {
+                    self.finish(key, &payload, false);
+                }
+                WaiterAction::Failed { key, payload, .. } if !self.claim(key, &payload) => {
+                    self.finish(key, &payload, false);
+                }
                 WaiterAction::Ready { key, payload } => {
-                    self.finish(key, &payload);
+                    self.finish(key, &payload, true);
                     let relaid = payload
                         .permute
                         .as_ref()
@@ -1158,6 +1302,11 @@ impl Driver {
         let Some(q) = self.quiescing.remove(&key) else {
             return;
         };
+        if let Some(slots) = &mut self.board {
+            // A notice that never came may still be written: its slot waits before reuse.
+            let notices = &self.notices;
+            slots.give_back(self.clock.now(), &q.notices, |n| !notices.contains_key(&n));
+        }
         for n in &q.notices {
             self.notices.remove(n);
         }
@@ -1178,15 +1327,22 @@ impl Driver {
         });
     }
 
-    fn finish(&mut self, key: AttemptKey, payload: &Waiting) {
+    /// A request's KV is in: forget it (`count` whether the `held` gauge still counts it: the
+    /// engine thread uncounts what it finds ready in the board).
+    fn finish(&mut self, key: AttemptKey, payload: &Waiting, count: bool) {
         for n in &payload.notices {
             self.notices.remove(n);
+        }
+        if let Some(slots) = &mut self.board {
+            slots.give_back(self.clock.now(), &payload.notices, |_| true);
         }
         self.reads.retain(|_, (k, _)| *k != key);
         if let Some(instance) = self.instances.get_mut(&payload.instance) {
             instance.waiting.remove(&key);
         }
-        self.stats.held.fetch_sub(1, Ordering::Relaxed);
+        if count {
+            self.stats.held.fetch_sub(1, Ordering::Relaxed);
+        }
     }
 
     fn tell_producers(&self, key: AttemptKey, payload: &Waiting, done: bool) {

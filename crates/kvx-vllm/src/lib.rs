@@ -52,6 +52,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+mod board;
 mod common;
 pub mod config;
 pub mod consumer;

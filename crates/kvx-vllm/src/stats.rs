@@ -14,6 +14,7 @@ pub(crate) struct Stats {
     pub(crate) finishing_hints: AtomicU64,
     pub(crate) nudges: AtomicU64,
     pub(crate) remembered_registrations: AtomicU64,
+    pub(crate) board_ready: AtomicU64,
 }
 
 /// A copy of a side's counters.
@@ -41,6 +42,9 @@ pub struct StatsSnapshot {
     /// consumer disconnects: those still live, plus at most as many that ended since the last
     /// clean-up (a gauge that stays bounded however long a connection lives).
     pub remembered_registrations: u64,
+    /// Push requests found ready in the notice board by the engine thread (consumer): their
+    /// notices cost the driver thread no wake-up.
+    pub board_ready: u64,
 }
 
 impl Stats {
@@ -55,6 +59,7 @@ impl Stats {
             finishing_hints: self.finishing_hints.load(Ordering::Relaxed),
             nudges: self.nudges.load(Ordering::Relaxed),
             remembered_registrations: self.remembered_registrations.load(Ordering::Relaxed),
+            board_ready: self.board_ready.load(Ordering::Relaxed),
         }
     }
 }

@@ -2151,3 +2151,99 @@ fn a_newer_attempt_replaces_one_that_waits_for_its_prefills_connection() {
     );
     drop(silent);
 }
+
+/// Push notices land in decode's notice board, where the engine's `take_events` finds them (the
+/// driver thread is not woken for them); switched off, they come as messages; both deliver the
+/// same bytes.
+#[test]
+fn push_notices_land_in_decodes_notice_board_unless_switched_off() {
+    for board in [true, false] {
+        let fabric = LoopbackFabric::new();
+        let pre = tp1_prefill(&fabric);
+        let (dec, cache) = Side::new(spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit));
+        let mut c = config(2);
+        c.notice_board = board;
+        let consumer = Consumer::start(c, cache, Box::new(fabric.endpoint())).unwrap();
+        let (p_blocks, c_blocks) = request_blocks(&pre, 22, 4, 4);
+        for t in 0..3 {
+            let k = key(500 + t, 0);
+            register_request(
+                &consumer,
+                pre.base,
+                k,
+                RequestId(t as u64),
+                22,
+                c_blocks.clone(),
+            );
+            pre.finish(k, &p_blocks, 22);
+            expect_ready(&consumer, k, RequestId(t as u64));
+            dec.verify(&c_blocks, 0, 22);
+            assert_eq!(
+                wait_finished(&pre.producers[0], 1)[0].outcome,
+                SendOutcome::Sent
+            );
+        }
+        let stats = consumer.stats();
+        assert_eq!(
+            stats.board_ready,
+            if board { 3 } else { 0 },
+            "board {board}"
+        );
+        assert_eq!(stats.transfers_ok, 3);
+        assert_eq!(stats.held, 0);
+    }
+}
+
+/// A cancel that races the last notice's landing in the board ends the request exactly once:
+/// ready (the engine thread saw the notice first) or aborted (the driver took it back first),
+/// never both, and decode holds nothing afterwards.
+#[test]
+fn a_cancel_racing_a_board_notice_ends_the_request_once() {
+    let fabric = LoopbackFabric::new();
+    let (pre, _dec, consumer) = simple_pair(&fabric);
+    let (p_blocks, c_blocks) = request_blocks(&pre, 12, 4, 4);
+    let (mut ready, mut aborted) = (0, 0);
+    for t in 0..40u128 {
+        let k = key(600 + t, 0);
+        register(&consumer, pre.base, k, 12, c_blocks.clone());
+        pre.finish(k, &p_blocks, 12);
+        // The notice is in the board once prefill says the blocks were sent.
+        assert_eq!(
+            wait_finished(&pre.producers[0], 1)[0].outcome,
+            SendOutcome::Sent
+        );
+        // Half the time the engine thread looks first.
+        if t % 2 == 0 {
+            std::thread::sleep(Duration::from_micros(200 * (t as u64 % 7)));
+        }
+        consumer.cancel(k.transfer, Some(k.attempt)).unwrap();
+        // The other half, the driver takes it back first.
+        if t % 2 == 1 {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let events = wait_events(&consumer, 1);
+        std::thread::sleep(Duration::from_millis(30));
+        let late = consumer.take_events();
+        assert!(
+            late.is_empty(),
+            "a second outcome for {k}: {events:?} then {late:?}"
+        );
+        match &events[..] {
+            [RecvEvent::Ready { key: r, .. }] if *r == k => ready += 1,
+            [RecvEvent::Failed {
+                key: f,
+                reason: Reason::Aborted,
+                ..
+            }] if *f == k => aborted += 1,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(ready + aborted, 40);
+    assert!(ready > 0 && aborted > 0, "ready {ready}, aborted {aborted}");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while consumer.stats().held != 0 {
+        assert!(Instant::now() < deadline, "{:?}", consumer.stats());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    eprintln!("ready {ready}, aborted {aborted}");
+}
