@@ -157,6 +157,15 @@ pub(crate) fn run_sweep(quick: bool) -> anyhow::Result<()> {
             requests: 24,
         }
     };
+    let mut sweep = sweep;
+    if let Ok(lengths) = std::env::var("KVX_PD_LENGTHS") {
+        sweep.lengths = lengths
+            .split(',')
+            .map(|l| l.trim().parse::<u64>())
+            .collect::<Result<_, _>>()
+            .map_err(|e| anyhow::anyhow!("KVX_PD_LENGTHS must list token counts: {e}"))?;
+        anyhow::ensure!(!sweep.lengths.is_empty(), "KVX_PD_LENGTHS is empty");
+    }
     step("benchmark pd: building kvx (release)");
     run(cargo().args(["build", "--release", "-p", "kvx-cli"]))?;
     let kvx = root().join("target/release/kvx");

@@ -44,7 +44,7 @@ pub fn board_notice(slot: u32, seq: u32) -> Option<Notice> {
 /// The board slot a notice is for, if it is a board notice.
 #[must_use]
 pub fn board_slot(notice: Notice) -> Option<u32> {
-    (notice.0 & BOARD_NOTICE != 0).then(|| ((notice.0 >> 32) & 0x7fff_ffff) as u32)
+    (notice.0 & BOARD_NOTICE != 0).then_some(((notice.0 >> 32) & 0x7fff_ffff) as u32)
 }
 
 /// A board notice names a slot the board does not have.

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::{self, JoinHandle};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use kvx_core::wire::{FailureNotice, Finishing, Heartbeat, Hello, Message, Registration, Role};
 use kvx_core::{Attempt, BlockId, EngineId, Incarnation, Rank, RequestId, TransferId};
@@ -171,7 +171,7 @@ struct Flight {
 /// ```
 pub struct Producer {
     tx: CommandSender<Command>,
-    finished: Arc<Mutex<Vec<FinishedSending>>>,
+    finished: Arc<Mutex<Vec<(FinishedSending, SystemTime)>>>,
     stats: Arc<Stats>,
     addr: SocketAddr,
     stop: Arc<AtomicBool>,
@@ -396,6 +396,16 @@ impl Producer {
     /// Requests whose blocks the engine may free now (sent, or given up).
     #[must_use]
     pub fn take_finished(&self) -> Vec<FinishedSending> {
+        self.take_finished_timed()
+            .into_iter()
+            .map(|(finished, _)| finished)
+            .collect()
+    }
+
+    /// Like [`Producer::take_finished`], with the time each outcome was decided (sent: when
+    /// the last write, and so its notice, had landed), for engines and benchmarks that poll
+    /// less often than transfers finish.
+    pub fn take_finished_timed(&self) -> Vec<(FinishedSending, SystemTime)> {
         std::mem::take(&mut *self.finished.lock().unwrap_or_else(PoisonError::into_inner))
     }
 
@@ -740,7 +750,7 @@ struct Driver {
     expiry: BinaryHeap<Reverse<(Timestamp, AttemptKey, Hold)>>,
     max_consumer_tp: u32,
     producer_lease: Duration,
-    finished: Arc<Mutex<Vec<FinishedSending>>>,
+    finished: Arc<Mutex<Vec<(FinishedSending, SystemTime)>>>,
     stats: Arc<Stats>,
 }
 
@@ -1654,11 +1664,14 @@ impl Driver {
         self.finished
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .push(FinishedSending {
-                request: held.request,
-                key,
-                outcome,
-            });
+            .push((
+                FinishedSending {
+                    request: held.request,
+                    key,
+                    outcome,
+                },
+                SystemTime::now(),
+            ));
     }
 
     /// Expiry of what is held outside the matcher; work proportional to what expires.

@@ -53,6 +53,10 @@ pub(crate) struct DecodeArgs {
     /// peers' RMA lands unassisted: libfabric `shm` with cross-memory attach), `on` or `off`.
     #[arg(long, default_value = "auto", value_parser = ["auto", "on", "off"])]
     finishing_hints: String,
+    /// Let prefill write push notices into decode's notice board, read at each engine step
+    /// (where the transport has one: `cma`), or deliver them as messages to decode's driver.
+    #[arg(long, default_value = "on", value_parser = ["on", "off"])]
+    notice_board: String,
     /// Write the results as JSON here.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -69,6 +73,8 @@ struct Request {
     prefill_done_us: Option<u64>,
     ready: Option<Instant>,
     ready_us: Option<u64>,
+    /// When prefill saw its last write land (push).
+    landed_us: Option<u64>,
     ranks_ready: u32,
     first_token: Option<Instant>,
     last_token: Option<Instant>,
@@ -133,6 +139,7 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
         let (memory, cache) = RankMemory::new(args.model.layout(rank)?)?;
         let mut config = ConnectorConfig::new(EngineId(2));
         config.registration_lease = Duration::from_secs(args.lease_s);
+        config.notice_board = args.notice_board == "on";
         config.finishing_hints = match args.finishing_hints.as_str() {
             "on" => Some(true),
             "off" => Some(false),
@@ -230,6 +237,7 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
                 prefill_done_us: None,
                 ready: None,
                 ready_us: None,
+                landed_us: None,
                 ranks_ready: 0,
                 first_token: None,
                 last_token: None,
@@ -264,6 +272,12 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
             .into_iter()
             .chain(std::iter::from_fn(|| line_rx.try_recv().ok()))
         {
+            if let Some((key, at)) = landed_line(&line)? {
+                if let Some(&index) = by_key.get(&key) {
+                    requests[index].landed_us = Some(at);
+                }
+                continue;
+            }
             let f: Vec<&str> = line.split_whitespace().collect();
             let ["D", transfer, attempt, done_us, ids] = f.as_slice() else {
                 bail!("malformed line from prefill: {line}");
@@ -374,6 +388,23 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
             break;
         }
     }
+    // Prefill reports when each push request's writes landed as it notices: wait a little
+    // for the last ones.
+    let landed_deadline = Instant::now() + Duration::from_secs(2);
+    while !pull
+        && requests
+            .iter()
+            .any(|r| r.failed.is_none() && r.landed_us.is_none())
+        && Instant::now() < landed_deadline
+    {
+        if let Ok(line) = line_rx.recv_timeout(Duration::from_millis(50)) {
+            if let Some((key, at)) = landed_line(&line)? {
+                if let Some(&index) = by_key.get(&key) {
+                    requests[index].landed_us = Some(at);
+                }
+            }
+        }
+    }
     drop(router);
     // Before shutdown: the connector's threads are still there to be asked.
     let connector_cpu_ms: Option<HashMap<String, f64>> =
@@ -398,14 +429,24 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     let mut rows = Vec::new();
     let (mut ttft, mut critical, mut tpot) = (Vec::new(), Vec::new(), Vec::new());
+    let mut seen_by_engine = Vec::new();
     let mut by_len: HashMap<u64, (Vec<f64>, Vec<f64>)> = HashMap::new();
     let (mut failed, mut bad, mut verified_bytes) = (0, 0, 0u64);
     for r in &requests {
         let t = r.first_token.map(|f| ms(f - r.arrival));
-        let c = match (r.ready_us, r.prefill_done_us) {
-            (Some(ready), Some(done)) => Some(ready.saturating_sub(done) as f64 / 1e3),
+        // The KV is in decode's memory when the first of the two sides knows it: decode's
+        // connector (a message notice, pull's reads) or prefill (its writes and their notice
+        // landed; a notice in decode's board is seen only at decode's next engine step).
+        let in_place = match (r.ready_us, r.landed_us) {
+            (Some(ready), Some(landed)) => Some(ready.min(landed)),
+            (ready, landed) => ready.or(landed),
+        };
+        let since_done = |at: Option<u64>| match (at, r.prefill_done_us) {
+            (Some(at), Some(done)) => Some(at.saturating_sub(done) as f64 / 1e3),
             _ => None,
         };
+        let c = since_done(in_place);
+        let seen = since_done(r.ready_us);
         let p = match (r.first_token, r.last_token) {
             (Some(f), Some(l)) if r.emitted > 1 => Some(ms(l - f) / f64::from(r.emitted - 1)),
             _ => None,
@@ -423,6 +464,7 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
         }
         ttft.extend(t);
         critical.extend(c);
+        seen_by_engine.extend(seen);
         tpot.extend(p);
         let entry = by_len.entry(r.tokens).or_default();
         entry.0.extend(t);
@@ -432,6 +474,7 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
             "arrival_us": r.arrival_us,
             "ttft_ms": t,
             "critical_path_ms": c,
+            "seen_by_engine_ms": seen,
             "prefill_done_ms": r
                 .prefill_done_us
                 .map(|d| d.saturating_sub(r.arrival_us) as f64 / 1e3),
@@ -449,6 +492,7 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
         "verified_bytes": verified_bytes,
         "ttft_ms": stats(ttft),
         "critical_path_ms": stats(critical),
+        "seen_by_engine_ms": stats(seen_by_engine),
         "tpot_ms": stats(tpot),
         "loop_transfer_us_per_step": stats(loop_work),
         "connector_cpu_us_per_step": connector_cpu_us_per_step,
@@ -516,4 +560,17 @@ fn connector_cpu_ns() -> Option<HashMap<String, u64>> {
         *by_thread.entry(comm.to_owned()).or_default() += ns;
     }
     Some(by_thread)
+}
+
+/// A `S TRANSFER ATTEMPT MICROS` line from prefill: when a push request's writes had landed.
+fn landed_line(line: &str) -> anyhow::Result<Option<(AttemptKey, u64)>> {
+    let f: Vec<&str> = line.split_whitespace().collect();
+    let ["S", transfer, attempt, at] = f.as_slice() else {
+        return Ok(None);
+    };
+    let key = AttemptKey::new(
+        TransferId(u128::from_str_radix(transfer, 16)?),
+        Attempt(attempt.parse()?),
+    );
+    Ok(Some((key, at.parse()?)))
 }

@@ -219,22 +219,45 @@ pub(crate) fn run(args: &PrefillArgs) -> anyhow::Result<()> {
 
     let mut pool = BlockPool::new(args.model.blocks);
     let mut queue: VecDeque<Job> = VecDeque::new();
-    // Blocks of finished requests, freed when every rank has let go of them.
-    let mut outstanding: HashMap<AttemptKey, (Vec<BlockId>, u32)> = HashMap::new();
+    // Blocks of finished requests, freed when every rank has let go of them, with whether
+    // they are pushed and when the last rank's writes had all landed.
+    let mut outstanding: HashMap<AttemptKey, Outstanding> = HashMap::new();
     let mut router_open = true;
     let (mut served, mut sent, mut not_sent) = (0u64, 0u64, 0u64);
     while router_open || !queue.is_empty() || !outstanding.is_empty() {
         for producer in &producers {
-            for done in producer.take_finished() {
-                match done.outcome {
-                    kvx_vllm::SendOutcome::Sent => sent += 1,
-                    kvx_vllm::SendOutcome::NotSent(_) => not_sent += 1,
+            for (done, at) in producer.take_finished_timed() {
+                let delivered = done.outcome == kvx_vllm::SendOutcome::Sent;
+                if delivered {
+                    sent += 1;
+                } else {
+                    not_sent += 1;
                 }
-                if let Some(entry) = outstanding.get_mut(&done.key) {
-                    entry.1 -= 1;
-                    if entry.1 == 0 {
-                        let (blocks, _) = outstanding.remove(&done.key).expect("present");
-                        pool.free(blocks);
+                let Some(entry) = outstanding.get_mut(&done.key) else {
+                    continue;
+                };
+                entry.ranks -= 1;
+                entry.delivered &= delivered;
+                entry.landed = entry.landed.max(at);
+                if entry.ranks > 0 {
+                    continue;
+                }
+                let entry = outstanding.remove(&done.key).expect("present");
+                pool.free(entry.blocks);
+                if entry.push && entry.delivered && router_open {
+                    // When the KV was in decode's memory, by prefill's account: a decode that
+                    // reads its notices only at its engine steps learns it later.
+                    let at_us = entry
+                        .landed
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(0, |d| d.as_micros() as u64);
+                    let line = format!(
+                        "S {:x} {} {at_us}\n",
+                        done.key.transfer.0, done.key.attempt.0
+                    );
+                    if reply.write_all(line.as_bytes()).is_err() {
+                        router_open = false;
+                        queue.clear();
                     }
                 }
             }
@@ -341,7 +364,16 @@ pub(crate) fn run(args: &PrefillArgs) -> anyhow::Result<()> {
             router_open = false;
             queue.clear();
         }
-        outstanding.insert(job.key, (blocks, args.model.tp));
+        outstanding.insert(
+            job.key,
+            Outstanding {
+                blocks,
+                ranks: args.model.tp,
+                push: !job.pull,
+                delivered: true,
+                landed: std::time::UNIX_EPOCH,
+            },
+        );
         served += 1;
     }
     eprintln!("kvx pd prefill: served {served} requests; per-rank releases: {sent} sent, {not_sent} not sent");
@@ -376,4 +408,13 @@ pub(crate) fn connect_router(addr: SocketAddr, timeout: Duration) -> anyhow::Res
             }
         }
     }
+}
+
+/// A finished request whose blocks some producer rank still holds.
+struct Outstanding {
+    blocks: Vec<BlockId>,
+    ranks: u32,
+    push: bool,
+    delivered: bool,
+    landed: std::time::SystemTime,
 }
