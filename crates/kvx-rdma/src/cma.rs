@@ -614,7 +614,9 @@ impl Transport for CmaTransport {
             .map_err(|e| match e {
                 OpPostError::UnknownPeer => ReadError::UnknownPeer(peer),
                 OpPostError::Plan(p) => ReadError::Plan(p),
-                OpPostError::Board(_) | OpPostError::Worker => ReadError::Backend(worker_gone()),
+                OpPostError::Worker => ReadError::Backend(worker_gone()),
+                // A read posts no notice.
+                OpPostError::Board(e) => ReadError::Backend(Box::new(e)),
             })
     }
 
