@@ -316,8 +316,25 @@ fn push_and_pull_over_cma_verify_every_byte() {
         tokens: "40,300",
     });
     check(&report, 6, 3 * 40 + 3 * 300);
+    // Another memory order: decode re-lays-out what lands, so the notices come as messages.
+    assert_eq!(report["summary"]["board_ready"], 0);
     let per_token = report["kv_bytes_per_token"].as_u64().unwrap();
     assert_streamed(&prefill, 32 * per_token, 3 * 192 * per_token);
+    // The same layout on both sides: prefill writes each notice into decode's notice board,
+    // which decode's engine loop reads (its driver thread is not woken for it); on or off,
+    // every byte arrives.
+    for (board, expected) in [("on", 6), ("off", 0)] {
+        let (report, _, _) = run_pair(&Run {
+            transport: "cma",
+            mode: "push",
+            prefill: &[],
+            decode: &["--notice-board", board],
+            requests: 6,
+            tokens: "200",
+        });
+        check(&report, 6, 1200);
+        assert_eq!(report["summary"]["board_ready"], expected, "board {board}");
+    }
     let (report, _, _) = run_pair(&Run {
         transport: "cma",
         mode: "pull",
