@@ -391,7 +391,9 @@ impl CmaTransport {
         }
         .map_err(OpPostError::Plan)?;
         let notice = match notice {
-            Some(n) if board::board_slot(n).is_some() => {
+            // A peer with a notice board takes board notices there; to one without, every
+            // notice is a message.
+            Some(n) if board::board_slot(n).is_some() && p.board.is_some() => {
                 let (addr, len) = p.board.unwrap_or_default();
                 let addr = board::remote_slot(addr, len, n).map_err(OpPostError::Board)?;
                 Some(JobNotice::Board {

@@ -183,7 +183,7 @@ pub enum WriteError {
         /// Bits the backend carries.
         bits: u32,
     },
-    /// A board notice names no slot of the peer's notice board (or the peer has none).
+    /// A board notice names no slot of the peer's notice board.
     #[error("the peer's notice board cannot take this notice")]
     NoBoardSlot(#[from] crate::board::SlotOutOfRange),
     /// The backend failed while posting.

@@ -387,9 +387,12 @@ impl Transport for LoopbackEndpoint {
         notice: Option<Notice>,
     ) -> Result<OpId, WriteError> {
         let peer = self.peer(peer_id).ok_or(WriteError::UnknownPeer(peer_id))?;
-        if let Some(n) = notice.filter(|n| board::board_slot(*n).is_some()) {
-            let (addr, len) = peer.desc.notice_slot.map_or((0, 0), |s| (s.addr, s.len));
-            board::remote_slot(addr, len, n)?;
+        // A peer with a notice board takes board notices there; to one without, every notice
+        // is a message.
+        if let (Some(n), Some(slot)) = (notice, peer.desc.notice_slot) {
+            if board::board_slot(n).is_some() {
+                board::remote_slot(slot.addr, slot.len, n)?;
+            }
         }
         let state = self.shared.lock();
         let me = state.endpoints.get(&self.id);
