@@ -187,6 +187,12 @@ impl<D> Waiter<D> {
         self.actions.pop_front()
     }
 
+    /// Whether actions are pending.
+    #[must_use]
+    pub fn has_actions(&self) -> bool {
+        !self.actions.is_empty()
+    }
+
     /// Every pending action, oldest first.
     pub fn drain_actions(&mut self) -> std::collections::vec_deque::Drain<'_, WaiterAction<D>> {
         self.actions.drain(..)

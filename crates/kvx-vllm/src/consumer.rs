@@ -87,6 +87,9 @@ enum Command {
     PeerClosed(SocketAddr, Rank, ConnId, String),
     /// A helper thread's handshake with one rank of a prefill instance ended.
     Handshaken(SocketAddr, Rank, Result<(TcpStream, Hello), String>),
+    /// The engine thread registered a request itself and the driver must look again (a
+    /// deadline moved closer, the transport needs reading, an action or a message waits).
+    Wake,
     Shutdown,
 }
 
@@ -186,6 +189,10 @@ pub struct Consumer {
     tx: CommandSender<Command>,
     events: Arc<Mutex<Vec<(RecvEvent, SystemTime)>>>,
     board: Option<Arc<SharedBoard>>,
+    /// The driver's state: the engine thread registers a push request itself when the state is
+    /// free and the request's prefill is connected (with a notice board only, where the
+    /// request then costs the driver thread no wake-up at all).
+    driver: Arc<Mutex<Driver>>,
     stats: Arc<Stats>,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
@@ -233,7 +240,10 @@ impl Consumer {
             clock: Clock::new(),
             layout,
             regions,
-            transport,
+            transport: Some(transport),
+            parked: None,
+            closed: false,
+            backlogged: false,
             waiter,
             hello,
             instances: HashMap::new(),
@@ -256,15 +266,18 @@ impl Consumer {
             #[cfg(feature = "cuda")]
             kernels: None,
         };
+        let driver = Arc::new(Mutex::new(driver));
+        let shared = Arc::clone(&driver);
         let thread = thread::Builder::new()
             .name(format!("kvx-decode-{}", rank.0))
-            .spawn(move || driver.run(rx))
+            .spawn(move || Driver::run(&shared, &rx))
             .map_err(StartError::Thread)?;
         info!(%rank, "kvx consumer started");
         Ok(Self {
             tx,
             events,
             board,
+            driver,
             stats,
             stop: Arc::new(AtomicBool::new(false)),
             thread: Some(thread),
@@ -277,7 +290,30 @@ impl Consumer {
     /// # Errors
     /// [`Closed`] after shutdown.
     pub fn request_allocated(&self, request: PushRequest) -> Result<(), Closed> {
-        self.send(Command::Push(request))
+        if self.board.is_none() {
+            return self.send(Command::Push(request));
+        }
+        // Never waits for the driver: if it is busy, the request goes through its queue.
+        let mut driver = match self.driver.try_lock() {
+            Ok(driver) => driver,
+            Err(_) => return self.send(Command::Push(request)),
+        };
+        if driver.closed {
+            return Err(Closed);
+        }
+        if !driver.registers_at_once(request.prefill) {
+            drop(driver);
+            return self.send(Command::Push(request));
+        }
+        // What the engine thread found ready is left for the driver's next turn: taking it
+        // over here would queue actions, and so a wake-up.
+        driver.start(request, None);
+        let wake = driver.needs_wake();
+        drop(driver);
+        if wake {
+            self.send(Command::Wake)?;
+        }
+        Ok(())
     }
 
     /// Reads a prefilled request's KV (pull mode), then tells prefill to free its blocks.
@@ -353,7 +389,14 @@ struct Driver {
     clock: Clock,
     layout: Layout,
     regions: Vec<LocalRegion>,
-    transport: Box<dyn Transport>,
+    /// The driver thread takes it out while it waits on it.
+    transport: Option<Box<dyn Transport>>,
+    /// While the driver thread waits: until when, and whether on the transport.
+    parked: Option<Parked>,
+    /// The driver thread has ended.
+    closed: bool,
+    /// A control message waits for a flush (its connection's send buffer was full).
+    backlogged: bool,
     waiter: Waiter<Waiting>,
     hello: Hello,
     instances: HashMap<SocketAddr, Instance>,
@@ -383,19 +426,24 @@ struct Driver {
     kernels: Option<kvx_rdma::cuda::kernels::LayoutKernels>,
 }
 
-impl common::Driven for Driver {
-    type Command = Command;
+/// How the driver thread waits.
+#[derive(Clone, Copy, Debug)]
+struct Parked {
+    until: Option<Timestamp>,
+    busy: bool,
+}
 
-    fn transport(&mut self) -> (&mut dyn Transport, Clock) {
-        (self.transport.as_mut(), self.clock)
-    }
-
+impl Driver {
+    /// Whether the driver must read its transport while it waits: a notice, a finishing hint or
+    /// a read is due there (a notice due in the board is not).
     fn busy(&self) -> bool {
         if self.finishing_hints {
             // Push notices are due only once their producer rank said so.
             !self.hinted.is_empty() || !self.reads.is_empty() || !self.quiescing.is_empty()
         } else {
-            !self.waiter.is_empty() || !self.quiescing.is_empty()
+            !self.reads.is_empty()
+                || !self.quiescing.is_empty()
+                || self.notices.keys().any(|n| !board::is_board_notice(*n))
         }
     }
 
@@ -412,21 +460,9 @@ impl common::Driven for Driver {
             .min()
     }
 
-    fn is_shutdown(command: &Command) -> bool {
-        matches!(command, Command::Shutdown)
-    }
-
-    fn command(&mut self, command: Command) {
-        self.absorb_engine_ready();
-        self.handle(command);
-    }
-
-    fn transport_event(&mut self, event: Event) {
-        self.on_event(event);
-    }
-
     fn tick(&mut self, now: Timestamp) {
         self.absorb_engine_ready();
+        self.flush_backlogs();
         self.board_quiesce();
         self.waiter.handle_timeout(now);
         self.heartbeats(now);
@@ -448,8 +484,107 @@ impl common::Driven for Driver {
 }
 
 impl Driver {
-    fn run(mut self, rx: CommandReceiver<Command>) {
-        common::drive(&mut self, &rx);
+    /// The driver thread: waits for commands, transport events or its next deadline (never
+    /// spinning) with the state unlocked, so that the engine thread can register requests
+    /// meanwhile; handles what came with the state locked; until shutdown.
+    fn run(state: &Mutex<Driver>, rx: &CommandReceiver<Command>) {
+        let lock = || state.lock().unwrap_or_else(PoisonError::into_inner);
+        let clock = lock().clock;
+        let (mut events, mut commands) = (Vec::new(), Vec::new());
+        loop {
+            let (mut transport, deadline, busy) = {
+                let mut driver = lock();
+                let deadline = driver.deadline();
+                let busy = driver.busy();
+                driver.parked = Some(Parked {
+                    until: deadline,
+                    busy,
+                });
+                let Some(transport) = driver.transport.take() else {
+                    warn!("the consumer's transport is gone");
+                    driver.finish_run();
+                    return;
+                };
+                (transport, deadline, busy)
+            };
+            let turn = common::wait_turn(
+                rx,
+                transport.as_mut(),
+                busy,
+                clock,
+                deadline,
+                &mut events,
+                &mut commands,
+            );
+            let mut driver = lock();
+            driver.parked = None;
+            driver.transport = Some(transport);
+            driver.stats.driver_turns.fetch_add(1, Ordering::Relaxed);
+            let open = turn.unwrap_or_else(|e| {
+                warn!(error = %e, "transport poll failed");
+                true
+            });
+            let mut stop = !open;
+            for command in commands.drain(..) {
+                if matches!(command, Command::Shutdown) {
+                    stop = true;
+                    break;
+                }
+                driver.absorb_engine_ready();
+                driver.handle(command);
+            }
+            if stop {
+                events.clear();
+                driver.finish_run();
+                return;
+            }
+            for event in events.drain(..) {
+                driver.on_event(event);
+            }
+            driver.tick(clock.now());
+        }
+    }
+
+    /// Whether the engine thread may register a push request for `instance` itself: every
+    /// writer rank of it is connected.
+    fn registers_at_once(&self, instance: SocketAddr) -> bool {
+        !self.connecting.contains_key(&instance)
+            && self.missing_ranks(instance).is_ok_and(|m| m.is_empty())
+    }
+
+    /// After the engine thread registered a request: whether the parked driver must look
+    /// again.
+    fn needs_wake(&mut self) -> bool {
+        let Some(parked) = self.parked else {
+            return true;
+        };
+        let deadline = self.deadline();
+        let sooner = match (deadline, parked.until) {
+            (Some(d), Some(until)) => d < until,
+            (Some(_), None) => true,
+            (None, _) => false,
+        };
+        sooner || self.busy() != parked.busy || self.backlogged || self.waiter.has_actions()
+    }
+
+    /// Sends the control messages that waited for room in their connection.
+    fn flush_backlogs(&mut self) {
+        if !std::mem::take(&mut self.backlogged) {
+            return;
+        }
+        for (addr, instance) in &self.instances {
+            for (rank, conn) in &instance.ranks {
+                if let Err(e) = conn.sender.flush() {
+                    // Its reader sees the connection fail, and the instance is then lost.
+                    warn!(%addr, %rank, error = %e, "cannot send to a prefill rank");
+                }
+            }
+        }
+    }
+
+    /// The end of the driver thread: every request still waited for fails.
+    fn finish_run(&mut self) {
+        self.closed = true;
         let now = self.clock.now();
         for (_, connecting) in std::mem::take(&mut self.connecting) {
             for (request, _) in connecting.queued {
@@ -503,7 +638,7 @@ impl Driver {
                     self.instance_lost(&addr, &why);
                 }
             }
-            Command::Shutdown => {}
+            Command::Wake | Command::Shutdown => {}
         }
     }
 
@@ -884,7 +1019,12 @@ impl Driver {
                     blocks: request.blocks.clone(),
                 });
                 let conn = &self.instances[&instance].ranks[&rank];
-                if let Err(e) = conn.sender.send(&registration) {
+                // Never blocks (the engine thread may be the caller): a full send buffer
+                // leaves the registration for the driver to flush.
+                let sent = conn.sender.send_or_queue(&registration).map(|queued| {
+                    self.backlogged |= queued;
+                });
+                if let Err(e) = sent {
                     let detail = format!("cannot register with {rank}: {e}");
                     self.notices.remove(&notice);
                     waiting.notices.pop();
@@ -931,7 +1071,10 @@ impl Driver {
         let instance = request.prefill;
         let mut layouts = Vec::new();
         for &rank in writers {
-            let transport = self.transport.as_mut();
+            let transport = self
+                .transport
+                .as_deref_mut()
+                .ok_or("the transport is in use (reads are posted by the driver thread)")?;
             let conn = self
                 .instances
                 .get_mut(&instance)
@@ -960,6 +1103,8 @@ impl Driver {
                 .expect("connected above");
             let op = self
                 .transport
+                .as_deref_mut()
+                .ok_or("the transport is in use")?
                 .read(peer, planned.ops_for(rank))
                 .map_err(|e| format!("cannot post reads from {rank}: {e}"))?;
             self.reads.insert(op, (request.key, rank));
@@ -1046,8 +1191,8 @@ impl Driver {
                     .instances
                     .values()
                     .any(|i| i.ranks.values().any(|r| r.peer == Some(peer)));
-                if !shared {
-                    self.transport.disconnect(peer);
+                if let Some(transport) = self.transport.as_deref_mut().filter(|_| !shared) {
+                    transport.disconnect(peer);
                 }
             }
         }

@@ -51,27 +51,81 @@ pub(crate) fn read_message(stream: &mut impl Read) -> Result<Message, ControlErr
 /// The sending half of a control connection, shareable between threads.
 #[derive(Clone, Debug)]
 pub(crate) struct ControlSender {
-    stream: Arc<Mutex<TcpStream>>,
+    out: Arc<Mutex<Outgoing>>,
+}
+
+/// A connection's stream, and the bytes of messages that [`ControlSender::send_or_queue`]
+/// could not hand to the kernel at once (they go first, in order).
+#[derive(Debug)]
+struct Outgoing {
+    stream: TcpStream,
+    backlog: Vec<u8>,
+}
+
+impl Outgoing {
+    fn flush(&mut self) -> Result<(), ControlError> {
+        if self.backlog.is_empty() {
+            return Ok(());
+        }
+        let backlog = std::mem::take(&mut self.backlog);
+        self.stream.write_all(&backlog).map_err(ControlError::Write)
+    }
 }
 
 impl ControlSender {
-    /// Sends one message.
+    fn lock(&self) -> std::sync::MutexGuard<'_, Outgoing> {
+        self.out
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Sends one message (after any queued before it), blocking until the kernel took it.
     pub(crate) fn send(&self, message: &Message) -> Result<(), ControlError> {
         let bytes = message.to_bytes()?;
-        let mut stream = self
-            .stream
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        stream.write_all(&bytes).map_err(ControlError::Write)
+        let mut out = self.lock();
+        out.flush()?;
+        out.stream.write_all(&bytes).map_err(ControlError::Write)
+    }
+
+    /// Sends one message without ever blocking: what the kernel does not take at once (its
+    /// send buffer is full) waits, in order, for [`ControlSender::flush`]. Returns whether
+    /// something waits.
+    pub(crate) fn send_or_queue(&self, message: &Message) -> Result<bool, ControlError> {
+        let bytes = message.to_bytes()?;
+        let mut out = self.lock();
+        if !out.backlog.is_empty() {
+            out.backlog.extend_from_slice(&bytes);
+            return Ok(true);
+        }
+        let socket = socket2::SockRef::from(&out.stream);
+        let mut sent = 0;
+        while sent < bytes.len() {
+            match socket.send_with_flags(&bytes[sent..], libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) {
+                Ok(n) => sent += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) => return Err(ControlError::Write(e)),
+            }
+        }
+        out.backlog.extend_from_slice(&bytes[sent..]);
+        Ok(!out.backlog.is_empty())
+    }
+
+    /// Sends what [`ControlSender::send_or_queue`] left waiting, blocking until the kernel took
+    /// it.
+    pub(crate) fn flush(&self) -> Result<(), ControlError> {
+        self.lock().flush()
+    }
+
+    /// Whether bytes wait for [`ControlSender::flush`].
+    #[cfg(test)]
+    pub(crate) fn backlogged(&self) -> bool {
+        !self.lock().backlog.is_empty()
     }
 
     /// Closes both directions; the reader thread then ends.
     pub(crate) fn close(&self) {
-        let stream = self
-            .stream
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let _ = stream.shutdown(Shutdown::Both);
+        let _ = self.lock().stream.shutdown(Shutdown::Both);
     }
 }
 
@@ -104,7 +158,10 @@ pub(crate) fn sender(stream: &TcpStream) -> io::Result<ControlSender> {
     stream.set_nodelay(true)?;
     detect_dead_peer(stream)?;
     Ok(ControlSender {
-        stream: Arc::new(Mutex::new(stream.try_clone()?)),
+        out: Arc::new(Mutex::new(Outgoing {
+            stream: stream.try_clone()?,
+            backlog: Vec::new(),
+        })),
     })
 }
 
@@ -148,6 +205,58 @@ mod tests {
     use std::net::TcpListener;
 
     use super::*;
+
+    /// A peer that does not read fills the send buffer: `send_or_queue` then queues instead of
+    /// blocking, later messages queue behind, and a flush delivers everything in order.
+    #[test]
+    fn a_full_send_buffer_queues_messages_in_order_and_never_blocks() {
+        use kvx_core::wire::Heartbeat;
+        use kvx_core::{EngineId, Incarnation, TransferId};
+        use std::time::Instant;
+
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let dialled = connect(listener.local_addr().unwrap(), Duration::from_secs(5)).unwrap();
+        let (accepted, _) = listener.accept().unwrap();
+        socket2::SockRef::from(&dialled)
+            .set_send_buffer_size(4096)
+            .unwrap();
+        socket2::SockRef::from(&accepted)
+            .set_recv_buffer_size(4096)
+            .unwrap();
+        let out = sender(&dialled).unwrap();
+        let message = |i: u128| {
+            Message::Heartbeat(Heartbeat {
+                engine: EngineId(1),
+                incarnation: Incarnation(2),
+                transfers: (0..50).map(|t| TransferId(i * 100 + t)).collect(),
+            })
+        };
+        let started = Instant::now();
+        let mut sent = 0;
+        while !out.send_or_queue(&message(sent)).unwrap() {
+            sent += 1;
+            assert!(sent < 100_000, "the send buffer never filled");
+        }
+        sent += 1;
+        for _ in 0..10 {
+            assert!(out.send_or_queue(&message(sent)).unwrap(), "queued behind");
+            sent += 1;
+        }
+        assert!(out.backlogged());
+        assert!(started.elapsed() < Duration::from_secs(5), "it blocked");
+        let reader = thread::spawn(move || {
+            let mut accepted = accepted;
+            (0..sent)
+                .map(|_| read_message(&mut accepted).unwrap())
+                .collect::<Vec<_>>()
+        });
+        out.flush().unwrap();
+        assert!(!out.backlogged());
+        assert_eq!(
+            reader.join().unwrap(),
+            (0..sent).map(message).collect::<Vec<_>>()
+        );
+    }
 
     #[test]
     fn both_ends_of_a_control_connection_detect_a_dead_peer() {

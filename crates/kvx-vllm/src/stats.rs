@@ -15,6 +15,7 @@ pub(crate) struct Stats {
     pub(crate) nudges: AtomicU64,
     pub(crate) remembered_registrations: AtomicU64,
     pub(crate) board_ready: AtomicU64,
+    pub(crate) driver_turns: AtomicU64,
 }
 
 /// A copy of a side's counters.
@@ -45,6 +46,9 @@ pub struct StatsSnapshot {
     /// Push requests found ready in the notice board by the engine thread (consumer): their
     /// notices cost the driver thread no wake-up.
     pub board_ready: u64,
+    /// Times the driver thread woke up and took its turn (consumer): for a timer, a command, a
+    /// transport event.
+    pub driver_turns: u64,
 }
 
 impl Stats {
@@ -60,6 +64,7 @@ impl Stats {
             nudges: self.nudges.load(Ordering::Relaxed),
             remembered_registrations: self.remembered_registrations.load(Ordering::Relaxed),
             board_ready: self.board_ready.load(Ordering::Relaxed),
+            driver_turns: self.driver_turns.load(Ordering::Relaxed),
         }
     }
 }

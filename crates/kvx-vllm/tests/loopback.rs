@@ -2247,3 +2247,48 @@ fn a_cancel_racing_a_board_notice_ends_the_request_once() {
     }
     eprintln!("ready {ready}, aborted {aborted}");
 }
+
+/// With a notice board, the engine thread registers a request with a connected prefill itself
+/// and finds it ready in the board: decode's driver thread sleeps through a stream of requests.
+/// Without one, each request wakes it (the registration, the notice).
+#[test]
+fn with_a_notice_board_requests_do_not_wake_decodes_driver() {
+    for board in [true, false] {
+        let fabric = LoopbackFabric::new();
+        let pre = tp1_prefill(&fabric);
+        let (dec, cache) = Side::new(spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit));
+        let mut c = config(2);
+        c.notice_board = board;
+        c.heartbeat_interval = Duration::from_secs(30);
+        let consumer = Consumer::start(c, cache, Box::new(fabric.endpoint())).unwrap();
+        let (p_blocks, c_blocks) = request_blocks(&pre, 8, 4, 4);
+        let round = |t: u128| {
+            let k = key(700 + t, 0);
+            register(&consumer, pre.base, k, 8, c_blocks.clone());
+            pre.finish(k, &p_blocks, 8);
+            expect_ready(&consumer, k, RequestId(1));
+            assert_eq!(
+                wait_finished(&pre.producers[0], 1)[0].outcome,
+                SendOutcome::Sent
+            );
+        };
+        // The first request connects.
+        round(0);
+        std::thread::sleep(Duration::from_millis(50));
+        let before = consumer.stats().driver_turns;
+        for t in 1..=20 {
+            round(t);
+        }
+        dec.verify(&c_blocks, 0, 8);
+        let woken = consumer.stats().driver_turns - before;
+        if board {
+            assert!(woken <= 3, "the driver woke {woken} times for 20 requests");
+        } else {
+            assert!(
+                woken >= 20,
+                "the driver woke only {woken} times for 20 requests"
+            );
+        }
+        eprintln!("board {board}: driver woken {woken} times for 20 requests");
+    }
+}
