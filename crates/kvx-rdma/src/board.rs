@@ -60,10 +60,15 @@ pub struct SlotOutOfRange {
 }
 
 /// Slots that peers write notices into, owned by one endpoint (shared with the threads that read
-/// it). Its memory stays where it is for the board's life.
+/// it).
+///
+/// Its memory is never given back, not even when the board is dropped: a peer's notice may still
+/// be on its way (another process's `process_vm_writev`, posted before this side gave up on the
+/// request) after the endpoint is gone, and it must not land in memory reused for something else.
+/// 8 bytes per slot for the life of the process is the price.
 #[derive(Debug)]
 pub struct NoticeBoard {
-    slots: Box<[AtomicU64]>,
+    slots: &'static [AtomicU64],
 }
 
 impl NoticeBoard {
@@ -71,8 +76,9 @@ impl NoticeBoard {
     #[must_use]
     pub fn new(slots: usize) -> Self {
         let slots = slots.clamp(1, MAX_BOARD_SLOTS);
+        let slots: Box<[AtomicU64]> = (0..slots).map(|_| AtomicU64::new(0)).collect();
         Self {
-            slots: (0..slots).map(|_| AtomicU64::new(0)).collect(),
+            slots: Box::leak(slots),
         }
     }
 

@@ -387,13 +387,15 @@ impl Transport for LoopbackEndpoint {
         notice: Option<Notice>,
     ) -> Result<OpId, WriteError> {
         let peer = self.peer(peer_id).ok_or(WriteError::UnknownPeer(peer_id))?;
-        // A peer with a notice board takes board notices there; to one without, every notice
-        // is a message.
-        if let (Some(n), Some(slot)) = (notice, peer.desc.notice_slot) {
-            if board::board_slot(n).is_some() {
+        // A peer with a notice board (in its description) takes board notices there; to one
+        // without, every notice is a message.
+        let to_board = match (notice, peer.desc.notice_slot) {
+            (Some(n), Some(slot)) if board::board_slot(n).is_some() => {
                 board::remote_slot(slot.addr, slot.len, n)?;
+                true
             }
-        }
+            _ => false,
+        };
         let state = self.shared.lock();
         let me = state.endpoints.get(&self.id);
         let bytes = check_ops(
@@ -410,12 +412,9 @@ impl Transport for LoopbackEndpoint {
             Ok(()) => {
                 if let Some(notice) = notice {
                     if let Some(them) = state.endpoints.get_mut(&target) {
-                        match them
-                            .board
-                            .as_ref()
-                            .filter(|_| board::board_slot(notice).is_some())
-                        {
-                            // The data was copied above, under the fabric lock's order.
+                        // The data was copied above. A board never changes once made, so the
+                        // slot checked against the description is there.
+                        match them.board.as_ref().filter(|_| to_board) {
                             Some(b) => {
                                 let _ = b.deliver(notice);
                             }

@@ -155,6 +155,13 @@ pub(crate) struct CommandReceiver<C> {
     parking: Arc<Parking>,
 }
 
+impl<C> CommandReceiver<C> {
+    /// The commands queued now, without waiting.
+    pub(crate) fn take_queued(&self) -> Vec<C> {
+        self.rx.try_iter().collect()
+    }
+}
+
 /// A driver's command queue; `waker` (the transport's) lets a command interrupt the driver's
 /// transport wait.
 pub(crate) fn command_queue<C>(

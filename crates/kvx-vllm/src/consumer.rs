@@ -311,7 +311,9 @@ impl Consumer {
         let wake = driver.needs_wake();
         drop(driver);
         if wake {
-            self.send(Command::Wake)?;
+            // The request is registered: if the driver ended meanwhile, it reported the request
+            // failed, and this call has succeeded all the same.
+            let _ = self.tx.send(Command::Wake);
         }
         Ok(())
     }
@@ -462,7 +464,6 @@ impl Driver {
 
     fn tick(&mut self, now: Timestamp) {
         self.absorb_engine_ready();
-        self.flush_backlogs();
         self.board_quiesce();
         self.waiter.handle_timeout(now);
         self.heartbeats(now);
@@ -480,6 +481,8 @@ impl Driver {
             warn!(%key, "producer ranks did not confirm the end of their writes in time");
             self.quiesced(key);
         }
+        // Last: what this turn (or the engine thread) queued on a full connection.
+        self.flush_backlogs();
     }
 }
 
@@ -525,17 +528,22 @@ impl Driver {
                 true
             });
             let mut stop = !open;
+            let mut left = Vec::new();
             for command in commands.drain(..) {
-                if matches!(command, Command::Shutdown) {
+                if stop {
+                    left.push(command);
+                } else if matches!(command, Command::Shutdown) {
                     stop = true;
-                    break;
+                } else {
+                    driver.handle(command);
                 }
-                driver.absorb_engine_ready();
-                driver.handle(command);
             }
             if stop {
                 events.clear();
                 driver.finish_run();
+                // What the engine queued behind the shutdown fails too, never silently.
+                left.extend(rx.take_queued());
+                driver.refuse_all(left);
                 return;
             }
             for event in events.drain(..) {
@@ -578,6 +586,18 @@ impl Driver {
                     // Its reader sees the connection fail, and the instance is then lost.
                     warn!(%addr, %rank, error = %e, "cannot send to a prefill rank");
                 }
+            }
+        }
+    }
+
+    /// Requests queued for a driver that has ended: each fails with `Shutdown`.
+    fn refuse_all(&self, commands: Vec<Command>) {
+        for command in commands {
+            match command {
+                Command::Push(request) | Command::Pull(PullRequest { push: request, .. }) => {
+                    self.refuse(&request, Reason::Shutdown, "the consumer shut down".into());
+                }
+                _ => {}
             }
         }
     }
@@ -1490,7 +1510,7 @@ impl Driver {
         }
     }
 
-    fn tell_producers(&self, key: AttemptKey, payload: &Waiting, done: bool) {
+    fn tell_producers(&mut self, key: AttemptKey, payload: &Waiting, done: bool) {
         let Some(instance) = self.instances.get(&payload.instance) else {
             return;
         };
@@ -1513,7 +1533,11 @@ impl Driver {
                     reason: "consumer gave up".into(),
                 })
             };
-            let _ = conn.sender.send(&message);
+            // Never blocks: the engine thread may be the caller (a registration that failed
+            // half-way); what a full connection does not take waits for the driver's flush.
+            if let Ok(queued) = conn.sender.send_or_queue(&message) {
+                self.backlogged |= queued;
+            }
         }
     }
 
