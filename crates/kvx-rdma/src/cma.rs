@@ -718,8 +718,8 @@ mod tests {
         }
     }
 
-    #[test]
-    fn board_notices_land_in_the_peers_memory_after_the_data() {
+    /// Two endpoints of this process, `a` with a patterned 1 MiB region 0, `b` with an empty one.
+    fn two_endpoints() -> (CmaTransport, CmaTransport, Arc<HostBuffer>, Arc<HostBuffer>) {
         let mut a = CmaTransport::open(CmaConfig::default()).unwrap();
         let mut b = CmaTransport::open(CmaConfig::default()).unwrap();
         let src = Arc::new(HostBuffer::new(1 << 20).unwrap());
@@ -727,6 +727,12 @@ mod tests {
         let dst = Arc::new(HostBuffer::new(1 << 20).unwrap());
         a.register(LocalRegion::host(0, Arc::clone(&src))).unwrap();
         b.register(LocalRegion::host(0, Arc::clone(&dst))).unwrap();
+        (a, b, src, dst)
+    }
+
+    #[test]
+    fn board_notices_land_in_the_peers_memory_after_the_data() {
+        let (mut a, mut b, src, dst) = two_endpoints();
         crate::transport::check_notice_board(&mut a, &mut b, 1 << 20, &|| {
             dst.to_vec() == src.to_vec()
         });
@@ -736,13 +742,7 @@ mod tests {
     /// (system calls, notices, reads, errors) runs here; tests/xproc_cma.rs crosses processes.
     #[test]
     fn write_read_notice_and_bad_plans_in_one_process() {
-        let mut a = CmaTransport::open(CmaConfig::default()).unwrap();
-        let mut b = CmaTransport::open(CmaConfig::default()).unwrap();
-        let src = Arc::new(HostBuffer::new(1 << 20).unwrap());
-        src.fill_with(|i| (i * 7 % 251) as u8);
-        let dst = Arc::new(HostBuffer::new(1 << 20).unwrap());
-        a.register(LocalRegion::host(0, Arc::clone(&src))).unwrap();
-        b.register(LocalRegion::host(0, Arc::clone(&dst))).unwrap();
+        let (mut a, mut b, src, dst) = two_endpoints();
         let peer = a.connect(&b.local_desc()).unwrap();
         // 3000 strided pieces: more than one system call's worth.
         let strided = op(0, 0, 100, 3000, (300, 200));

@@ -244,6 +244,7 @@ impl Consumer {
             parked: None,
             closed: false,
             backlogged: false,
+            board_notices_as_messages: false,
             waiter,
             hello,
             instances: HashMap::new(),
@@ -399,6 +400,9 @@ struct Driver {
     closed: bool,
     /// A control message waits for a flush (its connection's send buffer was full).
     backlogged: bool,
+    /// A board notice came as a message (a producer whose transport writes no boards): from
+    /// then on the driver reads its transport while any notice is due.
+    board_notices_as_messages: bool,
     waiter: Waiter<Waiting>,
     hello: Hello,
     instances: HashMap<SocketAddr, Instance>,
@@ -445,6 +449,7 @@ impl Driver {
         } else {
             !self.reads.is_empty()
                 || !self.quiescing.is_empty()
+                || (self.board_notices_as_messages && !self.notices.is_empty())
                 || self.notices.keys().any(|n| !board::is_board_notice(*n))
         }
     }
@@ -1229,6 +1234,7 @@ impl Driver {
                 });
                 if armed {
                     // The engine thread reports it with the request's other notices.
+                    self.board_notices_as_messages = true;
                     return;
                 }
                 if let Some((key, rank)) = self.notices.remove(&notice.0) {

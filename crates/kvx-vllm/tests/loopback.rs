@@ -2152,6 +2152,21 @@ fn a_newer_attempt_replaces_one_that_waits_for_its_prefills_connection() {
     drop(silent);
 }
 
+/// [`simple_pair`] with decode's notice board on or off and its heartbeats every `heartbeat`.
+fn board_pair(
+    fabric: &LoopbackFabric,
+    board: bool,
+    heartbeat: Duration,
+) -> (Prefill, Side, Consumer) {
+    let pre = tp1_prefill(fabric);
+    let (dec, cache) = Side::new(spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit));
+    let mut c = config(2);
+    c.notice_board = board;
+    c.heartbeat_interval = heartbeat;
+    let consumer = Consumer::start(c, cache, Box::new(fabric.endpoint())).unwrap();
+    (pre, dec, consumer)
+}
+
 /// Push notices land in decode's notice board, where the engine's `take_events` finds them (the
 /// driver thread is not woken for them); switched off, they come as messages; both deliver the
 /// same bytes.
@@ -2159,11 +2174,7 @@ fn a_newer_attempt_replaces_one_that_waits_for_its_prefills_connection() {
 fn push_notices_land_in_decodes_notice_board_unless_switched_off() {
     for board in [true, false] {
         let fabric = LoopbackFabric::new();
-        let pre = tp1_prefill(&fabric);
-        let (dec, cache) = Side::new(spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit));
-        let mut c = config(2);
-        c.notice_board = board;
-        let consumer = Consumer::start(c, cache, Box::new(fabric.endpoint())).unwrap();
+        let (pre, dec, consumer) = board_pair(&fabric, board, config(2).heartbeat_interval);
         let (p_blocks, c_blocks) = request_blocks(&pre, 22, 4, 4);
         for t in 0..3 {
             let k = key(500 + t, 0);
@@ -2255,12 +2266,7 @@ fn a_cancel_racing_a_board_notice_ends_the_request_once() {
 fn with_a_notice_board_requests_do_not_wake_decodes_driver() {
     for board in [true, false] {
         let fabric = LoopbackFabric::new();
-        let pre = tp1_prefill(&fabric);
-        let (dec, cache) = Side::new(spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit));
-        let mut c = config(2);
-        c.notice_board = board;
-        c.heartbeat_interval = Duration::from_secs(30);
-        let consumer = Consumer::start(c, cache, Box::new(fabric.endpoint())).unwrap();
+        let (pre, dec, consumer) = board_pair(&fabric, board, Duration::from_secs(30));
         let (p_blocks, c_blocks) = request_blocks(&pre, 8, 4, 4);
         let round = |t: u128| {
             let k = key(700 + t, 0);
