@@ -290,7 +290,7 @@ def reference(model, workdir) -> dict:
 
 
 def run_pair(mode: str, model: Path, workdir: Path, reference: dict, *, p_extra=None,
-             d_extra=None, d_block=BLOCK, d_policy="fail", p_args=(), p_log=None):
+             d_extra=None, d_block=BLOCK, d_policy="fail", p_args=(), p_log=None, d_log=None):
     connector = "KvxPushConnector" if mode == "push" else "KvxPullConnector"
     kvx_port = free_port()
     p_cfg = kv_config(connector, "kv_producer", f"p-{mode}", listen=f"127.0.0.1:{kvx_port}",
@@ -299,7 +299,7 @@ def run_pair(mode: str, model: Path, workdir: Path, reference: dict, *, p_extra=
     p, p_url = start_vllm(f"prefill-{mode}", model, workdir, kv=p_cfg, cores=P_CORES,
                           args_extra=p_args, kvx_log=p_log)
     d, d_url = start_vllm(f"decode-{mode}", model, workdir, kv=d_cfg, prefix_caching=False,
-                          block_size=d_block, cores=D_CORES)
+                          block_size=d_block, cores=D_CORES, kvx_log=d_log)
     proxy_port = free_port()
     proxy_url = f"http://127.0.0.1:{proxy_port}"
     proxy = Server(
@@ -312,15 +312,17 @@ def run_pair(mode: str, model: Path, workdir: Path, reference: dict, *, p_extra=
 
 
 def check_pair_matches_reference(mode, model, workdir, reference, transport=None, d_block=BLOCK,
-                                 chunk=None):
+                                 chunk=None, d_log_expect=None):
     """With `chunk`, prefill computes prompts in steps of that many tokens (chunked prefill),
-    and push writes each step's finished blocks while the next step computes."""
+    and push writes each step's finished blocks while the next step computes. With
+    `d_log_expect`, decode logs kvx at debug level and that text must appear in its log."""
     extra = {"transport": transport} if transport else None
     p_args = ("--max-num-batched-tokens", str(chunk)) if chunk else ()
     p_log = "kvx_vllm::producer=debug,kvx_vllm=info" if chunk else None
     p, p_url, d, d_url, proxy, proxy_url = run_pair(mode, model, workdir, reference,
                                                     p_extra=extra, d_extra=extra,
-                                                    d_block=d_block, p_args=p_args, p_log=p_log)
+                                                    d_block=d_block, p_args=p_args, p_log=p_log,
+                                                    d_log="kvx_vllm=debug" if d_log_expect else None)
     try:
         for s in (p, d, proxy):
             s.wait_ready()
@@ -345,6 +347,8 @@ def check_pair_matches_reference(mode, model, workdir, reference, transport=None
         assert chat_tokens > 0, delta
         for s in (p, d):
             assert "Traceback" not in s.log.read_text(errors="replace"), s.tail()
+        if d_log_expect:
+            assert d_log_expect in d.log.read_text(errors="replace"), d.tail()
         if chunk:
             # The long prompts' first chunks were written before their prefill finished, and
             # layer by layer within a step too: a write of one of the tiny model's two layers.
@@ -381,6 +385,15 @@ def test_pull_matches_a_single_instance(model, workdir, reference):
     `MultipleOf(32)`)."""
     check_pair_matches_reference("pull", model, workdir, reference, transport="cma",
                                  d_block=3 * BLOCK)
+
+
+def test_push_over_cma_finds_the_kv_ready_in_decodes_notice_board(model, workdir, reference):
+    """Push over the CMA transport, one block size on both sides: prefill writes each request's
+    notice into decode's notice board after its data, decode's engine finds the request ready
+    there in its steps (its log says so) and sends the registrations itself; outputs match one
+    instance, and decode computed no prompt token."""
+    check_pair_matches_reference("push", model, workdir, reference, transport="cma",
+                                 d_log_expect="ready (notice board)")
 
 
 def test_failures_never_hang_and_never_leak(model, workdir, reference):

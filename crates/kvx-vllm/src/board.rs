@@ -18,6 +18,7 @@ use kvx_core::{Rank, RequestId};
 use kvx_rdma::board::{board_notice, board_slot, NoticeBoard};
 use kvx_rdma::transport::Notice;
 use kvx_rendezvous::{AttemptKey, Timestamp};
+use tracing::debug;
 
 use crate::consumer::RecvEvent;
 use crate::stats::Stats;
@@ -100,6 +101,7 @@ impl SharedBoard {
                 },
                 now,
             ));
+            debug!(%key, "ready (notice board)");
             armed.ready.push((key, r.ranks));
             stats.transfers_ok.fetch_add(1, Ordering::Relaxed);
             stats.board_ready.fetch_add(1, Ordering::Relaxed);
