@@ -622,11 +622,14 @@ impl Driver {
         for key in keys {
             self.quiesced(key);
         }
+        self.flush_backlogs();
         for instance in self.instances.values() {
             for conn in instance.ranks.values() {
                 conn.sender.close();
             }
         }
+        // Closed here, at shutdown, not whenever the engine drops its handle.
+        drop(self.transport.take());
     }
 
     fn handle(&mut self, command: Command) {
