@@ -989,6 +989,34 @@ impl Driver {
         }
     }
 
+    /// Whether the consumer on `conn` may abort `transfer`: unless registrations of it came
+    /// from other consumers only. A transfer nobody registered (prefill finished first, or pull)
+    /// may be aborted by any consumer: its owner is not known.
+    fn may_abort(&self, conn: ConnId, transfer: TransferId) -> bool {
+        let Some(me) = self.conns.get(&conn).and_then(|c| c.consumer.as_ref()) else {
+            return false;
+        };
+        let mixed: Vec<TransferId> = (0..self.max_consumer_tp)
+            .map(|r| rank_key(AttemptKey::new(transfer, Attempt(0)), Rank(r)).transfer)
+            .collect();
+        let registrants: HashSet<ConsumerId> = self
+            .conns
+            .values()
+            .filter_map(|c| c.consumer.as_ref().map(|consumer| (c, consumer.id)))
+            .filter(|(c, _)| c.keys.iter().any(|k| mixed.contains(&k.transfer)))
+            .map(|(_, id)| id)
+            .collect();
+        if registrants.is_empty() || registrants.contains(&me.id) {
+            return true;
+        }
+        warn!(
+            conn,
+            %transfer,
+            "abort ignored: another decode instance registered this transfer"
+        );
+        false
+    }
+
     fn peer_message(&mut self, conn: ConnId, message: Message) {
         let now = self.clock.now();
         let Some(c) = self.conns.get_mut(&conn) else {
@@ -1010,10 +1038,14 @@ impl Driver {
                 }
             }
             Message::Abort(abort) => {
-                self.abort(now, abort.transfer, abort.attempt, Reason::Aborted);
+                if self.may_abort(conn, abort.transfer) {
+                    self.abort(now, abort.transfer, abort.attempt, Reason::Aborted);
+                }
             }
             Message::Failure(f) => {
-                self.abort(now, f.transfer, Some(f.attempt), Reason::PeerFailed);
+                if self.may_abort(conn, f.transfer) {
+                    self.abort(now, f.transfer, Some(f.attempt), Reason::PeerFailed);
+                }
             }
             Message::Completion(done) => {
                 self.pull_done(conn, AttemptKey::new(done.transfer, done.attempt))

@@ -2298,3 +2298,78 @@ fn with_a_notice_board_requests_do_not_wake_decodes_driver() {
         eprintln!("board {board}: driver woken {woken} times for 20 requests");
     }
 }
+
+/// A decode instance aborts only what it registered, or what nobody registered: an abort from
+/// another instance for a transfer this one registered is ignored, and the transfer lands. The
+/// other instance speaks the protocol by hand (its hello, then aborts).
+#[test]
+fn an_abort_from_another_decode_instance_is_ignored() {
+    use kvx_core::wire::{Abort, Hello, Message, Role};
+    use kvx_core::Incarnation;
+    use std::io::Write as _;
+    use std::net::TcpStream;
+
+    let fabric = LoopbackFabric::new();
+    let (pre, dec, consumer) = simple_pair(&fabric);
+    let (p_blocks, c_blocks) = request_blocks(&pre, 12, 4, 4);
+    let mine = key(801, 0);
+    register(&consumer, pre.base, mine, 12, c_blocks.clone());
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while pre.producers[0].stats().remembered_registrations == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "prefill never got the registration"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // Another decode instance connects with a valid hello.
+    let other_spec = spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit);
+    let (_other, cache) = Side::new(other_spec.clone());
+    let mut endpoint = fabric.endpoint();
+    for region in cache.regions {
+        endpoint.register(region).unwrap();
+    }
+    let desc = endpoint.local_desc();
+    let hello = Message::Hello(Hello {
+        compat_hash: other_spec.compat_hash(),
+        engine: EngineId(9),
+        incarnation: Incarnation(9),
+        role: Role::Consumer,
+        layout: other_spec,
+        regions: desc.regions.clone(),
+        transport: desc.backend.clone(),
+        transport_addr: desc.to_bytes(),
+        finishing_hints: false,
+    });
+    let mut rogue = TcpStream::connect(pre.base).unwrap();
+    let abort = |transfer: TransferId| {
+        Message::Abort(Abort {
+            transfer,
+            attempt: None,
+            reason: "not mine".into(),
+        })
+        .to_bytes()
+        .unwrap()
+    };
+    rogue.write_all(&hello.to_bytes().unwrap()).unwrap();
+    rogue.write_all(&abort(mine.transfer)).unwrap();
+    // A transfer nobody registered: its abort is honoured, which shows the connection works.
+    let orphan = key(802, 0);
+    pre.producers[0]
+        .request_finished(orphan, RequestId(8), ids(30..33), 12)
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    rogue.write_all(&abort(orphan.transfer)).unwrap();
+    let done = wait_finished(&pre.producers[0], 1);
+    assert_eq!(done[0].key, orphan);
+    assert_eq!(done[0].outcome, SendOutcome::NotSent(Reason::Aborted));
+    // The registered transfer was not aborted: it lands.
+    pre.finish(mine, &p_blocks, 12);
+    expect_ready(&consumer, mine, RequestId(1));
+    dec.verify(&c_blocks, 0, 12);
+    assert_eq!(
+        wait_finished(&pre.producers[0], 1)[0].outcome,
+        SendOutcome::Sent
+    );
+    drop(rogue);
+}
