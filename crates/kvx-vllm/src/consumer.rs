@@ -244,6 +244,7 @@ impl Consumer {
             parked: None,
             closed: false,
             backlogged: false,
+            message_notice_added: false,
             board_notices_as_messages: false,
             waiter,
             hello,
@@ -400,6 +401,8 @@ struct Driver {
     closed: bool,
     /// A control message waits for a flush (its connection's send buffer was full).
     backlogged: bool,
+    /// A request registered since the last look waits for message notices.
+    message_notice_added: bool,
     /// A board notice came as a message (a producer whose transport writes no boards): from
     /// then on the driver reads its transport while any notice is due.
     board_notices_as_messages: bool,
@@ -504,6 +507,7 @@ impl Driver {
                 let mut driver = lock();
                 let deadline = driver.deadline();
                 let busy = driver.busy();
+                driver.message_notice_added = false;
                 driver.parked = Some(Parked {
                     until: deadline,
                     busy,
@@ -577,7 +581,12 @@ impl Driver {
             (Some(_), None) => true,
             (None, _) => false,
         };
-        sooner || self.busy() != parked.busy || self.backlogged || self.waiter.has_actions()
+        // Only a message notice makes the driver read its transport (`busy`): checked without
+        // scanning every notice due.
+        let newly_busy = (std::mem::take(&mut self.message_notice_added)
+            || !self.quiescing.is_empty())
+            && !parked.busy;
+        sooner || newly_busy || self.backlogged || self.waiter.has_actions()
     }
 
     /// Sends the control messages that waited for room in their connection.
@@ -1032,6 +1041,7 @@ impl Driver {
                     n
                 };
                 self.notices.insert(notice, (key, rank));
+                self.message_notice_added |= on_board.is_none();
                 waiting.notices.push(notice);
                 let registration = Message::Registration(Registration {
                     transfer: key.transfer,
