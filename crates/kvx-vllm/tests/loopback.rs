@@ -1306,7 +1306,12 @@ fn cancel_waits_for_a_silent_producer_until_the_quiesce_timeout() {
     c.quiesce_timeout = Duration::from_millis(400);
     let consumer = Consumer::start(c, cache, Box::new(fabric.endpoint())).unwrap();
     register(&consumer, relay_addr, key(14, 0), 8, ids(0..2));
-    std::thread::sleep(Duration::from_millis(100));
+    // Registered (not still waiting for its handshake, which a loaded machine can slow).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while consumer.stats().held != 1 {
+        assert!(Instant::now() < deadline, "never registered");
+        std::thread::sleep(Duration::from_millis(5));
+    }
     let cancelled = Instant::now();
     consumer.cancel(TransferId(14), None).unwrap();
     let events = wait_events(&consumer, 1);
@@ -2207,14 +2212,15 @@ fn push_notices_land_in_decodes_notice_board_unless_switched_off() {
 
 /// A cancel that races the last notice's landing in the board ends the request exactly once:
 /// ready (the engine thread saw the notice first) or aborted (the driver took it back first),
-/// never both, and decode holds nothing afterwards.
+/// never both, and decode holds nothing afterwards. A third of the rounds have the engine
+/// thread first, a third the driver, a third race.
 #[test]
 fn a_cancel_racing_a_board_notice_ends_the_request_once() {
     let fabric = LoopbackFabric::new();
     let (pre, _dec, consumer) = simple_pair(&fabric);
     let (p_blocks, c_blocks) = request_blocks(&pre, 12, 4, 4);
     let (mut ready, mut aborted) = (0, 0);
-    for t in 0..40u128 {
+    for t in 0..42u128 {
         let k = key(600 + t, 0);
         register(&consumer, pre.base, k, 12, c_blocks.clone());
         pre.finish(k, &p_blocks, 12);
@@ -2223,16 +2229,32 @@ fn a_cancel_racing_a_board_notice_ends_the_request_once() {
             wait_finished(&pre.producers[0], 1)[0].outcome,
             SendOutcome::Sent
         );
-        // Half the time the engine thread looks first.
-        if t % 2 == 0 {
-            std::thread::sleep(Duration::from_micros(200 * (t as u64 % 7)));
+        let mut events = Vec::new();
+        match t % 3 {
+            // The engine thread looks first, then cancels.
+            0 => {
+                events = wait_events(&consumer, 1);
+                consumer.cancel(k.transfer, Some(k.attempt)).unwrap();
+            }
+            // The driver takes it back first: it has given up before the engine looks.
+            1 => {
+                let failed = consumer.stats().transfers_failed;
+                consumer.cancel(k.transfer, Some(k.attempt)).unwrap();
+                let deadline = Instant::now() + Duration::from_secs(10);
+                while consumer.stats().transfers_failed == failed {
+                    assert!(Instant::now() < deadline, "the cancel was not handled");
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+            // A race: whichever comes first.
+            _ => {
+                std::thread::sleep(Duration::from_micros(200 * (t as u64 % 7)));
+                consumer.cancel(k.transfer, Some(k.attempt)).unwrap();
+            }
         }
-        consumer.cancel(k.transfer, Some(k.attempt)).unwrap();
-        // The other half, the driver takes it back first.
-        if t % 2 == 1 {
-            std::thread::sleep(Duration::from_millis(5));
+        if events.is_empty() {
+            events = wait_events(&consumer, 1);
         }
-        let events = wait_events(&consumer, 1);
         std::thread::sleep(Duration::from_millis(30));
         let late = consumer.take_events();
         assert!(
@@ -2248,9 +2270,13 @@ fn a_cancel_racing_a_board_notice_ends_the_request_once() {
             }] if *f == k => aborted += 1,
             other => panic!("unexpected {other:?}"),
         }
+        match t % 3 {
+            0 => assert!(matches!(events[0], RecvEvent::Ready { .. }), "{events:?}"),
+            1 => assert!(matches!(events[0], RecvEvent::Failed { .. }), "{events:?}"),
+            _ => {}
+        }
     }
-    assert_eq!(ready + aborted, 40);
-    assert!(ready > 0 && aborted > 0, "ready {ready}, aborted {aborted}");
+    assert_eq!(ready + aborted, 42);
     let deadline = Instant::now() + Duration::from_secs(5);
     while consumer.stats().held != 0 {
         assert!(Instant::now() < deadline, "{:?}", consumer.stats());
