@@ -505,7 +505,11 @@ impl Driver {
         loop {
             let (mut transport, deadline, busy) = {
                 let mut driver = lock();
-                let deadline = driver.deadline();
+                // At least every heartbeat interval, even with nothing to do: a request the
+                // engine thread registers then needs no wake-up to have its heartbeats (or its
+                // lease) looked after in time.
+                let idle_tick = clock.now() + driver.config.heartbeat_interval;
+                let deadline = Some(driver.deadline().map_or(idle_tick, |d| d.min(idle_tick)));
                 let busy = driver.busy();
                 driver.message_notice_added = false;
                 driver.parked = Some(Parked {
