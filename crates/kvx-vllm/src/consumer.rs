@@ -471,7 +471,6 @@ impl Driver {
     }
 
     fn tick(&mut self, now: Timestamp) {
-        self.absorb_engine_ready();
         self.board_quiesce();
         self.waiter.handle_timeout(now);
         self.heartbeats(now);

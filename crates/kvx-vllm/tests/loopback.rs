@@ -2131,30 +2131,23 @@ fn a_newer_attempt_replaces_one_that_waits_for_its_prefills_connection() {
     // The same attempt again, or an older one, is refused; the newer one replaced the first.
     register(&consumer, addr, key(104, 0), 8, ids(4..6));
     let events = wait_events(&consumer, 2);
-    assert!(
-        matches!(
-            events[0],
-            RecvEvent::Failed { key: failed, reason: Reason::Superseded, .. } if failed == key(104, 0)
-        ),
-        "{events:?}"
-    );
-    assert!(
-        matches!(
-            events[1],
-            RecvEvent::Failed { key: failed, reason: Reason::Stale, .. } if failed == key(104, 0)
-        ),
-        "{events:?}"
-    );
+    assert_failed(&events, 0, key(104, 0), Reason::Superseded);
+    assert_failed(&events, 1, key(104, 0), Reason::Stale);
     // The newer attempt fails only when the handshake does.
     let events = wait_events(&consumer, 1);
+    assert_failed(&events, 0, key(104, 1), Reason::PeerFailed);
+    drop(silent);
+}
+
+/// Asserts that `events[i]` says `key` failed for `reason`.
+fn assert_failed(events: &[RecvEvent], i: usize, key: AttemptKey, reason: Reason) {
     assert!(
         matches!(
-            events[0],
-            RecvEvent::Failed { key: failed, reason: Reason::PeerFailed, .. } if failed == key(104, 1)
+            &events[i],
+            RecvEvent::Failed { key: failed, reason: r, .. } if *failed == key && *r == reason
         ),
         "{events:?}"
     );
-    drop(silent);
 }
 
 /// [`simple_pair`] with decode's notice board on or off and its heartbeats every `heartbeat`.

@@ -282,10 +282,7 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
             let ["D", transfer, attempt, done_us, ids] = f.as_slice() else {
                 bail!("malformed line from prefill: {line}");
             };
-            let key = AttemptKey::new(
-                TransferId(u128::from_str_radix(transfer, 16)?),
-                Attempt(attempt.parse()?),
-            );
+            let key = parse_key(transfer, attempt)?;
             let Some(&index) = by_key.get(&key) else {
                 continue;
             };
@@ -570,9 +567,13 @@ fn landed_line(line: &str) -> anyhow::Result<Option<(AttemptKey, u64)>> {
     let ["S", transfer, attempt, at] = f.as_slice() else {
         return Ok(None);
     };
-    let key = AttemptKey::new(
+    Ok(Some((parse_key(transfer, attempt)?, at.parse()?)))
+}
+
+/// A request's key as prefill's lines carry it: the transfer id in hex, then the attempt.
+fn parse_key(transfer: &str, attempt: &str) -> anyhow::Result<AttemptKey> {
+    Ok(AttemptKey::new(
         TransferId(u128::from_str_radix(transfer, 16)?),
         Attempt(attempt.parse()?),
-    );
-    Ok(Some((key, at.parse()?)))
+    ))
 }
