@@ -222,17 +222,30 @@ fn push_over_shm_verifies_every_byte() {
         tokens: "40,200",
     });
     check(&report, 8, 4 * 40 + 4 * 200);
-    // `shm` polls to wait: where its writes land by cross-memory attach, decode asked for a
-    // finishing hint per request (one producer rank) and read its transport only after each.
-    let hints = if kvx_rdma::libfabric::shm_uses_cma() {
-        8
-    } else {
-        0
-    };
-    assert_eq!(report["summary"]["finishing_hints"], hints);
+    // Where `shm`'s writes land by cross-memory attach, decode has a notice board: prefill
+    // writes each notice there after the data, and decode's engine loop finds it.
+    let cma = kvx_rdma::libfabric::shm_uses_cma();
+    assert_eq!(report["summary"]["board_ready"], if cma { 8 } else { 0 });
+    assert_eq!(report["summary"]["finishing_hints"], 0);
     // The tiny model has two layers: a 16-token block of one layer is 8 tokens' worth.
     let per_token = report["kv_bytes_per_token"].as_u64().unwrap();
     assert_streamed(&prefill, 8 * per_token, (4 * 192 + 4 * 16) * per_token);
+    // Without the board, decode asks for a finishing hint per request (one producer rank) and
+    // reads its transport only after each (`shm` polls to wait).
+    let (report, _, _) = run_pair(&Run {
+        transport: "libfabric:shm",
+        mode: "push",
+        prefill: &[],
+        decode: &["--notice-board", "off"],
+        requests: 6,
+        tokens: "200",
+    });
+    check(&report, 6, 1200);
+    assert_eq!(report["summary"]["board_ready"], 0);
+    assert_eq!(
+        report["summary"]["finishing_hints"],
+        if cma { 6 } else { 0 }
+    );
 }
 
 #[test]

@@ -1,5 +1,6 @@
 //! Notice boards: completion notices that a peer writes straight into this endpoint's memory,
-//! for backends whose peers' writes land without this side doing anything (`cma`, loopback).
+//! for backends whose peers' writes land without this side doing anything (`cma`, libfabric
+//! `shm` with cross-memory attach, loopback).
 //!
 //! A notice delivered as a message wakes the thread that waits on the endpoint, once per
 //! transfer; one written into a board costs the receiver nothing until it looks, and an engine
@@ -26,6 +27,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use crate::desc::BoardPlace;
 use crate::transport::Notice;
 
 /// Marks a [`Notice`] that is to be written into the peer's notice board.
@@ -143,14 +145,58 @@ impl NoticeBoard {
     pub fn bytes(&self) -> u64 {
         (self.len() * std::mem::size_of::<AtomicU64>()) as u64
     }
+
+    /// Where the board lies, for this endpoint's description.
+    #[must_use]
+    pub fn place(&self) -> BoardPlace {
+        BoardPlace {
+            addr: self.addr(),
+            len: self.bytes(),
+        }
+    }
 }
 
-/// Where a board notice lands in a peer's board described by `addr` and `len` (bytes): its byte
-/// address there.
+/// Writes a board notice into slot address `addr` of process `pid`'s board with one 8-byte
+/// `process_vm_writev` (for backends whose data moved by cross-memory attach: libfabric `shm`).
+/// The reader compares the whole value, so a write the kernel tears never reads as arrived.
+///
+/// # Errors
+/// The system call's error (`ESRCH`: the process is gone; `EPERM`: no permission; `EFAULT`: no
+/// such memory there), or `WriteZero` when the kernel copied less than 8 bytes.
+#[cfg(feature = "libfabric")]
+pub(crate) fn write_remote(pid: i32, addr: u64, value: u64) -> std::io::Result<()> {
+    let local = libc::iovec {
+        iov_base: std::ptr::from_ref(&value).cast_mut().cast(),
+        iov_len: 8,
+    };
+    let remote = libc::iovec {
+        iov_base: addr as *mut libc::c_void,
+        iov_len: 8,
+    };
+    loop {
+        // SAFETY: `local` describes the 8 bytes of `value`, alive for the call and only read;
+        // `remote` names memory of another process, which the kernel checks (nothing of this
+        // process is written).
+        let moved = unsafe { libc::process_vm_writev(pid, &local, 1, &remote, 1, 0) };
+        match moved {
+            8 => return Ok(()),
+            m if m < 0 => {
+                let err = std::io::Error::last_os_error();
+                if err.kind() != std::io::ErrorKind::Interrupted {
+                    return Err(err);
+                }
+            }
+            _ => return Err(std::io::ErrorKind::WriteZero.into()),
+        }
+    }
+}
+
+/// Where a board notice lands in a peer's board: its byte address there.
 ///
 /// # Errors
 /// [`SlotOutOfRange`] when the notice is not a board notice or its slot is outside the board.
-pub fn remote_slot(addr: u64, len: u64, notice: Notice) -> Result<u64, SlotOutOfRange> {
+pub fn remote_slot(board: BoardPlace, notice: Notice) -> Result<u64, SlotOutOfRange> {
+    let BoardPlace { addr, len } = board;
     let slots = (len / 8) as usize;
     let out = |slot| SlotOutOfRange {
         notice: notice.0,
@@ -198,9 +244,10 @@ mod tests {
     #[test]
     fn remote_slots_are_bounded_by_the_described_board() {
         let n = board_notice(2, 9).unwrap();
-        assert_eq!(remote_slot(0x1000, 24, n), Ok(0x1010));
-        assert!(remote_slot(0x1000, 16, n).is_err());
-        assert!(remote_slot(0x1000, 24, Notice(9)).is_err());
+        let place = |len| BoardPlace { addr: 0x1000, len };
+        assert_eq!(remote_slot(place(24), n), Ok(0x1010));
+        assert!(remote_slot(place(16), n).is_err());
+        assert!(remote_slot(place(24), Notice(9)).is_err());
         let board = NoticeBoard::new(2);
         assert_eq!(board.bytes(), 16);
     }

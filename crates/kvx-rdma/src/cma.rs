@@ -27,7 +27,7 @@ use kvx_core::{MemoryKind, RegionDesc};
 use kvx_layout::CopyOp;
 
 use crate::board::{self, NoticeBoard};
-use crate::desc::{EndpointDesc, NoticeSlot};
+use crate::desc::{BoardPlace, EndpointDesc};
 use crate::error::{
     ConnectError, DeregisterError, OpError, PollError, ReadError, RegisterError, SendError,
     WriteError,
@@ -299,8 +299,8 @@ struct Peer {
     link: Link,
     /// Region index → (address in the peer's process, length).
     regions: HashMap<u32, (u64, u64)>,
-    /// The peer's notice board (address in its process, bytes), if it has one.
-    board: Option<(u64, u64)>,
+    /// The peer's notice board, if it has one.
+    board: Option<BoardPlace>,
 }
 
 /// The CMA endpoint. See the [module documentation](self).
@@ -394,8 +394,8 @@ impl CmaTransport {
             // A peer with a notice board takes board notices there; to one without, every
             // notice is a message.
             Some(n) if board::board_slot(n).is_some() && p.board.is_some() => {
-                let (addr, len) = p.board.unwrap_or_default();
-                let addr = board::remote_slot(addr, len, n).map_err(OpPostError::Board)?;
+                let place = p.board.unwrap_or(BoardPlace { addr: 0, len: 0 });
+                let addr = board::remote_slot(place, n).map_err(OpPostError::Board)?;
                 Some(JobNotice::Board {
                     addr,
                     value: Box::new(n.0),
@@ -495,6 +495,7 @@ impl Transport for CmaTransport {
             memory_kinds: vec![MemoryKind::Host],
             polls_to_wait: false,
             peer_rma_unassisted: true,
+            peer_rma_occasional_reads: false,
         }
     }
 
@@ -524,11 +525,8 @@ impl Transport for CmaTransport {
             backend: BACKEND.to_owned(),
             provider: String::new(),
             address: self.address(),
-            notice_slot: self.board.as_ref().map(|b| NoticeSlot {
-                addr: b.addr(),
-                key: 0,
-                len: b.bytes(),
-            }),
+            notice_slot: None,
+            board: self.board.as_ref().map(|b| b.place()),
             regions: self
                 .regions
                 .values()
@@ -568,7 +566,7 @@ impl Transport for CmaTransport {
             .iter()
             .map(|r| (r.index, (r.addr, r.len)))
             .collect();
-        let board = desc.notice_slot.map(|s| (s.addr, s.len));
+        let board = desc.board;
         if let Some(id) = self.peers.find(|p| p.who == who) {
             if let Some(known) = self.peers.get_mut(id) {
                 known.regions = regions;

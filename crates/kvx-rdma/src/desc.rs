@@ -11,8 +11,8 @@ use serde::{Deserialize, Serialize};
 
 /// Magic bytes that open an encoded description.
 const MAGIC: [u8; 4] = *b"KVXE";
-/// Version of the binary encoding.
-const VERSION: u8 = 1;
+/// Version of the binary encoding (2 added the notice board; version 1 is still read).
+const VERSION: u8 = 2;
 /// Largest endpoint address accepted: libfabric names are tens of bytes, NIXL agent metadata
 /// grows with the registered regions (the length field is 16 bits).
 pub const MAX_ADDRESS_LEN: usize = u16::MAX as usize;
@@ -33,6 +33,16 @@ pub struct NoticeSlot {
     pub len: u64,
 }
 
+/// Where an endpoint's [notice board](crate::board) lies in its own process: peers on the same
+/// host write board notices there (`cma`, libfabric `shm` with cross-memory attach).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct BoardPlace {
+    /// Address of the first slot in the endpoint's process.
+    pub addr: u64,
+    /// Bytes of the board (8 per slot).
+    pub len: u64,
+}
+
 /// Everything a peer needs to reach an endpoint and address its memory.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EndpointDesc {
@@ -44,6 +54,9 @@ pub struct EndpointDesc {
     pub address: Vec<u8>,
     /// Where completion notices are written, for backends that need it.
     pub notice_slot: Option<NoticeSlot>,
+    /// The endpoint's notice board, if it has one ([`crate::Transport::notice_board`]).
+    #[serde(default)]
+    pub board: Option<BoardPlace>,
     /// Registered regions, by layout index, with their remote addresses and keys.
     pub regions: Vec<RegionDesc>,
 }
@@ -86,8 +99,8 @@ pub enum DescError {
         /// Field.
         what: &'static str,
     },
-    /// The notice-slot flag is neither 0 nor 1.
-    #[error("bad notice-slot flag {0}")]
+    /// The notice-slot or board flag is neither 0 nor 1.
+    #[error("bad notice-slot or board flag {0}")]
     BadFlag(u8),
     /// A memory-kind tag is unknown.
     #[error("unknown memory kind tag {0}")]
@@ -108,6 +121,14 @@ pub enum DescError {
     /// The address is empty.
     #[error("the endpoint address is empty")]
     EmptyAddress,
+    /// The notice board is empty, not whole slots, or its end overflows the address space.
+    #[error("invalid notice board (addr {addr:#x}, len {len})")]
+    BadBoard {
+        /// Address.
+        addr: u64,
+        /// Bytes.
+        len: u64,
+    },
 }
 
 impl EndpointDesc {
@@ -135,6 +156,11 @@ impl EndpointDesc {
         ] {
             if len > max {
                 return Err(DescError::TooLong { what, len, max });
+            }
+        }
+        if let Some(BoardPlace { addr, len }) = self.board {
+            if len == 0 || len % 8 != 0 || addr.checked_add(len).is_none() {
+                return Err(DescError::BadBoard { addr, len });
             }
         }
         let mut indices: Vec<u32> = self.regions.iter().map(|r| r.index).collect();
@@ -170,6 +196,14 @@ impl EndpointDesc {
                 out.extend_from_slice(&slot.addr.to_le_bytes());
                 out.extend_from_slice(&slot.key.to_le_bytes());
                 out.extend_from_slice(&slot.len.to_le_bytes());
+            }
+        }
+        match self.board {
+            None => out.push(0),
+            Some(board) => {
+                out.push(1);
+                out.extend_from_slice(&board.addr.to_le_bytes());
+                out.extend_from_slice(&board.len.to_le_bytes());
             }
         }
         out.extend_from_slice(&(self.regions.len() as u32).to_le_bytes());
@@ -224,7 +258,7 @@ impl EndpointDesc {
             return Err(DescError::BadMagic);
         }
         let version = r.u8("version")?;
-        if version != VERSION {
+        if version != VERSION && version != 1 {
             return Err(DescError::Version(version));
         }
         let backend = r.string("backend")?;
@@ -236,6 +270,15 @@ impl EndpointDesc {
                 addr: r.u64("notice slot")?,
                 key: r.u64("notice slot")?,
                 len: r.u64("notice slot")?,
+            }),
+            other => return Err(DescError::BadFlag(other)),
+        };
+        let flag = if version == 1 { 0 } else { r.u8("board flag")? };
+        let board = match flag {
+            0 => None,
+            1 => Some(BoardPlace {
+                addr: r.u64("board")?,
+                len: r.u64("board")?,
             }),
             other => return Err(DescError::BadFlag(other)),
         };
@@ -278,6 +321,7 @@ impl EndpointDesc {
             provider,
             address,
             notice_slot,
+            board,
             regions,
         };
         desc.validate()?;
@@ -358,6 +402,10 @@ mod tests {
                 addr: 0,
                 key: 7,
                 len: 64,
+            }),
+            board: Some(BoardPlace {
+                addr: 0x7f00_1000_0000,
+                len: 4096,
             }),
             regions: vec![
                 RegionDesc {
@@ -440,6 +488,35 @@ mod tests {
         let mut bytes = sample().to_bytes();
         bytes[4] = 9;
         assert_eq!(EndpointDesc::from_bytes(&bytes), Err(DescError::Version(9)));
+        for len in [0, 12] {
+            let mut desc = sample();
+            desc.board = Some(BoardPlace { addr: 64, len });
+            assert_eq!(
+                EndpointDesc::from_bytes(&desc.to_bytes()),
+                Err(DescError::BadBoard { addr: 64, len })
+            );
+        }
+    }
+
+    #[test]
+    fn version_1_descriptions_are_read_without_a_board() {
+        let mut desc = sample();
+        desc.board = None;
+        let mut bytes = desc.to_bytes();
+        bytes[4] = 1;
+        // Version 1 has no board flag: it sits after the notice slot (3 words).
+        let flag = 4
+            + 1
+            + [&desc.backend, &desc.provider]
+                .iter()
+                .map(|s| 2 + s.len())
+                .sum::<usize>()
+            + 2
+            + desc.address.len()
+            + 1
+            + 24;
+        assert_eq!(bytes.remove(flag), 0);
+        assert_eq!(EndpointDesc::from_bytes(&bytes).unwrap(), desc);
     }
 
     proptest! {

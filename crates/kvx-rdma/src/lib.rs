@@ -97,7 +97,7 @@ pub mod validate;
 ))]
 mod wake;
 
-pub use desc::{DescError, EndpointDesc, NoticeSlot};
+pub use desc::{BoardPlace, DescError, EndpointDesc, NoticeSlot};
 pub use error::{
     BackendError, ConnectError, DeregisterError, OpError, PlanError, PollError, ReadError,
     RegisterError, SendError, Side, WriteError,

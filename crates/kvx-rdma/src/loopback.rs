@@ -16,7 +16,7 @@ use kvx_core::{MemoryKind, RegionDesc};
 use kvx_layout::CopyOp;
 
 use crate::board::{self, NoticeBoard};
-use crate::desc::{EndpointDesc, NoticeSlot};
+use crate::desc::EndpointDesc;
 use crate::error::{
     ConnectError, DeregisterError, OpError, PollError, ReadError, RegisterError, SendError,
     WriteError,
@@ -254,6 +254,7 @@ impl Transport for LoopbackEndpoint {
             memory_kinds: vec![MemoryKind::Host],
             polls_to_wait: false,
             peer_rma_unassisted: true,
+            peer_rma_occasional_reads: false,
         }
     }
 
@@ -323,20 +324,17 @@ impl Transport for LoopbackEndpoint {
             })
             .unwrap_or_default();
         regions.sort_by_key(|r| r.index);
-        let notice_slot = state
+        let board = state
             .endpoints
             .get(&self.id)
             .and_then(|me| me.board.as_ref())
-            .map(|b| NoticeSlot {
-                addr: b.addr(),
-                key: 0,
-                len: b.bytes(),
-            });
+            .map(|b| b.place());
         EndpointDesc {
             backend: BACKEND.into(),
             provider: String::new(),
             address: encode_address(self.fabric_id, self.id),
-            notice_slot,
+            notice_slot: None,
+            board,
             regions,
         }
     }
@@ -389,9 +387,9 @@ impl Transport for LoopbackEndpoint {
         let peer = self.peer(peer_id).ok_or(WriteError::UnknownPeer(peer_id))?;
         // A peer with a notice board (in its description) takes board notices there; to one
         // without, every notice is a message.
-        let to_board = match (notice, peer.desc.notice_slot) {
-            (Some(n), Some(slot)) if board::board_slot(n).is_some() => {
-                board::remote_slot(slot.addr, slot.len, n)?;
+        let to_board = match (notice, peer.desc.board) {
+            (Some(n), Some(place)) if board::board_slot(n).is_some() => {
+                board::remote_slot(place, n)?;
                 true
             }
             _ => false,

@@ -105,6 +105,13 @@ pub struct Capabilities {
     /// Where not (`tcp`, NIXL), an endpoint that stops reading holds them up until it reads
     /// again.
     pub peer_rma_unassisted: bool,
+    /// With `peer_rma_unassisted`: whether peers' writes still need this endpoint to read its
+    /// queue now and then. libfabric `shm`: each write, though its data lands by cross-memory
+    /// attach, takes a slot of the target's command queue that only the target's reads give
+    /// back, and a new peer's first write waits for the target to answer its handshake. An
+    /// endpoint that otherwise leaves its queue alone (notices in a [board](crate::board)) must
+    /// read it regularly, and while a new peer's first write is due.
+    pub peer_rma_occasional_reads: bool,
 }
 
 /// A data mover between engine instances: registers local memory, describes itself, connects to

@@ -227,15 +227,35 @@ pub(crate) fn wait_turn<C>(
         }
         open &= drain(commands);
     } else {
-        match rx.recv_timeout(limit) {
-            Ok(c) => commands.push(c),
-            Err(RecvTimeoutError::Timeout) => {}
-            Err(RecvTimeoutError::Disconnected) => open = false,
-        }
+        open &= wait_commands(queue, clock, deadline, commands);
         // Notices may arrive while nothing is in flight on this side (the consumer's case).
         transport.poll(events)?;
     }
     Ok(open)
+}
+
+/// Waits for a command until `deadline` (none: an hour) without looking at any transport;
+/// returns whether the queue is still open.
+pub(crate) fn wait_commands<C>(
+    queue: &CommandReceiver<C>,
+    clock: Clock,
+    deadline: Option<Timestamp>,
+    commands: &mut Vec<C>,
+) -> bool {
+    let limit = deadline.map_or(Duration::from_secs(3600), |d| clock.until(d));
+    match queue.rx.recv_timeout(limit) {
+        Ok(c) => commands.push(c),
+        Err(RecvTimeoutError::Timeout) => return true,
+        Err(RecvTimeoutError::Disconnected) => return false,
+    }
+    // And whatever came with it.
+    loop {
+        match queue.rx.try_recv() {
+            Ok(c) => commands.push(c),
+            Err(TryRecvError::Empty) => return true,
+            Err(TryRecvError::Disconnected) => return false,
+        }
+    }
 }
 
 /// What a side's driver thread plugs into [`drive`].

@@ -153,6 +153,9 @@ struct RankConn {
     hello: Hello,
     layout: Layout,
     peer: Option<PeerId>,
+    /// A write of this rank has landed here: its transport has made first contact with this
+    /// endpoint (see `Driver::awaiting_contact`).
+    in_contact: bool,
 }
 
 struct Instance {
@@ -189,6 +192,9 @@ pub struct Consumer {
     tx: CommandSender<Command>,
     events: Arc<Mutex<Vec<(RecvEvent, SystemTime)>>>,
     board: Option<Arc<SharedBoard>>,
+    /// The engine thread reads the transport's queue each step while the driver does not
+    /// (`Capabilities::peer_rma_occasional_reads`).
+    engine_reads: bool,
     /// The driver's state: the engine thread registers a push request itself when the state is
     /// free and the request's prefill is connected (with a notice board only, where the
     /// request then costs the driver thread no wake-up at all).
@@ -224,10 +230,14 @@ impl Consumer {
         let (tx, rx) = common::command_queue(transport.waker());
         let events = Arc::new(Mutex::new(Vec::new()));
         let stats = Arc::new(Stats::default());
-        let finishing_hints = config.finishing_hints.unwrap_or_else(|| {
-            let c = transport.capabilities();
-            c.polls_to_wait && c.peer_rma_unassisted
-        });
+        let caps = transport.capabilities();
+        // With a board, notices need nothing from this side, so no hints are asked for.
+        let finishing_hints = config
+            .finishing_hints
+            .unwrap_or(caps.polls_to_wait && caps.peer_rma_unassisted && board.is_none());
+        // libfabric `shm`: the board spares this side the notices, not the reads of its queue
+        // that peers' writes need now and then (and for a new writer's first contact).
+        let contact_needed = board.is_some() && caps.peer_rma_occasional_reads;
         let hello = common::hello(
             &config,
             Role::Consumer,
@@ -244,7 +254,7 @@ impl Consumer {
             parked: None,
             closed: false,
             backlogged: false,
-            message_notice_added: false,
+            transport_wanted: false,
             board_notices_as_messages: false,
             waiter,
             hello,
@@ -257,6 +267,8 @@ impl Consumer {
             reads: HashMap::new(),
             quiescing: HashMap::new(),
             board: board.as_ref().map(|b| BoardSlots::new(Arc::clone(b))),
+            contact_needed,
+            awaiting_contact: HashMap::new(),
             engine_ready: HashSet::new(),
             next_notice: 1,
             next_conn: 0,
@@ -279,6 +291,7 @@ impl Consumer {
             tx,
             events,
             board,
+            engine_reads: contact_needed,
             driver,
             stats,
             stop: Arc::new(AtomicBool::new(false)),
@@ -352,6 +365,9 @@ impl Consumer {
     /// when its last notice arrived and any re-layout was done), for engines and benchmarks that
     /// poll less often than transfers finish.
     pub fn take_events_timed(&self) -> Vec<(RecvEvent, SystemTime)> {
+        if self.engine_reads {
+            self.read_transport();
+        }
         let mut events =
             std::mem::take(&mut *self.events.lock().unwrap_or_else(PoisonError::into_inner));
         if let Some(board) = &self.board {
@@ -368,6 +384,39 @@ impl Consumer {
 
     fn send(&self, command: Command) -> Result<(), Closed> {
         self.tx.send(command).map_err(|_| Closed)
+    }
+
+    /// Reads the transport's queue once, on the engine thread, if the driver is not reading it
+    /// (it is then waiting for commands, or busy with something else): peers' writes free the
+    /// slots they took there. A few hundred nanoseconds when nothing came; what came is handled
+    /// here, and the driver is woken only if that leaves it something to do.
+    fn read_transport(&self) {
+        let Ok(mut driver) = self.driver.try_lock() else {
+            return;
+        };
+        if driver.closed {
+            return;
+        }
+        let Some(transport) = driver.transport.as_deref_mut() else {
+            return;
+        };
+        let mut events = Vec::new();
+        if let Err(e) = transport.poll(&mut events) {
+            // The driver's next read meets it too, and handles it.
+            debug!(error = %e, "transport poll failed on the engine thread");
+            return;
+        }
+        if events.is_empty() {
+            return;
+        }
+        for event in events {
+            driver.on_event(event);
+        }
+        let wake = driver.needs_wake();
+        drop(driver);
+        if wake {
+            let _ = self.tx.send(Command::Wake);
+        }
     }
 
     /// Stops the driver; every waiting request is reported failed.
@@ -401,8 +450,9 @@ struct Driver {
     closed: bool,
     /// A control message waits for a flush (its connection's send buffer was full).
     backlogged: bool,
-    /// A request registered since the last look waits for message notices.
-    message_notice_added: bool,
+    /// A request registered since the last look makes the driver read its transport (message
+    /// notices, or a writer's first contact).
+    transport_wanted: bool,
     /// A board notice came as a message (a producer whose transport writes no boards): from
     /// then on the driver reads its transport while any notice is due.
     board_notices_as_messages: bool,
@@ -421,6 +471,13 @@ struct Driver {
     quiescing: HashMap<AttemptKey, Quiescing>,
     /// The notice board's slots, where the transport has a board.
     board: Option<BoardSlots>,
+    /// The transport needs this side to read its queue once before a new writer's first write
+    /// lands (`Capabilities::peer_rma_occasional_reads`: libfabric `shm`), though its notices go to
+    /// the board.
+    contact_needed: bool,
+    /// Board notices of writer ranks not yet in contact: while any is due, the driver reads its
+    /// transport and watches the board for them.
+    awaiting_contact: HashMap<u64, (SocketAddr, Rank)>,
     /// Requests the engine thread found ready in the board, still in the waiter.
     engine_ready: HashSet<AttemptKey>,
     next_notice: u64,
@@ -452,6 +509,7 @@ impl Driver {
         } else {
             !self.reads.is_empty()
                 || !self.quiescing.is_empty()
+                || !self.awaiting_contact.is_empty()
                 || (self.board_notices_as_messages && !self.notices.is_empty())
                 || self.notices.keys().any(|n| !board::is_board_notice(*n))
         }
@@ -459,7 +517,7 @@ impl Driver {
 
     fn deadline(&mut self) -> Option<Timestamp> {
         let mut quiesce = self.quiescing.values().map(|q| q.deadline).min();
-        if self.quiescing_on_board() {
+        if self.quiescing_on_board() || !self.awaiting_contact.is_empty() {
             // Their writers confirm by writing the board, which wakes no one.
             let poll = self.clock.now() + BOARD_QUIESCE_POLL;
             quiesce = Some(quiesce.map_or(poll, |q| q.min(poll)));
@@ -472,6 +530,7 @@ impl Driver {
 
     fn tick(&mut self, now: Timestamp) {
         self.board_quiesce();
+        self.first_contacts();
         self.waiter.handle_timeout(now);
         self.heartbeats(now);
         self.actions();
@@ -502,7 +561,7 @@ impl Driver {
         let clock = lock().clock;
         let (mut events, mut commands) = (Vec::new(), Vec::new());
         loop {
-            let (mut transport, deadline, busy) = {
+            let (taken, deadline) = {
                 let mut driver = lock();
                 // At least every heartbeat interval, even with nothing to do: a request the
                 // engine thread registers then needs no wake-up to have its heartbeats (or its
@@ -510,30 +569,53 @@ impl Driver {
                 let idle_tick = clock.now() + driver.config.heartbeat_interval;
                 let deadline = Some(driver.deadline().map_or(idle_tick, |d| d.min(idle_tick)));
                 let busy = driver.busy();
-                driver.message_notice_added = false;
+                driver.transport_wanted = false;
                 driver.parked = Some(Parked {
                     until: deadline,
                     busy,
                 });
-                let Some(transport) = driver.transport.take() else {
-                    warn!("the consumer's transport is gone");
-                    driver.finish_run();
-                    return;
+                // Waiting on the transport, the driver takes it along; otherwise it stays here,
+                // where the engine thread can read it (`Consumer::take_events`).
+                let taken = if busy {
+                    let Some(transport) = driver.transport.take() else {
+                        warn!("the consumer's transport is gone");
+                        driver.finish_run();
+                        return;
+                    };
+                    Some(transport)
+                } else {
+                    None
                 };
-                (transport, deadline, busy)
+                (taken, deadline)
             };
-            let turn = common::wait_turn(
-                rx,
-                transport.as_mut(),
-                busy,
-                clock,
-                deadline,
-                &mut events,
-                &mut commands,
-            );
-            let mut driver = lock();
+            let (turn, mut driver) = if let Some(mut transport) = taken {
+                let turn = common::wait_turn(
+                    rx,
+                    transport.as_mut(),
+                    true,
+                    clock,
+                    deadline,
+                    &mut events,
+                    &mut commands,
+                );
+                let mut driver = lock();
+                driver.transport = Some(transport);
+                (turn, driver)
+            } else {
+                let open = common::wait_commands(rx, clock, deadline, &mut commands);
+                let mut driver = lock();
+                // Notices may arrive while nothing is in flight on this side.
+                let turn = match driver.transport.as_deref_mut() {
+                    Some(transport) => transport.poll(&mut events).map(|_| open),
+                    None => {
+                        warn!("the consumer's transport is gone");
+                        driver.finish_run();
+                        return;
+                    }
+                };
+                (turn, driver)
+            };
             driver.parked = None;
-            driver.transport = Some(transport);
             driver.stats.driver_turns.fetch_add(1, Ordering::Relaxed);
             let open = turn.unwrap_or_else(|e| {
                 warn!(error = %e, "transport poll failed");
@@ -586,8 +668,7 @@ impl Driver {
         };
         // Only a message notice makes the driver read its transport (`busy`): checked without
         // scanning every notice due.
-        let newly_busy = (std::mem::take(&mut self.message_notice_added)
-            || !self.quiescing.is_empty())
+        let newly_busy = (std::mem::take(&mut self.transport_wanted) || !self.quiescing.is_empty())
             && !parked.busy;
         sooner || newly_busy || self.backlogged || self.waiter.has_actions()
     }
@@ -744,6 +825,7 @@ impl Driver {
                 hello,
                 layout,
                 peer: None,
+                in_contact: false,
             },
         );
         Ok(())
@@ -1044,7 +1126,13 @@ impl Driver {
                     n
                 };
                 self.notices.insert(notice, (key, rank));
-                self.message_notice_added |= on_board.is_none();
+                let conn = &self.instances[&instance].ranks[&rank];
+                if on_board.is_none() {
+                    self.transport_wanted = true;
+                } else if self.contact_needed && !conn.in_contact {
+                    self.awaiting_contact.insert(notice, (instance, rank));
+                    self.transport_wanted = true;
+                }
                 waiting.notices.push(notice);
                 let registration = Message::Registration(Registration {
                     transfer: key.transfer,
@@ -1059,7 +1147,6 @@ impl Driver {
                     notice,
                     blocks: request.blocks.clone(),
                 });
-                let conn = &self.instances[&instance].ranks[&rank];
                 // Never blocks (the engine thread may be the caller): a full send buffer
                 // leaves the registration for the driver to flush.
                 let sent = conn.sender.send_or_queue(&registration).map(|queued| {
@@ -1340,6 +1427,36 @@ impl Driver {
                 self.waiter.completion(now, key, rank);
             }
         }
+    }
+
+    /// Writer ranks whose first board notice has landed are in contact: their later writes need
+    /// nothing from this side. Notices of requests that ended otherwise stop counting.
+    fn first_contacts(&mut self) {
+        let Some(slots) = &self.board else {
+            return;
+        };
+        if self.awaiting_contact.is_empty() {
+            return;
+        }
+        let landed: Vec<(SocketAddr, Rank)> = self
+            .awaiting_contact
+            .iter()
+            .filter(|(n, _)| slots.shared.arrived(**n))
+            .map(|(_, who)| *who)
+            .collect();
+        for (instance, rank) in &landed {
+            if let Some(conn) = self
+                .instances
+                .get_mut(instance)
+                .and_then(|i| i.ranks.get_mut(rank))
+            {
+                debug!(%instance, %rank, "writer rank in contact");
+                conn.in_contact = true;
+            }
+        }
+        let notices = &self.notices;
+        self.awaiting_contact
+            .retain(|n, who| notices.contains_key(n) && !landed.contains(who));
     }
 
     /// Whether a failed request waits for a writer rank whose notice would land in the board.

@@ -1408,6 +1408,13 @@ macro_rules! forward_transport {
         }
     };
     (connections) => {
+        fn capabilities(&self) -> Capabilities {
+            self.inner.capabilities()
+        }
+        forward_transport!(connections_only);
+    };
+    // `connect` and `disconnect`; the implementation says its own capabilities.
+    (connections_only) => {
         forward_transport!(base);
         fn connect(
             &mut self,
@@ -1422,9 +1429,6 @@ macro_rules! forward_transport {
     (base) => {
         fn backend(&self) -> &'static str {
             self.inner.backend()
-        }
-        fn capabilities(&self) -> Capabilities {
-            self.inner.capabilities()
         }
         fn register(
             &mut self,
@@ -1554,6 +1558,9 @@ struct RecordedPeers {
 
 impl Transport for RecordedPeers {
     forward_transport!(base);
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
     fn connect(&mut self, peer: &kvx_rdma::EndpointDesc) -> Result<PeerId, kvx_rdma::ConnectError> {
         let id = self.inner.connect(peer)?;
         self.connected.lock().unwrap().push(id);
@@ -2391,4 +2398,206 @@ fn an_abort_from_another_decode_instance_is_ignored() {
         SendOutcome::Sent
     );
     drop(rogue);
+}
+
+/// A decode endpoint whose peers' writes need it to read its queue now and then, as libfabric
+/// `shm`'s do (`peer_rma_occasional_reads`); it counts its reads, and those made on the engine's
+/// thread (any but the connector's own threads).
+struct OccasionalReads {
+    inner: Box<dyn Transport>,
+    reads: Arc<AtomicU64>,
+    engine_reads: Arc<AtomicU64>,
+}
+
+impl OccasionalReads {
+    fn count(&self) {
+        self.reads.fetch_add(1, Ordering::SeqCst);
+        let engine = !std::thread::current()
+            .name()
+            .is_some_and(|n| n.starts_with("kvx-"));
+        if engine {
+            self.engine_reads.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+}
+
+impl Transport for OccasionalReads {
+    forward_transport!(connections_only);
+    forward_transport!(writes);
+    fn capabilities(&self) -> Capabilities {
+        let mut caps = self.inner.capabilities();
+        caps.peer_rma_occasional_reads = true;
+        caps
+    }
+    fn notice_board(&mut self, slots: usize) -> Option<Arc<kvx_rdma::board::NoticeBoard>> {
+        self.inner.notice_board(slots)
+    }
+    fn poll(&mut self, events: &mut Vec<Event>) -> Result<usize, kvx_rdma::PollError> {
+        self.count();
+        self.inner.poll(events)
+    }
+    fn wait(
+        &mut self,
+        events: &mut Vec<Event>,
+        timeout: Duration,
+    ) -> Result<usize, kvx_rdma::PollError> {
+        self.count();
+        self.inner.wait(events, timeout)
+    }
+}
+
+/// A write not made yet: decode's reads when it was posted, its id, what it does.
+type Deferred = (u64, OpId, PeerId, Vec<kvx_layout::CopyOp>, Option<Notice>);
+
+/// A prefill endpoint whose writes, data and notice, happen only once the decode endpoint has
+/// been read after they were posted: `shm`'s first contact and full command queue, at their
+/// worst.
+struct DeferredWrites {
+    inner: Box<dyn Transport>,
+    reads: Arc<AtomicU64>,
+    /// Writes not made yet.
+    queued: Vec<Deferred>,
+    /// The inner endpoint's ids of the writes made, and the ids they were given here.
+    made: HashMap<OpId, OpId>,
+    next: u64,
+}
+
+impl DeferredWrites {
+    /// Makes the writes whose decode endpoint was read since they were posted.
+    fn release(&mut self, events: &mut Vec<Event>) {
+        let reads = self.reads.load(Ordering::SeqCst);
+        let (due, wait): (Vec<_>, Vec<_>) = std::mem::take(&mut self.queued)
+            .into_iter()
+            .partition(|q| reads > q.0);
+        self.queued = wait;
+        for (_, id, peer, ops, notice) in due {
+            match self.inner.write(peer, &ops, notice) {
+                Ok(inner) => {
+                    self.made.insert(inner, id);
+                }
+                Err(e) => events.push(Event::Failed {
+                    op: id,
+                    kind: kvx_rdma::OpKind::Write,
+                    peer,
+                    error: kvx_rdma::OpError::Backend {
+                        source: e.to_string().into(),
+                    },
+                }),
+            }
+        }
+    }
+
+    /// Gives the events added from `first` on the ids this endpoint handed out.
+    fn rename(&mut self, events: &mut [Event], first: usize) -> usize {
+        for event in &mut events[first..] {
+            if let Event::WriteDone { op, .. } | Event::Failed { op, .. } = event {
+                if let Some(id) = self.made.remove(op) {
+                    *op = id;
+                }
+            }
+        }
+        events.len() - first
+    }
+}
+
+impl Transport for DeferredWrites {
+    forward_transport!(connections);
+    fn write(
+        &mut self,
+        peer: PeerId,
+        ops: &[kvx_layout::CopyOp],
+        notice: Option<Notice>,
+    ) -> Result<OpId, kvx_rdma::WriteError> {
+        self.next += 1;
+        let id = OpId(1 << 48 | self.next);
+        let reads = self.reads.load(Ordering::SeqCst);
+        self.queued.push((reads, id, peer, ops.to_vec(), notice));
+        Ok(id)
+    }
+    fn poll(&mut self, events: &mut Vec<Event>) -> Result<usize, kvx_rdma::PollError> {
+        let first = events.len();
+        self.release(events);
+        self.inner.poll(events)?;
+        Ok(self.rename(events, first))
+    }
+    fn wait(
+        &mut self,
+        events: &mut Vec<Event>,
+        timeout: Duration,
+    ) -> Result<usize, kvx_rdma::PollError> {
+        let first = events.len();
+        self.release(events);
+        let timeout = if self.queued.is_empty() {
+            timeout
+        } else {
+            timeout.min(Duration::from_millis(1))
+        };
+        self.inner.wait(events, timeout)?;
+        Ok(self.rename(events, first))
+    }
+}
+
+/// Decode's transport needs reading now and then for its peers' writes to land (as `shm`'s
+/// does), its notices go to the board, and its driver, with heartbeats a minute apart, reads it
+/// only for a writer's first contact (the first request lands with the engine not reading):
+/// every later request lands because the engine thread's `take_events` reads it. Without those
+/// reads, the second request would wait a minute.
+#[test]
+fn with_a_board_on_a_transport_that_needs_occasional_reads_the_engine_thread_reads_it() {
+    let fabric = LoopbackFabric::new();
+    let reads = Arc::new(AtomicU64::new(0));
+    let engine_reads = Arc::new(AtomicU64::new(0));
+    let base = free_ports(1);
+    let (side, cache) = Side::new(spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit));
+    let mut c = config(1);
+    c.listen = base;
+    let deferred = DeferredWrites {
+        inner: Box::new(fabric.endpoint()),
+        reads: Arc::clone(&reads),
+        queued: Vec::new(),
+        made: HashMap::new(),
+        next: 0,
+    };
+    let producer = Producer::start(c, cache, Box::new(deferred)).unwrap();
+    let (dec, cache) = Side::new(spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit));
+    let mut c = config(2);
+    c.heartbeat_interval = Duration::from_secs(60);
+    let occasional = OccasionalReads {
+        inner: Box::new(fabric.endpoint()),
+        reads: Arc::clone(&reads),
+        engine_reads: Arc::clone(&engine_reads),
+    };
+    let consumer = Consumer::start(c, cache, Box::new(occasional)).unwrap();
+    let tokens = 16;
+    let p_blocks = ids(10..14);
+    side.fill(&p_blocks, tokens);
+    let c_blocks: Vec<BlockId> = (0..4).map(|i| BlockId(40 - i)).collect();
+    for t in 0..6 {
+        let k = key(900 + t, 0);
+        register_request(&consumer, base, k, RequestId(3), tokens, c_blocks.clone());
+        std::thread::sleep(Duration::from_millis(10));
+        producer
+            .request_finished(k, RequestId(9), p_blocks.clone(), tokens)
+            .unwrap();
+        if t == 0 {
+            // The writer's first contact: the driver reads the transport until its notice
+            // lands, with the engine thread not reading at all meanwhile.
+            assert_eq!(wait_finished(&producer, 1)[0].outcome, SendOutcome::Sent);
+            expect_ready(&consumer, k, RequestId(3));
+        } else {
+            expect_ready(&consumer, k, RequestId(3));
+            assert_eq!(wait_finished(&producer, 1)[0].outcome, SendOutcome::Sent);
+        }
+        dec.verify(&c_blocks, 0, tokens);
+    }
+    let stats = consumer.stats();
+    assert_eq!(stats.board_ready, 6);
+    assert_eq!(stats.finishing_hints, 0);
+    assert!(engine_reads.load(Ordering::SeqCst) > 0);
+    eprintln!(
+        "decode endpoint read {} times, {} of them on the engine thread; driver turns {}",
+        reads.load(Ordering::SeqCst),
+        engine_reads.load(Ordering::SeqCst),
+        stats.driver_turns
+    );
 }

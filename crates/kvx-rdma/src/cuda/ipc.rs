@@ -707,6 +707,7 @@ impl Transport for CudaIpcTransport {
             }],
             polls_to_wait: false,
             peer_rma_unassisted: true,
+            peer_rma_occasional_reads: false,
         }
     }
 
@@ -786,6 +787,7 @@ impl Transport for CudaIpcTransport {
             provider: String::new(),
             address: self.address().encode(),
             notice_slot: None,
+            board: None,
             regions: self
                 .regions
                 .values()

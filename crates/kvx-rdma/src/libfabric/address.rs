@@ -189,6 +189,7 @@ mod tests {
             provider: "shm".into(),
             address,
             notice_slot: Some(slot(1, 2)),
+            board: None,
             regions: vec![
                 RegionDesc {
                     index: 3,

@@ -78,6 +78,7 @@ use kvx_core::{MemoryKind, RegionDesc};
 use kvx_layout::CopyOp;
 use libfabric_sys as sys;
 
+use crate::board::{self, NoticeBoard};
 use crate::cpu_time::thread_cpu_time;
 use crate::desc::{EndpointDesc, NoticeSlot};
 use crate::error::{
@@ -476,6 +477,9 @@ struct Pending {
     /// The flush reads have started.
     flushing: bool,
     notice_posted: bool,
+    /// Where the notice goes instead, written by cross-memory attach: the peer's process and
+    /// the slot's address in its notice board.
+    board: Option<(i32, u64)>,
     failed: Option<OpError>,
     /// Reported as timed out; completions still owed by the provider are drained silently.
     abandoned: bool,
@@ -555,6 +559,8 @@ pub struct LibfabricTransport {
     wake: Arc<WakeSignal>,
     /// [`Capabilities::peer_rma_unassisted`]: `shm` with cross-memory attach.
     peer_rma_unassisted: bool,
+    /// This endpoint's notice board (`shm` with cross-memory attach), once asked for.
+    board: Option<Arc<NoticeBoard>>,
 }
 
 // SAFETY: every libfabric object of the domains is owned by this value and used only through
@@ -885,6 +891,7 @@ impl LibfabricTransport {
             wait_fds,
             wake,
             peer_rma_unassisted: first.provider == PROVIDER_SHM && shm_cma::cma_usable(),
+            board: None,
         };
         for rail in 0..n {
             for slot in 0..RECV_SLOTS {
@@ -1119,6 +1126,7 @@ impl LibfabricTransport {
         stripes: Vec<Stripe>,
         locals: Vec<u32>,
         notice: Option<u64>,
+        board: Option<(i32, u64)>,
     ) -> u64 {
         let op = self.new_op();
         for index in &locals {
@@ -1150,6 +1158,7 @@ impl LibfabricTransport {
                 flush,
                 flushing: false,
                 notice_posted: false,
+                board,
                 failed: None,
                 abandoned: false,
                 deadline: Instant::now() + self.op_timeout,
@@ -1260,6 +1269,10 @@ impl LibfabricTransport {
         }
         if !p.data_left() {
             // The notice: every data completion of every rail has been read (`wants_post`).
+            if let Some((pid, addr)) = p.board {
+                self.write_board_notice(op, pid, addr);
+                return Ok(());
+            }
             let link = p.notice_link;
             let (Some(&peer_addr), Some(target)) =
                 (peer.links.get(link), peer.rails.rails.get(link))
@@ -1489,6 +1502,41 @@ impl LibfabricTransport {
             (Some(e), _) => Err(e),
             (None, Some(e)) if !posted_any => Err(e),
             _ => Ok(()),
+        }
+    }
+
+    /// Writes `op`'s notice into the peer's notice board (its data is in place: every data
+    /// completion has been read, and `shm` completes a write on delivery) and settles `op`. A
+    /// peer that is gone fails it; one whose memory this process may not write (a setting that
+    /// changed after its description was made) gets the notice as a message instead.
+    fn write_board_notice(&mut self, op: u64, pid: i32, addr: u64) {
+        let Some(p) = self.pending.get_mut(&op) else {
+            return;
+        };
+        p.board = None;
+        let value = p.notice.unwrap_or(0);
+        match board::write_remote(pid, addr, value) {
+            Ok(()) => {
+                p.notice = None;
+                self.settle(op);
+            }
+            Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
+                if !self.post_queue.contains(&op) {
+                    self.post_queue.push_back(op);
+                }
+            }
+            Err(e) if e.raw_os_error() == Some(libc::ESRCH) => self.fail(
+                op,
+                OpError::PeerUnreachable {
+                    source: format!("writing the notice: the peer's process is gone ({e})").into(),
+                },
+            ),
+            Err(e) => self.fail(
+                op,
+                OpError::RemoteAccess {
+                    source: format!("writing the notice into the peer's board: {e}").into(),
+                },
+            ),
         }
     }
 
@@ -1879,6 +1927,7 @@ impl Transport for LibfabricTransport {
             memory_kinds: vec![MemoryKind::Host],
             polls_to_wait: !self.rails.iter().all(|r| r.ep.cq().can_block()),
             peer_rma_unassisted: self.peer_rma_unassisted,
+            peer_rma_occasional_reads: self.provider == PROVIDER_SHM,
         }
     }
 
@@ -1978,6 +2027,7 @@ impl Transport for LibfabricTransport {
             provider: self.provider.clone(),
             address,
             notice_slot: Some(self.rails[0].scratch.notice_slot()),
+            board: self.board.as_ref().map(|b| b.place()),
             regions: regions.iter().map(|r| r.remote).collect(),
         }
     }
@@ -2073,6 +2123,17 @@ impl Transport for LibfabricTransport {
                 });
             }
         }
+        // A peer with a notice board takes board notices there, written by cross-memory attach
+        // once the data is in; that needs this side's data to move the same way (no help from
+        // the peer). Otherwise every notice is a message.
+        let board = match (notice, peer.desc.board, peer.pid) {
+            (Some(n), Some(place), Some(pid))
+                if board::board_slot(n).is_some() && self.peer_rma_unassisted =>
+            {
+                Some((pid, board::remote_slot(place, n)?))
+            }
+            _ => None,
+        };
         let bytes = check_ops(
             ops,
             |i| self.regions.get(&i).map(|r| r.region.len()),
@@ -2087,6 +2148,7 @@ impl Transport for LibfabricTransport {
             stripes,
             locals,
             notice.map(|n| n.0),
+            board,
         );
         Ok(OpId(op))
     }
@@ -2103,7 +2165,7 @@ impl Transport for LibfabricTransport {
         )?;
         let stripes = self.stripes(peer_id, ops, false);
         let locals = Self::local_regions(ops, false);
-        let op = self.submit(OpKind::Read, peer_id, bytes, stripes, locals, None);
+        let op = self.submit(OpKind::Read, peer_id, bytes, stripes, locals, None, None);
         Ok(OpId(op))
     }
 
@@ -2143,6 +2205,7 @@ impl Transport for LibfabricTransport {
                 flush: Vec::new(),
                 flushing: false,
                 notice_posted: false,
+                board: None,
                 failed: None,
                 abandoned: false,
                 deadline: Instant::now() + self.op_timeout,
@@ -2205,6 +2268,19 @@ impl Transport for LibfabricTransport {
     /// once, and a wait that reads with sleeps in between (no wait object) within one sleep.
     fn waker(&self) -> Option<Arc<dyn Waker>> {
         Some(Arc::clone(&self.wake) as Arc<dyn Waker>)
+    }
+
+    /// `shm` with cross-memory attach: peers' data lands without this side's help, and so can
+    /// their notices (one more 8-byte `process_vm_writev` into the board once the data write
+    /// completed). Other providers: none.
+    fn notice_board(&mut self, slots: usize) -> Option<Arc<NoticeBoard>> {
+        if !self.peer_rma_unassisted {
+            return None;
+        }
+        Some(Arc::clone(
+            self.board
+                .get_or_insert_with(|| Arc::new(NoticeBoard::new(slots))),
+        ))
     }
 }
 

@@ -912,3 +912,107 @@ fn a_write_to_an_exited_shm_peer_fails_soon_after_disconnect() {
     );
     child.wait().unwrap();
 }
+
+/// A board for `shm` endpoints where cross-memory attach works; none on `tcp`.
+fn shm_board_pair(config: &LibfabricConfig) -> Option<(LibfabricTransport, LibfabricTransport)> {
+    let (a, mut b) = pair(config);
+    if !super::shm_cma::cma_usable() {
+        assert!(b.notice_board(4).is_none());
+        eprintln!("skipped: cross-memory attach is not usable here, so shm offers no board");
+        return None;
+    }
+    Some((a, b))
+}
+
+#[test]
+fn shm_board_notices_land_in_the_peers_memory_after_the_data() {
+    let mut tcp = LibfabricTransport::open(&LibfabricConfig::tcp(Some("lo"))).unwrap();
+    assert!(tcp.notice_board(4).is_none(), "tcp data needs the target");
+    // Two rails: the notice goes once both rails' data is in.
+    for config in [LibfabricConfig::shm(), two_rails(LibfabricConfig::shm())] {
+        let Some((mut a, mut b)) = shm_board_pair(&config) else {
+            return;
+        };
+        let len = 1 << 20;
+        let src = Arc::new(HostBuffer::new(len).unwrap());
+        src.fill_with(|i| (i * 13 + 5) as u8);
+        let dst = Arc::new(HostBuffer::new(len).unwrap());
+        a.register(LocalRegion::host(0, Arc::clone(&src))).unwrap();
+        b.register(LocalRegion::host(0, Arc::clone(&dst))).unwrap();
+        crate::transport::check_notice_board(&mut a, &mut b, len as u64, &|| {
+            dst.to_vec() == src.to_vec()
+        });
+    }
+}
+
+/// What `peer_rma_occasional_reads` says of `shm`: a fresh connection's first write to a peer
+/// that never reads its queue waits; once the peer has read its queue, a later write lands, data
+/// and board notice, with the peer silent again; and a write of more pieces than the peer's queue
+/// has slots lands with the peer reading its queue only now and then.
+#[test]
+fn shm_board_writes_need_the_peer_only_for_first_contact_and_now_and_then() {
+    let Some((mut a, mut b)) = shm_board_pair(&LibfabricConfig::shm()) else {
+        return;
+    };
+    assert!(b.capabilities().peer_rma_occasional_reads);
+    let len = 1 << 16;
+    let src = Arc::new(HostBuffer::new(len).unwrap());
+    src.fill_with(|i| (i * 3 + 1) as u8);
+    let dst = Arc::new(HostBuffer::new(len).unwrap());
+    a.register(LocalRegion::host(0, Arc::clone(&src))).unwrap();
+    b.register(LocalRegion::host(0, Arc::clone(&dst))).unwrap();
+    let board = b.notice_board(4).unwrap();
+    let peer = a.connect(&b.local_desc()).unwrap();
+    let whole = [op(0, 0, 0, 0, len as u64)];
+    let first = crate::board::board_notice(1, 5).unwrap();
+    a.write(peer, &whole, Some(first)).unwrap();
+    let mut ea = Vec::new();
+    let quiet = Instant::now() + Duration::from_millis(300);
+    while Instant::now() < quiet {
+        a.wait(&mut ea, Duration::from_millis(5)).unwrap();
+    }
+    assert!(
+        !board.arrived(first),
+        "the first write landed without the peer: {ea:?}"
+    );
+    assert!(dst.to_vec().iter().all(|&x| x == 0));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut eb = Vec::new();
+    while !board.arrived(first) {
+        assert!(Instant::now() < deadline, "a: {ea:?}");
+        b.poll(&mut eb).unwrap();
+        a.wait(&mut ea, Duration::from_millis(1)).unwrap();
+    }
+    assert_eq!(dst.to_vec(), src.to_vec());
+    src.fill_with(|i| (i * 7 + 2) as u8);
+    let second = crate::board::board_notice(2, 6).unwrap();
+    a.write(peer, &whole, Some(second)).unwrap();
+    while !board.arrived(second) {
+        assert!(
+            Instant::now() < deadline,
+            "the second write needed the peer: {ea:?}"
+        );
+        a.wait(&mut ea, Duration::from_millis(1)).unwrap();
+    }
+    assert_eq!(dst.to_vec(), src.to_vec());
+    // Small pieces, more than the peer's command queue has slots: the peer reading its queue
+    // now and then (every 5 ms) is enough.
+    src.fill_with(|i| (i * 5 + 3) as u8);
+    let mut rows = op(0, 0, 0, 0, 32);
+    rows.count = (len / 32) as u64;
+    rows.src_stride = 32;
+    rows.dst_stride = 32;
+    let third = crate::board::board_notice(3, 7).unwrap();
+    a.write(peer, &[rows], Some(third)).unwrap();
+    let mut next_read = Instant::now();
+    while !board.arrived(third) {
+        assert!(Instant::now() < deadline, "a: {ea:?}");
+        if Instant::now() >= next_read {
+            b.poll(&mut eb).unwrap();
+            next_read += Duration::from_millis(5);
+        }
+        a.wait(&mut ea, Duration::from_millis(1)).unwrap();
+    }
+    assert_eq!(dst.to_vec(), src.to_vec());
+    assert!(eb.iter().all(|e| !matches!(e, Event::Notice(_))), "{eb:?}");
+}

@@ -1009,6 +1009,7 @@ impl Transport for NixlTransport {
             memory_kinds: vec![MemoryKind::Host, MemoryKind::Cuda { device: 0 }],
             polls_to_wait: true,
             peer_rma_unassisted: false,
+            peer_rma_occasional_reads: false,
         }
     }
 
@@ -1095,6 +1096,7 @@ impl Transport for NixlTransport {
             provider: self.plugin.clone(),
             address: self.address.clone(),
             notice_slot: None,
+            board: None,
             regions,
         }
     }
