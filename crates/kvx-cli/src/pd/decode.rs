@@ -420,6 +420,7 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
         .map(|by_thread| by_thread.values().sum::<f64>() * 1e3 / loop_work.len() as f64);
     let finishing_hints: u64 = consumers.iter().map(|c| c.stats().finishing_hints).sum();
     let board_ready: u64 = consumers.iter().map(|c| c.stats().board_ready).sum();
+    let driver_turns: u64 = consumers.iter().map(|c| c.stats().driver_turns).sum();
     for mut c in consumers {
         c.shutdown();
     }
@@ -497,6 +498,7 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
         "connector_cpu_ms_by_thread": connector_cpu_ms,
         "finishing_hints": finishing_hints,
         "board_ready": board_ready,
+        "driver_turns": driver_turns,
         "by_input_tokens": per_len.into_iter().map(|(len, (t, c))| json!({
             "input_tokens": len,
             "kv_bytes": len * bytes_per_token,
