@@ -374,8 +374,14 @@ def test_push_matches_a_single_instance(model, workdir, reference):
     computed no prompt token (all came over kvx). Decode uses blocks of 64 tokens against
     prefill's 32: the CPU cache is moved token by token. Prefill computes in 32-token steps
     (chunked prefill), and push writes the finished blocks of a long prompt while its next step
-    computes (prefill's log shows those early writes)."""
-    check_pair_matches_reference("push", model, workdir, reference, d_block=2 * BLOCK, chunk=32)
+    computes (prefill's log shows those early writes). Where `shm` moves data by cross-memory
+    attach, prefill writes each notice into decode's notice board, and decode's engine finds the
+    requests ready there (its log says so)."""
+    from kvx_vllm import _native
+
+    board = "ready (notice board)" if _native.shm_uses_cma() else None
+    check_pair_matches_reference("push", model, workdir, reference, d_block=2 * BLOCK, chunk=32,
+                                 d_log_expect=board)
 
 
 def test_pull_matches_a_single_instance(model, workdir, reference):

@@ -674,6 +674,20 @@ fn transfer_id_hash(transfer_id: &str) -> String {
     TransferId::from_str_hash(transfer_id).to_string()
 }
 
+/// Whether libfabric's `shm` moves data by cross-memory attach in this process, so that a
+/// decode over `shm` gets a notice board (false without the libfabric transport).
+#[pyfunction]
+fn shm_uses_cma() -> bool {
+    #[cfg(feature = "libfabric")]
+    {
+        kvx_rdma::libfabric::shm_uses_cma()
+    }
+    #[cfg(not(feature = "libfabric"))]
+    {
+        false
+    }
+}
+
 /// The module `kvx_vllm._native`.
 #[pymodule]
 #[pyo3(name = "_native")]
@@ -682,6 +696,7 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyConsumer>()?;
     m.add_function(wrap_pyfunction!(init_logging, m)?)?;
     m.add_function(wrap_pyfunction!(transfer_id_hash, m)?)?;
+    m.add_function(wrap_pyfunction!(shm_uses_cma, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }
