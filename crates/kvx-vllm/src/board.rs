@@ -74,11 +74,12 @@ impl SharedBoard {
         self.board.arrived(Notice(notice))
     }
 
-    /// Engine thread: the armed requests whose every notice is in the board, reported ready.
-    pub(crate) fn collect(&self, stats: &Stats, out: &mut Vec<(RecvEvent, SystemTime)>) {
+    /// Engine thread: the armed requests whose every notice is in the board, reported ready;
+    /// returns how many stay armed.
+    pub(crate) fn collect(&self, stats: &Stats, out: &mut Vec<(RecvEvent, SystemTime)>) -> usize {
         let mut armed = self.lock();
         if armed.requests.is_empty() {
-            return;
+            return 0;
         }
         let board = &self.board;
         let done: Vec<AttemptKey> = armed
@@ -107,6 +108,7 @@ impl SharedBoard {
             stats.board_ready.fetch_add(1, Ordering::Relaxed);
             stats.held.fetch_sub(1, Ordering::Relaxed);
         }
+        armed.requests.len()
     }
 
     /// Driver: arms a request before its registrations go out.

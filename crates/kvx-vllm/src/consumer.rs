@@ -4,11 +4,11 @@
 
 use std::collections::{HashMap, HashSet};
 use std::net::{SocketAddr, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::{self, JoinHandle};
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use kvx_core::wire::{Abort, Completion, Heartbeat, Hello, Message, Registration, Role};
 use kvx_core::{Attempt, BlockId, Rank, RequestId, TransferId};
@@ -107,6 +107,15 @@ struct Connecting {
 /// contact is due.
 const BOARD_POLL: Duration = Duration::from_millis(2);
 
+/// How often, at most, the engine thread reads a transport whose peers' writes need this side's
+/// reads now and then (libfabric `shm`: each write holds a slot of decode's command queue, about
+/// 1,024, until decode reads), while requests wait in the board and none landed meanwhile. It
+/// reads right after a request landed anyway. Reading at every step cost far more: `shm`'s read
+/// takes a spin lock that the writer holds while it copies into this process, and the writer,
+/// posting piece after piece, can keep it for milliseconds (reads of 3 to 10 ms were seen during
+/// 16,384-token transfers).
+const ENGINE_READ_INTERVAL: Duration = Duration::from_millis(50);
+
 /// Heartbeat intervals that a registration lasts at prefill without a heartbeat.
 const HEARTBEATS_PER_LEASE: u32 = 3;
 
@@ -193,9 +202,13 @@ pub struct Consumer {
     tx: CommandSender<Command>,
     events: Arc<Mutex<Vec<(RecvEvent, SystemTime)>>>,
     board: Option<Arc<SharedBoard>>,
-    /// The engine thread reads the transport's queue each step while the driver does not
-    /// (`Capabilities::peer_rma_occasional_reads`).
+    /// The engine thread reads the transport's queue (`Capabilities::peer_rma_occasional_reads`)
+    /// when a request landed in the board, and every [`ENGINE_READ_INTERVAL`] while requests
+    /// wait there.
     engine_reads: bool,
+    /// When the engine thread may read the transport next: nanoseconds from `started`.
+    next_engine_read: AtomicU64,
+    started: Instant,
     /// The driver's state: the engine thread registers a push request itself when the state is
     /// free and the request's prefill is connected (with a notice board only, where the
     /// request then costs the driver thread no wake-up at all).
@@ -293,6 +306,8 @@ impl Consumer {
             events,
             board,
             engine_reads: contact_needed,
+            next_engine_read: AtomicU64::new(0),
+            started: Instant::now(),
             driver,
             stats,
             stop: Arc::new(AtomicBool::new(false)),
@@ -366,13 +381,17 @@ impl Consumer {
     /// when its last notice arrived and any re-layout was done), for engines and benchmarks that
     /// poll less often than transfers finish.
     pub fn take_events_timed(&self) -> Vec<(RecvEvent, SystemTime)> {
-        if self.engine_reads {
-            self.read_transport();
-        }
         let mut events =
             std::mem::take(&mut *self.events.lock().unwrap_or_else(PoisonError::into_inner));
         if let Some(board) = &self.board {
-            board.collect(&self.stats, &mut events);
+            let before = events.len();
+            let waiting = board.collect(&self.stats, &mut events);
+            // Right after a request landed its writer is most likely idle; otherwise now and
+            // then while requests wait (their early writes hold queue slots too).
+            let landed = events.len() > before;
+            if self.engine_reads && (landed || (waiting > 0 && self.engine_read_due())) {
+                self.read_transport();
+            }
         }
         events
     }
@@ -387,11 +406,23 @@ impl Consumer {
         self.tx.send(command).map_err(|_| Closed)
     }
 
+    /// Whether the engine thread's next read of the transport is due (then the one after is
+    /// [`ENGINE_READ_INTERVAL`] away).
+    fn engine_read_due(&self) -> bool {
+        let now = u64::try_from(self.started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        now >= self.next_engine_read.load(Ordering::Relaxed)
+    }
+
     /// Reads the transport's queue once, on the engine thread, if the driver is not reading it
     /// (it is then waiting for commands, or busy with something else): peers' writes free the
     /// slots they took there. A few hundred nanoseconds when nothing came; what came is handled
     /// here, and the driver is woken only if that leaves it something to do.
     fn read_transport(&self) {
+        let now = u64::try_from(self.started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.next_engine_read.store(
+            now.saturating_add(ENGINE_READ_INTERVAL.as_nanos() as u64),
+            Ordering::Relaxed,
+        );
         let Ok(mut driver) = self.driver.try_lock() else {
             return;
         };
