@@ -116,6 +116,12 @@ const BOARD_POLL: Duration = Duration::from_millis(2);
 /// 16,384-token transfers).
 const ENGINE_READ_INTERVAL: Duration = Duration::from_millis(50);
 
+/// The longest wait between the driver's reads of its transport while a writer rank's first
+/// contact is due. The reads start 2 ms apart and double: a writer's first write may come soon
+/// (its prefill was done) or after a long prompt's compute, and once contact is made (which the
+/// driver cannot see) each read only risks spinning on `shm`'s lock while the writer copies.
+const MAX_CONTACT_POLL: Duration = Duration::from_millis(64);
+
 /// Heartbeat intervals that a registration lasts at prefill without a heartbeat.
 const HEARTBEATS_PER_LEASE: u32 = 3;
 
@@ -283,6 +289,7 @@ impl Consumer {
             board: board.as_ref().map(|b| BoardSlots::new(Arc::clone(b))),
             contact_needed,
             awaiting_contact: HashMap::new(),
+            contact: (BOARD_POLL, Timestamp::ZERO),
             engine_ready: HashSet::new(),
             next_notice: 1,
             next_conn: 0,
@@ -507,8 +514,12 @@ struct Driver {
     /// the board.
     contact_needed: bool,
     /// Board notices of writer ranks not yet in contact: while any is due, the driver reads its
-    /// transport and watches the board for them every 2 ms.
+    /// transport and watches the board for them, every 2 ms at first, then less and less often
+    /// (`contact`).
     awaiting_contact: HashMap<u64, (SocketAddr, Rank)>,
+    /// While `awaiting_contact` is not empty: how long the driver now waits between reads, and
+    /// when it reads next.
+    contact: (Duration, Timestamp),
     /// Requests the engine thread found ready in the board, still in the waiter.
     engine_ready: HashSet<AttemptKey>,
     next_notice: u64,
@@ -547,13 +558,16 @@ impl Driver {
 
     fn deadline(&mut self) -> Option<Timestamp> {
         let mut quiesce = self.quiescing.values().map(|q| q.deadline).min();
-        if self.quiescing_on_board() || !self.awaiting_contact.is_empty() {
-            // Their writers confirm by writing the board, which wakes no one. A writer's first
-            // contact needs this side's transport read: each turn reads it once, and reading
-            // it every 2 ms costs less than waiting on it (which, where it polls to wait,
-            // reads it every 50 to 200 µs).
+        if self.quiescing_on_board() {
+            // Their writers confirm by writing the board, which wakes no one.
             let poll = self.clock.now() + BOARD_POLL;
             quiesce = Some(quiesce.map_or(poll, |q| q.min(poll)));
+        }
+        if !self.awaiting_contact.is_empty() {
+            // A writer's first contact needs this side's transport read: each turn reads it
+            // once (see `first_contacts`).
+            let at = self.contact.1;
+            quiesce = Some(quiesce.map_or(at, |q| q.min(at)));
         }
         [self.waiter.poll_timeout(), self.next_heartbeat, quiesce]
             .into_iter()
@@ -1163,7 +1177,9 @@ impl Driver {
                 if on_board.is_none() {
                     self.transport_wanted = true;
                 } else if self.contact_needed && !conn.in_contact {
-                    // Read every 2 ms (`deadline`) until the rank's first notice lands.
+                    if self.awaiting_contact.is_empty() {
+                        self.contact = (BOARD_POLL, now + BOARD_POLL);
+                    }
                     self.awaiting_contact.insert(notice, (instance, rank));
                 }
                 waiting.notices.push(notice);
@@ -1470,6 +1486,11 @@ impl Driver {
         };
         if self.awaiting_contact.is_empty() {
             return;
+        }
+        let now = self.clock.now();
+        if now >= self.contact.1 {
+            let every = (self.contact.0 * 2).min(MAX_CONTACT_POLL);
+            self.contact = (every, now + every);
         }
         let landed: Vec<(SocketAddr, Rank)> = self
             .awaiting_contact
