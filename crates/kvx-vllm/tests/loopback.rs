@@ -1335,6 +1335,12 @@ struct CountedReads {
     reads: Arc<AtomicU64>,
 }
 
+impl CountedReads {
+    fn count(&self) {
+        self.reads.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
 /// A prefill endpoint whose writes without a notice (early writes) report done only once the
 /// decode endpoint has been read after they were posted, as `shm`'s writes do when they need
 /// the target's progress (a full command queue, small pieces).
@@ -1388,6 +1394,21 @@ macro_rules! forward_transport {
             notice: Option<Notice>,
         ) -> Result<OpId, kvx_rdma::WriteError> {
             self.inner.write(peer, ops, notice)
+        }
+    };
+    // `poll` and `wait`, each counted first by `self.count()`.
+    (polls counted) => {
+        fn poll(&mut self, events: &mut Vec<Event>) -> Result<usize, kvx_rdma::PollError> {
+            self.count();
+            self.inner.poll(events)
+        }
+        fn wait(
+            &mut self,
+            events: &mut Vec<Event>,
+            timeout: Duration,
+        ) -> Result<usize, kvx_rdma::PollError> {
+            self.count();
+            self.inner.wait(events, timeout)
         }
     };
     // `poll` and `wait`, with the events they add passed through `self.$filter(events, first)`.
@@ -1461,18 +1482,7 @@ macro_rules! forward_transport {
 impl Transport for CountedReads {
     forward_transport!(connections);
     forward_transport!(writes);
-    fn poll(&mut self, events: &mut Vec<Event>) -> Result<usize, kvx_rdma::PollError> {
-        self.reads.fetch_add(1, Ordering::SeqCst);
-        self.inner.poll(events)
-    }
-    fn wait(
-        &mut self,
-        events: &mut Vec<Event>,
-        timeout: Duration,
-    ) -> Result<usize, kvx_rdma::PollError> {
-        self.reads.fetch_add(1, Ordering::SeqCst);
-        self.inner.wait(events, timeout)
-    }
+    forward_transport!(polls counted);
 }
 
 impl Transport for ReadGatedWrites {
@@ -1492,6 +1502,15 @@ impl Transport for ReadGatedWrites {
     forward_transport!(polls gate);
 }
 
+/// A TP1 prefill (4-token blocks, NHD) on `transport`: its address, cache and producer.
+fn tp1_prefill_on(transport: Box<dyn Transport>) -> (SocketAddr, Side, Producer) {
+    let base = free_ports(1);
+    let (side, cache) = Side::new(spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit));
+    let mut c = config(1);
+    c.listen = base;
+    (base, side, Producer::start(c, cache, transport).unwrap())
+}
+
 #[test]
 fn an_early_write_waiting_for_a_consumer_that_takes_hints_nudges_it() {
     // Decode takes finishing hints and, with heartbeats a minute apart, reads its transport only
@@ -1499,17 +1518,12 @@ fn an_early_write_waiting_for_a_consumer_that_takes_hints_nudges_it() {
     // a nudge it would wait for the finish.
     let fabric = LoopbackFabric::new();
     let reads = Arc::new(AtomicU64::new(0));
-    let base = free_ports(1);
-    let (side, cache) = Side::new(spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit));
-    let mut c = config(1);
-    c.listen = base;
-    let gated = ReadGatedWrites {
+    let (base, side, producer) = tp1_prefill_on(Box::new(ReadGatedWrites {
         inner: Box::new(fabric.endpoint()),
         reads: Arc::clone(&reads),
         gated: HashMap::new(),
         held: Vec::new(),
-    };
-    let producer = Producer::start(c, cache, Box::new(gated)).unwrap();
+    }));
     let c_spec = spec(1, 0, 8, MemoryOrder::Nhd, Arrangement::PerLayerSplit);
     let (dec, cache) = Side::new(c_spec);
     let mut c = config(2);
@@ -2432,18 +2446,7 @@ impl Transport for OccasionalReads {
     fn notice_board(&mut self, slots: usize) -> Option<Arc<kvx_rdma::board::NoticeBoard>> {
         self.inner.notice_board(slots)
     }
-    fn poll(&mut self, events: &mut Vec<Event>) -> Result<usize, kvx_rdma::PollError> {
-        self.count();
-        self.inner.poll(events)
-    }
-    fn wait(
-        &mut self,
-        events: &mut Vec<Event>,
-        timeout: Duration,
-    ) -> Result<usize, kvx_rdma::PollError> {
-        self.count();
-        self.inner.wait(events, timeout)
-    }
+    forward_transport!(polls counted);
 }
 
 /// A write not made yet: decode's reads when it was posted, its id, what it does.
@@ -2547,18 +2550,13 @@ fn with_a_board_on_a_transport_that_needs_occasional_reads_the_engine_thread_rea
     let fabric = LoopbackFabric::new();
     let reads = Arc::new(AtomicU64::new(0));
     let engine_reads = Arc::new(AtomicU64::new(0));
-    let base = free_ports(1);
-    let (side, cache) = Side::new(spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit));
-    let mut c = config(1);
-    c.listen = base;
-    let deferred = DeferredWrites {
+    let (base, side, producer) = tp1_prefill_on(Box::new(DeferredWrites {
         inner: Box::new(fabric.endpoint()),
         reads: Arc::clone(&reads),
         queued: Vec::new(),
         made: HashMap::new(),
         next: 0,
-    };
-    let producer = Producer::start(c, cache, Box::new(deferred)).unwrap();
+    }));
     let (dec, cache) = Side::new(spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit));
     let mut c = config(2);
     c.heartbeat_interval = Duration::from_secs(60);
