@@ -76,20 +76,25 @@ def _ephemeral_low() -> int:
 
 
 _PORTS = random.Random(os.getpid())
+_HANDED_OUT: set[int] = set()
 
 
 def free_port() -> int:
     """A free port below the ephemeral range: vLLM binds its own sockets (ZMQ and others) to
     ephemeral ports while it starts, so a port picked there could be taken before our server
-    binds it."""
+    binds it. Never the same port twice in one run: a server handed a port may not have bound
+    it yet when the next one is picked (a proxy once took its prefill's port that way)."""
     low = _ephemeral_low()
     for _ in range(1000):
         port = _PORTS.randrange(max(1024, low - 12000), low)
+        if port in _HANDED_OUT:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+            _HANDED_OUT.add(port)
             return port
     raise RuntimeError("no free port below the ephemeral range")
 
