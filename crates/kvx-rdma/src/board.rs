@@ -191,6 +191,22 @@ pub(crate) fn write_remote(pid: i32, addr: u64, value: u64) -> std::io::Result<(
     }
 }
 
+/// Where `notice` goes in a peer's board, if it goes there: a board notice to a peer with a
+/// board lands in its slot (the byte address returned); any other notice, or any notice to a
+/// peer without a board, is a message (`None`).
+///
+/// # Errors
+/// [`SlotOutOfRange`] when a board notice names a slot the peer's board does not have.
+pub fn slot_for(
+    notice: Option<Notice>,
+    board: Option<BoardPlace>,
+) -> Result<Option<u64>, SlotOutOfRange> {
+    match (notice, board) {
+        (Some(n), Some(place)) if board_slot(n).is_some() => remote_slot(place, n).map(Some),
+        _ => Ok(None),
+    }
+}
+
 /// Where a board notice lands in a peer's board: its byte address there.
 ///
 /// # Errors

@@ -390,19 +390,14 @@ impl CmaTransport {
             crate::validate::check_ops(ops, |i| local(i).map(|x| x.1), |i| remote(i).map(|x| x.1))
         }
         .map_err(OpPostError::Plan)?;
-        let notice = match notice {
-            // A peer with a notice board takes board notices there; to one without, every
-            // notice is a message.
-            Some(n) if board::board_slot(n).is_some() && p.board.is_some() => {
-                let place = p.board.unwrap_or(BoardPlace { addr: 0, len: 0 });
-                let addr = board::remote_slot(place, n).map_err(OpPostError::Board)?;
-                Some(JobNotice::Board {
-                    addr,
-                    value: Box::new(n.0),
-                })
-            }
-            Some(Notice(n)) => Some(JobNotice::Message(p.link.notices(), n)),
-            None => None,
+        let slot = board::slot_for(notice, p.board).map_err(OpPostError::Board)?;
+        let notice = match (notice, slot) {
+            (Some(Notice(n)), Some(addr)) => Some(JobNotice::Board {
+                addr,
+                value: Box::new(n),
+            }),
+            (Some(Notice(n)), None) => Some(JobNotice::Message(p.link.notices(), n)),
+            (None, _) => None,
         };
         if !p.link.alive() {
             return Ok(self.ledger.done_now(peer, kind, Err(peer_gone())));

@@ -387,13 +387,7 @@ impl Transport for LoopbackEndpoint {
         let peer = self.peer(peer_id).ok_or(WriteError::UnknownPeer(peer_id))?;
         // A peer with a notice board (in its description) takes board notices there; to one
         // without, every notice is a message.
-        let to_board = match (notice, peer.desc.board) {
-            (Some(n), Some(place)) if board::board_slot(n).is_some() => {
-                board::remote_slot(place, n)?;
-                true
-            }
-            _ => false,
-        };
+        let to_board = board::slot_for(notice, peer.desc.board)?.is_some();
         let state = self.shared.lock();
         let me = state.endpoints.get(&self.id);
         let bytes = check_ops(

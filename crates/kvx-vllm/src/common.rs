@@ -193,18 +193,10 @@ pub(crate) fn wait_turn<C>(
     events: &mut Vec<Event>,
     commands: &mut Vec<C>,
 ) -> Result<bool, kvx_rdma::error::PollError> {
-    let rx = &queue.rx;
     let limit = deadline.map_or(Duration::from_secs(3600), |d| clock.until(d));
     let mut open = true;
-    let drain = |commands: &mut Vec<C>| loop {
-        match rx.try_recv() {
-            Ok(c) => commands.push(c),
-            Err(TryRecvError::Empty) => return true,
-            Err(TryRecvError::Disconnected) => return false,
-        }
-    };
     // Whatever is already queued first, without blocking.
-    open &= drain(commands);
+    open &= drain_commands(queue, commands);
     if !commands.is_empty() || !open {
         transport.poll(events)?;
         return Ok(open);
@@ -214,7 +206,7 @@ pub(crate) fn wait_turn<C>(
         if parking.waker.is_some() {
             parking.parked.store(true, Ordering::SeqCst);
             fence(Ordering::SeqCst);
-            open &= drain(commands);
+            open &= drain_commands(queue, commands);
             let result = if commands.is_empty() && open {
                 transport.wait(events, limit)
             } else {
@@ -225,7 +217,7 @@ pub(crate) fn wait_turn<C>(
         } else {
             transport.wait(events, limit.min(TRANSPORT_SLICE))?;
         }
-        open &= drain(commands);
+        open &= drain_commands(queue, commands);
     } else {
         open &= wait_commands(queue, clock, deadline, commands);
         // Notices may arrive while nothing is in flight on this side (the consumer's case).
@@ -249,6 +241,12 @@ pub(crate) fn wait_commands<C>(
         Err(RecvTimeoutError::Disconnected) => return false,
     }
     // And whatever came with it.
+    drain_commands(queue, commands)
+}
+
+/// Takes every command already queued, without blocking; returns whether the queue is still
+/// open.
+fn drain_commands<C>(queue: &CommandReceiver<C>, commands: &mut Vec<C>) -> bool {
     loop {
         match queue.rx.try_recv() {
             Ok(c) => commands.push(c),

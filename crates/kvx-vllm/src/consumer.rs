@@ -257,7 +257,7 @@ impl Consumer {
             .unwrap_or(caps.polls_to_wait && caps.peer_rma_unassisted && board.is_none());
         // libfabric `shm`: the board spares this side the notices, not the reads of its queue
         // that peers' writes need now and then (and for a new writer's first contact).
-        let contact_needed = board.is_some() && caps.peer_rma_occasional_reads;
+        let occasional_reads = board.is_some() && caps.peer_rma_occasional_reads;
         let hello = common::hello(
             &config,
             Role::Consumer,
@@ -287,7 +287,7 @@ impl Consumer {
             reads: HashMap::new(),
             quiescing: HashMap::new(),
             board: board.as_ref().map(|b| BoardSlots::new(Arc::clone(b))),
-            contact_needed,
+            occasional_reads,
             awaiting_contact: HashMap::new(),
             contact: (BOARD_POLL, Timestamp::ZERO),
             engine_ready: HashSet::new(),
@@ -312,7 +312,7 @@ impl Consumer {
             tx,
             events,
             board,
-            engine_reads: contact_needed,
+            engine_reads: occasional_reads,
             next_engine_read: AtomicU64::new(0),
             started: Instant::now(),
             driver,
@@ -416,8 +416,12 @@ impl Consumer {
     /// Whether the engine thread's next read of the transport is due (then the one after is
     /// [`ENGINE_READ_INTERVAL`] away).
     fn engine_read_due(&self) -> bool {
-        let now = u64::try_from(self.started.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        now >= self.next_engine_read.load(Ordering::Relaxed)
+        self.since_start() >= self.next_engine_read.load(Ordering::Relaxed)
+    }
+
+    /// Nanoseconds since the consumer started (the engine-read schedule's clock).
+    fn since_start(&self) -> u64 {
+        u64::try_from(self.started.elapsed().as_nanos()).unwrap_or(u64::MAX)
     }
 
     /// Reads the transport's queue once, on the engine thread, if the driver is not reading it
@@ -425,9 +429,9 @@ impl Consumer {
     /// slots they took there. A few hundred nanoseconds when nothing came; what came is handled
     /// here, and the driver is woken only if that leaves it something to do.
     fn read_transport(&self) {
-        let now = u64::try_from(self.started.elapsed().as_nanos()).unwrap_or(u64::MAX);
         self.next_engine_read.store(
-            now.saturating_add(ENGINE_READ_INTERVAL.as_nanos() as u64),
+            self.since_start()
+                .saturating_add(ENGINE_READ_INTERVAL.as_nanos() as u64),
             Ordering::Relaxed,
         );
         let Ok(mut driver) = self.driver.try_lock() else {
@@ -509,10 +513,10 @@ struct Driver {
     quiescing: HashMap<AttemptKey, Quiescing>,
     /// The notice board's slots, where the transport has a board.
     board: Option<BoardSlots>,
-    /// The transport needs this side to read its queue once before a new writer's first write
-    /// lands (`Capabilities::peer_rma_occasional_reads`: libfabric `shm`), though its notices go to
-    /// the board.
-    contact_needed: bool,
+    /// With a board, the transport still needs this side to read its queue now and then, and
+    /// once before a new writer's first write lands (`Capabilities::peer_rma_occasional_reads`:
+    /// libfabric `shm`). The consumer keeps the same flag as `engine_reads`.
+    occasional_reads: bool,
     /// Board notices of writer ranks not yet in contact: while any is due, the driver reads its
     /// transport and watches the board for them, every 2 ms at first, then less and less often
     /// (`contact`).
@@ -621,18 +625,14 @@ impl Driver {
                     until: deadline,
                     busy,
                 });
+                if driver.transport.is_none() {
+                    warn!("the consumer's transport is gone");
+                    driver.finish_run();
+                    return;
+                }
                 // Waiting on the transport, the driver takes it along; otherwise it stays here,
                 // where the engine thread can read it (`Consumer::take_events`).
-                let taken = if busy {
-                    let Some(transport) = driver.transport.take() else {
-                        warn!("the consumer's transport is gone");
-                        driver.finish_run();
-                        return;
-                    };
-                    Some(transport)
-                } else {
-                    None
-                };
+                let taken = if busy { driver.transport.take() } else { None };
                 (taken, deadline)
             };
             let (turn, mut driver) = if let Some(mut transport) = taken {
@@ -651,15 +651,12 @@ impl Driver {
             } else {
                 let open = common::wait_commands(rx, clock, deadline, &mut commands);
                 let mut driver = lock();
-                // Notices may arrive while nothing is in flight on this side.
-                let turn = match driver.transport.as_deref_mut() {
-                    Some(transport) => transport.poll(&mut events).map(|_| open),
-                    None => {
-                        warn!("the consumer's transport is gone");
-                        driver.finish_run();
-                        return;
-                    }
-                };
+                // Notices may arrive while nothing is in flight on this side. Only this thread
+                // takes the transport out, so it is still here.
+                let turn = driver
+                    .transport
+                    .as_deref_mut()
+                    .map_or(Ok(open), |t| t.poll(&mut events).map(|_| open));
                 (turn, driver)
             };
             driver.parked = None;
@@ -1176,7 +1173,7 @@ impl Driver {
                 let conn = &self.instances[&instance].ranks[&rank];
                 if on_board.is_none() {
                     self.transport_wanted = true;
-                } else if self.contact_needed && !conn.in_contact {
+                } else if self.occasional_reads && !conn.in_contact {
                     if self.awaiting_contact.is_empty() {
                         self.contact = (BOARD_POLL, now + BOARD_POLL);
                     }

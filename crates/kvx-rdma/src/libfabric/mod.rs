@@ -2126,12 +2126,8 @@ impl Transport for LibfabricTransport {
         // A peer with a notice board takes board notices there, written by cross-memory attach
         // once the data is in; that needs this side's data to move the same way (no help from
         // the peer). Otherwise every notice is a message.
-        let board = match (notice, peer.desc.board, peer.pid) {
-            (Some(n), Some(place), Some(pid))
-                if board::board_slot(n).is_some() && self.peer_rma_unassisted =>
-            {
-                Some((pid, board::remote_slot(place, n)?))
-            }
+        let board = match (peer.pid, self.peer_rma_unassisted) {
+            (Some(pid), true) => board::slot_for(notice, peer.desc.board)?.map(|slot| (pid, slot)),
             _ => None,
         };
         let bytes = check_ops(
