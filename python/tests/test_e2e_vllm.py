@@ -414,8 +414,11 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
        `recompute` policy recomputes — and the answer is still exact, never decoded on garbage;
     2. a prefill whose decode never registers (an aborted or lost decode request), and one whose
        decode (`k`) was killed after registering (seen in its log), both give their blocks back
-       after the producer lease (prefill's KV-cache usage returns to zero);
-       A client that gives up on a request that `w` waits for gets its blocks back at once;
+       after the producer lease (prefill's KV-cache usage returns to zero). Before it is killed,
+       `k` (vLLM's default `fail` policy) is sent a request whose prefill address has nobody
+       listening: the request ends at once with an error (HTTP 500), decoded on nothing, and
+       `k` keeps no block. A client that gives up on a request that `w` waits for gets its
+       blocks back at once;
     3. prefill is killed while decode `w` waits for a request's KV: `w` fails the load at once
        and recomputes, exactly, instead of hanging; a client of the proxy gets an error naming
        prefill."""
@@ -472,11 +475,11 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
             assert time.monotonic() - t0 < 60, f"{server.name} never registered"
             time.sleep(0.1)
 
-    def remote(text: str, transfer_id: str, max_tokens: int) -> dict:
+    def remote(text: str, transfer_id: str, max_tokens: int, prefill_port: int = kvx_port) -> dict:
         return {"model": "tiny", "prompt": text, "max_tokens": max_tokens, "temperature": 0,
                 "logprobs": 1, "ignore_eos": True,
                 "kv_transfer_params": {"do_remote_prefill": True, "kvx_transfer_id": transfer_id,
-                                       "kvx_prefill": f"127.0.0.1:{kvx_port}"}}
+                                       "kvx_prefill": f"127.0.0.1:{prefill_port}"}}
 
     try:
         for s in servers:
@@ -502,7 +505,24 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
         waited = wait_usage_zero("orphaned request", lease + 10)
         assert waited >= lease * 0.5, f"released after {waited:.1f}s, before the lease"
 
-        # 2b. Decode registers, is killed, then prefill finishes.
+        # 2b. Under vLLM's default `fail` policy (decode `k`), a load that fails (here: no
+        # prefill listens at the address the request names) ends the request with an error,
+        # at once: no token decoded on a cache that never arrived, no block kept.
+        nobody = free_port()
+        t0 = time.monotonic()
+        status, raw = http("POST", f"{dk_url}/v1/completions",
+                           remote(prompt(PROMPT_WORDS[2], salt=3), "unserved-1", 4, nobody),
+                           timeout=60)
+        assert status == 500, (status, raw)
+        assert b"choices" not in raw, raw
+        assert time.monotonic() - t0 < 15, f"the failed load took {time.monotonic() - t0:.1f}s"
+        assert f"127.0.0.1:{nobody}" in dk.log.read_text(errors="replace"), dk.tail()
+        t0 = time.monotonic()
+        while metric(dk_url, "vllm:kv_cache_usage_perc") > 0:
+            assert time.monotonic() - t0 < 20, "decode kept the failed request's blocks"
+            time.sleep(0.25)
+
+        # 2c. Decode registers, is killed, then prefill finishes.
         text = prompt(PROMPT_WORDS[3], salt=1)
         seen = registrations(dk)
         send_waiting(dk_url, remote(text, "dead-1", 4), [])
@@ -514,7 +534,7 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
         assert status == 200
         wait_usage_zero("killed decode", lease + 10)
 
-        # 2c. A client gives up on a decode request that waits for its KV (prefill never
+        # 2d. A client gives up on a decode request that waits for its KV (prefill never
         # serves it): vLLM aborts the request, kvx cancels the wait, and decode's blocks
         # come back without waiting for the lease.
         seen = registrations(dw)
