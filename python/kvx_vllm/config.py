@@ -49,7 +49,8 @@ KEYS: dict[str, tuple[Any, str]] = {
                              "prefill drops a registration after three periods without one."),
     "connect_timeout_s": (
         30.0,
-        "Bound on connecting to a peer's control address and on its handshake answer. Generous "
+        "Bound on looking up a peer's host name, on connecting to its control address and on "
+        "its handshake answer. Generous "
         "because vLLM's CPU workers pin themselves (and so the connector's threads) to few cores, "
         "and an engine busy with its first forward pass answers late.",
     ),

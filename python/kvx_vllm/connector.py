@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,7 @@ from vllm.v1.request import RequestStatus
 from kvx_vllm import _native
 from kvx_vllm.config import KvxConfig
 from kvx_vllm.layout import CacheDescription, describe, ordered_layers
+from kvx_vllm.resolve import Resolver, split
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -147,9 +149,10 @@ def _recv_params(
     prefill = params.get("kvx_prefill")
     if not isinstance(prefill, str) or not prefill:
         raise ValueError(f"kvx_prefill must be a HOST:PORT string, not {prefill!r}")
-    host, sep, port = prefill.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ValueError(f"kvx_prefill must be HOST:PORT, not {prefill!r}")
+    try:
+        split(prefill)
+    except ValueError as e:
+        raise ValueError(f"kvx_prefill must be HOST:PORT: {e}") from None
     if not pull:
         return transfer_id, prefill, None, prompt_tokens
     blocks = params.get("kvx_remote_block_ids")
@@ -417,6 +420,12 @@ class _Worker:
         self.load_errors: set[int] = set()
         # Decode: requests refused before anything was sent (bad kv_transfer_params), with why.
         self.refused: list[tuple[str, str]] = []
+        # Decode: prefill host names are looked up off this (the engine's) thread; requests
+        # that name one wait here, with when they came, until the answer; requests cancelled
+        # meanwhile are reported finished (not failed) at the next step.
+        self.resolver = Resolver()
+        self.resolving: list[tuple[RecvSpec, float]] = []
+        self.dropped: list[str] = []
         # Prefill, push, host cache: the layer index of each cache's name, and this step's
         # requests to report layer by layer (empty otherwise).
         self.layer_index: dict[str, int] = {}
@@ -510,38 +519,61 @@ class _Worker:
                     )
         if self.consumer is not None:
             for r in meta.recvs:
-                if r.error is None:
-                    with self.lock:
-                        self.recv_blocks[r.request_id] = (r.transfer_id, r.block_ids)
-                        self.recv_transfers[r.transfer_id] = r.request_id
-                    try:
-                        self._receive(r)
-                        continue
-                    except ValueError as e:
-                        # What the native side refuses (an address that does not resolve, a
-                        # block id out of range) fails this request's load, not the engine.
-                        error = str(e)
-                        with self.lock:
-                            self.recv_blocks.pop(r.request_id, None)
-                            self.recv_transfers.pop(r.transfer_id, None)
-                else:
-                    error = r.error
+                if r.error is not None:
+                    self._refuse(r, r.error)
+                    continue
                 with self.lock:
-                    self.refused.append((r.request_id, error))
-                    self.load_errors.update(r.block_ids)
+                    self.recv_blocks[r.request_id] = (r.transfer_id, r.block_ids)
+                    self.recv_transfers[r.transfer_id] = r.request_id
+                self._submit(r, time.monotonic())
             for tid in meta.cancels:
+                held = [x for x in self.resolving if x[0].transfer_id == tid]
+                if held:
+                    # Cancelled while its prefill's name was looked up: nothing was sent.
+                    self.resolving.remove(held[0])
+                    with self.lock:
+                        self.recv_blocks.pop(held[0][0].request_id, None)
+                        self.recv_transfers.pop(tid, None)
+                        self.dropped.append(held[0][0].request_id)
+                    continue
                 with self.lock:
                     rid = self.recv_transfers.get(tid)
                     if rid is not None:
                         self.cancelled.add(rid)
                 self.consumer.cancel(tid)
 
-    def _receive(self, r: RecvSpec) -> None:
+    def _submit(self, r: RecvSpec, since: float) -> None:
+        """Hands a request to the native consumer once its prefill's address is known (or
+        refuses it); until then it waits in ``resolving``, at most ``connect_timeout_s``."""
+        try:
+            addr = self.resolver.address(r.prefill)
+            if addr is None:
+                if time.monotonic() - since < self.cfg.connect_timeout_s:
+                    self.resolving.append((r, since))
+                    return
+                raise ValueError(
+                    f"looking up {r.prefill} took over {self.cfg.connect_timeout_s:g} s"
+                )
+            self._receive(r, addr)
+        except ValueError as e:
+            # What cannot be sent (a name that does not resolve; what the native side refuses:
+            # a bad port, a block id out of range) fails this request's load, not the engine.
+            with self.lock:
+                self.recv_blocks.pop(r.request_id, None)
+                self.recv_transfers.pop(r.transfer_id, None)
+            self._refuse(r, str(e))
+
+    def _refuse(self, r: RecvSpec, error: str) -> None:
+        with self.lock:
+            self.refused.append((r.request_id, error))
+            self.load_errors.update(r.block_ids)
+
+    def _receive(self, r: RecvSpec, prefill: str) -> None:
         if r.producer_block_ids is not None:
             self.consumer.pull(
                 r.transfer_id,
                 r.request_id,
-                r.prefill,
+                prefill,
                 r.num_tokens,
                 r.skip_tokens,
                 r.block_ids,
@@ -549,7 +581,7 @@ class _Worker:
             )
         else:
             self.consumer.request_allocated(
-                r.transfer_id, r.request_id, r.prefill, r.num_tokens, r.skip_tokens, r.block_ids
+                r.transfer_id, r.request_id, prefill, r.num_tokens, r.skip_tokens, r.block_ids
             )
 
     def save_kv_layer(self, layer_name: str) -> None:
@@ -570,8 +602,14 @@ class _Worker:
                     logger.warning("kvx: KV of %s not delivered (%s); blocks freed", rid, reason)
                 results.finished_sending.add(rid)
         if self.consumer is not None:
+            if self.resolving:
+                waiting, self.resolving = self.resolving, []
+                for r, since in waiting:
+                    self._submit(r, since)
             with self.lock:
                 refused, self.refused = self.refused, []
+                dropped, self.dropped = self.dropped, []
+            results.finished_recving.update(dropped)
             for rid, error in refused:
                 logger.warning("kvx: KV of %s cannot be received: %s", rid, error)
                 results.finished_recving.add(rid)

@@ -6,12 +6,16 @@ as load errors. The native consumer here is the real one (loopback transport).""
 from __future__ import annotations
 
 import threading
+import time
 from types import SimpleNamespace as NS
 
 import pytest
 
+from kvx_vllm.config import KvxConfig
 from kvx_vllm.connector import KvxConnectorMetadata, RecvSpec, _Scheduler, _Worker
-from test_native import cpu_caches, start_pair
+from kvx_vllm.resolve import Resolver
+from test_native import cpu_caches, start_pair, wait_events
+from test_resolve import Lookups
 
 GOOD = {"do_remote_prefill": True, "kvx_transfer_id": "t-1", "kvx_prefill": "127.0.0.1:7100"}
 PULL = {**GOOD, "kvx_remote_block_ids": [4, 5], "kvx_num_tokens": 40}
@@ -82,15 +86,22 @@ def test_prefill_keeps_the_kv_of_a_request_without_transfer_id():
     assert s.meta.sends == [] and s.held == set()
 
 
+def decode_worker(consumer, resolver: Resolver | None = None) -> _Worker:
+    w = _Worker.__new__(_Worker)
+    w.producer, w.consumer, w.pull = None, consumer, False
+    w.cfg = KvxConfig.from_extra({})
+    w.lock = threading.Lock()
+    w.recv_blocks, w.recv_transfers, w.cancelled = {}, {}, set()
+    w.load_errors, w.refused = set(), []
+    w.resolver, w.resolving, w.dropped = resolver or Resolver(), [], []
+    return w
+
+
 def test_worker_reports_refused_requests_as_failed_loads():
     caches = cpu_caches(2, 8, 2, 16, fill=False)
     producer, consumer, _, _ = start_pair(caches, cpu_caches(2, 8, 2, 16, fill=False),
                                           heads=2, p_bs=16, d_bs=16)
-    w = _Worker.__new__(_Worker)
-    w.producer, w.consumer, w.pull = None, consumer, False
-    w.lock = threading.Lock()
-    w.recv_blocks, w.recv_transfers, w.cancelled = {}, {}, set()
-    w.load_errors, w.refused = set(), []
+    w = decode_worker(consumer)
     meta = KvxConnectorMetadata(recvs=[
         # Refused by the scheduler glue.
         RecvSpec("a", "", "", 0, 0, [1], error="bad kv_transfer_params: no kvx_prefill"),
@@ -109,5 +120,46 @@ def test_worker_reports_refused_requests_as_failed_loads():
     # Reported once.
     again = w.get_transfer_results()
     assert not again.finished_recving & {"a", "b", "c"}
+    consumer.shutdown()
+    producer.shutdown()
+
+
+def test_worker_looks_up_prefill_host_names_off_the_engine_thread():
+    """Requests that name their prefill by host name: the worker's step returns at once while
+    the name is looked up; the request goes to the native consumer at a later step and its KV
+    arrives; a name that does not resolve fails its load; a request cancelled during the lookup
+    is reported finished (not failed) and never sent."""
+    caches = cpu_caches(2, 8, 2, 16, fill=True)
+    producer, consumer, _, _ = start_pair(caches, cpu_caches(2, 8, 2, 16, fill=False),
+                                          heads=2, p_bs=16, d_bs=16)
+    port = int(producer.control_addr.rsplit(":", 1)[1])
+    lookups = Lookups({"prefill-0": "127.0.0.1"})
+    lookups.gate.clear()
+    w = decode_worker(consumer, Resolver(lookup_fn=lookups))
+    t0 = time.monotonic()
+    w.start_load_kv(KvxConnectorMetadata(recvs=[
+        RecvSpec("a", "t-a", f"prefill-0:{port}", 16, 0, [1]),
+        RecvSpec("b", "t-b", f"no-such-prefill:{port}", 16, 0, [2]),
+        RecvSpec("c", "t-c", f"prefill-0:{port}", 16, 0, [3]),
+    ]))
+    assert w.get_transfer_results().finished_recving == set()
+    w.start_load_kv(KvxConnectorMetadata(cancels=["t-c"]))
+    assert time.monotonic() - t0 < 0.5, "the engine thread waited for the lookup"
+    assert consumer.stats()["held"] == 0
+    lookups.gate.set()
+    deadline = time.monotonic() + 10
+    finished, failed = set(), set()
+    while not {"b", "c"} <= finished:
+        assert time.monotonic() < deadline, (finished, failed)
+        r = w.get_transfer_results()
+        finished |= r.finished_recving
+        failed |= r.failed_recving
+        time.sleep(0.005)
+    assert failed == {"b"} and "a" not in finished
+    assert w.get_block_ids_with_load_errors() == {2}
+    assert consumer.stats()["held"] == 1
+    producer.request_finished("t-a", "pa", [5], 16)
+    assert wait_events(consumer, 1) == [("a", True, "", "")]
+    assert lookups.calls.count("prefill-0") == 1
     consumer.shutdown()
     producer.shutdown()

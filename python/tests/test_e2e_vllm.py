@@ -295,7 +295,8 @@ def reference(model, workdir) -> dict:
 
 
 def run_pair(mode: str, model: Path, workdir: Path, reference: dict, *, p_extra=None,
-             d_extra=None, d_block=BLOCK, d_policy="fail", p_args=(), p_log=None, d_log=None):
+             d_extra=None, d_block=BLOCK, d_policy="fail", p_args=(), p_log=None, d_log=None,
+             kvx_host="127.0.0.1"):
     connector = "KvxPushConnector" if mode == "push" else "KvxPullConnector"
     kvx_port = free_port()
     p_cfg = kv_config(connector, "kv_producer", f"p-{mode}", listen=f"127.0.0.1:{kvx_port}",
@@ -310,24 +311,26 @@ def run_pair(mode: str, model: Path, workdir: Path, reference: dict, *, p_extra=
     proxy = Server(
         f"proxy-{mode}",
         [str(KVX_BIN), "proxy", "--mode", mode, "--listen", f"127.0.0.1:{proxy_port}",
-         "--prefill", f"{p_url}@127.0.0.1:{kvx_port}", "--decode", d_url],
+         "--prefill", f"{p_url}@{kvx_host}:{kvx_port}", "--decode", d_url],
         workdir, dict(os.environ), f"{proxy_url}/health",
     )
     return p, p_url, d, d_url, proxy, proxy_url
 
 
 def check_pair_matches_reference(mode, model, workdir, reference, transport=None, d_block=BLOCK,
-                                 chunk=None, d_log_expect=None):
+                                 chunk=None, d_log_expect=None, kvx_host="127.0.0.1"):
     """With `chunk`, prefill computes prompts in steps of that many tokens (chunked prefill),
     and push writes each step's finished blocks while the next step computes. With
-    `d_log_expect`, decode logs kvx at debug level and that text must appear in its log."""
+    `d_log_expect`, decode logs kvx at debug level and that text must appear in its log.
+    `kvx_host` names prefill's kvx address to the proxy (which hands it to decode in push)."""
     extra = {"transport": transport} if transport else None
     p_args = ("--max-num-batched-tokens", str(chunk)) if chunk else ()
     p_log = "kvx_vllm::producer=debug,kvx_vllm=info" if chunk else None
     p, p_url, d, d_url, proxy, proxy_url = run_pair(mode, model, workdir, reference,
                                                     p_extra=extra, d_extra=extra,
                                                     d_block=d_block, p_args=p_args, p_log=p_log,
-                                                    d_log="kvx_vllm=debug" if d_log_expect else None)
+                                                    d_log="kvx_vllm=debug" if d_log_expect else None,
+                                                    kvx_host=kvx_host)
     try:
         for s in (p, d, proxy):
             s.wait_ready()
@@ -402,9 +405,10 @@ def test_push_over_cma_finds_the_kv_ready_in_decodes_notice_board(model, workdir
     """Push over the CMA transport, one block size on both sides: prefill writes each request's
     notice into decode's notice board after its data, decode's engine finds the request ready
     there in its steps (its log says so) and sends the registrations itself; outputs match one
-    instance, and decode computed no prompt token."""
+    instance, and decode computed no prompt token. The proxy names prefill's kvx address by
+    host name (`localhost`): decode looks it up off its engine thread."""
     check_pair_matches_reference("push", model, workdir, reference, transport="cma",
-                                 d_log_expect="ready (notice board)")
+                                 d_log_expect="ready (notice board)", kvx_host="localhost")
 
 
 def test_failures_never_hang_and_never_leak(model, workdir, reference):

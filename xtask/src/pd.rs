@@ -212,7 +212,7 @@ pub(crate) fn run_sweep(quick: bool) -> anyhow::Result<()> {
             raw.insert(length, both);
         }
         println!(
-            "\n{:>7} {:>5} | {:>21} | {:>21} | {:>17} | {:>17} | {:>15} | {:>15} | {:>17} | {:>17}",
+            "\n{:>7} {:>5} | {:>21} | {:>21} | {:>17} | {:>17} | {:>15} | {:>15} | {:>17} | {:>17} | {:>13}",
             "tokens",
             "req/s",
             "TTFT p50/p99 push ms",
@@ -221,8 +221,9 @@ pub(crate) fn run_sweep(quick: bool) -> anyhow::Result<()> {
             "crit. path p50 ms",
             "push/raw c / f",
             "TPOT p50 ms",
-            "loop work us/step",
-            "decode CPU us/step"
+            "loop CPU us/step",
+            "decode CPU us/step",
+            "CPU push/pull"
         );
         // A short unmeasured run first: the bare transfers above allocate and free gigabytes,
         // and the kernel's clean-up after them slowed whichever point came next.
@@ -251,8 +252,14 @@ pub(crate) fn run_sweep(quick: bool) -> anyhow::Result<()> {
                     &scratch,
                 )?;
                 let s = |v: &Value, k: &str, q: &str| get(v, &["summary", k, q]);
+                // Decode's CPU on transfer work per step: the engine loop's own (its thread's
+                // CPU clock, not wall time) and the connector threads'.
+                let decode_cpu = |v: &Value| {
+                    s(v, "loop_transfer_cpu_us_per_step", "mean")
+                        + get(v, &["summary", "connector_cpu_us_per_step"])
+                };
                 println!(
-                    "{length:>7} {rate:>5} | {:>9.1} / {:>9.1} | {:>9.1} / {:>9.1} | {raw_ms:>7.2} / {fresh_ms:>7.2} | {:>7.2} / {:>7.2} | {:>6.2} / {:>6.2} | {:>6.2} / {:>6.2} | {:>7.1} / {:>7.1} | {:>7.1} / {:>7.1}",
+                    "{length:>7} {rate:>5} | {:>9.1} / {:>9.1} | {:>9.1} / {:>9.1} | {raw_ms:>7.2} / {fresh_ms:>7.2} | {:>7.2} / {:>7.2} | {:>6.2} / {:>6.2} | {:>6.2} / {:>6.2} | {:>7.1} / {:>7.1} | {:>7.1} / {:>7.1} | {:>13.3}",
                     s(&push, "ttft_ms", "p50"),
                     s(&push, "ttft_ms", "p99"),
                     s(&pull, "ttft_ms", "p50"),
@@ -263,10 +270,11 @@ pub(crate) fn run_sweep(quick: bool) -> anyhow::Result<()> {
                     s(&push, "critical_path_ms", "p50") / fresh_ms,
                     s(&push, "tpot_ms", "p50"),
                     s(&pull, "tpot_ms", "p50"),
-                    s(&push, "loop_transfer_us_per_step", "mean"),
-                    s(&pull, "loop_transfer_us_per_step", "mean"),
+                    s(&push, "loop_transfer_cpu_us_per_step", "mean"),
+                    s(&pull, "loop_transfer_cpu_us_per_step", "mean"),
                     get(&push, &["summary", "connector_cpu_us_per_step"]),
                     get(&pull, &["summary", "connector_cpu_us_per_step"]),
+                    decode_cpu(&push) / decode_cpu(&pull),
                 );
                 points.push(json!({
                     "input_tokens": length,
@@ -275,6 +283,7 @@ pub(crate) fn run_sweep(quick: bool) -> anyhow::Result<()> {
                     "raw_transfer_fresh_source": raw[&length][1],
                     "push": push["summary"],
                     "pull": pull["summary"],
+                    "decode_transfer_cpu_push_over_pull": decode_cpu(&push) / decode_cpu(&pull),
                 }));
             }
         }

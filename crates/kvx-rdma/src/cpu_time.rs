@@ -1,12 +1,13 @@
-//! The calling thread's own CPU time, for polling loops that must tell "this read did work"
-//! from "this thread was preempted while reading".
+//! The calling thread's own CPU time: for polling loops that must tell "this read did work"
+//! from "this thread was preempted while reading", and for measuring an engine loop's own work
+//! apart from the time it spent descheduled.
 
 use std::time::Duration;
 
 /// CPU time the calling thread has used so far (`CLOCK_THREAD_CPUTIME_ID`); zero where the
 /// clock cannot be read.
 #[must_use]
-pub(crate) fn thread_cpu_time() -> Duration {
+pub fn thread_cpu_time() -> Duration {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,

@@ -69,8 +69,7 @@
 pub mod board;
 #[cfg(feature = "cma")]
 pub mod cma;
-#[cfg(any(feature = "libfabric", feature = "nixl"))]
-mod cpu_time;
+pub mod cpu_time;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod desc;

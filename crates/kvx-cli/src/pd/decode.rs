@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
 use kvx_core::{Attempt, BlockId, EngineId, RequestId, TransferId};
+use kvx_rdma::cpu_time::thread_cpu_time;
 use kvx_rendezvous::AttemptKey;
 use kvx_vllm::{ConnectorConfig, Consumer, PullRequest, PushRequest, RecvEvent, TransportSpec};
 use serde_json::json;
@@ -193,6 +194,8 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
     let mut pool = BlockPool::new(args.model.blocks);
     let mut running: Vec<usize> = Vec::new();
     let mut loop_work: Vec<f64> = Vec::new();
+    let mut loop_cpu: Vec<f64> = Vec::new();
+    let measuring = StepWork::overhead();
     let step = Duration::from_secs_f64(args.step_ms / 1e3);
     let timeout = Duration::from_secs(args.lease_s + 120);
     let base_transfer = (u128::from(std::process::id()) << 64) | (unix_micros() as u128) << 16;
@@ -202,7 +205,7 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
         if now.duration_since(start) > timeout {
             bail!("the run did not finish within {timeout:?}");
         }
-        let mut transfer_work = Duration::ZERO;
+        let mut transfer_work = StepWork::default();
         // Arrivals that are due.
         while let Some(&(i, at)) = pending.front() {
             if start + at > now {
@@ -247,7 +250,7 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
             });
             by_key.insert(key, index);
             if !pull {
-                let t = Instant::now();
+                let t = StepWork::mark();
                 for consumer in &consumers {
                     consumer.request_allocated(PushRequest {
                         key,
@@ -258,7 +261,7 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
                         blocks: blocks.clone(),
                     })?;
                 }
-                transfer_work += t.elapsed();
+                transfer_work.add_since(t, &measuring);
             }
         }
         // The router relays prefill completions (and, in pull mode, the prefill's blocks).
@@ -293,7 +296,7 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
                     .map(|b| b.parse().map(BlockId))
                     .collect::<Result<Vec<_>, _>>()?;
                 let r = &requests[index];
-                let t = Instant::now();
+                let t = StepWork::mark();
                 for consumer in &consumers {
                     consumer.pull(PullRequest {
                         push: PushRequest {
@@ -307,16 +310,16 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
                         producer_blocks: producer_blocks.clone(),
                     })?;
                 }
-                transfer_work += t.elapsed();
+                transfer_work.add_since(t, &measuring);
             }
         }
         // Completions.
-        let t = Instant::now();
+        let t = StepWork::mark();
         let events: Vec<(RecvEvent, std::time::SystemTime)> = consumers
             .iter()
             .flat_map(Consumer::take_events_timed)
             .collect();
-        transfer_work += t.elapsed();
+        transfer_work.add_since(t, &measuring);
         for (event, at) in events {
             match event {
                 RecvEvent::Ready { key, .. } => {
@@ -361,7 +364,8 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
         }
         // One decode step for the running batch.
         if !running.is_empty() {
-            loop_work.push(transfer_work.as_secs_f64() * 1e6);
+            loop_work.push(transfer_work.wall.as_secs_f64() * 1e6);
+            loop_cpu.push(transfer_work.cpu.as_secs_f64() * 1e6);
             std::thread::sleep(step);
             let now = Instant::now();
             for &index in &running {
@@ -494,6 +498,11 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
         "seen_by_engine_ms": stats(seen_by_engine),
         "tpot_ms": stats(tpot),
         "loop_transfer_us_per_step": stats(loop_work),
+        "loop_transfer_cpu_us_per_step": stats(loop_cpu),
+        "loop_measuring_ns": json!({
+            "wall": measuring.wall.as_nanos() as u64,
+            "cpu": measuring.cpu.as_nanos() as u64,
+        }),
         "connector_cpu_us_per_step": connector_cpu_us_per_step,
         "connector_cpu_ms_by_thread": connector_cpu_ms,
         "finishing_hints": finishing_hints,
@@ -530,6 +539,49 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
         bail!("{failed} request(s) failed, {bad} verification failure(s)");
     }
     Ok(())
+}
+
+/// The engine loop's transfer work in one step: wall time, and the loop thread's own CPU time
+/// (the same work without the time the thread spent descheduled on a busy machine).
+#[derive(Default)]
+struct StepWork {
+    wall: Duration,
+    cpu: Duration,
+}
+
+impl StepWork {
+    /// Where a piece of transfer work starts: (wall clock, thread CPU clock).
+    fn mark() -> (Instant, Duration) {
+        (Instant::now(), thread_cpu_time())
+    }
+
+    /// Adds the work since `mark`, less what reading the clocks costs (`overhead`).
+    fn add_since(&mut self, (wall, cpu): (Instant, Duration), overhead: &StepWork) {
+        self.wall += wall.elapsed().saturating_sub(overhead.wall);
+        self.cpu += thread_cpu_time()
+            .saturating_sub(cpu)
+            .saturating_sub(overhead.cpu);
+    }
+
+    /// What measuring an empty piece of work takes (the median of many): the clock reads'
+    /// own cost, which is not transfer work. The thread CPU clock is a system call, about a
+    /// microsecond on a virtual machine: without this, a step's reading of its events would
+    /// look several times its real cost, the same in push and pull.
+    fn overhead() -> StepWork {
+        let mut walls = Vec::with_capacity(2001);
+        let mut cpus = Vec::with_capacity(2001);
+        for _ in 0..2001 {
+            let (wall, cpu) = Self::mark();
+            cpus.push(thread_cpu_time().saturating_sub(cpu));
+            walls.push(wall.elapsed());
+        }
+        walls.sort_unstable();
+        cpus.sort_unstable();
+        StepWork {
+            wall: walls[walls.len() / 2],
+            cpu: cpus[cpus.len() / 2],
+        }
+    }
 }
 
 /// CPU time so far of this process's connector threads (named `kvx-…`: the connector's driver
