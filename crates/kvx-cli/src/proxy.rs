@@ -921,4 +921,78 @@ mod tests {
             );
         });
     }
+    /// An instance that answers `/v1/completions` with 200 and `{}` and records each request's
+    /// `kv_transfer_params.kvx_transfer_id`.
+    async fn recording_instance() -> (String, Arc<std::sync::Mutex<Vec<String>>>) {
+        let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let log = Arc::clone(&seen);
+        let app = Router::new().route(
+            "/v1/completions",
+            post(move |axum::Json(body): axum::Json<Value>| {
+                let log = Arc::clone(&log);
+                async move {
+                    let id = body["kv_transfer_params"]["kvx_transfer_id"]
+                        .as_str()
+                        .unwrap_or_default()
+                        .to_owned();
+                    log.lock().unwrap().push(id);
+                    (StatusCode::OK, r#"{"choices":[]}"#)
+                }
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        (url, seen)
+    }
+
+    /// A decode instance that is down: the proxy dispatches again to another, with a fresh
+    /// transfer id for both legs (prefill's first request, under the old id, is not reused).
+    #[test]
+    fn push_retries_on_another_decode_with_a_fresh_transfer_id() {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(async {
+            let (p_url, p_seen) = recording_instance().await;
+            let (d_url, d_seen) = recording_instance().await;
+            let down = {
+                let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+                format!("http://{}", l.local_addr().unwrap())
+            };
+            let proxy = build(&ProxyArgs {
+                mode: Mode::Push,
+                listen: "127.0.0.1:0".parse().unwrap(),
+                prefill: vec![Prefill {
+                    url: p_url,
+                    kvx: "127.0.0.1:7100".into(),
+                }],
+                decode: vec![down, d_url],
+                connect_timeout_s: 1.0,
+                request_timeout_s: 10.0,
+            })
+            .unwrap();
+            // Round-robin among equally loaded instances: some of these go to the dead one.
+            for _ in 0..4 {
+                let r = proxy
+                    .route("/v1/completions", json!({"prompt": "x"}))
+                    .await
+                    .unwrap();
+                assert_eq!(r.status(), StatusCode::OK);
+            }
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let d_ids = d_seen.lock().unwrap().clone();
+            let p_ids = p_seen.lock().unwrap().clone();
+            assert_eq!(d_ids.len(), 4, "{d_ids:?}");
+            assert!(p_ids.len() > 4, "no request met the dead decode: {p_ids:?}");
+            let distinct: std::collections::HashSet<&String> = p_ids.iter().collect();
+            assert_eq!(
+                distinct.len(),
+                p_ids.len(),
+                "an id was dispatched twice: {p_ids:?}"
+            );
+            assert!(
+                d_ids.iter().all(|id| p_ids.contains(id)),
+                "{d_ids:?} {p_ids:?}"
+            );
+        });
+    }
 }

@@ -210,7 +210,11 @@ fn check(report: &serde_json::Value, requests: u64, tokens_total: u64) {
     // the loop thread's CPU clock (less the clocks' own cost, which is measured too).
     let steps = s["loop_transfer_us_per_step"]["n"].as_u64().unwrap_or(0);
     assert!(steps > 0, "{s}");
-    assert_eq!(s["loop_transfer_cpu_us_per_step"]["n"].as_u64(), Some(steps), "{s}");
+    assert_eq!(
+        s["loop_transfer_cpu_us_per_step"]["n"].as_u64(),
+        Some(steps),
+        "{s}"
+    );
     let cpu = s["loop_transfer_cpu_us_per_step"]["mean"].as_f64().unwrap();
     assert!(cpu.is_finite() && cpu >= 0.0, "{s}");
     assert!(s["loop_measuring_ns"]["cpu"].as_u64().is_some(), "{s}");
