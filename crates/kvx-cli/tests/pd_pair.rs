@@ -218,6 +218,11 @@ fn check(report: &serde_json::Value, requests: u64, tokens_total: u64) {
     let cpu = s["loop_transfer_cpu_us_per_step"]["mean"].as_f64().unwrap();
     assert!(cpu.is_finite() && cpu >= 0.0, "{s}");
     assert!(s["loop_measuring_ns"]["cpu"].as_u64().is_some(), "{s}");
+    assert_eq!(
+        s["loop_clock_warm_up_cpu_us"]["n"].as_u64(),
+        Some(steps),
+        "{s}"
+    );
 }
 
 #[test]
