@@ -252,20 +252,12 @@ SERVER_TPOT = "vllm:request_time_per_output_token_seconds"
 
 def server_tpot(decode_url: str) -> tuple[float, float] | None:
     """Decode's TPOT histogram so far: (sum in seconds, requests); None if unreadable."""
-    from test_e2e_vllm import http
+    from test_e2e_vllm import metric
 
     try:
-        status, body = http("GET", f"{decode_url}/metrics", timeout=10)
-    except OSError:
+        return metric(decode_url, SERVER_TPOT + "_sum"), metric(decode_url, SERVER_TPOT + "_count")
+    except (OSError, AssertionError):  # down, or no such histogram
         return None
-    if status != 200:
-        return None
-    total = {"_sum": 0.0, "_count": 0.0}
-    for line in body.decode(errors="replace").splitlines():
-        for suffix in total:
-            if line.startswith(SERVER_TPOT + suffix + "{"):
-                total[suffix] += float(line.rsplit(" ", 1)[1])
-    return total["_sum"], total["_count"]
 
 
 def summarize(length: int, rate: float, results: list, wall: float, rounds: int,

@@ -527,14 +527,13 @@ class _Worker:
                     self.recv_transfers[r.transfer_id] = r.request_id
                 self._submit(r, time.monotonic())
             for tid in meta.cancels:
-                held = [x for x in self.resolving if x[0].transfer_id == tid]
-                if held:
+                held = next((x for x in self.resolving if x[0].transfer_id == tid), None)
+                if held is not None:
                     # Cancelled while its prefill's name was looked up: nothing was sent.
-                    self.resolving.remove(held[0])
+                    self.resolving.remove(held)
+                    self._forget(held[0])
                     with self.lock:
-                        self.recv_blocks.pop(held[0][0].request_id, None)
-                        self.recv_transfers.pop(tid, None)
-                        self.dropped.append(held[0][0].request_id)
+                        self.dropped.append(held[0].request_id)
                     continue
                 with self.lock:
                     rid = self.recv_transfers.get(tid)
@@ -558,10 +557,14 @@ class _Worker:
         except ValueError as e:
             # What cannot be sent (a name that does not resolve; what the native side refuses:
             # a bad port, a block id out of range) fails this request's load, not the engine.
-            with self.lock:
-                self.recv_blocks.pop(r.request_id, None)
-                self.recv_transfers.pop(r.transfer_id, None)
+            self._forget(r)
             self._refuse(r, str(e))
+
+    def _forget(self, r: RecvSpec) -> None:
+        """Drops a request that was never handed to the native consumer."""
+        with self.lock:
+            self.recv_blocks.pop(r.request_id, None)
+            self.recv_transfers.pop(r.transfer_id, None)
 
     def _refuse(self, r: RecvSpec, error: str) -> None:
         with self.lock:

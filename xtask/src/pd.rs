@@ -258,6 +258,7 @@ pub(crate) fn run_sweep(quick: bool) -> anyhow::Result<()> {
                     s(v, "loop_transfer_cpu_us_per_step", "mean")
                         + get(v, &["summary", "connector_cpu_us_per_step"])
                 };
+                let cpu_ratio = decode_cpu(&push) / decode_cpu(&pull);
                 println!(
                     "{length:>7} {rate:>5} | {:>9.1} / {:>9.1} | {:>9.1} / {:>9.1} | {raw_ms:>7.2} / {fresh_ms:>7.2} | {:>7.2} / {:>7.2} | {:>6.2} / {:>6.2} | {:>6.2} / {:>6.2} | {:>7.1} / {:>7.1} | {:>7.1} / {:>7.1} | {:>13.3}",
                     s(&push, "ttft_ms", "p50"),
@@ -274,7 +275,7 @@ pub(crate) fn run_sweep(quick: bool) -> anyhow::Result<()> {
                     s(&pull, "loop_transfer_cpu_us_per_step", "mean"),
                     get(&push, &["summary", "connector_cpu_us_per_step"]),
                     get(&pull, &["summary", "connector_cpu_us_per_step"]),
-                    decode_cpu(&push) / decode_cpu(&pull),
+                    cpu_ratio,
                 );
                 points.push(json!({
                     "input_tokens": length,
@@ -283,7 +284,7 @@ pub(crate) fn run_sweep(quick: bool) -> anyhow::Result<()> {
                     "raw_transfer_fresh_source": raw[&length][1],
                     "push": push["summary"],
                     "pull": pull["summary"],
-                    "decode_transfer_cpu_push_over_pull": decode_cpu(&push) / decode_cpu(&pull),
+                    "decode_transfer_cpu_push_over_pull": cpu_ratio,
                 }));
             }
         }

@@ -795,10 +795,15 @@ mod tests {
                 }
             }),
         );
+        (serve(app).await, done)
+    }
+
+    /// Serves `app` on a free port of 127.0.0.1; returns its URL.
+    async fn serve(app: Router) -> String {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
         tokio::spawn(async move { axum::serve(listener, app).await });
-        (url, done)
+        url
     }
 
     fn push_proxy(prefill: &str, decode: &str) -> Arc<Proxy> {
@@ -921,8 +926,9 @@ mod tests {
             );
         });
     }
-    /// An instance that answers `/v1/completions` with 200 and `{}` and records each request's
-    /// `kv_transfer_params.kvx_transfer_id`.
+
+    /// An instance that answers `/v1/completions` with 200 and no choices, and records each
+    /// request's `kv_transfer_params.kvx_transfer_id`.
     async fn recording_instance() -> (String, Arc<std::sync::Mutex<Vec<String>>>) {
         let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
         let log = Arc::clone(&seen);
@@ -940,10 +946,7 @@ mod tests {
                 }
             }),
         );
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}", listener.local_addr().unwrap());
-        tokio::spawn(async move { axum::serve(listener, app).await });
-        (url, seen)
+        (serve(app).await, seen)
     }
 
     /// A decode instance that is down: the proxy dispatches again to another, with a fresh

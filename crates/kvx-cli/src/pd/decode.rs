@@ -578,9 +578,10 @@ impl StepWork {
         let mut walls = Vec::with_capacity(2001);
         let mut cpus = Vec::with_capacity(2001);
         for _ in 0..2001 {
-            let (wall, cpu) = Self::mark();
-            cpus.push(thread_cpu_time().saturating_sub(cpu));
-            walls.push(wall.elapsed());
+            let mut empty = StepWork::default();
+            empty.add_since(Self::mark(), &StepWork::default());
+            walls.push(empty.wall);
+            cpus.push(empty.cpu);
         }
         walls.sort_unstable();
         cpus.sort_unstable();
