@@ -18,7 +18,7 @@ use kvx_rdma::transport::{Event, OpId, PeerId, Transport};
 use kvx_rendezvous::{AttemptKey, Reason, Timestamp, Waiter, WaiterAction, WaiterConfig};
 use tracing::{debug, info, warn};
 
-use crate::board::{self, BoardSlots, Disarmed, SharedBoard, BOARD_SLOTS};
+use crate::board::{self, BoardSlots, Disarmed, PollHints, SharedBoard, BOARD_SLOTS};
 use crate::common::{self, Clock, CommandReceiver, CommandSender, KvCache};
 use crate::config::ConnectorConfig;
 use crate::control::{self, ControlSender};
@@ -205,8 +205,10 @@ struct Instance {
 /// # Ok(()) }
 /// ```
 pub struct Consumer {
+    /// Read first by every poll (see [`PollHints`]).
+    hints: Arc<PollHints>,
     tx: CommandSender<Command>,
-    events: Arc<Mutex<Vec<(RecvEvent, SystemTime)>>>,
+    events: Arc<Outbox>,
     board: Option<Arc<SharedBoard>>,
     /// The engine thread reads the transport's queue (`Capabilities::peer_rma_occasional_reads`)
     /// when a request landed in the board, and every [`ENGINE_READ_INTERVAL`] while requests
@@ -238,17 +240,21 @@ impl Consumer {
         config.validate()?;
         let (layout, regions) = common::register_cache(transport.as_mut(), cache)?;
         // Before the hello: the board's place is part of this endpoint's description.
+        let hints = Arc::new(PollHints::default());
         let board = config
             .notice_board
             .then(|| transport.notice_board(BOARD_SLOTS))
             .flatten()
-            .map(|b| Arc::new(SharedBoard::new(b)));
+            .map(|b| Arc::new(SharedBoard::new(b, Arc::clone(&hints))));
         let mut waiter_config = WaiterConfig::default();
         waiter_config.max_waiting = config.max_entries;
         waiter_config.max_lease = config.registration_lease;
         let waiter = Waiter::new(waiter_config)?;
         let (tx, rx) = common::command_queue(transport.waker());
-        let events = Arc::new(Mutex::new(Vec::new()));
+        let events = Arc::new(Outbox {
+            hints: Arc::clone(&hints),
+            events: Mutex::default(),
+        });
         let stats = Arc::new(Stats::default());
         let caps = transport.capabilities();
         // With a board, notices need nothing from this side, so no hints are asked for.
@@ -309,6 +315,7 @@ impl Consumer {
             .map_err(StartError::Thread)?;
         info!(%rank, "kvx consumer started");
         Ok(Self {
+            hints,
             tx,
             events,
             board,
@@ -387,9 +394,18 @@ impl Consumer {
     /// Like [`Consumer::take_events`], with the time each event was decided (a ready request:
     /// when its last notice arrived and any re-layout was done), for engines and benchmarks that
     /// poll less often than transfers finish.
+    #[inline]
     pub fn take_events_timed(&self) -> Vec<(RecvEvent, SystemTime)> {
-        let mut events =
-            std::mem::take(&mut *self.events.lock().unwrap_or_else(PoisonError::into_inner));
+        // Inlined into the engine's loop: a step with nothing to report reads one flag word.
+        if self.hints.idle() {
+            return Vec::new();
+        }
+        self.collect_events()
+    }
+
+    #[inline(never)]
+    fn collect_events(&self) -> Vec<(RecvEvent, SystemTime)> {
+        let mut events = self.events.take();
         if let Some(board) = &self.board {
             let before = events.len();
             let waiting = board.collect(&self.stats, &mut events);
@@ -480,6 +496,33 @@ impl Drop for Consumer {
     }
 }
 
+/// Where the driver leaves events for the engine thread, raising [`PollHints::news`] after.
+struct Outbox {
+    hints: Arc<PollHints>,
+    events: Mutex<Vec<(RecvEvent, SystemTime)>>,
+}
+
+impl Outbox {
+    fn push(&self, event: (RecvEvent, SystemTime)) {
+        self.events
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(event);
+        // After the event: whoever sees the flag finds it.
+        self.hints.news.store(true, Ordering::Release);
+    }
+
+    /// Everything pushed before the flag was last seen set; an event pushed during the call is
+    /// taken now or by the next call.
+    fn take(&self) -> Vec<(RecvEvent, SystemTime)> {
+        let news = &self.hints.news;
+        if !news.load(Ordering::Acquire) || !news.swap(false, Ordering::AcqRel) {
+            return Vec::new();
+        }
+        std::mem::take(&mut *self.events.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+}
+
 struct Driver {
     config: ConnectorConfig,
     clock: Clock,
@@ -531,7 +574,7 @@ struct Driver {
     next_conn: ConnId,
     next_heartbeat: Option<Timestamp>,
     tx: CommandSender<Command>,
-    events: Arc<Mutex<Vec<(RecvEvent, SystemTime)>>>,
+    events: Arc<Outbox>,
     stats: Arc<Stats>,
     /// The re-layout kernels, for a CUDA cache that needs them (made on first use).
     #[cfg(feature = "cuda")]
@@ -1791,11 +1834,7 @@ impl Driver {
     }
 
     fn push_event(&self, event: RecvEvent) {
-        let event = (event, SystemTime::now());
-        self.events
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .push(event);
+        self.events.push((event, SystemTime::now()));
     }
 }
 
@@ -1826,4 +1865,53 @@ fn handshake(
         .and_then(|()| stream.set_write_timeout(None))
         .map_err(|e| e.to_string())?;
     Ok((stream, theirs))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ready(transfer: u128) -> (RecvEvent, SystemTime) {
+        (
+            RecvEvent::Ready {
+                key: AttemptKey::new(TransferId(transfer), Attempt::FIRST),
+                request: RequestId(0),
+            },
+            SystemTime::UNIX_EPOCH,
+        )
+    }
+
+    #[test]
+    fn the_outbox_loses_no_event_and_costs_a_flag_when_empty() {
+        let hints = Arc::new(PollHints::default());
+        let outbox = Arc::new(Outbox {
+            hints: Arc::clone(&hints),
+            events: Mutex::default(),
+        });
+        assert!(hints.idle() && outbox.take().is_empty());
+        outbox.push(ready(1));
+        assert!(!hints.idle());
+        outbox.push(ready(2));
+        assert_eq!(outbox.take().len(), 2);
+        assert!(hints.idle(), "taken: the flag is down");
+        // Pushed from another thread while the engine takes: every event is taken once.
+        let pusher = {
+            let outbox = Arc::clone(&outbox);
+            thread::spawn(move || {
+                for t in 0..10_000 {
+                    outbox.push(ready(t));
+                }
+            })
+        };
+        let mut taken = 0;
+        while !pusher.is_finished() {
+            if !hints.idle() {
+                taken += outbox.take().len();
+            }
+        }
+        pusher.join().unwrap();
+        taken += outbox.take().len();
+        assert_eq!(taken, 10_000);
+        assert!(hints.idle());
+    }
 }
