@@ -57,6 +57,9 @@ WORDS = (
 ).split()
 # Word counts chosen so that the prompts span one to about ten blocks of 32 tokens.
 PROMPT_WORDS = [7, 45, 110, 260]
+# A prompt of about 45 blocks: computed in 32-token steps, it keeps prefill busy long enough to
+# be aborted halfway.
+LONG_WORDS = 1200
 MAX_TOKENS = 12
 LOGPROB_TOL = 1e-3
 _NCPU = os.cpu_count() or 1
@@ -286,11 +289,13 @@ def reference(model, workdir) -> dict:
     try:
         server.wait_ready()
         out = {n: complete(url, prompt(n)) for n in PROMPT_WORDS}
+        out["long"] = complete(url, prompt(LONG_WORDS, salt=5))
         out["chat"] = chat_stream(url, prompt(30, salt=3))
     finally:
         server.kill()
     lengths = [out[n]["prompt_tokens"] for n in PROMPT_WORDS]
     assert lengths[0] < BLOCK < lengths[-1] and lengths[-1] > 6 * BLOCK, lengths
+    assert out["long"]["prompt_tokens"] > 30 * BLOCK, out["long"]["prompt_tokens"]
     return out
 
 
@@ -422,7 +427,9 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
        `k` (vLLM's default `fail` policy) is sent a request whose prefill address has nobody
        listening: the request ends at once with an error (HTTP 500), decoded on nothing, and
        `k` keeps no block. A client that gives up on a request that `w` waits for gets its
-       blocks back at once;
+       blocks back at once. Prefill aborts a long request halfway through computing it (its
+       client went away), after some of its KV was written into `w` early: `w` hears at once,
+       not at its lease, and recomputes, exactly;
     3. prefill is killed while decode `w` waits for a request's KV: `w` fails the load at once
        and recomputes, exactly, instead of hanging; a client of the proxy gets an error naming
        prefill."""
@@ -432,7 +439,10 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
                       producer_lease_s=lease)
     d_cfg = kv_config("KvxPushConnector", "kv_consumer", "d-f", _policy="recompute",
                       layout="block")
-    p, p_url = start_vllm("prefill-f", model, workdir, kv=p_cfg, cores=P_CORES)
+    # Chunked prefill, 32 tokens a step: a long prompt is written early, step by step.
+    p, p_url = start_vllm("prefill-f", model, workdir, kv=p_cfg, cores=P_CORES,
+                          args_extra=("--max-num-batched-tokens", "32"),
+                          kvx_log="kvx_vllm::producer=debug,kvx_vllm=info")
     d, d_url = start_vllm("decode-f", model, workdir, kv=d_cfg, prefix_caching=False,
                           block_size=2 * BLOCK, cores=D_CORES)
     dk, dk_url = start_vllm("decode-k", model, workdir, prefix_caching=False, cores=D_CORES,
@@ -558,6 +568,55 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
         while metric(dw_url, "vllm:kv_cache_usage_perc") > 0:
             assert time.monotonic() - t0 < 20, "decode kept the aborted request's blocks"
             time.sleep(0.25)
+
+        # 2e. Prefill aborts a request while computing it (its client went away), after `w`
+        # registered for it and the first steps' KV was written into `w` early: prefill tells
+        # `w` once those writes have ended, `w` fails the load at once (not at its 120 s
+        # lease) and recomputes every prompt token, exactly: nothing decoded on a half-written
+        # cache.
+        def count(server: Server, text: str) -> int:
+            return server.log.read_text(errors="replace").count(text)
+
+        seen = registrations(dw)
+        early = count(p, "early writes posted")
+        failures = count(dw, "producer reported failure")
+        answers = []
+        waiting = send_waiting(dw_url, remote(prompt(LONG_WORDS, salt=5), "p-abort-1",
+                                              MAX_TOKENS), answers)
+        wait_registered(dw, seen)
+        half = {"model": "tiny", "prompt": prompt(LONG_WORDS, salt=5), "max_tokens": 1,
+                "temperature": 0, "stream": True,
+                "kv_transfer_params": {"do_remote_decode": True, "kvx_transfer_id": "p-abort-1"}}
+        client = HTTPConnection("127.0.0.1", int(p_url.rsplit(":", 1)[1]), timeout=30)
+        client.request("POST", "/v1/completions", json.dumps(half),
+                       {"content-type": "application/json"})
+        t0 = time.monotonic()
+        while count(p, "early writes posted") <= early:
+            assert time.monotonic() - t0 < 60, "prefill wrote nothing early"
+            time.sleep(0.01)
+        client.close()
+        t0 = time.monotonic()
+        waiting.join(timeout=60)
+        assert answers, "decode hung after prefill aborted the request"
+        status, raw = answers[0]
+        assert status == 200, raw
+        out = json.loads(raw)
+        choice = out["choices"][0]
+        assert_same({"tokens": choice["logprobs"]["tokens"],
+                     "logprobs": choice["logprobs"]["token_logprobs"],
+                     "prompt_tokens": out["usage"]["prompt_tokens"]},
+                    reference["long"], "prefill aborted halfway, recompute policy")
+        took = time.monotonic() - t0
+        assert took < 30, f"the abort reached decode after {took:.1f}s"
+        aborted = [line.split("transfer=")[1].split()[0]
+                   for line in p.log.read_text(errors="replace").splitlines()
+                   if "the engine aborted the request" in line]
+        assert aborted, p.tail()
+        told = [line for line in dw.log.read_text(errors="replace").splitlines()
+                if "producer reported failure" in line][failures:]
+        assert any(f"key={aborted[-1]}/" in line and "reason=Aborted" in line for line in told), \
+            (aborted, told)
+        wait_usage_zero("prefill's aborted request", lease + 10)
 
         # 3. Prefill killed while decode w waits: w's load fails at once and it recomputes.
         n = PROMPT_WORDS[1]

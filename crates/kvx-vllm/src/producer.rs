@@ -857,7 +857,8 @@ impl Driver {
                 layers,
             } => self.progress(now, key, blocks, tokens, layers),
             Command::Abort { transfer, attempt } => {
-                self.abort(now, transfer, attempt, Reason::Aborted)
+                debug!(%transfer, ?attempt, "the engine aborted the request");
+                self.abort(now, transfer, attempt, Reason::Aborted);
             }
             Command::Preempted(key) => {
                 self.streams.remove(&key);
