@@ -109,8 +109,8 @@ const BOARD_POLL: Duration = Duration::from_millis(2);
 
 /// How often, at most, the engine thread reads a transport whose peers' writes need this side's
 /// reads now and then (libfabric `shm`: each write holds a slot of decode's command queue, about
-/// 1,024, until decode reads), while requests wait in the board and none landed meanwhile. It
-/// reads right after a request landed anyway. Reading at every step cost far more: `shm`'s read
+/// 1,024, until decode reads), while requests wait in the board and none landed meanwhile, the
+/// first time an interval after the wait began. It reads right after a request landed anyway. Reading at every step cost far more: `shm`'s read
 /// takes a spin lock that the writer holds while it copies into this process, and the writer,
 /// posting piece after piece, can keep it for milliseconds (reads of 3 to 10 ms were seen during
 /// 16,384-token transfers).
@@ -216,6 +216,8 @@ pub struct Consumer {
     engine_reads: bool,
     /// When the engine thread may read the transport next: nanoseconds from `started`.
     next_engine_read: AtomicU64,
+    /// The engine thread's last look at the board found requests waiting there.
+    board_waiting: AtomicBool,
     started: Instant,
     /// The driver's state: the engine thread registers a push request itself when the state is
     /// free and the request's prefill is connected (with a notice board only, where the
@@ -321,6 +323,7 @@ impl Consumer {
             board,
             engine_reads: occasional_reads,
             next_engine_read: AtomicU64::new(0),
+            board_waiting: AtomicBool::new(false),
             started: Instant::now(),
             driver,
             stats,
@@ -410,8 +413,14 @@ impl Consumer {
             let before = events.len();
             let waiting = board.collect(&self.stats, &mut events);
             // Right after a request landed its writer is most likely idle; otherwise now and
-            // then while requests wait (their early writes hold queue slots too).
+            // then while requests wait (their early writes hold queue slots too), the first
+            // time an interval after the wait began: until then the writes of a writer in
+            // contact land without a read, in the queue's room that the last read left.
             let landed = events.len() > before;
+            let was_waiting = self.board_waiting.swap(waiting > 0, Ordering::Relaxed);
+            if waiting > 0 && !was_waiting {
+                self.defer_engine_read();
+            }
             if self.engine_reads && (landed || (waiting > 0 && self.engine_read_due())) {
                 self.read_transport();
             }
@@ -435,6 +444,15 @@ impl Consumer {
         self.since_start() >= self.next_engine_read.load(Ordering::Relaxed)
     }
 
+    /// The engine thread's next read of the transport comes an interval from now at the
+    /// earliest.
+    fn defer_engine_read(&self) {
+        let at = self
+            .since_start()
+            .saturating_add(ENGINE_READ_INTERVAL.as_nanos() as u64);
+        self.next_engine_read.fetch_max(at, Ordering::Relaxed);
+    }
+
     /// Nanoseconds since the consumer started (the engine-read schedule's clock).
     fn since_start(&self) -> u64 {
         u64::try_from(self.started.elapsed().as_nanos()).unwrap_or(u64::MAX)
@@ -445,11 +463,7 @@ impl Consumer {
     /// slots they took there. A few hundred nanoseconds when nothing came; what came is handled
     /// here, and the driver is woken only if that leaves it something to do.
     fn read_transport(&self) {
-        self.next_engine_read.store(
-            self.since_start()
-                .saturating_add(ENGINE_READ_INTERVAL.as_nanos() as u64),
-            Ordering::Relaxed,
-        );
+        self.defer_engine_read();
         let Ok(mut driver) = self.driver.try_lock() else {
             return;
         };
