@@ -110,10 +110,10 @@ const BOARD_POLL: Duration = Duration::from_millis(2);
 /// How often, at most, the engine thread reads a transport whose peers' writes need this side's
 /// reads now and then (libfabric `shm`: each write holds a slot of decode's command queue, about
 /// 1,024, until decode reads), while requests wait in the board and none landed meanwhile, the
-/// first time an interval after the wait began. It reads right after a request landed anyway. Reading at every step cost far more: `shm`'s read
-/// takes a spin lock that the writer holds while it copies into this process, and the writer,
-/// posting piece after piece, can keep it for milliseconds (reads of 3 to 10 ms were seen during
-/// 16,384-token transfers).
+/// first time an interval after the wait began. It reads right after a request landed anyway.
+/// Reading at every step cost far more: `shm`'s read takes a spin lock that the writer holds
+/// while it copies into this process, and the writer, posting piece after piece, can keep it for
+/// milliseconds (reads of 3 to 10 ms were seen during 16,384-token transfers).
 const ENGINE_READ_INTERVAL: Duration = Duration::from_millis(50);
 
 /// The longest wait between the driver's reads of its transport while a writer rank's first
