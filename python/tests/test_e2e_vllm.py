@@ -483,6 +483,21 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
         t.start()
         return t
 
+    def answered_exactly(waiting: threading.Thread, answers: list, want: dict, what: str) -> float:
+        """Waits for a request sent with `send_waiting`: it must be answered, exactly as `want`.
+        Returns how long it took."""
+        t0 = time.monotonic()
+        waiting.join(timeout=60)
+        assert answers, f"decode hung: {what}"
+        status, raw = answers[0]
+        assert status == 200, raw
+        out = json.loads(raw)
+        choice = out["choices"][0]
+        assert_same({"tokens": choice["logprobs"]["tokens"],
+                     "logprobs": choice["logprobs"]["token_logprobs"],
+                     "prompt_tokens": out["usage"]["prompt_tokens"]}, want, what)
+        return time.monotonic() - t0
+
     def wait_registered(server: Server, before: int) -> None:
         t0 = time.monotonic()
         while registrations(server) <= before:
@@ -595,18 +610,8 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
             assert time.monotonic() - t0 < 60, "prefill wrote nothing early"
             time.sleep(0.01)
         client.close()
-        t0 = time.monotonic()
-        waiting.join(timeout=60)
-        assert answers, "decode hung after prefill aborted the request"
-        status, raw = answers[0]
-        assert status == 200, raw
-        out = json.loads(raw)
-        choice = out["choices"][0]
-        assert_same({"tokens": choice["logprobs"]["tokens"],
-                     "logprobs": choice["logprobs"]["token_logprobs"],
-                     "prompt_tokens": out["usage"]["prompt_tokens"]},
-                    reference["long"], "prefill aborted halfway, recompute policy")
-        took = time.monotonic() - t0
+        took = answered_exactly(waiting, answers, reference["long"],
+                                "prefill aborted halfway, recompute policy")
         assert took < 30, f"the abort reached decode after {took:.1f}s"
         aborted = [line.split("transfer=")[1].split()[0]
                    for line in p.log.read_text(errors="replace").splitlines()
@@ -625,18 +630,9 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
         waiting = send_waiting(dw_url, remote(prompt(n), "orphan-2", MAX_TOKENS), answers)
         wait_registered(dw, seen)
         p.kill(signal.SIGKILL)
-        t0 = time.monotonic()
-        waiting.join(timeout=60)
-        assert answers, "decode hung after prefill was killed"
-        status, raw = answers[0]
-        assert status == 200, raw
-        out = json.loads(raw)
-        choice = out["choices"][0]
-        assert_same({"tokens": choice["logprobs"]["tokens"],
-                     "logprobs": choice["logprobs"]["token_logprobs"],
-                     "prompt_tokens": out["usage"]["prompt_tokens"]},
-                    reference[n], "prefill killed while decode waited, recompute policy")
-        assert time.monotonic() - t0 < 30
+        took = answered_exactly(waiting, answers, reference[n],
+                                "prefill killed while decode waited, recompute policy")
+        assert took < 30, f"decode answered {took:.1f}s after prefill was killed"
         # Through the proxy, the client hears that prefill is down.
         status, err = http("POST", f"{proxy_url}/v1/completions",
                            {"model": "tiny", "prompt": prompt(20), "max_tokens": 4}, timeout=60)
