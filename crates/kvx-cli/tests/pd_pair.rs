@@ -223,6 +223,8 @@ fn check(report: &serde_json::Value, requests: u64, tokens_total: u64) {
         Some(steps),
         "{s}"
     );
+    // Both processes are on this host: their control connections are Unix sockets.
+    assert!(s["local_connections"].as_u64().unwrap_or(0) > 0, "{s}");
 }
 
 #[test]

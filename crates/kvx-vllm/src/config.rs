@@ -49,6 +49,11 @@ pub struct ConnectorConfig {
     ///
     /// [`Consumer::take_events`]: crate::Consumer::take_events
     pub notice_board: bool,
+    /// Control connections between two processes of one host use a Unix socket instead of TCP
+    /// (Linux): a producer listens on one beside its TCP address, and a consumer whose
+    /// producer's address is one of this host's tries it first. True by default; false: TCP
+    /// only.
+    pub local_sockets: bool,
 }
 
 impl ConnectorConfig {
@@ -69,6 +74,7 @@ impl ConnectorConfig {
             quiesce_timeout: Duration::from_secs(5),
             finishing_hints: None,
             notice_board: true,
+            local_sockets: true,
         }
     }
 }

@@ -3,7 +3,7 @@
 //! or failed.
 
 use std::collections::{HashMap, HashSet};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use std::sync::{Arc, Mutex, PoisonError};
@@ -21,7 +21,7 @@ use tracing::{debug, info, warn};
 use crate::board::{self, BoardSlots, Disarmed, PollHints, SharedBoard, BOARD_SLOTS};
 use crate::common::{self, Clock, CommandReceiver, CommandSender, KvCache};
 use crate::config::ConnectorConfig;
-use crate::control::{self, ControlSender};
+use crate::control::{self, ControlSender, ControlStream};
 use crate::error::{Closed, StartError};
 use crate::stats::{Stats, StatsSnapshot};
 
@@ -86,7 +86,7 @@ enum Command {
     /// That connection closed.
     PeerClosed(SocketAddr, Rank, ConnId, String),
     /// A helper thread's handshake with one rank of a prefill instance ended.
-    Handshaken(SocketAddr, Rank, Result<(TcpStream, Hello), String>),
+    Handshaken(SocketAddr, Rank, Result<(ControlStream, Hello), String>),
     /// The engine thread registered a request itself and the driver must look again (a
     /// deadline moved closer, the transport needs reading, an action or a message waits).
     Wake,
@@ -878,7 +878,7 @@ impl Driver {
         &mut self,
         instance: SocketAddr,
         rank: Rank,
-        stream: TcpStream,
+        stream: ControlStream,
         hello: Hello,
     ) -> Result<(), String> {
         let addr = common::rank_addr(instance, rank);
@@ -904,6 +904,10 @@ impl Driver {
         let tx = self.tx.clone();
         let id = self.next_conn;
         self.next_conn += 1;
+        debug!(%addr, local = stream.is_local(), "connected to a producer rank");
+        if stream.is_local() {
+            self.stats.local_connections.fetch_add(1, Ordering::Relaxed);
+        }
         let sender = control::start(stream, format!("kvx-ctl-{addr}"), move |result| {
             let command = match result {
                 Ok(m) => Command::Peer(instance, rank, id, m),
@@ -968,11 +972,12 @@ impl Driver {
         let addr = common::rank_addr(instance, rank);
         let hello = Message::Hello(self.hello.clone());
         let timeout = self.config.connect_timeout;
+        let local = self.config.local_sockets;
         let tx = self.tx.clone();
         let spawned = thread::Builder::new()
             .name(format!("kvx-hs-{addr}"))
             .spawn(move || {
-                let result = handshake(addr, &hello, timeout);
+                let result = handshake(addr, &hello, timeout, local);
                 let _ = tx.send(Command::Handshaken(instance, rank, result));
             });
         if let Err(e) = spawned {
@@ -991,7 +996,7 @@ impl Driver {
         &mut self,
         instance: SocketAddr,
         rank: Rank,
-        result: Result<(TcpStream, Hello), String>,
+        result: Result<(ControlStream, Hello), String>,
     ) {
         let Some(connecting) = self.connecting.get_mut(&instance) else {
             // The instance failed meanwhile: this connection is not wanted (it closes).
@@ -1858,9 +1863,10 @@ fn handshake(
     addr: SocketAddr,
     hello: &Message,
     timeout: Duration,
-) -> Result<(TcpStream, Hello), String> {
+    local: bool,
+) -> Result<(ControlStream, Hello), String> {
     use std::io::Write as _;
-    let mut stream = control::connect(addr, timeout).map_err(|e| e.to_string())?;
+    let mut stream = control::connect(addr, timeout, local).map_err(|e| e.to_string())?;
     stream
         .set_read_timeout(Some(timeout))
         .and_then(|()| stream.set_write_timeout(Some(timeout)))

@@ -1,9 +1,18 @@
 //! The control channel: kvx wire frames over TCP, one connection per (decode rank, prefill rank).
 //! Reads block on the socket in a reader thread per connection (never a busy poll); writes go
 //! through a shared, locked stream so any thread can send.
+//!
+//! Between two processes of one host (Linux) the connection is a Unix socket instead: a
+//! producer listens on one beside its TCP listener, named after the TCP address
+//! ([`local_name`], in the abstract namespace, which is the network namespace's, as TCP ports
+//! are), and a consumer whose peer's address is one of this host's tries it first. A message
+//! then costs the sender about half the CPU that loopback TCP costs, whose receive path runs in
+//! the sender's system call.
 
 use std::io::{self, Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpStream, UdpSocket};
+use std::os::fd::{AsFd, BorrowedFd};
+use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::Duration;
@@ -36,6 +45,142 @@ pub enum ControlError {
     Encode(#[from] EncodeError),
 }
 
+/// A control connection's stream: TCP, or a Unix socket to a peer on this host.
+#[derive(Debug)]
+pub(crate) enum ControlStream {
+    Tcp(TcpStream),
+    Local(UnixStream),
+}
+
+impl ControlStream {
+    /// Another handle on the same connection.
+    pub(crate) fn try_clone(&self) -> io::Result<Self> {
+        Ok(match self {
+            Self::Tcp(s) => Self::Tcp(s.try_clone()?),
+            Self::Local(s) => Self::Local(s.try_clone()?),
+        })
+    }
+
+    /// Shuts down reading, writing or both.
+    pub(crate) fn shutdown(&self, how: Shutdown) -> io::Result<()> {
+        match self {
+            Self::Tcp(s) => s.shutdown(how),
+            Self::Local(s) => s.shutdown(how),
+        }
+    }
+
+    /// Bounds blocking reads (`None`: no bound).
+    pub(crate) fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
+        match self {
+            Self::Tcp(s) => s.set_read_timeout(timeout),
+            Self::Local(s) => s.set_read_timeout(timeout),
+        }
+    }
+
+    /// Bounds blocking writes (`None`: no bound).
+    pub(crate) fn set_write_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
+        match self {
+            Self::Tcp(s) => s.set_write_timeout(timeout),
+            Self::Local(s) => s.set_write_timeout(timeout),
+        }
+    }
+
+    /// Whether this is a Unix socket to a peer on this host.
+    pub(crate) fn is_local(&self) -> bool {
+        matches!(self, Self::Local(_))
+    }
+}
+
+impl Read for ControlStream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Self::Tcp(s) => s.read(buf),
+            Self::Local(s) => s.read(buf),
+        }
+    }
+}
+
+impl Write for ControlStream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            Self::Tcp(s) => s.write(buf),
+            Self::Local(s) => s.write(buf),
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        match self {
+            Self::Tcp(s) => s.flush(),
+            Self::Local(s) => s.flush(),
+        }
+    }
+}
+
+impl AsFd for ControlStream {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        match self {
+            Self::Tcp(s) => s.as_fd(),
+            Self::Local(s) => s.as_fd(),
+        }
+    }
+}
+
+/// The name of the Unix socket beside a control listener bound at `bound` (its real address:
+/// a wildcard one stays a wildcard).
+pub(crate) fn local_name(bound: SocketAddr) -> String {
+    format!("kvx-control/{bound}")
+}
+
+/// A Unix listener beside the TCP listener bound at `bound`, in the abstract namespace (nothing
+/// in the file system to clean up: the name goes when the socket closes).
+///
+/// # Errors
+/// The name is taken, or this system has no abstract Unix sockets.
+pub(crate) fn listen_local(bound: SocketAddr) -> io::Result<UnixListener> {
+    UnixListener::bind_addr(&abstract_addr(&local_name(bound))?)
+}
+
+#[cfg(target_os = "linux")]
+fn abstract_addr(name: &str) -> io::Result<std::os::unix::net::SocketAddr> {
+    use std::os::linux::net::SocketAddrExt;
+    std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())
+}
+
+#[cfg(not(target_os = "linux"))]
+fn abstract_addr(_name: &str) -> io::Result<std::os::unix::net::SocketAddr> {
+    Err(io::Error::new(
+        io::ErrorKind::Unsupported,
+        "abstract Unix sockets are Linux's",
+    ))
+}
+
+/// Whether `ip` is one of this host's addresses (in this network namespace).
+fn is_this_host(ip: IpAddr) -> bool {
+    ip.is_loopback() || ip.is_unspecified() || UdpSocket::bind((ip, 0)).is_ok()
+}
+
+/// The Unix socket of a producer on this host that a TCP connection to `addr` would reach: the
+/// one beside a listener bound at `addr` itself, or at a wildcard address of its port (an IPv6
+/// one takes IPv4 connections too). `None` where `addr` is another host's, or no such socket
+/// exists.
+fn connect_local(addr: SocketAddr) -> Option<UnixStream> {
+    if !is_this_host(addr.ip()) {
+        return None;
+    }
+    let port = addr.port();
+    let v4 = SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), port);
+    let v6 = SocketAddr::new(Ipv6Addr::UNSPECIFIED.into(), port);
+    let candidates: &[SocketAddr] = if addr.is_ipv4() {
+        &[addr, v4, v6]
+    } else {
+        &[addr, v6]
+    };
+    candidates.iter().find_map(|&bound| {
+        let name = abstract_addr(&local_name(bound)).ok()?;
+        UnixStream::connect_addr(&name).ok()
+    })
+}
+
 /// Reads one frame (blocking).
 pub(crate) fn read_message(stream: &mut impl Read) -> Result<Message, ControlError> {
     let mut header = [0u8; HEADER_LEN];
@@ -58,7 +203,7 @@ pub(crate) struct ControlSender {
 /// could not hand to the kernel at once (they go first, in order).
 #[derive(Debug)]
 struct Outgoing {
-    stream: TcpStream,
+    stream: ControlStream,
     backlog: Vec<u8>,
 }
 
@@ -140,7 +285,8 @@ pub(crate) const UNACKED_LIMIT: Duration = Duration::from_secs(25);
 
 /// Makes a peer that vanished without closing (host down, network cut) fail the connection
 /// within about 25 s instead of never: a blocked read then ends with an error, as for a peer
-/// that closed, and everything that depended on the connection is failed and released.
+/// that closed, and everything that depended on the connection is failed and released. (A Unix
+/// socket's peer is on this host: its end closes with its process.)
 fn detect_dead_peer(stream: &TcpStream) -> io::Result<()> {
     let socket = socket2::SockRef::from(stream);
     socket.set_tcp_keepalive(
@@ -153,10 +299,12 @@ fn detect_dead_peer(stream: &TcpStream) -> io::Result<()> {
 }
 
 /// A sender over a clone of `stream` (a connection of either side, once its handshake is
-/// done): no Nagle delay, and a dead peer is detected.
-pub(crate) fn sender(stream: &TcpStream) -> io::Result<ControlSender> {
-    stream.set_nodelay(true)?;
-    detect_dead_peer(stream)?;
+/// done): over TCP, no Nagle delay, and a dead peer is detected.
+pub(crate) fn sender(stream: &ControlStream) -> io::Result<ControlSender> {
+    if let ControlStream::Tcp(tcp) = stream {
+        tcp.set_nodelay(true)?;
+        detect_dead_peer(tcp)?;
+    }
     Ok(ControlSender {
         out: Arc::new(Mutex::new(Outgoing {
             stream: stream.try_clone()?,
@@ -168,7 +316,7 @@ pub(crate) fn sender(stream: &TcpStream) -> io::Result<ControlSender> {
 /// Reads messages until the connection fails, handing each (and finally the error that ended
 /// the connection) to `deliver`; stops early when `deliver` returns false.
 pub(crate) fn read_loop(
-    mut reader: TcpStream,
+    mut reader: ControlStream,
     mut deliver: impl FnMut(Result<Message, ControlError>) -> bool,
 ) {
     loop {
@@ -183,7 +331,7 @@ pub(crate) fn read_loop(
 
 /// Splits an established stream into a sender and a reader thread running [`read_loop`].
 pub(crate) fn start(
-    stream: TcpStream,
+    stream: ControlStream,
     name: String,
     deliver: impl FnMut(Result<Message, ControlError>) -> bool + Send + 'static,
 ) -> io::Result<ControlSender> {
@@ -194,9 +342,18 @@ pub(crate) fn start(
     Ok(sender)
 }
 
-/// Connects with a bounded wait.
-pub(crate) fn connect(addr: SocketAddr, timeout: Duration) -> Result<TcpStream, ControlError> {
+/// Connects with a bounded wait: with `local`, over the producer's Unix socket where `addr` is
+/// this host's and it has one, else over TCP.
+pub(crate) fn connect(
+    addr: SocketAddr,
+    timeout: Duration,
+    local: bool,
+) -> Result<ControlStream, ControlError> {
+    if let Some(stream) = local.then(|| connect_local(addr)).flatten() {
+        return Ok(ControlStream::Local(stream));
+    }
     TcpStream::connect_timeout(&addr, timeout)
+        .map(ControlStream::Tcp)
         .map_err(|source| ControlError::Connect { addr, source })
 }
 
@@ -215,7 +372,12 @@ mod tests {
         use std::time::Instant;
 
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let dialled = connect(listener.local_addr().unwrap(), Duration::from_secs(5)).unwrap();
+        let dialled = connect(
+            listener.local_addr().unwrap(),
+            Duration::from_secs(5),
+            false,
+        )
+        .unwrap();
         let (accepted, _) = listener.accept().unwrap();
         socket2::SockRef::from(&dialled)
             .set_send_buffer_size(4096)
@@ -261,8 +423,13 @@ mod tests {
     #[test]
     fn both_ends_of_a_control_connection_detect_a_dead_peer() {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let dialled = connect(listener.local_addr().unwrap(), Duration::from_secs(5)).unwrap();
-        let (accepted, _) = listener.accept().unwrap();
+        let dialled = connect(
+            listener.local_addr().unwrap(),
+            Duration::from_secs(5),
+            false,
+        )
+        .unwrap();
+        let accepted = ControlStream::Tcp(listener.accept().unwrap().0);
         for stream in [&dialled, &accepted] {
             let _sender = sender(stream).unwrap();
             let socket = socket2::SockRef::from(stream);
@@ -271,7 +438,82 @@ mod tests {
             assert_eq!(socket.tcp_keepalive_interval().unwrap(), KEEPALIVE_INTERVAL);
             assert_eq!(socket.tcp_keepalive_retries().unwrap(), KEEPALIVE_PROBES);
             assert_eq!(socket.tcp_user_timeout().unwrap(), Some(UNACKED_LIMIT));
-            assert!(stream.nodelay().unwrap());
+            assert!(socket.tcp_nodelay().unwrap());
         }
+    }
+
+    /// A frame each way over `a` and `b`, two ends of one connection.
+    fn talk(a: &mut ControlStream, b: &mut ControlStream) {
+        use kvx_core::wire::Abort;
+        use kvx_core::TransferId;
+        let message = |t| {
+            Message::Abort(Abort {
+                transfer: TransferId(t),
+                attempt: None,
+                reason: "test".into(),
+            })
+        };
+        a.write_all(&message(1).to_bytes().unwrap()).unwrap();
+        assert_eq!(read_message(b).unwrap(), message(1));
+        b.write_all(&message(2).to_bytes().unwrap()).unwrap();
+        assert_eq!(read_message(a).unwrap(), message(2));
+    }
+
+    /// A producer of this host is reached over the Unix socket beside its TCP listener, whether
+    /// it listens on the address dialled or on the wildcard address of its port; with `local`
+    /// off, or without that socket, over TCP.
+    #[test]
+    fn a_producer_on_this_host_is_reached_over_its_unix_socket() {
+        for bind in ["127.0.0.1:0", "0.0.0.0:0"] {
+            let listener = TcpListener::bind(bind).unwrap();
+            let bound = listener.local_addr().unwrap();
+            let dial = SocketAddr::from(([127, 0, 0, 1], bound.port()));
+            let local = listen_local(bound).unwrap();
+            let mut dialled = connect(dial, Duration::from_secs(5), true).unwrap();
+            assert!(dialled.is_local(), "{bind}");
+            let mut accepted = ControlStream::Local(local.accept().unwrap().0);
+            talk(&mut dialled, &mut accepted);
+            // The same name twice is refused: another producer cannot take it over.
+            assert!(listen_local(bound).is_err());
+            let mut tcp = connect(dial, Duration::from_secs(5), false).unwrap();
+            assert!(!tcp.is_local());
+            let mut accepted = ControlStream::Tcp(listener.accept().unwrap().0);
+            talk(&mut tcp, &mut accepted);
+            drop(local);
+            let mut tcp = connect(dial, Duration::from_secs(5), true).unwrap();
+            assert!(!tcp.is_local(), "no Unix socket any more: TCP");
+            let mut accepted = ControlStream::Tcp(listener.accept().unwrap().0);
+            talk(&mut tcp, &mut accepted);
+        }
+    }
+
+    /// Another host's address is never looked up among this host's Unix sockets, even where
+    /// one is named after it.
+    #[test]
+    fn another_hosts_address_goes_over_tcp() {
+        assert!(is_this_host(IpAddr::from([127, 0, 0, 1])));
+        assert!(is_this_host(IpAddr::from([0, 0, 0, 0])));
+        // TEST-NET-1 (RFC 5737): never a local address.
+        let far = SocketAddr::from(([192, 0, 2, 1], 7100));
+        assert!(!is_this_host(far.ip()));
+        let _decoy = listen_local(far).unwrap();
+        assert!(connect_local(far).is_none());
+    }
+
+    /// Over a Unix socket, the reader of a connection whose peer is gone ends at once.
+    #[test]
+    fn a_unix_peer_that_goes_is_seen_at_once() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let reader = thread::spawn(move || {
+            read_loop(ControlStream::Local(b), |result| {
+                let failed = result.is_err();
+                tx.send(failed).unwrap();
+                !failed
+            });
+        });
+        drop(a);
+        assert_eq!(rx.recv_timeout(Duration::from_secs(5)), Ok(true));
+        reader.join().unwrap();
     }
 }

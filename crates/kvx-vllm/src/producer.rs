@@ -22,7 +22,7 @@ use tracing::{debug, info, warn};
 
 use crate::common::{self, Clock, CommandReceiver, CommandSender, KvCache};
 use crate::config::ConnectorConfig;
-use crate::control::{self, ControlSender};
+use crate::control::{self, ControlSender, ControlStream};
 use crate::error::{Closed, StartError};
 use crate::stats::{Stats, StatsSnapshot};
 
@@ -174,6 +174,8 @@ pub struct Producer {
     finished: Arc<Mutex<Vec<(FinishedSending, SystemTime)>>>,
     stats: Arc<Stats>,
     addr: SocketAddr,
+    /// A Unix socket listens beside the TCP listener (`ConnectorConfig::local_sockets`).
+    local_listening: bool,
     stop: Arc<AtomicBool>,
     threads: Vec<JoinHandle<()>>,
 }
@@ -246,29 +248,49 @@ impl Producer {
                 .spawn(move || driver.run(rx))
                 .map_err(StartError::Thread)?,
         );
-        let accept_tx = tx.clone();
-        let accept_stop = Arc::clone(&stop);
-        let handshake_timeout = connect_timeout;
+        // Consumers on this host connect here (control.rs); without it, over TCP.
+        let local = if config.local_sockets {
+            control::listen_local(addr)
+                .map_err(|e| debug!(%addr, error = %e, "no local control socket"))
+                .ok()
+        } else {
+            None
+        };
+        let acceptor = Acceptor {
+            tx: tx.clone(),
+            stop: Arc::clone(&stop),
+            hello: Message::Hello(hello),
+            handshake_timeout: connect_timeout,
+            next: Arc::new(AtomicU64::new(1)),
+            open: Arc::new(AtomicUsize::new(0)),
+        };
+        let local_listening = local.is_some();
+        if let Some(local) = local {
+            let acceptor = acceptor.clone();
+            threads.push(
+                thread::Builder::new()
+                    .name(format!("kvx-accept-local-{}", rank.0))
+                    .spawn(move || {
+                        acceptor.run(local.incoming().map(|s| s.map(ControlStream::Local)));
+                    })
+                    .map_err(StartError::Thread)?,
+            );
+        }
         threads.push(
             thread::Builder::new()
                 .name(format!("kvx-accept-{}", rank.0))
                 .spawn(move || {
-                    accept_loop(
-                        listener,
-                        accept_tx,
-                        accept_stop,
-                        Message::Hello(hello),
-                        handshake_timeout,
-                    );
+                    acceptor.run(listener.incoming().map(|s| s.map(ControlStream::Tcp)));
                 })
                 .map_err(StartError::Thread)?,
         );
-        info!(%addr, %rank, "kvx producer listening");
+        info!(%addr, %rank, local = local_listening, "kvx producer listening");
         Ok(Self {
             tx,
             finished,
             stats,
             addr,
+            local_listening,
             stop,
             threads,
         })
@@ -425,8 +447,11 @@ impl Producer {
             return;
         }
         let _ = self.tx.send(Command::Shutdown);
-        // Wake the acceptor.
+        // Wake the acceptors.
         let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(200));
+        if self.local_listening {
+            let _ = control::connect(self.addr, Duration::from_millis(200), true);
+        }
         for handle in self.threads.drain(..) {
             let _ = handle.join();
         }
@@ -444,45 +469,52 @@ impl Drop for Producer {
 /// connections without end cannot exhaust the process's threads.
 const MAX_CONTROL_CONNECTIONS: usize = 1024;
 
-fn accept_loop(
-    listener: TcpListener,
+/// What accepts control connections, on the TCP listener and on the local one: both count
+/// against one limit and number their connections from one counter.
+#[derive(Clone)]
+struct Acceptor {
     tx: CommandSender<Command>,
     stop: Arc<AtomicBool>,
     hello: Message,
     handshake_timeout: Duration,
-) {
-    let next = AtomicU64::new(1);
-    let open = Arc::new(AtomicUsize::new(0));
-    for stream in listener.incoming() {
-        if stop.load(Ordering::SeqCst) {
-            return;
-        }
-        let stream = match stream {
-            Ok(s) => s,
-            Err(e) => {
-                warn!(error = %e, "accept failed");
-                continue;
+    next: Arc<AtomicU64>,
+    open: Arc<AtomicUsize>,
+}
+
+impl Acceptor {
+    fn run(&self, incoming: impl Iterator<Item = std::io::Result<ControlStream>>) {
+        for stream in incoming {
+            if self.stop.load(Ordering::SeqCst) {
+                return;
             }
-        };
-        let Some(slot) = ConnectionSlot::take(&open, MAX_CONTROL_CONNECTIONS) else {
-            warn!(
-                limit = MAX_CONTROL_CONNECTIONS,
-                "too many control connections: refusing a new one"
-            );
-            let _ = stream.shutdown(std::net::Shutdown::Both);
-            continue;
-        };
-        let conn = next.fetch_add(1, Ordering::Relaxed);
-        let tx = tx.clone();
-        let hello = hello.clone();
-        let spawned = thread::Builder::new()
-            .name(format!("kvx-ctl-{conn}"))
-            .spawn(move || {
-                let _slot = slot;
-                serve_connection(conn, stream, &tx, &hello, handshake_timeout);
-            });
-        if let Err(e) = spawned {
-            warn!(error = %e, "cannot start a control connection thread");
+            let stream = match stream {
+                Ok(s) => s,
+                Err(e) => {
+                    warn!(error = %e, "accept failed");
+                    continue;
+                }
+            };
+            let Some(slot) = ConnectionSlot::take(&self.open, MAX_CONTROL_CONNECTIONS) else {
+                warn!(
+                    limit = MAX_CONTROL_CONNECTIONS,
+                    "too many control connections: refusing a new one"
+                );
+                let _ = stream.shutdown(std::net::Shutdown::Both);
+                continue;
+            };
+            let conn = self.next.fetch_add(1, Ordering::Relaxed);
+            let tx = self.tx.clone();
+            let hello = self.hello.clone();
+            let handshake_timeout = self.handshake_timeout;
+            let spawned = thread::Builder::new()
+                .name(format!("kvx-ctl-{conn}"))
+                .spawn(move || {
+                    let _slot = slot;
+                    serve_connection(conn, stream, &tx, &hello, handshake_timeout);
+                });
+            if let Err(e) = spawned {
+                warn!(error = %e, "cannot start a control connection thread");
+            }
         }
     }
 }
@@ -510,7 +542,7 @@ impl Drop for ConnectionSlot {
 /// handshake), then forwards every later message to the driver.
 fn serve_connection(
     conn: ConnId,
-    mut stream: TcpStream,
+    mut stream: ControlStream,
     tx: &CommandSender<Command>,
     hello: &Message,
     handshake_timeout: Duration,

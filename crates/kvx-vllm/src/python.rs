@@ -193,6 +193,7 @@ fn stats_dict<'py>(py: Python<'py>, s: StatsSnapshot) -> PyResult<Bound<'py, PyD
     d.set_item("nudges", s.nudges)?;
     d.set_item("remembered_registrations", s.remembered_registrations)?;
     d.set_item("board_ready", s.board_ready)?;
+    d.set_item("local_connections", s.local_connections)?;
     d.set_item("driver_turns", s.driver_turns)?;
     Ok(d)
 }
@@ -633,7 +634,8 @@ impl PyConsumer {
 
     /// Counters: held (requests waiting), transfers_started, transfers_ok, transfers_failed,
     /// bytes_written, finishing_hints, board_ready (push requests found ready in the notice
-    /// board), driver_turns (wake-ups of the driver thread).
+    /// board), driver_turns (wake-ups of the driver thread), local_connections (control
+    /// connections made over a Unix socket).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.with(Consumer::stats)?;
         stats_dict(py, s)

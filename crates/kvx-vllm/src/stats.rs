@@ -16,6 +16,7 @@ pub(crate) struct Stats {
     pub(crate) remembered_registrations: AtomicU64,
     pub(crate) board_ready: AtomicU64,
     pub(crate) driver_turns: AtomicU64,
+    pub(crate) local_connections: AtomicU64,
 }
 
 /// A copy of a side's counters.
@@ -49,6 +50,9 @@ pub struct StatsSnapshot {
     /// Times the driver thread woke up and took its turn (consumer): for a timer, a command, a
     /// transport event.
     pub driver_turns: u64,
+    /// Control connections to producer ranks made over a Unix socket (consumer; see
+    /// `ConnectorConfig::local_sockets`).
+    pub local_connections: u64,
 }
 
 impl Stats {
@@ -65,6 +69,7 @@ impl Stats {
             remembered_registrations: self.remembered_registrations.load(Ordering::Relaxed),
             board_ready: self.board_ready.load(Ordering::Relaxed),
             driver_turns: self.driver_turns.load(Ordering::Relaxed),
+            local_connections: self.local_connections.load(Ordering::Relaxed),
         }
     }
 }

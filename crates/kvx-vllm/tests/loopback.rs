@@ -2599,3 +2599,45 @@ fn with_a_board_on_a_transport_that_needs_occasional_reads_the_engine_thread_rea
         stats.driver_turns
     );
 }
+
+/// Control connections between two processes of one host go over a Unix socket; with either
+/// side's `local_sockets` off they fall back to TCP, and the transfer is the same.
+#[test]
+fn control_connections_fall_back_to_tcp() {
+    for (producer_local, consumer_local) in [(true, true), (false, true), (true, false)] {
+        let fabric = LoopbackFabric::new();
+        let layout = spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit);
+        let (pre, p_cache) = Side::new(layout.clone());
+        let mut c = config(1);
+        c.local_sockets = producer_local;
+        let producer = Producer::start(c, p_cache, Box::new(fabric.endpoint())).unwrap();
+        let (dec, d_cache) = Side::new(layout);
+        let mut c = config(2);
+        c.local_sockets = consumer_local;
+        let consumer = Consumer::start(c, d_cache, Box::new(fabric.endpoint())).unwrap();
+        let tokens = 13;
+        let p_blocks = ids(10..14);
+        pre.fill(&p_blocks, tokens);
+        let c_blocks = ids(20..24);
+        let k = key(1300, 0);
+        register(
+            &consumer,
+            producer.control_addr(),
+            k,
+            tokens,
+            c_blocks.clone(),
+        );
+        producer
+            .request_finished(k, RequestId(9), p_blocks, tokens)
+            .unwrap();
+        expect_ready(&consumer, k, RequestId(1));
+        dec.verify(&c_blocks, 0, tokens);
+        assert_eq!(wait_finished(&producer, 1)[0].outcome, SendOutcome::Sent);
+        let local = u64::from(producer_local && consumer_local);
+        assert_eq!(
+            consumer.stats().local_connections,
+            local,
+            "producer {producer_local}, consumer {consumer_local}"
+        );
+    }
+}

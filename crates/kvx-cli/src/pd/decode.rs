@@ -431,6 +431,7 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
     let finishing_hints: u64 = consumers.iter().map(|c| c.stats().finishing_hints).sum();
     let board_ready: u64 = consumers.iter().map(|c| c.stats().board_ready).sum();
     let driver_turns: u64 = consumers.iter().map(|c| c.stats().driver_turns).sum();
+    let local_connections: u64 = consumers.iter().map(|c| c.stats().local_connections).sum();
     for mut c in consumers {
         c.shutdown();
     }
@@ -515,6 +516,7 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
         "finishing_hints": finishing_hints,
         "board_ready": board_ready,
         "driver_turns": driver_turns,
+        "local_connections": local_connections,
         "by_input_tokens": per_len.into_iter().map(|(len, (t, c))| json!({
             "input_tokens": len,
             "kv_bytes": len * bytes_per_token,
