@@ -592,6 +592,23 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
         def count(server: Server, text: str) -> int:
             return server.log.read_text(errors="replace").count(text)
 
+        # First a transfer that lands, so that prefill's writes to `w` are past their first
+        # contact. (Over `shm` a writer's first write waits until the target has read its
+        # queue; an abort during that wait reaches `w` only when the stuck write times out,
+        # 30 s later: a known limit, connector.md "Known limits".)
+        seen = registrations(dw)
+        answers = []
+        waiting = send_waiting(dw_url, remote(prompt(PROMPT_WORDS[2], salt=6), "contact-1", 2),
+                               answers)
+        wait_registered(dw, seen)
+        status, _ = http("POST", f"{p_url}/v1/completions",
+                         {"model": "tiny", "prompt": prompt(PROMPT_WORDS[2], salt=6),
+                          "max_tokens": 1, "temperature": 0,
+                          "kv_transfer_params": {"do_remote_decode": True,
+                                                 "kvx_transfer_id": "contact-1"}})
+        assert status == 200
+        waiting.join(timeout=60)
+        assert answers and answers[0][0] == 200, answers
         seen = registrations(dw)
         early = count(p, "early writes posted")
         failures = count(dw, "producer reported failure")
