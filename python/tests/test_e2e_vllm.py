@@ -551,40 +551,7 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
             assert time.monotonic() - t0 < 20, "decode kept the failed request's blocks"
             time.sleep(0.25)
 
-        # 2c. Decode registers, is killed, then prefill finishes.
-        text = prompt(PROMPT_WORDS[3], salt=1)
-        seen = registrations(dk)
-        send_waiting(dk_url, remote(text, "dead-1", 4), [])
-        wait_registered(dk, seen)
-        dk.kill(signal.SIGKILL)
-        body["prompt"] = text
-        body["kv_transfer_params"]["kvx_transfer_id"] = "dead-1"
-        status, _ = http("POST", f"{p_url}/v1/completions", body)
-        assert status == 200
-        wait_usage_zero("killed decode", lease + 10)
-
-        # 2d. A client gives up on a decode request that waits for its KV (prefill never
-        # serves it): vLLM aborts the request, kvx cancels the wait, and decode's blocks
-        # come back without waiting for the lease.
-        seen = registrations(dw)
-        abandoned = remote(prompt(PROMPT_WORDS[2], salt=2), "abandoned-1", MAX_TOKENS)
-        abandoned["stream"] = True
-        client = HTTPConnection("127.0.0.1", int(dw_url.rsplit(":", 1)[1]), timeout=30)
-        client.request("POST", "/v1/completions", json.dumps(abandoned),
-                       {"content-type": "application/json"})
-        wait_registered(dw, seen)
-        # The gauge follows the engine's steps: it shows the held blocks a little later.
-        t0 = time.monotonic()
-        while metric(dw_url, "vllm:kv_cache_usage_perc") <= 0:
-            assert time.monotonic() - t0 < 20, "decode holds no blocks for the waiting request"
-            time.sleep(0.1)
-        client.close()
-        t0 = time.monotonic()
-        while metric(dw_url, "vllm:kv_cache_usage_perc") > 0:
-            assert time.monotonic() - t0 < 20, "decode kept the aborted request's blocks"
-            time.sleep(0.25)
-
-        # 2e. Prefill aborts a request while computing it (its client went away), after `w`
+        # 2c. Prefill aborts a request while computing it (its client went away), after `w`
         # registered for it and the first steps' KV was written into `w` early: prefill tells
         # `w` once those writes have ended, `w` fails the load at once (not at its 120 s
         # lease) and recomputes every prompt token, exactly: nothing decoded on a half-written
@@ -593,9 +560,10 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
             return server.log.read_text(errors="replace").count(text)
 
         # First a transfer that lands, so that prefill's writes to `w` are past their first
-        # contact. (Over `shm` a writer's first write waits until the target has read its
-        # queue; an abort during that wait reaches `w` only when the stuck write times out,
-        # 30 s later: a known limit, connector.md "Known limits".)
+        # contact; and before decode `k` is killed (2d). Over `shm`, an abort during a
+        # writer's first contact, and a first contact after a peer of the writer was killed
+        # with writes in flight, were seen to wait for `transfer_timeout` (30 s): known limits,
+        # connector.md.
         seen = registrations(dw)
         answers = []
         waiting = send_waiting(dw_url, remote(prompt(PROMPT_WORDS[2], salt=6), "contact-1", 2),
@@ -639,6 +607,39 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
         assert any(f"key={aborted[-1]}/" in line and "reason=Aborted" in line for line in told), \
             (aborted, told)
         wait_usage_zero("prefill's aborted request", lease + 10)
+
+        # 2d. Decode registers, is killed, then prefill finishes.
+        text = prompt(PROMPT_WORDS[3], salt=1)
+        seen = registrations(dk)
+        send_waiting(dk_url, remote(text, "dead-1", 4), [])
+        wait_registered(dk, seen)
+        dk.kill(signal.SIGKILL)
+        body["prompt"] = text
+        body["kv_transfer_params"]["kvx_transfer_id"] = "dead-1"
+        status, _ = http("POST", f"{p_url}/v1/completions", body)
+        assert status == 200
+        wait_usage_zero("killed decode", lease + 10)
+
+        # 2e. A client gives up on a decode request that waits for its KV (prefill never
+        # serves it): vLLM aborts the request, kvx cancels the wait, and decode's blocks
+        # come back without waiting for the lease.
+        seen = registrations(dw)
+        abandoned = remote(prompt(PROMPT_WORDS[2], salt=2), "abandoned-1", MAX_TOKENS)
+        abandoned["stream"] = True
+        client = HTTPConnection("127.0.0.1", int(dw_url.rsplit(":", 1)[1]), timeout=30)
+        client.request("POST", "/v1/completions", json.dumps(abandoned),
+                       {"content-type": "application/json"})
+        wait_registered(dw, seen)
+        # The gauge follows the engine's steps: it shows the held blocks a little later.
+        t0 = time.monotonic()
+        while metric(dw_url, "vllm:kv_cache_usage_perc") <= 0:
+            assert time.monotonic() - t0 < 20, "decode holds no blocks for the waiting request"
+            time.sleep(0.1)
+        client.close()
+        t0 = time.monotonic()
+        while metric(dw_url, "vllm:kv_cache_usage_perc") > 0:
+            assert time.monotonic() - t0 < 20, "decode kept the aborted request's blocks"
+            time.sleep(0.25)
 
         # 3. Prefill killed while decode w waits: w's load fails at once and it recomputes.
         n = PROMPT_WORDS[1]

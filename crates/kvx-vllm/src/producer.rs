@@ -266,23 +266,16 @@ impl Producer {
         };
         let local_listening = local.is_some();
         if let Some(local) = local {
-            let acceptor = acceptor.clone();
-            threads.push(
-                thread::Builder::new()
-                    .name(format!("kvx-accept-local-{}", rank.0))
-                    .spawn(move || {
-                        acceptor.run(local.incoming().map(|s| s.map(ControlStream::Local)));
-                    })
-                    .map_err(StartError::Thread)?,
-            );
+            threads.push(acceptor.clone().spawn(
+                format!("kvx-accept-local-{}", rank.0),
+                local,
+                |a, l| a.run(l.incoming().map(|s| s.map(ControlStream::Local))),
+            )?);
         }
         threads.push(
-            thread::Builder::new()
-                .name(format!("kvx-accept-{}", rank.0))
-                .spawn(move || {
-                    acceptor.run(listener.incoming().map(|s| s.map(ControlStream::Tcp)));
-                })
-                .map_err(StartError::Thread)?,
+            acceptor.spawn(format!("kvx-accept-{}", rank.0), listener, |a, l| {
+                a.run(l.incoming().map(|s| s.map(ControlStream::Tcp)))
+            })?,
         );
         info!(%addr, %rank, local = local_listening, "kvx producer listening");
         Ok(Self {
@@ -482,6 +475,20 @@ struct Acceptor {
 }
 
 impl Acceptor {
+    /// Accepts on `listener` on a thread of its own: `serve` runs [`Acceptor::run`] over its
+    /// connections.
+    fn spawn<L: Send + 'static>(
+        self,
+        name: String,
+        listener: L,
+        serve: fn(&Self, &L),
+    ) -> Result<JoinHandle<()>, StartError> {
+        thread::Builder::new()
+            .name(name)
+            .spawn(move || serve(&self, &listener))
+            .map_err(StartError::Thread)
+    }
+
     fn run(&self, incoming: impl Iterator<Item = std::io::Result<ControlStream>>) {
         for stream in incoming {
             if self.stop.load(Ordering::SeqCst) {

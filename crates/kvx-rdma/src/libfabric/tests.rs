@@ -1016,3 +1016,31 @@ fn shm_board_writes_need_the_peer_only_for_first_contact_and_now_and_then() {
     assert_eq!(dst.to_vec(), src.to_vec());
     assert!(eb.iter().all(|e| !matches!(e, Event::Notice(_))), "{eb:?}");
 }
+
+/// `shm` peers come and go (a decode instance restarts): after a peer was disconnected and its
+/// process went, a new peer's first write still lands, with the new peer reading its queue.
+#[test]
+fn shm_a_new_peer_after_a_disconnected_one_is_reached() {
+    let config = LibfabricConfig::shm();
+    let mut a = LibfabricTransport::open(&config).unwrap();
+    let len = 1 << 16;
+    let src = Arc::new(HostBuffer::new(len).unwrap());
+    src.fill_with(|i| (i * 3 + 1) as u8);
+    a.register(LocalRegion::host(0, Arc::clone(&src))).unwrap();
+    for round in 0..3 {
+        let mut b = LibfabricTransport::open(&config).unwrap();
+        let dst = Arc::new(HostBuffer::new(len).unwrap());
+        b.register(LocalRegion::host(0, Arc::clone(&dst))).unwrap();
+        let peer = a.connect(&b.local_desc()).unwrap();
+        let id = a.write(peer, &[op(0, 0, 0, 0, len as u64)], None).unwrap();
+        let (mut ea, mut eb) = (Vec::new(), Vec::new());
+        pump_until(&mut a, &mut b, &mut ea, &mut eb, |ea, _| !ea.is_empty());
+        assert!(
+            matches!(ea[..], [Event::WriteDone { op, .. }] if op == id),
+            "round {round}: {ea:?}"
+        );
+        assert_eq!(dst.to_vec(), src.to_vec(), "round {round}");
+        a.disconnect(peer);
+        drop(b);
+    }
+}
