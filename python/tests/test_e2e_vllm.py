@@ -470,8 +470,11 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
             time.sleep(0.25)
         return time.monotonic() - t0
 
+    def count(server: Server, text: str) -> int:
+        return server.log.read_text(errors="replace").count(text)
+
     def registrations(server: Server) -> int:
-        return server.log.read_text(errors="replace").count("registered")
+        return count(server, "registered")
 
     def send_waiting(base: str, body: dict, results: list) -> threading.Thread:
         def run():
@@ -510,6 +513,11 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
                 "kv_transfer_params": {"do_remote_prefill": True, "kvx_transfer_id": transfer_id,
                                        "kvx_prefill": f"127.0.0.1:{prefill_port}"}}
 
+    def prefill_leg(text: str, transfer_id: str, **extra) -> dict:
+        """Prefill's half of a push request: one token, its KV kept for `transfer_id`."""
+        return {"model": "tiny", "prompt": text, "max_tokens": 1, "temperature": 0, **extra,
+                "kv_transfer_params": {"do_remote_decode": True, "kvx_transfer_id": transfer_id}}
+
     try:
         for s in servers:
             s.wait_ready()
@@ -525,10 +533,8 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
         wait_usage_zero("after the refused transfer", lease + 10)
 
         # 2a. Prefill finishes, decode never registers (its request was aborted or lost).
-        body = {"model": "tiny", "prompt": prompt(PROMPT_WORDS[3]), "max_tokens": 1,
-                "temperature": 0,
-                "kv_transfer_params": {"do_remote_decode": True, "kvx_transfer_id": "orphan-1"}}
-        status, _ = http("POST", f"{p_url}/v1/completions", body)
+        status, _ = http("POST", f"{p_url}/v1/completions",
+                         prefill_leg(prompt(PROMPT_WORDS[3]), "orphan-1"))
         assert status == 200
         assert usage() > 0, "prefill should hold the finished request's blocks"
         waited = wait_usage_zero("orphaned request", lease + 10)
@@ -556,9 +562,6 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
         # `w` once those writes have ended, `w` fails the load at once (not at its 120 s
         # lease) and recomputes every prompt token, exactly: nothing decoded on a half-written
         # cache.
-        def count(server: Server, text: str) -> int:
-            return server.log.read_text(errors="replace").count(text)
-
         # First a transfer that lands, so that prefill's writes to `w` are past their first
         # contact; and before decode `k` is killed (2d). Over `shm`, an abort during a
         # writer's first contact, and a first contact after a peer of the writer was killed
@@ -570,10 +573,7 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
                                answers)
         wait_registered(dw, seen)
         status, _ = http("POST", f"{p_url}/v1/completions",
-                         {"model": "tiny", "prompt": prompt(PROMPT_WORDS[2], salt=6),
-                          "max_tokens": 1, "temperature": 0,
-                          "kv_transfer_params": {"do_remote_decode": True,
-                                                 "kvx_transfer_id": "contact-1"}})
+                         prefill_leg(prompt(PROMPT_WORDS[2], salt=6), "contact-1"))
         assert status == 200
         waiting.join(timeout=60)
         assert answers and answers[0][0] == 200, answers
@@ -584,9 +584,7 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
         waiting = send_waiting(dw_url, remote(prompt(LONG_WORDS, salt=5), "p-abort-1",
                                               MAX_TOKENS), answers)
         wait_registered(dw, seen)
-        half = {"model": "tiny", "prompt": prompt(LONG_WORDS, salt=5), "max_tokens": 1,
-                "temperature": 0, "stream": True,
-                "kv_transfer_params": {"do_remote_decode": True, "kvx_transfer_id": "p-abort-1"}}
+        half = prefill_leg(prompt(LONG_WORDS, salt=5), "p-abort-1", stream=True)
         client = HTTPConnection("127.0.0.1", int(p_url.rsplit(":", 1)[1]), timeout=30)
         client.request("POST", "/v1/completions", json.dumps(half),
                        {"content-type": "application/json"})
@@ -614,9 +612,7 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
         send_waiting(dk_url, remote(text, "dead-1", 4), [])
         wait_registered(dk, seen)
         dk.kill(signal.SIGKILL)
-        body["prompt"] = text
-        body["kv_transfer_params"]["kvx_transfer_id"] = "dead-1"
-        status, _ = http("POST", f"{p_url}/v1/completions", body)
+        status, _ = http("POST", f"{p_url}/v1/completions", prefill_leg(text, "dead-1"))
         assert status == 200
         wait_usage_zero("killed decode", lease + 10)
 

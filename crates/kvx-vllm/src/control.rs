@@ -163,7 +163,7 @@ fn is_this_host(ip: IpAddr) -> bool {
 /// one beside a listener bound at `addr` itself, or at a wildcard address of its port (an IPv6
 /// one takes IPv4 connections too). `None` where `addr` is another host's, or no such socket
 /// exists.
-fn connect_local(addr: SocketAddr) -> Option<UnixStream> {
+pub(crate) fn connect_local(addr: SocketAddr) -> Option<UnixStream> {
     if !is_this_host(addr.ip()) {
         return None;
     }

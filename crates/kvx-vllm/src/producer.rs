@@ -443,7 +443,7 @@ impl Producer {
         // Wake the acceptors.
         let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(200));
         if self.local_listening {
-            let _ = control::connect(self.addr, Duration::from_millis(200), true);
+            let _ = control::connect_local(self.addr);
         }
         for handle in self.threads.drain(..) {
             let _ = handle.join();
