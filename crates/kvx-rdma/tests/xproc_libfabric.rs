@@ -558,3 +558,101 @@ fn shm_two_rails_read_in_pull_mode() {
 fn tcp_two_rails_read_in_pull_mode() {
     multi_rail_read("tcp;ofi_rxm");
 }
+
+/// A peer killed while we write to it, then a new peer (a decode instance killed, and another one
+/// served by the same prefill): the writes to the dead peer fail as unreachable, none stays in
+/// flight at the provider, and the new peer's first write lands. Over `shm`, libfabric reports a
+/// failed write without its operation; unattributed, such failures once filled the in-flight
+/// limit and no peer could be written any more.
+fn new_peer_after_a_killed_one(provider: &str) {
+    let (mut transport, _buffers) = producer(provider);
+    let idle = transport.in_flight();
+    let plan = sample_plan();
+    for round in 0..2 {
+        let mut killed = ChildProcess::spawn("sink", provider);
+        let peer = transport.connect(&killed.desc()).unwrap();
+        let deadline = Instant::now() + DEADLINE;
+        let mut events = Vec::new();
+        let mut done = 0;
+        let mut dead = false;
+        // Writes keep going; the peer is killed once a few landed; the next ones fail.
+        let error = loop {
+            assert!(
+                Instant::now() < deadline,
+                "round {round}: no failure ({done} done, killed: {dead})"
+            );
+            transport.write(peer, &plan, None).unwrap();
+            events.clear();
+            transport
+                .wait(&mut events, Duration::from_millis(20))
+                .unwrap();
+            done += events
+                .iter()
+                .filter(|e| matches!(e, Event::WriteDone { .. }))
+                .count();
+            if let Some(error) = events.iter().find_map(|e| match e {
+                Event::Failed { error, .. } => Some((
+                    matches!(error, OpError::PeerUnreachable { .. }),
+                    format!("{error:?}"),
+                )),
+                _ => None,
+            }) {
+                assert!(dead, "round {round}: failed before the kill: {error:?}");
+                break error;
+            }
+            if !dead && done >= 3 {
+                killed.child.kill().unwrap();
+                killed.child.wait().unwrap();
+                dead = true;
+            }
+        };
+        assert!(error.0, "round {round}: {}", error.1);
+        // Every write to the dead peer settles, none by its timeout.
+        transport.disconnect(peer);
+        while transport.in_flight() > idle {
+            assert!(
+                Instant::now() < deadline,
+                "round {round}: writes stay in flight"
+            );
+            events.clear();
+            transport
+                .wait(&mut events, Duration::from_millis(20))
+                .unwrap();
+            assert!(
+                events.iter().all(|e| !matches!(
+                    e,
+                    Event::Failed {
+                        error: OpError::TimedOut(_),
+                        ..
+                    }
+                )),
+                "round {round}: {events:?}"
+            );
+        }
+
+        let mut child = ChildProcess::spawn("verify", provider);
+        let peer = transport.connect(&child.desc()).unwrap();
+        let id = transport.write(peer, &plan, Some(Notice(NOTICE))).unwrap();
+        wait_for(&mut transport, "the new peer's write", |e| match e {
+            Event::WriteDone { op, .. } if *op == id => Some(()),
+            Event::Failed { op, error, .. } if *op == id => {
+                panic!("round {round}: the new peer's write failed: {error:?}")
+            }
+            _ => None,
+        });
+        let verdict = child.line();
+        assert!(verdict.starts_with("OK "), "consumer: {verdict}");
+        assert!(child.wait_exit(), "consumer exited with failure");
+        transport.disconnect(peer);
+    }
+}
+
+#[test]
+fn shm_a_new_peer_after_a_killed_one_is_reached() {
+    new_peer_after_a_killed_one("shm");
+}
+
+#[test]
+fn tcp_a_new_peer_after_a_killed_one_is_reached() {
+    new_peer_after_a_killed_one("tcp;ofi_rxm");
+}

@@ -91,7 +91,7 @@ impl FiErrno {
 }
 
 /// A libfabric call failed: one variant per call, with its context and the error number.
-#[derive(Debug, thiserror::Error)]
+#[derive(Clone, Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum FabricError {
     /// An argument could not be passed to C (a name with a NUL byte).

@@ -288,7 +288,10 @@ struct OpContext {
 /// Contexts of the operations in flight, keyed by their address (the value libfabric hands back).
 #[derive(Default)]
 struct ContextPool {
-    live: HashMap<usize, (Box<OpContext>, Use)>,
+    /// `None`: retired (see [`ContextPool::retire`]).
+    live: HashMap<usize, (Box<OpContext>, Option<Use>)>,
+    /// How many of `live` are retired.
+    retired: usize,
     // Boxed: a context keeps its address while it moves between `spare` and `live`.
     #[allow(clippy::vec_box)]
     spare: Vec<Box<OpContext>>,
@@ -302,18 +305,34 @@ impl ContextPool {
             })
         });
         let ptr: *mut OpContext = &mut *ctx;
-        self.live.insert(ptr as usize, (ctx, what));
+        self.live.insert(ptr as usize, (ctx, Some(what)));
         ptr.cast::<c_void>()
     }
 
+    /// The context's use, and the context back in the pool; `None` for one not handed out or
+    /// retired.
     fn give_back(&mut self, ptr: *mut c_void) -> Option<Use> {
         let (ctx, what) = self.live.remove(&(ptr as usize))?;
         self.spare.push(ctx);
-        Some(what)
+        if what.is_none() {
+            self.retired -= 1;
+        }
+        what
+    }
+
+    /// Stops counting a context whose operation was given up while the provider may, in
+    /// principle, still hand it back: it is never reused, and its completion, should one come,
+    /// is ignored.
+    fn retire(&mut self, ptr: usize) {
+        if let Some((_, what)) = self.live.get_mut(&ptr) {
+            if what.take().is_some() {
+                self.retired += 1;
+            }
+        }
     }
 
     fn in_flight(&self) -> usize {
-        self.live.len()
+        self.live.len() - self.retired
     }
 }
 
@@ -548,6 +567,11 @@ pub struct LibfabricTransport {
     post_queue: VecDeque<u64>,
     events: VecDeque<Event>,
     entries: Vec<sys::fi_cq_data_entry>,
+    /// An error read without an operation context that may be one of ours (`shm`; see
+    /// `fail_unconfirmed_pieces`).
+    unattributed: Option<FabricError>,
+    /// `fail_unconfirmed_pieces` is reading the queues.
+    attributing: bool,
     /// A failure of the endpoint itself met outside `poll`/`wait` (while posting, or reposting a
     /// receive); the next `poll` or `wait` reports it.
     broken: Option<FabricError>,
@@ -886,6 +910,8 @@ impl LibfabricTransport {
             post_queue: VecDeque::new(),
             events: VecDeque::new(),
             entries: vec![sys::fi_cq_data_entry::default(); CQ_BATCH],
+            unattributed: None,
+            attributing: false,
             broken: None,
             idle_sleep: MIN_IDLE_SLEEP,
             wait_fds,
@@ -1191,14 +1217,25 @@ impl LibfabricTransport {
     }
 
     /// Posts from the queue; returns whether the provider (or the in-flight limit) pushed back.
+    ///
+    /// A peer whose post was pushed back is skipped for the rest of the pass (its operations
+    /// keep their order), so that one peer that does not take writes (one never contacted that
+    /// does not read, one whose queue is full) holds up no other.
     fn post_queued(&mut self) -> bool {
-        while let Some(&op) = self.post_queue.front() {
+        let mut refused: Vec<PeerId> = Vec::new();
+        let mut at = 0;
+        while let Some(&op) = self.post_queue.get(at) {
             let Some(p) = self.pending.get(&op) else {
-                self.post_queue.pop_front();
+                self.post_queue.remove(at);
                 continue;
             };
             if !p.wants_post() {
-                self.post_queue.pop_front();
+                self.post_queue.remove(at);
+                continue;
+            }
+            let peer = p.peer;
+            if refused.contains(&peer) {
+                at += 1;
                 continue;
             }
             if self.contexts.in_flight() >= self.in_flight_cap {
@@ -1206,7 +1243,10 @@ impl LibfabricTransport {
             }
             match self.post_one(op) {
                 Ok(()) => {}
-                Err(e) if e.is_again() => return true,
+                Err(e) if e.is_again() => {
+                    refused.push(peer);
+                    at += 1;
+                }
                 Err(e) => {
                     let kind = self.pending.get(&op).map(|p| p.kind);
                     let error = match kind {
@@ -1218,7 +1258,7 @@ impl LibfabricTransport {
                 }
             }
         }
-        false
+        !refused.is_empty()
     }
 
     /// Posts the next piece (or the notice, or the send) of `op`.
@@ -1703,8 +1743,11 @@ impl LibfabricTransport {
                         self.entries = entries;
                         return Err(error);
                     }
-                    // An error without an operation (a failed incoming transfer): nothing of ours
-                    // to fail.
+                    // An error without an operation: a failed incoming transfer, or (`shm`) one
+                    // of our fast-path pieces (see `fail_unconfirmed_pieces`).
+                    if self.peer_rma_unassisted {
+                        self.unattributed.get_or_insert(error);
+                    }
                     Ok(1)
                 } else {
                     self.on_failure(context, error);
@@ -1713,7 +1756,64 @@ impl LibfabricTransport {
             }
         };
         self.entries = entries;
+        if self.unattributed.is_some() && !self.attributing {
+            self.fail_unconfirmed_pieces()?;
+        }
         result
+    }
+
+    /// `shm` with cross-memory attach completes every data piece (a write or read of one range)
+    /// inside its post: a success is queued as a completion with the piece's context, a failure
+    /// (the peer's process is gone) as an error *without* one (libfabric 1.17 writes it to the
+    /// receive side of the queue with a null context), and the post returns success either way.
+    /// So once such an error is read, and every queue is read empty, each data piece still in
+    /// flight has failed: its operation fails, and its context is retired (never reused).
+    /// Unattributed, each would hold a context for ever, and the lost contexts would fill the
+    /// in-flight limit: the endpoint could write to no peer any more.
+    fn fail_unconfirmed_pieces(&mut self) -> Result<(), FabricError> {
+        self.attributing = true;
+        let read = loop {
+            match self.drain_all() {
+                Ok(0) => break Ok(()),
+                Ok(_) => {}
+                Err(e) => break Err(e),
+            }
+        };
+        self.attributing = false;
+        read?;
+        let Some(error) = self.unattributed.take() else {
+            return Ok(());
+        };
+        let lost: Vec<(usize, u64)> = self
+            .contexts
+            .live
+            .iter()
+            .filter_map(|(&ptr, (_, what))| match what {
+                Some(Use::Data { op } | Use::Flush { op }) => Some((ptr, *op)),
+                _ => None,
+            })
+            .collect();
+        for (ptr, op) in lost {
+            self.contexts.retire(ptr);
+            let Some(p) = self.pending.get_mut(&op) else {
+                continue;
+            };
+            p.in_flight = p.in_flight.saturating_sub(1);
+            let exited = self
+                .peers
+                .get(p.peer)
+                .and_then(|peer| peer.pid)
+                .is_some_and(shm_sweep::exited);
+            let failure = if exited {
+                OpError::PeerUnreachable {
+                    source: "the peer's process has exited".into(),
+                }
+            } else {
+                op_error(error.clone())
+            };
+            self.fail(op, failure);
+        }
+        Ok(())
     }
 
     fn on_completion(&mut self, c: fi::Completion) {

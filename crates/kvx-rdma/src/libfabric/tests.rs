@@ -1044,3 +1044,49 @@ fn shm_a_new_peer_after_a_disconnected_one_is_reached() {
         drop(b);
     }
 }
+
+/// One `shm` peer that takes no writes (never contacted, and not reading its queue) holds up no
+/// other: a write to a second peer, posted after one to the silent peer, lands; the silent
+/// peer's write lands once it reads.
+#[test]
+fn shm_a_peer_that_takes_no_writes_holds_up_no_other() {
+    let config = LibfabricConfig::shm();
+    let (mut a, mut silent) = pair(&config);
+    let mut other = LibfabricTransport::open(&config).unwrap();
+    let len = 1 << 16;
+    let src = Arc::new(HostBuffer::new(len).unwrap());
+    src.fill_with(|i| (i * 11 + 7) as u8);
+    a.register(LocalRegion::host(0, Arc::clone(&src))).unwrap();
+    let (to_silent, to_other) = (
+        Arc::new(HostBuffer::new(len).unwrap()),
+        Arc::new(HostBuffer::new(len).unwrap()),
+    );
+    silent
+        .register(LocalRegion::host(0, Arc::clone(&to_silent)))
+        .unwrap();
+    other
+        .register(LocalRegion::host(0, Arc::clone(&to_other)))
+        .unwrap();
+    let silent_peer = a.connect(&silent.local_desc()).unwrap();
+    let other_peer = a.connect(&other.local_desc()).unwrap();
+    let whole = [op(0, 0, 0, 0, len as u64)];
+    let first = a.write(silent_peer, &whole, None).unwrap();
+    let second = a.write(other_peer, &whole, None).unwrap();
+    let (mut ea, mut eo) = (Vec::new(), Vec::new());
+    pump_until(&mut a, &mut other, &mut ea, &mut eo, |ea, _| {
+        ea.iter()
+            .any(|e| matches!(e, Event::WriteDone { op, .. } if *op == second))
+    });
+    assert_eq!(to_other.to_vec(), src.to_vec());
+    assert!(
+        !ea.iter()
+            .any(|e| matches!(e, Event::WriteDone { op, .. } if *op == first)),
+        "the silent peer's write landed without it: {ea:?}"
+    );
+    let mut es = Vec::new();
+    pump_until(&mut a, &mut silent, &mut ea, &mut es, |ea, _| {
+        ea.iter()
+            .any(|e| matches!(e, Event::WriteDone { op, .. } if *op == first))
+    });
+    assert_eq!(to_silent.to_vec(), src.to_vec());
+}
