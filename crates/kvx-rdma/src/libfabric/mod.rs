@@ -408,6 +408,8 @@ struct Peer {
     /// The peer's address in each local rail's address vector, for the links in use: local rail
     /// `i` talks to the peer's rail `i`, for `i` below both rail counts.
     links: Vec<sys::fi_addr_t>,
+    /// An operation towards the peer has completed: the provider made contact with it.
+    reached: bool,
 }
 
 /// One resolved copy operation: where its pieces start on both sides.
@@ -1104,6 +1106,14 @@ impl LibfabricTransport {
         let Some(gone) = self.peers.release(peer, in_flight) else {
             return;
         };
+        if self.provider == PROVIDER_SHM && !gone.reached {
+            // libfabric 1.17 `shm` sends a peer its name on the first post and refuses posts
+            // until the peer has read it; `fi_av_remove` does not reset that state, and the
+            // next address inserted gets the same entry: had the peer never read it (killed
+            // before contact), no post to that next peer would ever be accepted. So such an
+            // entry stays (one of the provider's 256 per endpoint).
+            return;
+        }
         for (rail, addr) in self.rails.iter().zip(gone.links) {
             // A provider that cannot remove an entry keeps it: nothing refers to it any more,
             // so that costs its memory only.
@@ -1844,6 +1854,7 @@ impl LibfabricTransport {
                 if let Some(p) = self.pending.get_mut(&op) {
                     p.in_flight = p.in_flight.saturating_sub(1);
                 }
+                self.reached(op);
                 self.settle(op);
             }
             Some(Use::Notice { op }) => {
@@ -1851,6 +1862,7 @@ impl LibfabricTransport {
                     p.notice = None;
                     p.notice_posted = false;
                 }
+                self.reached(op);
                 self.settle(op);
             }
             Some(Use::Send { op, slot }) => {
@@ -1858,6 +1870,7 @@ impl LibfabricTransport {
                 if let Some(p) = self.pending.get_mut(&op) {
                     p.in_flight = p.in_flight.saturating_sub(1);
                 }
+                self.reached(op);
                 self.settle(op);
             }
             None => {
@@ -1897,6 +1910,15 @@ impl LibfabricTransport {
                 }
             }
             None => {}
+        }
+    }
+
+    /// Notes that a piece of `op` completed: its peer was reached.
+    fn reached(&mut self, op: u64) {
+        if let Some(p) = self.pending.get(&op) {
+            if let Some(peer) = self.peers.get_mut(p.peer) {
+                peer.reached = true;
+            }
         }
     }
 
@@ -2196,6 +2218,7 @@ impl Transport for LibfabricTransport {
             rails,
             pid,
             links: addrs,
+            reached: false,
         }))
     }
 
