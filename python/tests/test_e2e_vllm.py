@@ -428,7 +428,7 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
        listening: the request ends at once with an error (HTTP 500), decoded on nothing, and
        `k` keeps no block. A client that gives up on a request that `w` waits for gets its
        blocks back at once. After `k` was killed, prefill aborts a long request halfway
-       through computing it (its client went away), after some of its KV was written into `w`
+       through computing it (vLLM's abort API), after some of its KV was written into `w`
        early (its first writes to `w`): `w` hears at once, not at its lease, and recomputes,
        exactly;
     3. prefill is killed while decode `w` waits for a request's KV: `w` fails the load at once
@@ -440,9 +440,10 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
                       producer_lease_s=lease)
     d_cfg = kv_config("KvxPushConnector", "kv_consumer", "d-f", _policy="recompute",
                       layout="block")
-    # Chunked prefill, 32 tokens a step: a long prompt is written early, step by step.
+    # Chunked prefill, 32 tokens a step: a long prompt is written early, step by step. The
+    # scale-out endpoints include vLLM's abort API (step 2d).
     p, p_url = start_vllm("prefill-f", model, workdir, kv=p_cfg, cores=P_CORES,
-                          args_extra=("--max-num-batched-tokens", "32"),
+                          args_extra=("--max-num-batched-tokens", "32", "--enable-scale-out"),
                           kvx_log="kvx_vllm::producer=debug,kvx_vllm=info")
     d, d_url = start_vllm("decode-f", model, workdir, kv=d_cfg, prefix_caching=False,
                           block_size=2 * BLOCK, cores=D_CORES)
@@ -569,7 +570,7 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
         assert status == 200
         wait_usage_zero("killed decode", lease + 10)
 
-        # 2d. Prefill aborts a request while computing it (its client went away), after `w`
+        # 2d. Prefill aborts a request while computing it (vLLM's abort API), after `w`
         # registered for it and the first steps' KV was written into `w` early: prefill tells
         # `w` once those writes have ended, `w` fails the load at once (not at its 120 s
         # lease) and recomputes every prompt token, exactly: nothing decoded on a half-written
@@ -583,14 +584,20 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
         waiting = send_waiting(dw_url, remote(prompt(LONG_WORDS, salt=5), "p-abort-1",
                                               MAX_TOKENS), answers)
         wait_registered(dw, seen)
-        half = prefill_leg(prompt(LONG_WORDS, salt=5), "p-abort-1", stream=True)
+        half = prefill_leg(prompt(LONG_WORDS, salt=5), "p-abort-1")
         client = HTTPConnection("127.0.0.1", int(p_url.rsplit(":", 1)[1]), timeout=30)
         client.request("POST", "/v1/completions", json.dumps(half),
-                       {"content-type": "application/json"})
+                       {"content-type": "application/json", "X-Request-Id": "p-abort-leg"})
         t0 = time.monotonic()
         while count(p, "early writes posted") <= early:
             assert time.monotonic() - t0 < 60, "prefill wrote nothing early"
             time.sleep(0.01)
+        # vLLM's own abort (what its API server does when a client goes away; a closed client
+        # is noticed only when the server next writes to it, which a prefill leg does once
+        # done), by the request's id: "cmpl-" + X-Request-Id + "-" + prompt index.
+        status, raw = http("POST", f"{p_url}/inference/v1/abort_requests",
+                           {"request_ids": ["cmpl-p-abort-leg-0"]})
+        assert status == 200, (status, raw)
         client.close()
         took = answered_exactly(waiting, answers, reference["long"],
                                 "prefill aborted halfway, recompute policy")
