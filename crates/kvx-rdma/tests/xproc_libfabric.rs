@@ -264,8 +264,11 @@ fn producer(provider: &str) -> (LibfabricTransport, Vec<Arc<HostBuffer>>) {
 }
 
 fn producer_rails(provider: &str, rails: usize) -> (LibfabricTransport, Vec<Arc<HostBuffer>>) {
-    let mut transport =
-        LibfabricTransport::open(&config_rails(provider, rails)).expect("producer: open");
+    producer_with(&config_rails(provider, rails))
+}
+
+fn producer_with(config: &LibfabricConfig) -> (LibfabricTransport, Vec<Arc<HostBuffer>>) {
+    let mut transport = LibfabricTransport::open(config).expect("producer: open");
     let buffers = PRODUCER_REGIONS
         .iter()
         .map(|&(index, len)| {
@@ -574,7 +577,10 @@ fn tcp_two_rails_read_in_pull_mode() {
 /// in-flight limit and no peer could be written any more), and a peer that never made contact
 /// leaves its address-vector entry unusable for the next peer (which then never could be).
 fn new_peer_after_a_killed_one(provider: &str) {
-    let (mut transport, _buffers) = producer(provider);
+    // Failures must come from the kill, never from the operation timeout on a loaded machine.
+    let mut config = config(provider);
+    config.op_timeout = Duration::from_secs(40);
+    let (mut transport, _buffers) = producer_with(&config);
     let idle = transport.in_flight();
     let plan = sample_plan();
     // Over `shm` a never-contacted peer first, while its address-vector entry is fresh (a
@@ -592,11 +598,15 @@ fn new_peer_after_a_killed_one(provider: &str) {
         let mut events = Vec::new();
         let mut failures = Vec::new();
         if contacted {
-            // Writes keep going; the peer is killed once a few landed; the next ones fail.
-            let mut done = 0;
+            // Writes keep going, two at a time; the peer is killed once a few landed; the next
+            // ones fail.
+            let (mut posted, mut done, mut dead) = (0, 0, false);
             while failures.is_empty() {
                 assert!(Instant::now() < deadline, "round {round}: no failure");
-                transport.write(peer, &plan, None).unwrap();
+                if posted - done < 2 {
+                    transport.write(peer, &plan, None).unwrap();
+                    posted += 1;
+                }
                 events.clear();
                 transport
                     .wait(&mut events, Duration::from_millis(20))
@@ -607,12 +617,13 @@ fn new_peer_after_a_killed_one(provider: &str) {
                     .count();
                 failures.extend(failed(&events));
                 assert!(
-                    failures.is_empty() || done >= 3,
+                    failures.is_empty() || dead,
                     "round {round}: failed before the kill: {failures:?}"
                 );
-                if done >= 3 {
+                if done >= 3 && !dead {
                     killed.child.kill().unwrap();
                     killed.child.wait().unwrap();
+                    dead = true;
                 }
             }
         } else {

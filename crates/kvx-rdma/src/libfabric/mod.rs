@@ -408,8 +408,22 @@ struct Peer {
     /// The peer's address in each local rail's address vector, for the links in use: local rail
     /// `i` talks to the peer's rail `i`, for `i` below both rail counts.
     links: Vec<sys::fi_addr_t>,
-    /// An operation towards the peer has completed: the provider made contact with it.
-    reached: bool,
+    /// How the provider took posts towards the peer, per link.
+    contact: Vec<Contact>,
+}
+
+/// How a link's provider took posts towards a peer. `shm` 1.17 refuses (`-FI_EAGAIN`) every
+/// post to a peer until the peer has read this side's name, which the first post sends it; that
+/// state stays in the address-vector entry after `fi_av_remove`, for the next address inserted
+/// there.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Contact {
+    /// Nothing posted yet.
+    Untried,
+    /// Posts were refused, none accepted: the peer may never have read this side's name.
+    Refused,
+    /// A post was accepted (on `shm`: the peer had read this side's name).
+    Accepted,
 }
 
 /// One resolved copy operation: where its pieces start on both sides.
@@ -574,6 +588,8 @@ pub struct LibfabricTransport {
     unattributed: Option<FabricError>,
     /// `fail_unconfirmed_pieces` is reading the queues.
     attributing: bool,
+    /// Queue reads in progress (handling a completion may read again).
+    draining: u32,
     /// A failure of the endpoint itself met outside `poll`/`wait` (while posting, or reposting a
     /// receive); the next `poll` or `wait` reports it.
     broken: Option<FabricError>,
@@ -914,6 +930,7 @@ impl LibfabricTransport {
             entries: vec![sys::fi_cq_data_entry::default(); CQ_BATCH],
             unattributed: None,
             attributing: false,
+            draining: 0,
             broken: None,
             idle_sleep: MIN_IDLE_SLEEP,
             wait_fds,
@@ -1106,15 +1123,14 @@ impl LibfabricTransport {
         let Some(gone) = self.peers.release(peer, in_flight) else {
             return;
         };
-        if self.provider == PROVIDER_SHM && !gone.reached {
-            // libfabric 1.17 `shm` sends a peer its name on the first post and refuses posts
-            // until the peer has read it; `fi_av_remove` does not reset that state, and the
-            // next address inserted gets the same entry: had the peer never read it (killed
-            // before contact), no post to that next peer would ever be accepted. So such an
-            // entry stays (one of the provider's 256 per endpoint).
-            return;
-        }
-        for (rail, addr) in self.rails.iter().zip(gone.links) {
+        for ((rail, addr), contact) in self.rails.iter().zip(gone.links).zip(gone.contact) {
+            if self.provider == PROVIDER_SHM && contact == Contact::Refused {
+                // Removed, the entry would go to the next address inserted with its state: had
+                // the peer never read this side's name (killed before first contact), no post
+                // to that next peer would ever be accepted. So it stays (one of the provider's
+                // 256 peers per endpoint).
+                continue;
+            }
             // A provider that cannot remove an entry keeps it: nothing refers to it any more,
             // so that costs its memory only.
             let _ = rail.ep.av().remove(addr);
@@ -1279,7 +1295,8 @@ impl LibfabricTransport {
         // A pending operation's peer stays until the operation settles (`disconnect`); a link
         // it cannot find (a reconnect that described fewer rails) fails the operation rather
         // than leaving it queued for ever.
-        let Some(peer) = self.peers.get(p.peer) else {
+        let peer_id = p.peer;
+        let Some(peer) = self.peers.get(peer_id) else {
             return Err(no_link());
         };
         if p.flush_due() {
@@ -1306,6 +1323,7 @@ impl LibfabricTransport {
                     ctx,
                 )
             };
+            self.note_post(peer_id, link, &result);
             if let Err(e) = result {
                 self.contexts.give_back(ctx);
                 return Err(e);
@@ -1348,6 +1366,7 @@ impl LibfabricTransport {
                     ctx,
                 )
             };
+            self.note_post(peer_id, link, &result);
             return match result {
                 Ok(()) => {
                     if let Some(p) = self.pending.get_mut(&op) {
@@ -1377,6 +1396,7 @@ impl LibfabricTransport {
                     ctx,
                 )
             };
+            self.note_post(peer_id, 0, &result);
             if let Err(e) = result {
                 self.contexts.give_back(ctx);
                 return Err(e);
@@ -1429,8 +1449,12 @@ impl LibfabricTransport {
             return Ok(false);
         };
         let link = stripe.link;
-        let kind = p.kind;
-        let Some(&peer_addr) = self.peers.get(p.peer).and_then(|peer| peer.links.get(link)) else {
+        let (kind, peer_id) = (p.kind, p.peer);
+        let Some(&peer_addr) = self
+            .peers
+            .get(peer_id)
+            .and_then(|peer| peer.links.get(link))
+        else {
             return Err(no_link());
         };
         let ep = &self.rails[link].ep;
@@ -1462,6 +1486,7 @@ impl LibfabricTransport {
                 )
             }
         };
+        self.note_post(peer_id, link, &result);
         if let Err(e) = result {
             self.contexts.give_back(ctx);
             return Err(e);
@@ -1530,8 +1555,16 @@ impl LibfabricTransport {
         // completions are read (those of pieces not posted are given back below); no rail is
         // used by this thread while the posting threads run (`post` returns after all of them).
         let outcomes = unsafe { posters.post(&eps, work) };
+        let peer = self.pending.get(&op).map(|p| p.peer);
         let (mut posted_any, mut again, mut failed) = (false, None, None);
         for (link, (posted, error)) in outcomes.into_iter().enumerate() {
+            if let Some(peer) = peer {
+                if posted > 0 {
+                    self.note_post(peer, link, &Ok(()));
+                } else if let Some(e) = &error {
+                    self.note_post(peer, link, &Err(e.clone()));
+                }
+            }
             for &ctx in contexts[link].iter().skip(posted) {
                 self.contexts.give_back(ctx);
             }
@@ -1716,6 +1749,18 @@ impl LibfabricTransport {
     /// Reads rail `rail`'s completion queue once (blocking up to `timeout_ms` if given) and
     /// handles what it returns; returns the number of completions handled.
     fn drain(&mut self, rail: usize, timeout_ms: Option<i32>) -> Result<usize, FabricError> {
+        self.draining += 1;
+        let result = self.drain_once(rail, timeout_ms);
+        self.draining -= 1;
+        // Not within a read (handling a completion may read again, while the outer read's
+        // entries wait to be handled), nor within the attribution's own reads.
+        if self.draining == 0 && !self.attributing && self.unattributed.is_some() {
+            self.fail_unconfirmed_pieces()?;
+        }
+        result
+    }
+
+    fn drain_once(&mut self, rail: usize, timeout_ms: Option<i32>) -> Result<usize, FabricError> {
         let mut entries = std::mem::take(&mut self.entries);
         let cq = self.rails[rail].ep.cq();
         let read = match timeout_ms {
@@ -1755,7 +1800,7 @@ impl LibfabricTransport {
                     }
                     // An error without an operation: a failed incoming transfer, or (`shm`) one
                     // of our fast-path pieces (see `fail_unconfirmed_pieces`).
-                    if self.peer_rma_unassisted {
+                    if self.peer_rma_unassisted && self.virt_addr {
                         self.unattributed.get_or_insert(error);
                     }
                     Ok(1)
@@ -1766,9 +1811,6 @@ impl LibfabricTransport {
             }
         };
         self.entries = entries;
-        if self.unattributed.is_some() && !self.attributing {
-            self.fail_unconfirmed_pieces()?;
-        }
         result
     }
 
@@ -1803,18 +1845,27 @@ impl LibfabricTransport {
                 _ => None,
             })
             .collect();
+        // The process may still be listed while its memory is already gone: ESRCH says so too.
+        let gone = matches!(
+            &error,
+            FabricError::Completion { source, prov_errno, .. }
+                if source.code == libc::ESRCH || prov_errno.abs() == libc::ESRCH
+        );
+        let mut exited: HashMap<PeerId, bool> = HashMap::new();
         for (ptr, op) in lost {
             self.contexts.retire(ptr);
             let Some(p) = self.pending.get_mut(&op) else {
                 continue;
             };
             p.in_flight = p.in_flight.saturating_sub(1);
-            let exited = self
-                .peers
-                .get(p.peer)
-                .and_then(|peer| peer.pid)
-                .is_some_and(shm_sweep::exited);
-            let failure = if exited {
+            let peer = p.peer;
+            let exited = *exited.entry(peer).or_insert_with(|| {
+                self.peers
+                    .get(peer)
+                    .and_then(|peer| peer.pid)
+                    .is_some_and(shm_sweep::exited)
+            });
+            let failure = if gone || exited {
                 OpError::PeerUnreachable {
                     source: "the peer's process has exited".into(),
                 }
@@ -1854,7 +1905,6 @@ impl LibfabricTransport {
                 if let Some(p) = self.pending.get_mut(&op) {
                     p.in_flight = p.in_flight.saturating_sub(1);
                 }
-                self.reached(op);
                 self.settle(op);
             }
             Some(Use::Notice { op }) => {
@@ -1862,7 +1912,6 @@ impl LibfabricTransport {
                     p.notice = None;
                     p.notice_posted = false;
                 }
-                self.reached(op);
                 self.settle(op);
             }
             Some(Use::Send { op, slot }) => {
@@ -1870,7 +1919,6 @@ impl LibfabricTransport {
                 if let Some(p) = self.pending.get_mut(&op) {
                     p.in_flight = p.in_flight.saturating_sub(1);
                 }
-                self.reached(op);
                 self.settle(op);
             }
             None => {
@@ -1913,12 +1961,19 @@ impl LibfabricTransport {
         }
     }
 
-    /// Notes that a piece of `op` completed: its peer was reached.
-    fn reached(&mut self, op: u64) {
-        if let Some(p) = self.pending.get(&op) {
-            if let Some(peer) = self.peers.get_mut(p.peer) {
-                peer.reached = true;
-            }
+    /// Notes how the provider took a post towards `peer` on `link` (see [`Contact`]).
+    fn note_post(&mut self, peer: PeerId, link: usize, result: &Result<(), FiErrno>) {
+        let Some(contact) = self
+            .peers
+            .get_mut(peer)
+            .and_then(|p| p.contact.get_mut(link))
+        else {
+            return;
+        };
+        match result {
+            Ok(()) => *contact = Contact::Accepted,
+            Err(e) if e.is_again() && *contact == Contact::Untried => *contact = Contact::Refused,
+            Err(_) => {}
         }
     }
 
@@ -2217,8 +2272,8 @@ impl Transport for LibfabricTransport {
             desc: peer.clone(),
             rails,
             pid,
+            contact: vec![Contact::Untried; addrs.len()],
             links: addrs,
-            reached: false,
         }))
     }
 
