@@ -13,6 +13,8 @@ use std::io::{self, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpStream, UdpSocket};
 use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
+
+use socket2::Socket;
 use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::Duration;
@@ -45,83 +47,79 @@ pub enum ControlError {
     Encode(#[from] EncodeError),
 }
 
-/// A control connection's stream: TCP, or a Unix socket to a peer on this host.
+/// A control connection's stream: a TCP connection, or a Unix socket to a peer on this host.
+/// One [`Socket`] holds either.
 #[derive(Debug)]
-pub(crate) enum ControlStream {
-    Tcp(TcpStream),
-    Local(UnixStream),
+pub(crate) struct ControlStream {
+    socket: Socket,
+    local: bool,
 }
 
 impl ControlStream {
+    /// A TCP connection.
+    pub(crate) fn tcp(stream: TcpStream) -> Self {
+        Self {
+            socket: stream.into(),
+            local: false,
+        }
+    }
+
+    /// A Unix socket to a peer on this host.
+    pub(crate) fn local(stream: UnixStream) -> Self {
+        Self {
+            socket: stream.into(),
+            local: true,
+        }
+    }
+
     /// Another handle on the same connection.
     pub(crate) fn try_clone(&self) -> io::Result<Self> {
-        Ok(match self {
-            Self::Tcp(s) => Self::Tcp(s.try_clone()?),
-            Self::Local(s) => Self::Local(s.try_clone()?),
+        Ok(Self {
+            socket: self.socket.try_clone()?,
+            local: self.local,
         })
     }
 
     /// Shuts down reading, writing or both.
     pub(crate) fn shutdown(&self, how: Shutdown) -> io::Result<()> {
-        match self {
-            Self::Tcp(s) => s.shutdown(how),
-            Self::Local(s) => s.shutdown(how),
-        }
+        self.socket.shutdown(how)
     }
 
     /// Bounds blocking reads (`None`: no bound).
     pub(crate) fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
-        match self {
-            Self::Tcp(s) => s.set_read_timeout(timeout),
-            Self::Local(s) => s.set_read_timeout(timeout),
-        }
+        self.socket.set_read_timeout(timeout)
     }
 
     /// Bounds blocking writes (`None`: no bound).
     pub(crate) fn set_write_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
-        match self {
-            Self::Tcp(s) => s.set_write_timeout(timeout),
-            Self::Local(s) => s.set_write_timeout(timeout),
-        }
+        self.socket.set_write_timeout(timeout)
     }
 
     /// Whether this is a Unix socket to a peer on this host.
     pub(crate) fn is_local(&self) -> bool {
-        matches!(self, Self::Local(_))
+        self.local
     }
 }
 
 impl Read for ControlStream {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        match self {
-            Self::Tcp(s) => s.read(buf),
-            Self::Local(s) => s.read(buf),
-        }
+        (&self.socket).read(buf)
     }
 }
 
 impl Write for ControlStream {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        match self {
-            Self::Tcp(s) => s.write(buf),
-            Self::Local(s) => s.write(buf),
-        }
+        (&self.socket).write(buf)
     }
 
     fn flush(&mut self) -> io::Result<()> {
-        match self {
-            Self::Tcp(s) => s.flush(),
-            Self::Local(s) => s.flush(),
-        }
+        (&self.socket).flush()
     }
 }
 
 impl AsFd for ControlStream {
     fn as_fd(&self) -> BorrowedFd<'_> {
-        match self {
-            Self::Tcp(s) => s.as_fd(),
-            Self::Local(s) => s.as_fd(),
-        }
+        self.socket.as_fd()
     }
 }
 
@@ -287,8 +285,7 @@ pub(crate) const UNACKED_LIMIT: Duration = Duration::from_secs(25);
 /// within about 25 s instead of never: a blocked read then ends with an error, as for a peer
 /// that closed, and everything that depended on the connection is failed and released. (A Unix
 /// socket's peer is on this host: its end closes with its process.)
-fn detect_dead_peer(stream: &TcpStream) -> io::Result<()> {
-    let socket = socket2::SockRef::from(stream);
+fn detect_dead_peer(socket: &Socket) -> io::Result<()> {
     socket.set_tcp_keepalive(
         &socket2::TcpKeepalive::new()
             .with_time(KEEPALIVE_IDLE)
@@ -301,9 +298,9 @@ fn detect_dead_peer(stream: &TcpStream) -> io::Result<()> {
 /// A sender over a clone of `stream` (a connection of either side, once its handshake is
 /// done): over TCP, no Nagle delay, and a dead peer is detected.
 pub(crate) fn sender(stream: &ControlStream) -> io::Result<ControlSender> {
-    if let ControlStream::Tcp(tcp) = stream {
-        tcp.set_nodelay(true)?;
-        detect_dead_peer(tcp)?;
+    if !stream.local {
+        stream.socket.set_tcp_nodelay(true)?;
+        detect_dead_peer(&stream.socket)?;
     }
     Ok(ControlSender {
         out: Arc::new(Mutex::new(Outgoing {
@@ -350,10 +347,10 @@ pub(crate) fn connect(
     local: bool,
 ) -> Result<ControlStream, ControlError> {
     if let Some(stream) = local.then(|| connect_local(addr)).flatten() {
-        return Ok(ControlStream::Local(stream));
+        return Ok(ControlStream::local(stream));
     }
     TcpStream::connect_timeout(&addr, timeout)
-        .map(ControlStream::Tcp)
+        .map(ControlStream::tcp)
         .map_err(|source| ControlError::Connect { addr, source })
 }
 
@@ -429,7 +426,7 @@ mod tests {
             false,
         )
         .unwrap();
-        let accepted = ControlStream::Tcp(listener.accept().unwrap().0);
+        let accepted = ControlStream::tcp(listener.accept().unwrap().0);
         for stream in [&dialled, &accepted] {
             let _sender = sender(stream).unwrap();
             let socket = socket2::SockRef::from(stream);
@@ -471,18 +468,18 @@ mod tests {
             let local = listen_local(bound).unwrap();
             let mut dialled = connect(dial, Duration::from_secs(5), true).unwrap();
             assert!(dialled.is_local(), "{bind}");
-            let mut accepted = ControlStream::Local(local.accept().unwrap().0);
+            let mut accepted = ControlStream::local(local.accept().unwrap().0);
             talk(&mut dialled, &mut accepted);
             // The same name twice is refused: another producer cannot take it over.
             assert!(listen_local(bound).is_err());
             let mut tcp = connect(dial, Duration::from_secs(5), false).unwrap();
             assert!(!tcp.is_local());
-            let mut accepted = ControlStream::Tcp(listener.accept().unwrap().0);
+            let mut accepted = ControlStream::tcp(listener.accept().unwrap().0);
             talk(&mut tcp, &mut accepted);
             drop(local);
             let mut tcp = connect(dial, Duration::from_secs(5), true).unwrap();
             assert!(!tcp.is_local(), "no Unix socket any more: TCP");
-            let mut accepted = ControlStream::Tcp(listener.accept().unwrap().0);
+            let mut accepted = ControlStream::tcp(listener.accept().unwrap().0);
             talk(&mut tcp, &mut accepted);
         }
     }
@@ -506,7 +503,7 @@ mod tests {
         let (a, b) = UnixStream::pair().unwrap();
         let (tx, rx) = std::sync::mpsc::channel();
         let reader = thread::spawn(move || {
-            read_loop(ControlStream::Local(b), |result| {
+            read_loop(ControlStream::local(b), |result| {
                 let failed = result.is_err();
                 tx.send(failed).unwrap();
                 !failed

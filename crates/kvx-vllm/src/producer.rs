@@ -269,12 +269,12 @@ impl Producer {
             threads.push(acceptor.clone().spawn(
                 format!("kvx-accept-local-{}", rank.0),
                 local,
-                |a, l| a.run(l.incoming().map(|s| s.map(ControlStream::Local))),
+                |a, l| a.run(l.incoming().map(|s| s.map(ControlStream::local))),
             )?);
         }
         threads.push(
             acceptor.spawn(format!("kvx-accept-{}", rank.0), listener, |a, l| {
-                a.run(l.incoming().map(|s| s.map(ControlStream::Tcp)))
+                a.run(l.incoming().map(|s| s.map(ControlStream::tcp)))
             })?,
         );
         info!(%addr, %rank, local = local_listening, "kvx producer listening");

@@ -1859,12 +1859,7 @@ impl LibfabricTransport {
             };
             p.in_flight = p.in_flight.saturating_sub(1);
             let peer = p.peer;
-            let exited = *exited.entry(peer).or_insert_with(|| {
-                self.peers
-                    .get(peer)
-                    .and_then(|peer| peer.pid)
-                    .is_some_and(shm_sweep::exited)
-            });
+            let exited = *exited.entry(peer).or_insert_with(|| self.peer_exited(peer));
             let failure = if gone || exited {
                 OpError::PeerUnreachable {
                     source: "the peer's process has exited".into(),
@@ -2020,13 +2015,16 @@ impl LibfabricTransport {
             .collect();
         closing
             .into_iter()
-            .filter(|&peer| {
-                self.peers
-                    .get(peer)
-                    .and_then(|p| p.pid)
-                    .is_some_and(shm_sweep::exited)
-            })
+            .filter(|&peer| self.peer_exited(peer))
             .collect()
+    }
+
+    /// Whether the process of an `shm` peer has exited (other providers: never known).
+    fn peer_exited(&self, peer: PeerId) -> bool {
+        self.peers
+            .get(peer)
+            .and_then(|p| p.pid)
+            .is_some_and(shm_sweep::exited)
     }
 
     /// The process that owns a peer's `shm` endpoint (other providers: none).
