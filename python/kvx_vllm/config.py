@@ -54,12 +54,18 @@ KEYS: dict[str, tuple[Any, str]] = {
         "because vLLM's CPU workers pin themselves (and so the connector's threads) to few cores, "
         "and an engine busy with its first forward pass answers late.",
     ),
-    "transfer_timeout_s": (60.0, "Prefill: how long one started transfer may run."),
+    "transfer_timeout_s": (
+        60.0,
+        "Prefill: how long one started transfer may run (decode learns it at the handshake: "
+        "see quiesce_timeout_s).",
+    ),
     "quiesce_timeout_s": (
-        5.0,
+        None,
         "Decode: after a request fails or is aborted, how long its blocks stay held at most "
         "for every prefill rank to confirm that it writes no more (a posted write cannot be "
-        "recalled); the failure is reported to vLLM when all have, or after this.",
+        "recalled); the failure is reported to vLLM when all have, or after this. Unset (the "
+        "default): as long as the slowest of those prefill ranks says its writes can run (its "
+        "transfer_timeout_s, sent when it connects) plus 2 s.",
     ),
     "max_entries": (65536, "Most requests held or waited for on one side."),
     "log": (
@@ -81,7 +87,7 @@ class KvxConfig:
     heartbeat_interval_s: float
     connect_timeout_s: float
     transfer_timeout_s: float
-    quiesce_timeout_s: float
+    quiesce_timeout_s: float | None
     max_entries: int
     log: str
     extra: dict[str, Any] = field(default_factory=dict)
@@ -97,7 +103,12 @@ class KvxConfig:
         values: dict[str, Any] = {}
         for key, (default, _) in KEYS.items():
             raw = extra.get(key, default)
-            values[key] = _parse_bool(key, raw) if isinstance(default, bool) else type(default)(raw)
+            if isinstance(default, bool):
+                values[key] = _parse_bool(key, raw)
+            elif default is None:
+                values[key] = None if raw is None else float(raw)
+            else:
+                values[key] = type(default)(raw)
         if values["layout"] not in ("auto", "exact", "block"):
             raise ValueError(f"kvx layout must be auto, exact or block, not {values['layout']!r}")
         host, sep, port = values["listen"].rpartition(":")
@@ -118,8 +129,9 @@ class KvxConfig:
             "heartbeat_interval": self.heartbeat_interval_s,
             "connect_timeout": self.connect_timeout_s,
             "transfer_timeout": self.transfer_timeout_s,
-            "quiesce_timeout": self.quiesce_timeout_s,
-        }
+        } | (
+            {} if self.quiesce_timeout_s is None else {"quiesce_timeout": self.quiesce_timeout_s}
+        )
 
 
 def _parse_bool(key: str, raw: Any) -> bool:

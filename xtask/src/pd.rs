@@ -24,6 +24,8 @@ use crate::{cargo, root, run, step};
 /// Chunked prefill in the synthetic engine: tokens per step (each chunk is pushed while the next
 /// one computes).
 const CHUNK_TOKENS: &str = "1024";
+/// Warm-up requests per point, one at a time, before the timed stream (`kvx pd decode --warmup`).
+const WARMUP_REQUESTS: &str = "2";
 
 /// The sweep: prompt lengths, request rates, requests per point.
 struct Sweep {
@@ -96,6 +98,10 @@ fn point(
             &rate.to_string(),
             "--requests",
             &requests.to_string(),
+            // Each point starts fresh processes: the first requests pay for the connections
+            // and the first contact, which the timed stream leaves out.
+            "--warmup",
+            WARMUP_REQUESTS,
         ])
         .args([
             "--input-tokens",

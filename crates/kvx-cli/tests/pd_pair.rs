@@ -285,15 +285,20 @@ fn pull_over_tcp_verifies_every_byte() {
     // Over `tcp` decode's reads are messages that prefill's transport answers: prefill keeps
     // reading it while it holds blocks for pull (it once did only when another command woke
     // it, so the last request's reads waited for the producer lease).
+    // Two warm-up requests first, left out of the measurements (but verified too).
     let (report, _, _) = run_pair(&Run {
         transport: "libfabric:tcp",
         mode: "pull",
         prefill: &[],
-        decode: &[],
+        decode: &["--warmup", "2"],
         requests: 4,
         tokens: "100",
     });
     check(&report, 4, 400);
+    assert_eq!(report["summary"]["warmup_requests"], 2);
+    assert_eq!(report["summary"]["warmup_failed"], 0);
+    assert_eq!(report["summary"]["ttft_ms"]["n"], 4);
+    assert_eq!(report["per_request"].as_array().map(Vec::len), Some(4));
     // Before, a read left waiting was answered when decode's next heartbeat (every 5 s) woke
     // prefill; a healthy read takes milliseconds.
     let critical = report["summary"]["critical_path_ms"]["max"]

@@ -20,7 +20,7 @@ use crate::layout::{Arrangement, Dtype, LayoutSpec, MemoryOrder};
 use crate::memory::{MemoryKind, RegionDesc};
 
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u8 = 2;
+pub const PROTOCOL_VERSION: u8 = 3;
 /// The frame magic.
 pub const MAGIC: [u8; 2] = *b"KX";
 /// Bytes in a frame header.
@@ -103,6 +103,11 @@ pub struct Hello {
     /// this rank (its transport has no wait object, so it reads its transport only while a
     /// notice is due). Producers send `false`.
     pub finishing_hints: bool,
+    /// From a producer: the longest its writes for one registration can run, in milliseconds
+    /// (its transfer timeout). A consumer that gives up on a request holds the request's
+    /// blocks until this rank confirms that it writes no more, or for this long (plus a
+    /// margin): a posted write cannot be recalled. Consumers send 0.
+    pub write_timeout_ms: u32,
 }
 
 /// Decode tells prefill where one request's KV must land on one decode rank.
@@ -601,6 +606,7 @@ impl Writer<'_> {
         self.string("transport", &m.transport)?;
         self.bytes("transport_addr", &m.transport_addr, MAX_TRANSPORT_ADDR)?;
         self.u8(u8::from(m.finishing_hints));
+        self.u32(m.write_timeout_ms);
         Ok(())
     }
     fn registration(&mut self, m: &Registration) {
@@ -849,6 +855,7 @@ impl<'a> Reader<'a> {
         let transport = self.string("transport")?;
         let transport_addr = self.bytes("transport_addr", MAX_TRANSPORT_ADDR)?.to_vec();
         let finishing_hints = self.flag("finishing_hints")?;
+        let write_timeout_ms = self.u32()?;
         Ok(Hello {
             compat_hash,
             engine,
@@ -859,6 +866,7 @@ impl<'a> Reader<'a> {
             transport,
             transport_addr,
             finishing_hints,
+            write_timeout_ms,
         })
     }
     fn registration(&mut self) -> Result<Registration, DecodeError> {

@@ -89,10 +89,17 @@ fn message() -> impl Strategy<Value = Message> {
         prop::collection::vec(region(), 0..8),
         ".{0,40}",
         prop::collection::vec(any::<u8>(), 0..64),
-        any::<bool>(),
+        (any::<bool>(), any::<u32>()),
     )
         .prop_map(
-            |((hash, engine, inc, producer), layout, regions, transport, addr, hints)| {
+            |(
+                (hash, engine, inc, producer),
+                layout,
+                regions,
+                transport,
+                addr,
+                (hints, write_timeout_ms),
+            )| {
                 Message::Hello(Hello {
                     compat_hash: hash,
                     engine: EngineId(engine),
@@ -107,6 +114,7 @@ fn message() -> impl Strategy<Value = Message> {
                     transport,
                     transport_addr: addr,
                     finishing_hints: hints,
+                    write_timeout_ms,
                 })
             },
         );
@@ -402,9 +410,11 @@ fn a_hello_flag_other_than_0_or_1_is_rejected() {
         transport: "loopback".into(),
         transport_addr: vec![1, 2],
         finishing_hints: true,
+        write_timeout_ms: 7,
     });
     let mut bytes = hello.to_bytes().unwrap();
-    let last = bytes.len() - 1;
+    // The flag comes right before the last field, a u32.
+    let last = bytes.len() - 5;
     assert_eq!(bytes[last], 1);
     bytes[last] = 2;
     assert_eq!(

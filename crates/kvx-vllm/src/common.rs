@@ -96,6 +96,12 @@ pub(crate) fn hello(
         transport: desc.backend.clone(),
         transport_addr: desc.to_bytes(),
         finishing_hints,
+        write_timeout_ms: match role {
+            Role::Producer => {
+                u32::try_from(config.transfer_timeout.as_millis()).unwrap_or(u32::MAX)
+            }
+            _ => 0,
+        },
     }
 }
 

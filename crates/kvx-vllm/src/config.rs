@@ -6,6 +6,12 @@ use std::time::Duration;
 
 use kvx_core::{EngineId, Incarnation};
 
+/// What a consumer adds to a producer's write timeout (or its own, for reads) when it waits
+/// for a failed request's writers by default ([`ConnectorConfig::quiesce_timeout`] `None`):
+/// the producer's timeout runs from when its transfer started, and its failure notice still
+/// has to come.
+pub const QUIESCE_MARGIN: Duration = Duration::from_secs(2);
+
 /// Settings shared by both sides of the connector.
 #[derive(Clone, Debug)]
 #[non_exhaustive]
@@ -34,8 +40,12 @@ pub struct ConnectorConfig {
     /// Consumer: after a request fails (cancelled, its lease ran out, a producer rank failed),
     /// how long its blocks stay held, at most, for the other producer ranks to confirm that
     /// they write no more (a write already posted cannot be recalled). The failure is reported
-    /// when every rank has confirmed, or after this.
-    pub quiesce_timeout: Duration,
+    /// when every rank has confirmed, or after this. `None` (the default): as long as the
+    /// slowest of those ranks says its writes can run (its `transfer_timeout`, which it sends
+    /// in its hello) plus [`QUIESCE_MARGIN`]; this side's own reads (pull) are waited for its
+    /// own `transfer_timeout` plus the margin. A shorter fixed bound trades that safety for
+    /// blocks given back sooner when a producer falls silent.
+    pub quiesce_timeout: Option<Duration>,
     /// Consumer: ask the producer ranks for a `Finishing` message before each transfer's final
     /// writes, and read the transport only while a notice is due (not for as long as a request
     /// waits). `None` (the default): where this side's transport polls to wait and peers'
@@ -71,7 +81,7 @@ impl ConnectorConfig {
             connect_timeout: Duration::from_secs(5),
             transfer_timeout: Duration::from_secs(60),
             max_entries: 65_536,
-            quiesce_timeout: Duration::from_secs(5),
+            quiesce_timeout: None,
             finishing_hints: None,
             notice_board: true,
             local_sockets: true,

@@ -20,7 +20,7 @@ use tracing::{debug, info, warn};
 
 use crate::board::{self, BoardSlots, Disarmed, PollHints, SharedBoard, BOARD_SLOTS};
 use crate::common::{self, Clock, CommandReceiver, CommandSender, KvCache};
-use crate::config::ConnectorConfig;
+use crate::config::{ConnectorConfig, QUIESCE_MARGIN};
 use crate::control::{self, ControlSender, ControlStream};
 use crate::error::{Closed, StartError};
 use crate::stats::{Stats, StatsSnapshot};
@@ -150,6 +150,8 @@ struct Quiescing {
     ranks: HashSet<Rank>,
     notices: Vec<u64>,
     reads: usize,
+    /// How long it waits at most, from the failure.
+    bound: Duration,
     deadline: Timestamp,
 }
 
@@ -1695,6 +1697,7 @@ impl Driver {
         }
         self.tell_producers(key, &payload, false);
         self.stats.transfers_failed.fetch_add(1, Ordering::Relaxed);
+        let bound = self.quiesce_bound(payload.instance, &ranks, reads);
         let quiescing = Quiescing {
             request: payload.request,
             reason,
@@ -1702,7 +1705,8 @@ impl Driver {
             ranks,
             notices: payload.notices,
             reads,
-            deadline: self.clock.now() + self.config.quiesce_timeout,
+            bound,
+            deadline: self.clock.now() + bound,
         };
         // The producer instance gone: its writes can land no more, but this side's own reads
         // (pull) still may until they end.
@@ -1711,6 +1715,29 @@ impl Driver {
         if quiet {
             self.quiesced(key);
         }
+    }
+
+    /// How long a failed request's blocks stay held at most for `ranks` of `instance` to
+    /// confirm that they write no more and for `reads` of this side's own to end: the
+    /// configured bound, else the longest that any of them can run plus a margin.
+    fn quiesce_bound(&self, instance: SocketAddr, ranks: &HashSet<Rank>, reads: usize) -> Duration {
+        if let Some(fixed) = self.config.quiesce_timeout {
+            return fixed;
+        }
+        let writes = self
+            .instances
+            .get(&instance)
+            .into_iter()
+            .flat_map(|i| ranks.iter().filter_map(|r| i.ranks.get(r)))
+            .map(|conn| Duration::from_millis(conn.hello.write_timeout_ms.into()))
+            .max()
+            .unwrap_or_default();
+        let own = if reads > 0 {
+            self.config.transfer_timeout
+        } else {
+            Duration::ZERO
+        };
+        writes.max(own) + QUIESCE_MARGIN
     }
 
     /// A failed request's writers are quiet (or gone, or out of time): the engine may have its
@@ -1733,7 +1760,7 @@ impl Driver {
         } else {
             format!(
                 "released after {:?} without confirmation from producer ranks {:?} ({} reads in flight)",
-                self.config.quiesce_timeout, q.ranks, q.reads
+                q.bound, q.ranks, q.reads
             )
         };
         self.push_event(RecvEvent::Failed {

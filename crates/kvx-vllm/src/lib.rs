@@ -65,7 +65,7 @@ mod stats;
 pub mod transport;
 
 pub use common::{rank_addr, KvCache};
-pub use config::ConnectorConfig;
+pub use config::{ConnectorConfig, QUIESCE_MARGIN};
 pub use consumer::{Consumer, PullRequest, PushRequest, RecvEvent};
 pub use control::ControlError;
 pub use error::{Closed, StartError};

@@ -1057,6 +1057,30 @@ impl Driver {
         false
     }
 
+    /// Whether nothing of `transfer` at `attempt` from the consumer rank on `conn` is
+    /// registered or being written here: no live registration, no transfer in flight, no early
+    /// write in flight.
+    fn writes_nothing_for(&self, conn: ConnId, transfer: TransferId, attempt: Attempt) -> bool {
+        let Some(c) = self.conns.get(&conn) else {
+            return false;
+        };
+        let mixed: Vec<AttemptKey> = (0..self.max_consumer_tp)
+            .map(|r| rank_key(AttemptKey::new(transfer, attempt), Rank(r)))
+            .collect();
+        let registered = c
+            .keys
+            .iter()
+            .any(|k| mixed.contains(k) && self.matcher.is_live(*k));
+        let flying = self
+            .flights
+            .values()
+            .any(|f| f.conn == conn && f.original == AttemptKey::new(transfer, attempt));
+        let early = mixed
+            .iter()
+            .any(|k| self.early.get(k).is_some_and(|e| e.in_flight > 0));
+        !(registered || flying || early)
+    }
+
     fn peer_message(&mut self, conn: ConnId, message: Message) {
         let now = self.clock.now();
         let Some(c) = self.conns.get_mut(&conn) else {
@@ -1079,7 +1103,23 @@ impl Driver {
             }
             Message::Abort(abort) => {
                 if self.may_abort(conn, abort.transfer) {
+                    // Nothing of that attempt registered or in flight from this connection (a
+                    // transfer that ended, a notice lost on the way): the consumer rank hears
+                    // at once that nothing more will be written, instead of waiting for its
+                    // bound. Decided before the abort: messages on a connection keep their
+                    // order, so every registration sent before the abort is known here.
+                    let quiet = abort
+                        .attempt
+                        .filter(|&attempt| self.writes_nothing_for(conn, abort.transfer, attempt));
                     self.abort(now, abort.transfer, abort.attempt, Reason::Aborted);
+                    if let Some(attempt) = quiet {
+                        self.tell_consumer(
+                            conn,
+                            AttemptKey::new(abort.transfer, attempt),
+                            Reason::Aborted,
+                            "nothing of it is registered or being written here",
+                        );
+                    }
                 }
             }
             Message::Failure(f) => {

@@ -140,7 +140,7 @@ fn start_args(
             "heartbeat_interval" => config.heartbeat_interval = d,
             "connect_timeout" => config.connect_timeout = d,
             "transfer_timeout" => config.transfer_timeout = d,
-            "quiesce_timeout" => config.quiesce_timeout = d,
+            "quiesce_timeout" => config.quiesce_timeout = Some(d),
             other => return Err(value_err(format!("unknown timing `{other}`"))),
         }
     }

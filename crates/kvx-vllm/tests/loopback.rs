@@ -19,7 +19,7 @@ use kvx_rdma::{Capabilities, Event, Notice, OpId, PeerId, Transport};
 use kvx_rendezvous::{AttemptKey, Reason};
 use kvx_vllm::{
     ConnectorConfig, Consumer, FinishedSending, KvCache, Producer, PullRequest, PushRequest,
-    RecvEvent, SendOutcome,
+    RecvEvent, SendOutcome, QUIESCE_MARGIN,
 };
 
 const SEED: u64 = 0x5eed;
@@ -1263,24 +1263,18 @@ fn changed_blocks_after_early_writes_are_rewritten_at_the_finish() {
     assert_eq!(done[0].outcome, SendOutcome::Sent);
 }
 
-/// A producer rank that handshakes and then never answers (messages to it are swallowed): a
-/// cancelled request's blocks stay held until `quiesce_timeout`, then the failure is reported;
-/// a producer that answers is not waited for (see `consumer_cancel_makes_prefill_release_its_blocks`).
-#[test]
-fn cancel_waits_for_a_silent_producer_until_the_quiesce_timeout() {
+/// A relay to the producer at `producer` that passes the handshake both ways and then swallows
+/// every message from decode: a producer rank that never answers.
+fn relay_silent_after_handshake(producer: SocketAddr) -> SocketAddr {
     use std::io::{Read as _, Write as _};
     use std::net::TcpStream;
     use std::sync::atomic::{AtomicBool, Ordering};
 
-    let fabric = LoopbackFabric::new();
-    let pre = tp1_prefill(&fabric);
-    // The relay: the handshake passes both ways, later messages from decode are dropped.
     let relay = TcpListener::bind("127.0.0.1:0").unwrap();
     let relay_addr = relay.local_addr().unwrap();
-    let producer_addr = pre.base;
     std::thread::spawn(move || {
         let (mut from_decode, _) = relay.accept().unwrap();
-        let mut to_producer = TcpStream::connect(producer_addr).unwrap();
+        let mut to_producer = TcpStream::connect(producer).unwrap();
         let handshaken = Arc::new(AtomicBool::new(false));
         let mut back = from_decode.try_clone().unwrap();
         let mut from_producer = to_producer.try_clone().unwrap();
@@ -1288,10 +1282,13 @@ fn cancel_waits_for_a_silent_producer_until_the_quiesce_timeout() {
         std::thread::spawn(move || {
             let mut buf = [0u8; 65536];
             while let Ok(n @ 1..) = from_producer.read(&mut buf) {
+                // Before decode sees the answer to its hello: what it sends after is dropped
+                // (set after the write, a registration could slip through, and the producer's
+                // lease on it would then answer for the producer).
+                flag.store(true, Ordering::SeqCst);
                 if back.write_all(&buf[..n]).is_err() {
                     return;
                 }
-                flag.store(true, Ordering::SeqCst);
             }
         });
         let mut buf = [0u8; 65536];
@@ -1301,11 +1298,13 @@ fn cancel_waits_for_a_silent_producer_until_the_quiesce_timeout() {
             }
         }
     });
-    let (_side, cache) = Side::new(spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit));
-    let mut c = config(2);
-    c.quiesce_timeout = Duration::from_millis(400);
-    let consumer = Consumer::start(c, cache, Box::new(fabric.endpoint())).unwrap();
-    register(&consumer, relay_addr, key(14, 0), 8, ids(0..2));
+    relay_addr
+}
+
+/// Decode registers a request with the producer behind `relay` (which never answers), cancels
+/// it, and waits for its failure: how long that took, and the failure's detail.
+fn cancel_with_a_silent_producer(consumer: &Consumer, relay: SocketAddr) -> (Duration, String) {
+    register(consumer, relay, key(14, 0), 8, ids(0..2));
     // Registered (not still waiting for its handshake, which a loaded machine can slow).
     let deadline = Instant::now() + Duration::from_secs(20);
     while consumer.stats().held != 1 {
@@ -1314,19 +1313,68 @@ fn cancel_waits_for_a_silent_producer_until_the_quiesce_timeout() {
     }
     let cancelled = Instant::now();
     consumer.cancel(TransferId(14), None).unwrap();
-    let events = wait_events(&consumer, 1);
+    let events = wait_events(consumer, 1);
     let waited = cancelled.elapsed();
-    assert!(
-        waited >= Duration::from_millis(400),
-        "reported after {waited:?}"
-    );
     match &events[0] {
         RecvEvent::Failed { reason, detail, .. } => {
             assert_eq!(*reason, Reason::Aborted);
-            assert!(detail.contains("without confirmation"), "{detail}");
+            (waited, detail.clone())
         }
         other => panic!("{other:?}"),
     }
+}
+
+/// A producer rank that handshakes and then never answers: with a fixed `quiesce_timeout`, a
+/// cancelled request's blocks stay held that long, then the failure is reported; a producer
+/// that answers is not waited for (see `consumer_cancel_makes_prefill_release_its_blocks`).
+#[test]
+fn cancel_waits_for_a_silent_producer_until_the_quiesce_timeout() {
+    let fabric = LoopbackFabric::new();
+    let pre = tp1_prefill(&fabric);
+    let relay = relay_silent_after_handshake(pre.base);
+    let (_side, cache) = Side::new(spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit));
+    let mut c = config(2);
+    c.quiesce_timeout = Some(Duration::from_millis(400));
+    let consumer = Consumer::start(c, cache, Box::new(fabric.endpoint())).unwrap();
+    let (waited, detail) = cancel_with_a_silent_producer(&consumer, relay);
+    assert!(
+        // Not the default's 62 s (the producer's 60 s transfer timeout and the margin).
+        waited >= Duration::from_millis(400) && waited < Duration::from_secs(30),
+        "reported after {waited:?}"
+    );
+    assert!(detail.contains("without confirmation"), "{detail}");
+}
+
+/// By default decode holds a failed request's blocks for as long as the silent producer rank
+/// said (in its hello) that its writes can run, plus the margin: never shorter, so a write
+/// still in flight cannot land in blocks the engine has handed to another request.
+#[test]
+fn cancel_waits_for_a_silent_producer_as_long_as_its_writes_can_run() {
+    let fabric = LoopbackFabric::new();
+    let (base, _pside, _producer) = {
+        let base = free_ports(1);
+        let (side, cache) = Side::new(spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit));
+        let mut c = config(1);
+        c.listen = base;
+        c.transfer_timeout = Duration::from_millis(700);
+        let producer = Producer::start(c, cache, Box::new(fabric.endpoint())).unwrap();
+        (base, side, producer)
+    };
+    let relay = relay_silent_after_handshake(base);
+    let (_side, cache) = Side::new(spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit));
+    let c = config(2);
+    assert_eq!(c.quiesce_timeout, None, "the default follows the producers");
+    let consumer = Consumer::start(c, cache, Box::new(fabric.endpoint())).unwrap();
+    let (waited, detail) = cancel_with_a_silent_producer(&consumer, relay);
+    let bound = Duration::from_millis(700) + QUIESCE_MARGIN;
+    assert!(
+        waited >= bound && waited < bound + Duration::from_secs(5),
+        "reported after {waited:?}, not after about {bound:?}: {detail}"
+    );
+    assert!(
+        detail.contains("without confirmation") && detail.contains(&format!("{bound:?}")),
+        "{detail}"
+    );
 }
 
 /// Counts the reads (polls and waits) of a decode endpoint.
@@ -1698,7 +1746,7 @@ fn a_lost_prefill_fails_a_pull_only_once_its_reads_ended() {
     };
     let mut c = config(2);
     c.registration_lease = LONG;
-    c.quiesce_timeout = LONG;
+    c.quiesce_timeout = Some(LONG);
     let consumer = Consumer::start(c, cache, Box::new(held)).unwrap();
     let tokens = 8;
     pre.sides[0].fill(&ids(0..2), tokens);
@@ -1880,7 +1928,8 @@ fn a_lost_notice_fails_the_request_at_its_lease_and_nothing_stays_held() {
     };
     let mut c = config(2);
     c.registration_lease = Duration::from_millis(500);
-    c.quiesce_timeout = Duration::from_millis(300);
+    // The default bound: the producer's transfer timeout (60 s) and the margin.
+    assert_eq!(c.quiesce_timeout, None);
     let consumer = Consumer::start(c, cache, Box::new(losing)).unwrap();
     let k = key(97, 0);
     pre.sides[0].fill(&ids(0..2), 8);
@@ -1903,7 +1952,17 @@ fn a_lost_notice_fails_the_request_at_its_lease_and_nothing_stays_held() {
         "{events:?}"
     );
     assert_eq!(lost.load(Ordering::SeqCst), 1, "the notice was not lost");
-    assert!(started.elapsed() < LONG, "failed only long after the lease");
+    // Prefill has nothing of the transfer any more: it answers decode's abort at once, and
+    // decode does not wait out its bound.
+    let RecvEvent::Failed { detail, .. } = &events[0] else {
+        unreachable!()
+    };
+    assert!(!detail.contains("without confirmation"), "{detail}");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "failed only {:?} after the lease",
+        started.elapsed()
+    );
     assert_eq!(consumer.stats().held, 0);
     assert_eq!(pre.producers[0].stats().held, 0);
 }
@@ -1997,7 +2056,7 @@ fn a_cancel_after_matching_fails_only_once_the_write_in_flight_ended() {
     let (_dec, cache) = Side::new(spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit));
     let mut dc = config(2);
     dc.registration_lease = LONG;
-    dc.quiesce_timeout = LONG;
+    dc.quiesce_timeout = Some(LONG);
     let consumer = Consumer::start(dc, cache, Box::new(fabric.endpoint())).unwrap();
     let k = key(101, 0);
     register(&consumer, base, k, 12, ids(20..23));
@@ -2380,6 +2439,7 @@ fn an_abort_from_another_decode_instance_is_ignored() {
         transport: desc.backend.clone(),
         transport_addr: desc.to_bytes(),
         finishing_hints: false,
+        write_timeout_ms: 0,
     });
     let mut rogue = TcpStream::connect(pre.base).unwrap();
     let abort = |transfer: TransferId| {

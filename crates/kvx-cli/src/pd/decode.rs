@@ -35,6 +35,10 @@ pub(crate) struct DecodeArgs {
     /// Requests to send.
     #[arg(long, default_value_t = 20)]
     requests: usize,
+    /// Warm-up requests first, one at a time, of the first input length; the stream and its
+    /// measurements start when they are done (connections made, first contact, caches warm).
+    #[arg(long, default_value_t = 0)]
+    warmup: usize,
     /// Prompt lengths, used in turn.
     #[arg(long, value_delimiter = ',', default_value = "1024")]
     input_tokens: Vec<u64>,
@@ -82,6 +86,8 @@ struct Request {
     emitted: u32,
     failed: Option<String>,
     verified: Option<Result<u64, String>>,
+    /// A warm-up request: left out of every measurement.
+    warmup: bool,
 }
 
 impl Request {
@@ -186,8 +192,10 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
     });
 
     let schedule = arrivals(args.requests, args.rate, args.seed);
-    let cpu_before = connector_cpu_ns();
-    let start = Instant::now();
+    let mut cpu_before = connector_cpu_ns();
+    let mut start = Instant::now();
+    let mut warmups_left = args.warmup;
+    let mut warming = args.warmup > 0;
     let mut pending: VecDeque<(usize, Duration)> = schedule.iter().copied().enumerate().collect();
     let mut requests: Vec<Request> = Vec::new();
     let mut by_key: HashMap<AttemptKey, usize> = HashMap::new();
@@ -211,12 +219,33 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
         // says: one empty measurement first warms them (kept apart, not counted as work).
         let mut clock_warm_up = StepWork::default();
         clock_warm_up.add_since(StepWork::mark(), &measuring);
+        // Warm-up requests one at a time; then the stream, timed from the end of the warm-up.
+        if warming && warmups_left == 0 && requests.iter().all(|r| r.resolved(args.output_tokens)) {
+            warming = false;
+            cpu_before = connector_cpu_ns();
+            start = Instant::now();
+        }
         // Arrivals that are due.
-        while let Some(&(i, at)) = pending.front() {
-            if start + at > now {
-                break;
-            }
-            let tokens = args.input_tokens[i % args.input_tokens.len()];
+        loop {
+            let (i, at) = if warming {
+                if warmups_left == 0 || requests.iter().any(|r| !r.resolved(args.output_tokens)) {
+                    break;
+                }
+                (
+                    args.requests + args.warmup - warmups_left,
+                    now.duration_since(start),
+                )
+            } else {
+                match pending.front() {
+                    Some(&(i, at)) if start + at <= now => (i, at),
+                    _ => break,
+                }
+            };
+            let tokens = if warming {
+                args.input_tokens[0]
+            } else {
+                args.input_tokens[i % args.input_tokens.len()]
+            };
             let needed = tokens.div_ceil(u64::from(args.model.block_tokens)) as usize;
             let Some(blocks) = pool.alloc(needed) else {
                 if running.is_empty()
@@ -228,7 +257,11 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
                 }
                 break; // wait for blocks
             };
-            pending.pop_front();
+            if warming {
+                warmups_left -= 1;
+            } else {
+                pending.pop_front();
+            }
             let key = AttemptKey::new(TransferId(base_transfer + i as u128), Attempt::FIRST);
             writeln!(
                 router,
@@ -252,6 +285,7 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
                 emitted: 0,
                 failed: None,
                 verified: None,
+                warmup: warming,
             });
             by_key.insert(key, index);
             if !pull {
@@ -369,9 +403,11 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
         }
         // One decode step for the running batch.
         if !running.is_empty() {
-            loop_work.push(transfer_work.wall.as_secs_f64() * 1e6);
-            loop_cpu.push(transfer_work.cpu.as_secs_f64() * 1e6);
-            clock_warm_ups.push(clock_warm_up.cpu.as_secs_f64() * 1e6);
+            if !warming {
+                loop_work.push(transfer_work.wall.as_secs_f64() * 1e6);
+                loop_cpu.push(transfer_work.cpu.as_secs_f64() * 1e6);
+                clock_warm_ups.push(clock_warm_up.cpu.as_secs_f64() * 1e6);
+            }
             std::thread::sleep(step);
             let now = Instant::now();
             for &index in &running {
@@ -391,7 +427,8 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
                 pool.free(std::mem::take(&mut r.blocks));
             }
         }
-        if pending.is_empty() && requests.iter().all(|r| r.resolved(args.output_tokens)) {
+        if !warming && pending.is_empty() && requests.iter().all(|r| r.resolved(args.output_tokens))
+        {
             break;
         }
     }
@@ -442,7 +479,18 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
     let mut seen_by_engine = Vec::new();
     let mut by_len: HashMap<u64, (Vec<f64>, Vec<f64>)> = HashMap::new();
     let (mut failed, mut bad, mut verified_bytes) = (0, 0, 0u64);
-    for r in &requests {
+    // Warm-up requests count only where something went wrong: a failure or a wrong byte.
+    let mut warmup_failed = 0;
+    for r in requests.iter().filter(|r| r.warmup) {
+        if r.failed.is_some() {
+            warmup_failed += 1;
+        }
+        if let Some(Err(e)) = &r.verified {
+            bad += 1;
+            eprintln!("verification failed for warm-up request {}: {e}", r.key);
+        }
+    }
+    for r in requests.iter().filter(|r| !r.warmup) {
         let t = r.first_token.map(|f| ms(f - r.arrival));
         // The KV is in decode's memory when the first of the two sides knows it: decode's
         // connector (a message notice, pull's reads) or prefill (its writes and their notice
@@ -496,7 +544,9 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
     per_len.sort_by_key(|(l, _)| *l);
     let bytes_per_token = args.model.bytes_per_token()?;
     let summary = json!({
-        "completed": requests.len() - failed,
+        "completed": requests.len() - args.warmup - failed,
+        "warmup_requests": args.warmup,
+        "warmup_failed": warmup_failed,
         "failed": failed,
         "verification_failures": bad,
         "verified_bytes": verified_bytes,
@@ -544,8 +594,11 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
         std::fs::write(path, serde_json::to_string_pretty(&report)?)
             .with_context(|| format!("cannot write {}", path.display()))?;
     }
-    if failed > 0 || bad > 0 {
-        bail!("{failed} request(s) failed, {bad} verification failure(s)");
+    if failed > 0 || warmup_failed > 0 || bad > 0 {
+        bail!(
+            "{failed} request(s) and {warmup_failed} warm-up request(s) failed, {bad} \
+             verification failure(s)"
+        );
     }
     Ok(())
 }
