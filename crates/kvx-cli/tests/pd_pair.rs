@@ -200,6 +200,8 @@ fn check(report: &serde_json::Value, requests: u64, tokens_total: u64) {
     assert_eq!(s["completed"], requests, "{s}");
     assert_eq!(s["failed"], 0, "{s}");
     assert_eq!(s["verification_failures"], 0, "{s}");
+    // Nothing failed, so nothing was given back without its writers' confirmation.
+    assert_eq!(s["released_unconfirmed"], 0, "{s}");
     let per_token = report["kv_bytes_per_token"].as_u64().unwrap();
     assert_eq!(
         s["verified_bytes"].as_u64().unwrap(),

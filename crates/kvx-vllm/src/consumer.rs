@@ -1758,6 +1758,16 @@ impl Driver {
         let detail = if q.quiet() {
             String::new()
         } else {
+            self.stats
+                .released_unconfirmed
+                .fetch_add(1, Ordering::Relaxed);
+            warn!(
+                key = %key,
+                ranks = ?q.ranks,
+                reads = q.reads,
+                bound = ?q.bound,
+                "blocks of a failed request released without every producer rank's confirmation"
+            );
             format!(
                 "released after {:?} without confirmation from producer ranks {:?} ({} reads in flight)",
                 q.bound, q.ranks, q.reads

@@ -195,6 +195,7 @@ fn stats_dict<'py>(py: Python<'py>, s: StatsSnapshot) -> PyResult<Bound<'py, PyD
     d.set_item("board_ready", s.board_ready)?;
     d.set_item("local_connections", s.local_connections)?;
     d.set_item("driver_turns", s.driver_turns)?;
+    d.set_item("released_unconfirmed", s.released_unconfirmed)?;
     Ok(d)
 }
 

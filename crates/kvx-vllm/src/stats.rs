@@ -17,6 +17,7 @@ pub(crate) struct Stats {
     pub(crate) board_ready: AtomicU64,
     pub(crate) driver_turns: AtomicU64,
     pub(crate) local_connections: AtomicU64,
+    pub(crate) released_unconfirmed: AtomicU64,
 }
 
 /// A copy of a side's counters.
@@ -53,6 +54,10 @@ pub struct StatsSnapshot {
     /// Control connections to producer ranks made over a Unix socket (consumer; see
     /// `ConnectorConfig::local_sockets`).
     pub local_connections: u64,
+    /// Failed requests whose blocks went back to the engine at the quiesce bound, without
+    /// every producer rank's confirmation that it writes no more (consumer). Each is a request
+    /// whose blocks a late write could still reach: worth an alert.
+    pub released_unconfirmed: u64,
 }
 
 impl Stats {
@@ -70,6 +75,7 @@ impl Stats {
             board_ready: self.board_ready.load(Ordering::Relaxed),
             driver_turns: self.driver_turns.load(Ordering::Relaxed),
             local_connections: self.local_connections.load(Ordering::Relaxed),
+            released_unconfirmed: self.released_unconfirmed.load(Ordering::Relaxed),
         }
     }
 }

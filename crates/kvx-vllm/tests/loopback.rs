@@ -1343,6 +1343,7 @@ fn cancel_waits_for_a_silent_producer_until_the_quiesce_timeout() {
         "reported after {waited:?}"
     );
     assert!(detail.contains("without confirmation"), "{detail}");
+    assert_eq!(consumer.stats().released_unconfirmed, 1);
 }
 
 /// By default decode holds a failed request's blocks for as long as the silent producer rank
@@ -1375,6 +1376,7 @@ fn cancel_waits_for_a_silent_producer_as_long_as_its_writes_can_run() {
         detail.contains("without confirmation") && detail.contains(&format!("{bound:?}")),
         "{detail}"
     );
+    assert_eq!(consumer.stats().released_unconfirmed, 1);
 }
 
 /// Counts the reads (polls and waits) of a decode endpoint.
@@ -1958,6 +1960,7 @@ fn a_lost_notice_fails_the_request_at_its_lease_and_nothing_stays_held() {
         unreachable!()
     };
     assert!(!detail.contains("without confirmation"), "{detail}");
+    assert_eq!(consumer.stats().released_unconfirmed, 0);
     assert!(
         started.elapsed() < Duration::from_secs(10),
         "failed only {:?} after the lease",

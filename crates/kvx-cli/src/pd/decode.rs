@@ -469,6 +469,10 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
     let board_ready: u64 = consumers.iter().map(|c| c.stats().board_ready).sum();
     let driver_turns: u64 = consumers.iter().map(|c| c.stats().driver_turns).sum();
     let local_connections: u64 = consumers.iter().map(|c| c.stats().local_connections).sum();
+    let released_unconfirmed: u64 = consumers
+        .iter()
+        .map(|c| c.stats().released_unconfirmed)
+        .sum();
     for mut c in consumers {
         c.shutdown();
     }
@@ -567,6 +571,7 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
         "board_ready": board_ready,
         "driver_turns": driver_turns,
         "local_connections": local_connections,
+        "released_unconfirmed": released_unconfirmed,
         "by_input_tokens": per_len.into_iter().map(|(len, (t, c))| json!({
             "input_tokens": len,
             "kv_bytes": len * bytes_per_token,
