@@ -200,6 +200,32 @@ def test_cancel_reports_failure_and_bad_arguments_raise():
         producer.request_finished("t-6", "y", [1], 10)
 
 
+def test_an_unset_quiesce_bound_follows_the_producer_and_costs_nothing_when_it_answers():
+    """Unset (the default), `quiesce_timeout_s` is not passed on: decode holds a failed
+    request's blocks as long as its producer says its writes can run (60 s and a margin here),
+    unless the producer confirms at once, as it does for a request it has nothing of."""
+    from kvx_vllm.config import KvxConfig
+
+    default = KvxConfig.from_extra({}).timings()
+    assert "quiesce_timeout" not in default
+    assert KvxConfig.from_extra({"quiesce_timeout_s": "2.5"}).timings()["quiesce_timeout"] == 2.5
+    p_caches = cpu_caches(1, 8, 1, 32, fill=True)
+    d_caches = cpu_caches(1, 8, 1, 32, fill=False)
+    producer, consumer, _, _ = start_pair(p_caches, d_caches, heads=1, p_bs=32, d_bs=32,
+                                          timings=default)
+    consumer.request_allocated("t-7", "dreq", producer.control_addr, 50, 0, [1, 2])
+    time.sleep(0.05)
+    started = time.monotonic()
+    consumer.cancel("t-7")
+    [(rid, ok, reason, detail)] = wait_events(consumer, 1)
+    assert (rid, ok) == ("dreq", False) and reason
+    assert "without confirmation" not in detail, detail
+    assert time.monotonic() - started < 5
+    assert consumer.stats()["released_unconfirmed"] == 0
+    producer.shutdown()
+    consumer.shutdown()
+
+
 def flash_caches(layers: int, blocks: int, heads: int, bs: int, fill: bool) -> dict[str, torch.Tensor]:
     out = {}
     for i in range(layers):
