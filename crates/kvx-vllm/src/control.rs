@@ -13,13 +13,12 @@ use std::io::{self, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpStream, UdpSocket};
 use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
-
-use socket2::Socket;
 use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::Duration;
 
 use kvx_core::wire::{DecodeError, EncodeError, FrameHeader, Message, HEADER_LEN};
+use socket2::Socket;
 
 /// Why a control connection failed.
 #[derive(Debug, thiserror::Error)]

@@ -967,6 +967,11 @@ impl Driver {
             .unwrap_or_else(|| (0..self.max_consumer_tp).map(Rank).collect())
     }
 
+    /// The matcher's keys of `key`, one per consumer rank that may register it.
+    fn rank_keys(&self, key: AttemptKey) -> impl Iterator<Item = AttemptKey> {
+        (0..self.max_consumer_tp).map(move |r| rank_key(key, Rank(r)))
+    }
+
     fn abort(
         &mut self,
         now: Timestamp,
@@ -974,9 +979,11 @@ impl Driver {
         attempt: Option<Attempt>,
         reason: Reason,
     ) {
-        let ranks: Vec<Rank> = (0..self.max_consumer_tp).map(Rank).collect();
-        for rank in &ranks {
-            let mixed = rank_key(AttemptKey::new(transfer, Attempt(0)), *rank).transfer;
+        let mixed: Vec<TransferId> = self
+            .rank_keys(AttemptKey::new(transfer, Attempt(0)))
+            .map(|k| k.transfer)
+            .collect();
+        for mixed in mixed {
             self.matcher.abort(now, mixed, attempt, reason);
         }
         let matches =
@@ -1036,8 +1043,9 @@ impl Driver {
         let Some(me) = self.conns.get(&conn).and_then(|c| c.consumer.as_ref()) else {
             return false;
         };
-        let mixed: Vec<TransferId> = (0..self.max_consumer_tp)
-            .map(|r| rank_key(AttemptKey::new(transfer, Attempt(0)), Rank(r)).transfer)
+        let mixed: Vec<TransferId> = self
+            .rank_keys(AttemptKey::new(transfer, Attempt(0)))
+            .map(|k| k.transfer)
             .collect();
         let registrants: HashSet<ConsumerId> = self
             .conns
@@ -1064,9 +1072,7 @@ impl Driver {
         let Some(c) = self.conns.get(&conn) else {
             return false;
         };
-        let mixed: Vec<AttemptKey> = (0..self.max_consumer_tp)
-            .map(|r| rank_key(AttemptKey::new(transfer, attempt), Rank(r)))
-            .collect();
+        let mixed: Vec<AttemptKey> = self.rank_keys(AttemptKey::new(transfer, attempt)).collect();
         let registered = c
             .keys
             .iter()

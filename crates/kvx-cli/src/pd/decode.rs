@@ -241,11 +241,12 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
                     _ => break,
                 }
             };
-            let tokens = if warming {
-                args.input_tokens[0]
+            // Warm-up requests take the first length.
+            let tokens = args.input_tokens[if warming {
+                0
             } else {
-                args.input_tokens[i % args.input_tokens.len()]
-            };
+                i % args.input_tokens.len()
+            }];
             let needed = tokens.div_ceil(u64::from(args.model.block_tokens)) as usize;
             let Some(blocks) = pool.alloc(needed) else {
                 if running.is_empty()
