@@ -126,6 +126,9 @@ class KvxConnectorMetadata(KVConnectorMetadata):
     aborts: list[str] = field(default_factory=list)
     # Decode: transfers to give up (the request was aborted while waiting for its KV).
     cancels: list[str] = field(default_factory=list)
+    # Decode: (transfer id, prefill address) of requests dropped before they were registered
+    # (aborted while queued): prefill gives their KV back now instead of at its lease.
+    abandons: list[tuple[str, str]] = field(default_factory=list)
 
 
 def _transfer_id(params: dict[str, Any]) -> str:
@@ -354,6 +357,13 @@ class _Scheduler:
             # until the request shows up in finished_recving, which the cancel brings about.
             self.meta.cancels.append(self.waiting[rid])
             return False, None
+        if params.get("do_remote_prefill"):
+            # Decode: still set, so never allocated (update_state_after_alloc clears it): the
+            # request was dropped while queued, and its prefill holds the KV for nobody.
+            tid, prefill = params.get("kvx_transfer_id"), params.get("kvx_prefill")
+            if isinstance(tid, str) and tid and isinstance(prefill, str) and prefill:
+                self.meta.abandons.append((tid, prefill))
+            return False, None
         if not params.get("do_remote_decode"):
             return False, None
         # Prefill.
@@ -390,7 +400,7 @@ class _Scheduler:
 
     def has_pending_work(self) -> bool:
         m = self.meta
-        return bool(self.held or m.sends or m.recvs or m.aborts or m.cancels)
+        return bool(self.held or m.sends or m.recvs or m.aborts or m.cancels or m.abandons)
 
 
 class _Worker:
@@ -540,6 +550,15 @@ class _Worker:
                     if rid is not None:
                         self.cancelled.add(rid)
                 self.consumer.cancel(tid)
+            for tid, prefill in meta.abandons:
+                try:
+                    addr = self.resolver.address(prefill)
+                    if addr is not None:
+                        self.consumer.abandon(addr, tid)
+                except ValueError as e:
+                    # Nothing was registered there; its lease frees the KV.
+                    logger.debug("kvx: not telling %s about dropped transfer %s: %s",
+                                 prefill, tid, e)
 
     def _submit(self, r: RecvSpec, since: float) -> None:
         """Hands a request to the native consumer once its prefill's address is known (or

@@ -81,6 +81,11 @@ enum Command {
         transfer: TransferId,
         attempt: Option<Attempt>,
     },
+    /// The engine dropped a request of `transfer` that was never registered here.
+    Abandon {
+        prefill: SocketAddr,
+        transfer: TransferId,
+    },
     /// A message from one rank of a prefill instance, over connection `ConnId`.
     Peer(SocketAddr, Rank, ConnId, Message),
     /// That connection closed.
@@ -383,6 +388,18 @@ impl Consumer {
     /// [`Closed`] after shutdown.
     pub fn cancel(&self, transfer: TransferId, attempt: Option<Attempt>) -> Result<(), Closed> {
         self.send(Command::Cancel { transfer, attempt })
+    }
+
+    /// The engine dropped a request that was never handed to this consumer (aborted before
+    /// decode allocated its blocks): every connected rank of the prefill instance whose rank 0
+    /// listens at `prefill` is told to give the transfer's KV back now, not at the end of its
+    /// lease. A prefill instance this consumer has no connection to is not contacted (its lease
+    /// frees the KV); a transfer another decode instance registered is not touched there.
+    ///
+    /// # Errors
+    /// [`Closed`] after shutdown.
+    pub fn abandon(&self, prefill: SocketAddr, transfer: TransferId) -> Result<(), Closed> {
+        self.send(Command::Abandon { prefill, transfer })
     }
 
     /// What happened since the last call. Call it every engine step: it is also where push
@@ -846,6 +863,7 @@ impl Driver {
                     );
                 }
             }
+            Command::Abandon { prefill, transfer } => self.abandon(prefill, transfer),
             Command::Handshaken(instance, rank, result) => {
                 self.handshaken(instance, rank, result);
             }
@@ -1797,6 +1815,26 @@ impl Driver {
         if count {
             self.stats.held.fetch_sub(1, Ordering::Relaxed);
         }
+    }
+
+    /// Tells every connected rank of `prefill` that the engine dropped `transfer` before
+    /// registering it: each gives back what it holds for it.
+    fn abandon(&mut self, prefill: SocketAddr, transfer: TransferId) {
+        let Some(instance) = self.instances.get(&prefill) else {
+            debug!(%prefill, %transfer, "abandoned before registration; no connection to tell");
+            return;
+        };
+        let message = Message::Abort(Abort {
+            transfer,
+            attempt: None,
+            reason: "decode dropped the request before registering it".into(),
+        });
+        for conn in instance.ranks.values() {
+            if let Ok(queued) = conn.sender.send_or_queue(&message) {
+                self.backlogged |= queued;
+            }
+        }
+        debug!(%prefill, %transfer, ranks = instance.ranks.len(), "abandoned before registration");
     }
 
     fn tell_producers(&mut self, key: AttemptKey, payload: &Waiting, done: bool) {

@@ -614,6 +614,18 @@ impl PyConsumer {
             .map_err(|_| closed_err())
     }
 
+    /// The engine dropped a request that was never registered (aborted before decode allocated
+    /// its blocks): the prefill instance whose rank 0 listens at `prefill` (an IP address and
+    /// port) gives the transfer's KV back now rather than at its lease, if this consumer is
+    /// connected to it.
+    fn abandon(&self, prefill: &str, transfer_id: &str) -> PyResult<()> {
+        let addr: SocketAddr = prefill
+            .parse()
+            .map_err(|e| value_err(format!("bad address `{prefill}`: {e}")))?;
+        let t = TransferId::from_str_hash(transfer_id);
+        self.with(|c| c.abandon(addr, t))?.map_err(|_| closed_err())
+    }
+
     /// What happened since the last call: `(request_id, ok, reason, detail)`.
     fn take_events(&self) -> PyResult<Vec<(String, bool, String, String)>> {
         let events = self.with(Consumer::take_events)?;

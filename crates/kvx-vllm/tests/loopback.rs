@@ -628,6 +628,57 @@ fn consumer_cancel_makes_prefill_release_its_blocks() {
     assert_eq!(done[0].outcome, SendOutcome::NotSent(Reason::Aborted));
 }
 
+/// Decode dropped requests before registering them (aborted while queued): every rank of their
+/// prefill gives their KV back at once, long before its 30 s lease — a request prefill had
+/// finished, and one it finishes later; a prefill decode is not connected to is not contacted.
+#[test]
+fn an_abandoned_transfer_is_given_back_at_once_by_every_prefill_rank() {
+    let fabric = LoopbackFabric::new();
+    let pre = tp2_prefill(&fabric);
+    let c_spec = spec(1, 0, 8, MemoryOrder::Nhd, Arrangement::PerLayerKvHalves);
+    let (_dec, consumer) = decode(&fabric, c_spec.clone(), LONG);
+    let (p_blocks, c_blocks) = request_blocks(&pre, 16, 4, c_spec.block_tokens);
+    // A first request connects decode to both prefill ranks.
+    register(&consumer, pre.base, key(20, 0), 16, c_blocks);
+    pre.finish(key(20, 0), &p_blocks, 16);
+    expect_ready(&consumer, key(20, 0), RequestId(1));
+    for p in &pre.producers {
+        assert_eq!(wait_finished(p, 1)[0].outcome, SendOutcome::Sent);
+    }
+
+    // Finished at prefill, dropped at decode before it registered.
+    pre.finish(key(21, 0), &p_blocks, 16);
+    std::thread::sleep(Duration::from_millis(50));
+    for p in &pre.producers {
+        assert_eq!(p.stats().held, 1);
+    }
+    let abandoned = Instant::now();
+    consumer.abandon(pre.base, TransferId(21)).unwrap();
+    for p in &pre.producers {
+        let done = wait_finished(p, 1);
+        assert_eq!(done[0].outcome, SendOutcome::NotSent(Reason::Aborted));
+        assert_eq!(p.stats().held, 0);
+    }
+    assert!(
+        abandoned.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        abandoned.elapsed()
+    );
+
+    // Dropped at decode while prefill still computes: given back as soon as it finishes.
+    consumer.abandon(pre.base, TransferId(22)).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    pre.finish(key(22, 0), &p_blocks, 16);
+    for p in &pre.producers {
+        let done = wait_finished(p, 1);
+        assert_eq!(done[0].outcome, SendOutcome::NotSent(Reason::Aborted));
+    }
+
+    // No connection to that address: nothing to tell, and nothing fails.
+    consumer.abandon(free_ports(1), TransferId(23)).unwrap();
+    assert_eq!(consumer.stats().held, 0);
+}
+
 #[test]
 fn a_second_wait_for_the_same_attempt_is_refused_and_the_first_still_lands() {
     let fabric = LoopbackFabric::new();
