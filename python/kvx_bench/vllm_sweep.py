@@ -62,6 +62,11 @@ MAX_SIDE_BY_SIDE = 3
 # vLLM's workers spin on their message queue for 1 s after their last step: a system's turn
 # starts this long after the previous one ended, so that it does not pay for that spin.
 TURN_GAP_S = 1.5
+# Untimed requests, one at a time, that start each system's turn: a system that sat idle while
+# the others took theirs answers its first requests of a turn slowly (measured here with three
+# systems side by side: the first 2 to 4 of 12 took 300 to 1,000 ms, under every system), which
+# a system serving steady traffic never does.
+TURN_WARMUP = 2
 
 # (name, router, connector, corrected)
 SYSTEMS = [
@@ -444,6 +449,12 @@ def run_group(states: list[dict], args, lengths, rates) -> None:
                         continue
                     seed = hash((length, rate, r)) & 0xFFFF
                     time.sleep(TURN_GAP_S)
+                    if args.turn_warmup:
+                        warm = asyncio.run(warm_up(st["url"], [length], args.turn_warmup))
+                        turn = res.setdefault("turn_warmup", {"sent": 0, "ok": 0, "errors": []})
+                        turn["sent"] += warm["sent"]
+                        turn["ok"] += warm["ok"]
+                        turn["errors"] = (turn["errors"] + warm["errors"])[:5]
                     before = server_tpot(st["decode_url"])
                     got, wall = asyncio.run(run_point(st["url"], length, rate, args.requests,
                                                       seed))
@@ -589,7 +600,8 @@ def markdown(report: dict) -> str:
         f"point ({report['rounds']} rounds of {report['requests_per_round']}, the systems "
         "running side by side and taking turns, another first each round), Poisson "
         f"arrivals, {OUTPUT_TOKENS} output tokens, streamed; warm-up "
-        f"{report['warmup_per_length']} requests per input length first; requests capped at "
+        f"{report['warmup_per_length']} requests per input length first, and "
+        f"{report.get('turn_warmup', 0)} untimed ones at the start of each turn; requests capped at "
         f"{REQUEST_CAP_S:.0f} s. TTFT and TPOT in ms (client side); `err` = failed or timed-out "
         "requests of the point.",
         "",
@@ -666,6 +678,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, help="requests per point and round")
     ap.add_argument("--rounds", type=int, help="rounds per point (systems interleaved)")
     ap.add_argument("--warmup", type=int)
+    ap.add_argument("--turn-warmup", type=int, default=TURN_WARMUP,
+                    help="untimed requests (one at a time, the point's input length) that "
+                         "start each system's turn in each round")
     ap.add_argument("--kvx-transport", help="kvx's data transport (default: the connector's, "
                     "libfabric:shm); e.g. cma")
     args = ap.parse_args()
@@ -716,7 +731,8 @@ def main() -> None:
                  "block size 32",
         "lengths": lengths, "rates": rates, "requests_per_round": args.requests,
         "rounds": args.rounds, "requests_per_point": args.requests * args.rounds,
-        "warmup_per_length": args.warmup, "output_tokens": OUTPUT_TOKENS,
+        "warmup_per_length": args.warmup, "turn_warmup": args.turn_warmup,
+        "output_tokens": OUTPUT_TOKENS,
         "request_cap_s": REQUEST_CAP_S,
         "corrections": "nixl_site/sitecustomize.py: KVX_BENCH_VLLM_CORRECTED=1 skips "
                        "os.sched_setaffinity in vLLM's NIXL worker and sets NIXL's progress "
