@@ -430,7 +430,8 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
        blocks back at once. After `k` was killed, prefill aborts a long request halfway
        through computing it (vLLM's abort API), after some of its KV was written into `w`
        early (its first writes to `w`): `w` hears at once, not at its lease, and recomputes,
-       exactly;
+       exactly. A request dropped while queued on `w` (never registered) has prefill give its
+       KV back at once, not at the lease;
     3. prefill is killed while decode `w` waits for a request's KV: `w` fails the load at once
        and recomputes, exactly, instead of hanging; a client of the proxy gets an error naming
        prefill."""
@@ -450,9 +451,11 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
     dk, dk_url = start_vllm("decode-k", model, workdir, prefix_caching=False, cores=D_CORES,
                             kv=kv_config("KvxPushConnector", "kv_consumer", "d-k"),
                             kvx_log="kvx_vllm=debug")
+    # One request at a time, and vLLM's abort API: step 2f holds a request in its queue.
     dw, dw_url = start_vllm("decode-w", model, workdir, prefix_caching=False, cores=D_CORES,
                             kv=kv_config("KvxPushConnector", "kv_consumer", "d-w",
                                          _policy="recompute"),
+                            args_extra=("--max-num-seqs", "1", "--enable-scale-out"),
                             kvx_log="kvx_vllm=debug")
     proxy_port = free_port()
     proxy_url = f"http://127.0.0.1:{proxy_port}"
@@ -637,6 +640,43 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
         while metric(dw_url, "vllm:kv_cache_usage_perc") > 0:
             assert time.monotonic() - t0 < 20, "decode kept the aborted request's blocks"
             time.sleep(0.25)
+
+        # 2f. A decode request dropped while queued (never allocated, so never registered):
+        # prefill finishes a request's prefill leg and holds its KV; `w` runs a local request,
+        # the only one it may (`--max-num-seqs 1`), while the push request waits behind it;
+        # vLLM's abort API drops the queued request. `w` tells prefill, which gives the KV back
+        # at once instead of at its lease.
+        text = prompt(PROMPT_WORDS[3], salt=6)
+        seen = registrations(dw)
+        status, _ = http("POST", f"{p_url}/v1/completions", prefill_leg(text, "queued-1"))
+        assert status == 200
+        finished = time.monotonic()
+        assert usage() > 0, "prefill should hold the finished request's blocks"
+        occupying: list = []
+        busy = send_waiting(dw_url, {"model": "tiny", "prompt": prompt(20), "max_tokens": 1900,
+                                     "temperature": 0, "ignore_eos": True}, occupying)
+        t0 = time.monotonic()
+        while metric(dw_url, "vllm:num_requests_running") < 1:
+            assert time.monotonic() - t0 < 30, "decode never ran the occupying request"
+            time.sleep(0.02)
+        client = HTTPConnection("127.0.0.1", int(dw_url.rsplit(":", 1)[1]), timeout=30)
+        client.request("POST", "/v1/completions", json.dumps(remote(text, "queued-1", 4)),
+                       {"content-type": "application/json", "X-Request-Id": "queued-1"})
+        t0 = time.monotonic()
+        while metric(dw_url, "vllm:num_requests_waiting") < 1:
+            assert time.monotonic() - t0 < 30, "the push request never queued on decode"
+            time.sleep(0.01)
+        status, raw = http("POST", f"{dw_url}/inference/v1/abort_requests",
+                           {"request_ids": ["cmpl-queued-1-0"]})
+        assert status == 200, (status, raw)
+        client.close()
+        wait_usage_zero("a request dropped while queued on decode", lease)
+        assert time.monotonic() - finished < lease * 0.75, \
+            f"prefill held the dropped request's KV for {time.monotonic() - finished:.1f}s"
+        assert "abandoned before registration" in dw.log.read_text(errors="replace"), dw.tail()
+        assert registrations(dw) == seen, "the dropped request registered after all"
+        busy.join(timeout=60)
+        assert occupying and occupying[0][0] == 200, occupying
 
         # 3. Prefill killed while decode w waits: w's load fails at once and it recomputes.
         n = PROMPT_WORDS[1]
