@@ -210,7 +210,10 @@ impl Proxy {
             let transfer = self.transfer_id();
             let outcome = match self.mode {
                 Mode::Push => self.push(path, &request, p, d, &transfer).await,
-                Mode::Pull => self.pull(path, &request, p, d, &transfer).await,
+                Mode::Pull => {
+                    self.pull(path, &request, p, d, &mut bad_decode, &transfer)
+                        .await
+                }
             };
             match outcome {
                 Ok(r) => return Ok(r),
@@ -301,15 +304,20 @@ impl Proxy {
         Ok(respond(status, content_type, first, body, d_load))
     }
 
+    /// Prefill first, then decode with prefill's `kv_transfer_params`. A decode instance that
+    /// cannot be reached never saw the request: the next one gets the same parameters, and the
+    /// KV prefill holds for them is read by it instead of being computed again (the unreachable
+    /// ones are added to `bad_decode`).
     async fn pull(
         &self,
         path: &str,
         request: &Map<String, Value>,
         p: usize,
-        d: usize,
+        mut d: usize,
+        bad_decode: &mut Vec<usize>,
         transfer: &str,
     ) -> Result<Response, (Leg, LegError)> {
-        let (pi, di) = (&self.prefill[p], &self.decode[d]);
+        let pi = &self.prefill[p];
         let p_body = prefill_body(
             request,
             json!({"do_remote_decode": true, "kvx_transfer_id": transfer}),
@@ -338,12 +346,22 @@ impl Proxy {
             params.insert("kvx_prefill".into(), Value::String(kvx.clone()));
         }
         let d_body = decode_body(request, Value::Object(params));
-        let d_load = Load::new(di);
-        let r = self
-            .send(&di.url, path, transfer, &d_body)
-            .await
-            .map_err(|e| (Leg::Decode, e))?;
-        Ok(forward(r, d_load))
+        loop {
+            let di = &self.decode[d];
+            let d_load = Load::new(di);
+            match self.send(&di.url, path, transfer, &d_body).await {
+                Ok(r) => return Ok(forward(r, d_load)),
+                Err(LegError::Unreachable(why)) => {
+                    bad_decode.push(d);
+                    let Some(next) = self.pick(&self.decode, bad_decode) else {
+                        return Err((Leg::Decode, LegError::Unreachable(why)));
+                    };
+                    eprintln!("kvx proxy: {why}; the prefilled KV goes to another decode instance");
+                    d = next;
+                }
+                Err(e) => return Err((Leg::Decode, e)),
+            }
+        }
     }
 }
 
@@ -947,6 +965,86 @@ mod tests {
             }),
         );
         (serve(app).await, seen)
+    }
+
+    /// Pull: a decode instance that is down never saw the request, so the next one gets the
+    /// same prefilled KV (the same transfer id and parameters); prefill runs once per request.
+    #[test]
+    fn pull_sends_the_prefilled_kv_to_another_decode_when_one_is_down() {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(async {
+            let p_seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+            let log = Arc::clone(&p_seen);
+            let prefill = Router::new().route(
+                "/v1/completions",
+                post(move |headers: HeaderMap| {
+                    let log = Arc::clone(&log);
+                    async move {
+                        let id = headers["x-request-id"].to_str().unwrap().to_owned();
+                        log.lock().unwrap().push(id.clone());
+                        axum::Json(json!({"choices": [], "kv_transfer_params": {
+                            "do_remote_prefill": true, "kvx_transfer_id": id}}))
+                    }
+                }),
+            );
+            let p_url = serve(prefill).await;
+            let (d_url, d_seen) = recording_instance().await;
+            let down = {
+                let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+                format!("http://{}", l.local_addr().unwrap())
+            };
+            let proxy = build(&ProxyArgs {
+                mode: Mode::Pull,
+                listen: "127.0.0.1:0".parse().unwrap(),
+                prefill: vec![Prefill {
+                    url: p_url,
+                    kvx: "127.0.0.1:7100".into(),
+                }],
+                decode: vec![down.clone(), d_url],
+                connect_timeout_s: 1.0,
+                request_timeout_s: 10.0,
+            })
+            .unwrap();
+            // Equally loaded instances are picked round-robin, and each dispatch moves the
+            // turn on by an odd count: some of these meet the dead decode first.
+            for _ in 0..4 {
+                let r = proxy
+                    .route("/v1/completions", json!({"prompt": "x"}))
+                    .await
+                    .unwrap();
+                assert_eq!(r.status(), StatusCode::OK);
+            }
+            let p_ids = p_seen.lock().unwrap().clone();
+            let d_ids = d_seen.lock().unwrap().clone();
+            assert_eq!(p_ids.len(), 4, "prefill ran again for a retry: {p_ids:?}");
+            assert_eq!(d_ids, p_ids);
+
+            // With every decode down the client gets a 503 naming decode.
+            let proxy = build(&ProxyArgs {
+                mode: Mode::Pull,
+                listen: "127.0.0.1:0".parse().unwrap(),
+                prefill: vec![Prefill {
+                    url: serve(Router::new().route(
+                        "/v1/completions",
+                        post(|| async {
+                            axum::Json(json!({"choices": [], "kv_transfer_params": {}}))
+                        }),
+                    ))
+                    .await,
+                    kvx: "127.0.0.1:7100".into(),
+                }],
+                decode: vec![down],
+                connect_timeout_s: 1.0,
+                request_timeout_s: 10.0,
+            })
+            .unwrap();
+            let e = proxy
+                .route("/v1/completions", json!({"prompt": "x"}))
+                .await
+                .unwrap_err();
+            assert_eq!(e.status, StatusCode::SERVICE_UNAVAILABLE);
+            assert!(e.message.contains("decode"), "{}", e.message);
+        });
     }
 
     /// A decode instance that is down: the proxy dispatches again to another, with a fresh
