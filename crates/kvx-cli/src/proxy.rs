@@ -21,7 +21,7 @@
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
 use axum::body::Body;
@@ -55,6 +55,11 @@ pub(crate) struct ProxyArgs {
     /// Bound on one whole request (both legs), in seconds.
     #[arg(long, default_value_t = 600.0)]
     pub(crate) request_timeout_s: f64,
+    /// How long an instance that could not be connected is passed over, in seconds: requests
+    /// meanwhile go to the others (to it only when no other is left), instead of each paying
+    /// for a failed connection and, in push mode, leaving a prefill leg behind.
+    #[arg(long, default_value_t = 2.0)]
+    pub(crate) skip_unreachable_s: f64,
 }
 
 /// Transfer mode.
@@ -98,6 +103,11 @@ struct Instance {
     url: String,
     kvx: Option<String>,
     in_flight: AtomicUsize,
+    /// Until when (milliseconds since the proxy started) it is passed over after a failed
+    /// connection; 0: not.
+    skip_until_ms: AtomicU64,
+    /// Connections to it that failed.
+    unreachable: AtomicU64,
 }
 
 /// Counts a request in flight on an instance for as long as it lives.
@@ -123,6 +133,8 @@ struct Proxy {
     client: reqwest::Client,
     next: AtomicU64,
     seed: u64,
+    started: Instant,
+    skip_unreachable: Duration,
 }
 
 /// An error answered to the client in OpenAI's format.
@@ -159,13 +171,35 @@ enum LegError {
 }
 
 impl Proxy {
-    /// The least loaded instance not in `exclude`; ties go round-robin.
+    /// The least loaded instance not in `exclude`, passing over those that failed to connect
+    /// lately unless no other is left; ties go round-robin.
     fn pick(&self, pool: &[Arc<Instance>], exclude: &[usize]) -> Option<usize> {
         let start = self.next.fetch_add(1, Ordering::Relaxed) as usize;
+        let now = self.now_ms();
         (0..pool.len())
             .map(|k| (start + k) % pool.len())
             .filter(|i| !exclude.contains(i))
-            .min_by_key(|&i| pool[i].in_flight.load(Ordering::SeqCst))
+            .min_by_key(|&i| {
+                let skipped = pool[i].skip_until_ms.load(Ordering::Relaxed) > now;
+                (skipped, pool[i].in_flight.load(Ordering::SeqCst))
+            })
+    }
+
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// `instance` could not be connected: it is passed over for a while.
+    fn unreachable(&self, instance: &Instance, why: &str) {
+        let until = self
+            .now_ms()
+            .saturating_add(u64::try_from(self.skip_unreachable.as_millis()).unwrap_or(u64::MAX));
+        instance.skip_until_ms.store(until, Ordering::Relaxed);
+        instance.unreachable.fetch_add(1, Ordering::Relaxed);
+        eprintln!(
+            "kvx proxy: {why}; passing {} over for {:?}",
+            instance.url, self.skip_unreachable
+        );
     }
 
     /// A fresh transfer id: unique per proxy process and dispatch.
@@ -218,12 +252,19 @@ impl Proxy {
             match outcome {
                 Ok(r) => return Ok(r),
                 Err((which, LegError::Unreachable(why))) => {
-                    eprintln!("kvx proxy: {why}; trying another instance");
-                    last = why;
                     match which {
-                        Leg::Prefill => bad_prefill.push(p),
-                        Leg::Decode => bad_decode.push(d),
+                        Leg::Prefill => {
+                            self.unreachable(&self.prefill[p], &why);
+                            bad_prefill.push(p);
+                        }
+                        // Pull marked the decodes it tried itself.
+                        Leg::Decode if self.mode == Mode::Push => {
+                            self.unreachable(&self.decode[d], &why);
+                            bad_decode.push(d);
+                        }
+                        Leg::Decode => {}
                     }
+                    last = why;
                 }
                 Err((_, LegError::Failed(e))) => return Err(e),
             }
@@ -352,11 +393,11 @@ impl Proxy {
             match self.send(&di.url, path, transfer, &d_body).await {
                 Ok(r) => return Ok(forward(r, d_load)),
                 Err(LegError::Unreachable(why)) => {
+                    self.unreachable(di, &why);
                     bad_decode.push(d);
                     let Some(next) = self.pick(&self.decode, bad_decode) else {
                         return Err((Leg::Decode, LegError::Unreachable(why)));
                     };
-                    eprintln!("kvx proxy: {why}; the prefilled KV goes to another decode instance");
                     d = next;
                 }
                 Err(e) => return Err((Leg::Decode, e)),
@@ -604,6 +645,8 @@ fn build(args: &ProxyArgs) -> anyhow::Result<Arc<Proxy>> {
     }
     let connect =
         Duration::try_from_secs_f64(args.connect_timeout_s).context("--connect-timeout-s")?;
+    let skip_unreachable =
+        Duration::try_from_secs_f64(args.skip_unreachable_s).context("--skip-unreachable-s")?;
     let total =
         Duration::try_from_secs_f64(args.request_timeout_s).context("--request-timeout-s")?;
     let client = reqwest::Client::builder()
@@ -617,6 +660,8 @@ fn build(args: &ProxyArgs) -> anyhow::Result<Arc<Proxy>> {
             url: url.trim_end_matches('/').to_owned(),
             kvx,
             in_flight: AtomicUsize::new(0),
+            skip_until_ms: AtomicU64::new(0),
+            unreachable: AtomicU64::new(0),
         })
     };
     Ok(Arc::new(Proxy {
@@ -630,6 +675,8 @@ fn build(args: &ProxyArgs) -> anyhow::Result<Arc<Proxy>> {
         client,
         next: AtomicU64::new(0),
         seed: random_seed(),
+        started: Instant::now(),
+        skip_unreachable,
     }))
 }
 
@@ -747,6 +794,7 @@ mod tests {
             decode: vec!["http://127.0.0.1:9999".into()],
             connect_timeout_s: 1.0,
             request_timeout_s: 5.0,
+            skip_unreachable_s: 2.0,
         };
         Arc::into_inner(build(&args).unwrap()).unwrap()
     }
@@ -835,6 +883,7 @@ mod tests {
             decode: vec![decode.into()],
             connect_timeout_s: 1.0,
             request_timeout_s: 10.0,
+            skip_unreachable_s: 2.0,
         })
         .unwrap()
     }
@@ -1003,6 +1052,7 @@ mod tests {
                 decode: vec![down.clone(), d_url],
                 connect_timeout_s: 1.0,
                 request_timeout_s: 10.0,
+                skip_unreachable_s: 2.0,
             })
             .unwrap();
             // Equally loaded instances are picked round-robin, and each dispatch moves the
@@ -1036,6 +1086,7 @@ mod tests {
                 decode: vec![down],
                 connect_timeout_s: 1.0,
                 request_timeout_s: 10.0,
+                skip_unreachable_s: 2.0,
             })
             .unwrap();
             let e = proxy
@@ -1069,6 +1120,7 @@ mod tests {
                 decode: vec![down, d_url],
                 connect_timeout_s: 1.0,
                 request_timeout_s: 10.0,
+                skip_unreachable_s: 2.0,
             })
             .unwrap();
             // Round-robin among equally loaded instances: some of these go to the dead one.
@@ -1094,6 +1146,54 @@ mod tests {
                 d_ids.iter().all(|id| p_ids.contains(id)),
                 "{d_ids:?} {p_ids:?}"
             );
+        });
+    }
+
+    /// An instance that refused a connection is passed over for `--skip-unreachable-s`: later
+    /// requests go to the others without trying it first, and to it only when no other is left.
+    #[test]
+    fn an_unreachable_instance_is_passed_over_for_a_while() {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(async {
+            let (p_url, _) = recording_instance().await;
+            let (d_url, d_seen) = recording_instance().await;
+            let down = {
+                let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+                format!("http://{}", l.local_addr().unwrap())
+            };
+            let args = |decode: Vec<String>| ProxyArgs {
+                mode: Mode::Push,
+                listen: "127.0.0.1:0".parse().unwrap(),
+                prefill: vec![Prefill {
+                    url: p_url.clone(),
+                    kvx: "127.0.0.1:7100".into(),
+                }],
+                decode,
+                connect_timeout_s: 1.0,
+                request_timeout_s: 10.0,
+                skip_unreachable_s: 30.0,
+            };
+            let proxy = build(&args(vec![down.clone(), d_url])).unwrap();
+            // Round-robin would send every other request to the dead decode first.
+            for _ in 0..8 {
+                let r = proxy
+                    .route("/v1/completions", json!({"prompt": "x"}))
+                    .await
+                    .unwrap();
+                assert_eq!(r.status(), StatusCode::OK);
+            }
+            assert_eq!(proxy.decode[0].unreachable.load(Ordering::Relaxed), 1);
+            assert_eq!(d_seen.lock().unwrap().len(), 8);
+
+            let proxy = build(&args(vec![down])).unwrap();
+            for tried in 1..=2 {
+                let e = proxy
+                    .route("/v1/completions", json!({"prompt": "x"}))
+                    .await
+                    .unwrap_err();
+                assert_eq!(e.status, StatusCode::SERVICE_UNAVAILABLE);
+                assert_eq!(proxy.decode[0].unreachable.load(Ordering::Relaxed), tried);
+            }
         });
     }
 }
