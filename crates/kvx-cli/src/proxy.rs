@@ -873,19 +873,46 @@ mod tests {
     }
 
     fn push_proxy(prefill: &str, decode: &str) -> Arc<Proxy> {
+        test_proxy(Mode::Push, prefill, &[decode], 2.0)
+    }
+
+    /// A proxy for one prefill instance and `decodes`.
+    fn test_proxy(
+        mode: Mode,
+        prefill: &str,
+        decodes: &[&str],
+        skip_unreachable_s: f64,
+    ) -> Arc<Proxy> {
         build(&ProxyArgs {
-            mode: Mode::Push,
+            mode,
             listen: "127.0.0.1:0".parse().unwrap(),
             prefill: vec![Prefill {
                 url: prefill.into(),
                 kvx: "127.0.0.1:7100".into(),
             }],
-            decode: vec![decode.into()],
+            decode: decodes.iter().map(|&d| d.to_owned()).collect(),
             connect_timeout_s: 1.0,
             request_timeout_s: 10.0,
-            skip_unreachable_s: 2.0,
+            skip_unreachable_s,
         })
         .unwrap()
+    }
+
+    /// The URL of an instance that is down: a port nobody listens on.
+    fn dead_url() -> String {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}", l.local_addr().unwrap())
+    }
+
+    /// Sends `n` requests one after the other; each must be answered 200.
+    async fn route_ok(proxy: &Proxy, n: usize) {
+        for _ in 0..n {
+            let r = proxy
+                .route("/v1/completions", json!({"prompt": "x"}))
+                .await
+                .unwrap();
+            assert_eq!(r.status(), StatusCode::OK);
+        }
     }
 
     async fn body_of(r: Response) -> String {
@@ -1038,57 +1065,23 @@ mod tests {
             );
             let p_url = serve(prefill).await;
             let (d_url, d_seen) = recording_instance().await;
-            let down = {
-                let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-                format!("http://{}", l.local_addr().unwrap())
-            };
-            let proxy = build(&ProxyArgs {
-                mode: Mode::Pull,
-                listen: "127.0.0.1:0".parse().unwrap(),
-                prefill: vec![Prefill {
-                    url: p_url,
-                    kvx: "127.0.0.1:7100".into(),
-                }],
-                decode: vec![down.clone(), d_url],
-                connect_timeout_s: 1.0,
-                request_timeout_s: 10.0,
-                skip_unreachable_s: 2.0,
-            })
-            .unwrap();
+            let down = dead_url();
+            let proxy = test_proxy(Mode::Pull, &p_url, &[&down, &d_url], 2.0);
             // Equally loaded instances are picked round-robin, and each dispatch moves the
             // turn on by an odd count: some of these meet the dead decode first.
-            for _ in 0..4 {
-                let r = proxy
-                    .route("/v1/completions", json!({"prompt": "x"}))
-                    .await
-                    .unwrap();
-                assert_eq!(r.status(), StatusCode::OK);
-            }
+            route_ok(&proxy, 4).await;
             let p_ids = p_seen.lock().unwrap().clone();
             let d_ids = d_seen.lock().unwrap().clone();
             assert_eq!(p_ids.len(), 4, "prefill ran again for a retry: {p_ids:?}");
             assert_eq!(d_ids, p_ids);
 
             // With every decode down the client gets a 503 naming decode.
-            let proxy = build(&ProxyArgs {
-                mode: Mode::Pull,
-                listen: "127.0.0.1:0".parse().unwrap(),
-                prefill: vec![Prefill {
-                    url: serve(Router::new().route(
-                        "/v1/completions",
-                        post(|| async {
-                            axum::Json(json!({"choices": [], "kv_transfer_params": {}}))
-                        }),
-                    ))
-                    .await,
-                    kvx: "127.0.0.1:7100".into(),
-                }],
-                decode: vec![down],
-                connect_timeout_s: 1.0,
-                request_timeout_s: 10.0,
-                skip_unreachable_s: 2.0,
-            })
-            .unwrap();
+            let prefill = serve(Router::new().route(
+                "/v1/completions",
+                post(|| async { axum::Json(json!({"choices": [], "kv_transfer_params": {}})) }),
+            ))
+            .await;
+            let proxy = test_proxy(Mode::Pull, &prefill, &[&down], 2.0);
             let e = proxy
                 .route("/v1/completions", json!({"prompt": "x"}))
                 .await
@@ -1106,31 +1099,10 @@ mod tests {
         rt.block_on(async {
             let (p_url, p_seen) = recording_instance().await;
             let (d_url, d_seen) = recording_instance().await;
-            let down = {
-                let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-                format!("http://{}", l.local_addr().unwrap())
-            };
-            let proxy = build(&ProxyArgs {
-                mode: Mode::Push,
-                listen: "127.0.0.1:0".parse().unwrap(),
-                prefill: vec![Prefill {
-                    url: p_url,
-                    kvx: "127.0.0.1:7100".into(),
-                }],
-                decode: vec![down, d_url],
-                connect_timeout_s: 1.0,
-                request_timeout_s: 10.0,
-                skip_unreachable_s: 2.0,
-            })
-            .unwrap();
+            let down = dead_url();
+            let proxy = test_proxy(Mode::Push, &p_url, &[&down, &d_url], 2.0);
             // Round-robin among equally loaded instances: some of these go to the dead one.
-            for _ in 0..4 {
-                let r = proxy
-                    .route("/v1/completions", json!({"prompt": "x"}))
-                    .await
-                    .unwrap();
-                assert_eq!(r.status(), StatusCode::OK);
-            }
+            route_ok(&proxy, 4).await;
             tokio::time::sleep(Duration::from_millis(300)).await;
             let d_ids = d_seen.lock().unwrap().clone();
             let p_ids = p_seen.lock().unwrap().clone();
@@ -1157,35 +1129,14 @@ mod tests {
         rt.block_on(async {
             let (p_url, _) = recording_instance().await;
             let (d_url, d_seen) = recording_instance().await;
-            let down = {
-                let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-                format!("http://{}", l.local_addr().unwrap())
-            };
-            let args = |decode: Vec<String>| ProxyArgs {
-                mode: Mode::Push,
-                listen: "127.0.0.1:0".parse().unwrap(),
-                prefill: vec![Prefill {
-                    url: p_url.clone(),
-                    kvx: "127.0.0.1:7100".into(),
-                }],
-                decode,
-                connect_timeout_s: 1.0,
-                request_timeout_s: 10.0,
-                skip_unreachable_s: 30.0,
-            };
-            let proxy = build(&args(vec![down.clone(), d_url])).unwrap();
+            let down = dead_url();
+            let proxy = test_proxy(Mode::Push, &p_url, &[&down, &d_url], 30.0);
             // Round-robin would send every other request to the dead decode first.
-            for _ in 0..8 {
-                let r = proxy
-                    .route("/v1/completions", json!({"prompt": "x"}))
-                    .await
-                    .unwrap();
-                assert_eq!(r.status(), StatusCode::OK);
-            }
+            route_ok(&proxy, 8).await;
             assert_eq!(proxy.decode[0].unreachable.load(Ordering::Relaxed), 1);
             assert_eq!(d_seen.lock().unwrap().len(), 8);
 
-            let proxy = build(&args(vec![down])).unwrap();
+            let proxy = test_proxy(Mode::Push, &p_url, &[&down], 30.0);
             for tried in 1..=2 {
                 let e = proxy
                     .route("/v1/completions", json!({"prompt": "x"}))
