@@ -602,8 +602,8 @@ def markdown(report: dict) -> str:
         "running side by side and taking turns, another first each round), Poisson "
         f"arrivals, {OUTPUT_TOKENS} output tokens, streamed; warm-up "
         f"{report['warmup_per_length']} requests per input length first, and "
-        f"{report.get('turn_warmup', 0)} untimed ones at the start of each turn; requests capped at "
-        f"{REQUEST_CAP_S:.0f} s. TTFT and TPOT in ms (client side); `err` = failed or timed-out "
+        f"{report.get('turn_warmup', 0)} untimed ones at the start of each turn; requests "
+        f"capped at {REQUEST_CAP_S:.0f} s. TTFT and TPOT in ms (client side); `err` = failed or timed-out "
         "requests of the point.",
         "",
     ]

@@ -126,8 +126,9 @@ class KvxConnectorMetadata(KVConnectorMetadata):
     aborts: list[str] = field(default_factory=list)
     # Decode: transfers to give up (the request was aborted while waiting for its KV).
     cancels: list[str] = field(default_factory=list)
-    # Decode: (transfer id, prefill address) of requests dropped before they were registered
-    # (aborted while queued): prefill gives their KV back now instead of at its lease.
+    # Decode, push: (transfer id, prefill address) of requests that will never register
+    # (aborted while queued, or nothing to load): prefill gives their KV back now instead of
+    # at its lease.
     abandons: list[tuple[str, str]] = field(default_factory=list)
 
 
@@ -227,6 +228,9 @@ class _Scheduler:
         # not register again.
         params["do_remote_prefill"] = False
         if num_external_tokens <= 0:
+            # Nothing to load after all (vLLM computes the prompt here): prefill holds the KV
+            # for nobody.
+            self._abandon(params)
             return
         (block_ids,) = blocks.get_block_ids()
         try:
@@ -260,6 +264,18 @@ class _Scheduler:
             )
         )
         self.waiting[request.request_id] = transfer_id
+
+    def _abandon(self, params: dict[str, Any]) -> None:
+        """Decode, push: a request that will never register; its prefill is told to give the
+        KV back (the worker's `abandons`). Not in pull: there nobody registers before reading,
+        so prefill could not tell this decode's drop from another decode's read in flight (a
+        router that sent the same parameters to a second decode), and would free KV that is
+        being read."""
+        if self.pull:
+            return
+        tid, prefill = params.get("kvx_transfer_id"), params.get("kvx_prefill")
+        if tid and isinstance(prefill, str) and prefill:
+            self.meta.abandons.append((str(tid), prefill))
 
     # -- both ------------------------------------------------------------------------------
 
@@ -357,12 +373,10 @@ class _Scheduler:
             # until the request shows up in finished_recving, which the cancel brings about.
             self.meta.cancels.append(self.waiting[rid])
             return False, None
-        if params.get("do_remote_prefill"):
+        if params.get("do_remote_prefill") and not params.get("do_remote_decode"):
             # Decode: still set, so never allocated (update_state_after_alloc clears it): the
             # request was dropped while queued, and its prefill holds the KV for nobody.
-            tid, prefill = params.get("kvx_transfer_id"), params.get("kvx_prefill")
-            if isinstance(tid, str) and tid and isinstance(prefill, str) and prefill:
-                self.meta.abandons.append((tid, prefill))
+            self._abandon(params)
             return False, None
         if not params.get("do_remote_decode"):
             return False, None
@@ -551,12 +565,14 @@ class _Worker:
                         self.cancelled.add(rid)
                 self.consumer.cancel(tid)
             for tid, prefill in meta.abandons:
+                # Only an address already known: a name never looked up has no connection to
+                # tell (a lookup here would cost a thread for nothing).
+                addr = self.resolver.cached(prefill)
+                if addr is None:
+                    continue
                 try:
-                    addr = self.resolver.address(prefill)
-                    if addr is not None:
-                        self.consumer.abandon(addr, tid)
+                    self.consumer.abandon(tid, addr)
                 except ValueError as e:
-                    # Nothing was registered there; its lease frees the KV.
                     logger.debug("kvx: not telling %s about dropped transfer %s: %s",
                                  prefill, tid, e)
 

@@ -80,6 +80,21 @@ class Resolver:
         self._cache: dict[str, tuple[float, str | Exception]] = {}
         self._pending: dict[str, Future] = {}
 
+    def cached(self, addr: str) -> str | None:
+        """``addr`` as ``IP:PORT`` if that is known without a lookup (an IP address, or a name
+        looked up before, even if its answer is due for a refresh); ``None`` otherwise, and for
+        a malformed ``addr``. Never starts a lookup."""
+        try:
+            host, _ = split(addr)
+        except ValueError:
+            return None
+        if is_ip(host):
+            return addr
+        cached = self._cache.get(addr)
+        if cached is None or isinstance(cached[1], Exception):
+            return None
+        return cached[1]
+
     def address(self, addr: str) -> str | None:
         """``addr`` as ``IP:PORT``; ``None`` while its host name is being looked up (ask again
         later). ``ValueError`` when ``addr`` is malformed or its name does not resolve."""

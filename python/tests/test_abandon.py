@@ -37,11 +37,25 @@ def test_the_scheduler_abandons_only_requests_it_never_allocated():
     s.update_connector_output(NS(finished_sending=None, finished_recving={"r"}))
     assert finished(s, params, "FINISHED_LENGTH_CAPPED") == (False, None)
     assert s.meta.abandons == [] and s.meta.cancels == []
-    # Params without a transfer id or a prefill address: nothing to tell anyone.
+    # Params without a transfer id or a prefill address: nothing to tell anyone. A request
+    # marked for both sides is prefill's. In pull, a drop is never told (below).
     s = decode_scheduler(pull=False)
     finished(s, {"do_remote_prefill": True, "kvx_transfer_id": "t-2"})
     finished(s, {"do_remote_prefill": True, "kvx_prefill": "127.0.0.1:7100"})
+    finished(s, {**GOOD, "do_remote_decode": True})
     assert s.meta.abandons == []
+    s = decode_scheduler(pull=True)
+    finished(s, dict(GOOD))
+    assert s.meta.abandons == []
+    # A transfer id that is not a string is named as the registration would name it.
+    s = decode_scheduler(pull=False)
+    finished(s, {**GOOD, "kvx_transfer_id": 17})
+    assert s.meta.abandons == [("17", "127.0.0.1:7100")]
+    # Allocated with nothing to load (vLLM computes the prompt itself): never registers.
+    s = decode_scheduler(pull=False)
+    request = NS(request_id="r", kv_transfer_params=dict(GOOD), num_prompt_tokens=40)
+    s.update_state_after_alloc(request, NS(get_block_ids=lambda: ([1],)), 0)
+    assert s.meta.recvs == [] and s.meta.abandons == [("t-1", "127.0.0.1:7100")]
     # Still waiting for its KV: a cancel, as before.
     s = decode_scheduler(pull=False)
     allocate(s, GOOD)
@@ -69,10 +83,13 @@ def test_prefill_gives_an_abandoned_transfers_kv_back_at_once():
     started = time.monotonic()
     w.start_load_kv(KvxConnectorMetadata(abandons=[
         ("t-2", producer.control_addr),
-        # Unusable or unknown prefill addresses are skipped, never raised into the engine.
+        # Unusable or unknown prefill addresses are skipped, never raised into the engine; a
+        # name never looked up is not looked up now.
         ("t-3", "no-port"),
         ("t-4", "127.0.0.1:9"),
+        ("t-5", "prefill-never-seen:7100"),
     ]))
+    assert w.resolver._pending == {}
     got = []
     while not any(f[0] == "p2" for f in got):
         got += producer.take_finished()

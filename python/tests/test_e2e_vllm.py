@@ -443,7 +443,9 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
                       layout="block")
     # Chunked prefill, 32 tokens a step: a long prompt is written early, step by step. The
     # scale-out endpoints include vLLM's abort API (step 2d).
+    # Prefix caching off: step 2d may send the same prompt again and must compute it again.
     p, p_url = start_vllm("prefill-f", model, workdir, kv=p_cfg, cores=P_CORES,
+                          prefix_caching=False,
                           args_extra=("--max-num-batched-tokens", "32", "--enable-scale-out"),
                           kvx_log="kvx_vllm::producer=debug,kvx_vllm=info")
     d, d_url = start_vllm("decode-f", model, workdir, kv=d_cfg, prefix_caching=False,
@@ -579,45 +581,53 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
         # lease) and recomputes every prompt token, exactly: nothing decoded on a half-written
         # cache. These are prefill's first writes to `w`, after its writes to the killed `k`
         # failed (2c): over `shm` both once waited for `transfer_timeout` (30 s), until the
-        # transport stopped losing the contexts of writes to a dead peer.
-        seen = registrations(dw)
-        failures = count(dw, "producer reported failure")
-        answers = []
-        waiting = send_waiting(dw_url, remote(prompt(LONG_WORDS, salt=5), "p-abort-1",
-                                              MAX_TOKENS), answers)
-        wait_registered(dw, seen)
-        half = prefill_leg(prompt(LONG_WORDS, salt=5), "p-abort-1")
-        client = HTTPConnection("127.0.0.1", int(p_url.rsplit(":", 1)[1]), timeout=30)
-        # Prefill's log is followed from here on (only what it adds is read): the abort must
-        # come while the prompt still computes.
-        with open(p.log, "rb") as log:
-            log.seek(0, os.SEEK_END)
-            client.request("POST", "/v1/completions", json.dumps(half),
-                           {"content-type": "application/json", "X-Request-Id": "p-abort-leg"})
-            t0 = time.monotonic()
-            tail = b""
-            while b"early writes posted" not in tail:
-                assert time.monotonic() - t0 < 60, "prefill wrote nothing early"
-                time.sleep(0.002)
-                tail = tail[-64:] + log.read()
-        # vLLM's own abort (what its API server does when a client goes away; a closed client
-        # is noticed only when the server next writes to it, which a prefill leg does once
-        # done), by the request's id: "cmpl-" + X-Request-Id + "-" + prompt index.
-        status, raw = http("POST", f"{p_url}/inference/v1/abort_requests",
-                           {"request_ids": ["cmpl-p-abort-leg-0"]})
-        assert status == 200, (status, raw)
-        client.close()
-        took = answered_exactly(waiting, answers, reference["long"],
-                                "prefill aborted halfway, recompute policy")
+        # transport stopped losing the contexts of writes to a dead peer. The whole prompt
+        # computes in about 200 ms here, and the abort goes through prefill's API server: when
+        # it comes too late (prefill finished, the KV went to `w`, whose answer is just as
+        # exact), the step is run again, up to three times.
+        for attempt in range(1, 4):
+            seen = registrations(dw)
+            failures = count(dw, "producer reported failure")
+            answers = []
+            waiting = send_waiting(dw_url, remote(prompt(LONG_WORDS, salt=5), f"p-abort-{attempt}",
+                                                  MAX_TOKENS), answers)
+            wait_registered(dw, seen)
+            half = prefill_leg(prompt(LONG_WORDS, salt=5), f"p-abort-{attempt}")
+            client = HTTPConnection("127.0.0.1", int(p_url.rsplit(":", 1)[1]), timeout=30)
+            # Prefill's log is followed from here on (only what it adds is read): the abort
+            # must come while the prompt still computes.
+            with open(p.log, "rb") as log:
+                log.seek(0, os.SEEK_END)
+                client.request("POST", "/v1/completions", json.dumps(half),
+                               {"content-type": "application/json",
+                                "X-Request-Id": f"p-abort-leg-{attempt}"})
+                t0 = time.monotonic()
+                tail = b""
+                while b"early writes posted" not in tail:
+                    assert time.monotonic() - t0 < 60, "prefill wrote nothing early"
+                    time.sleep(0.002)
+                    tail = tail[-64:] + log.read()
+            # vLLM's own abort (what its API server does when a client goes away; a closed
+            # client is noticed only when the server next writes to it, which a prefill leg
+            # does once done), by the request's id: "cmpl-" + X-Request-Id + "-" + prompt index.
+            status, raw = http("POST", f"{p_url}/inference/v1/abort_requests",
+                               {"request_ids": [f"cmpl-p-abort-leg-{attempt}-0"]})
+            assert status == 200, (status, raw)
+            client.close()
+            took = answered_exactly(waiting, answers, reference["long"],
+                                    "prefill aborted halfway, recompute policy")
+            aborted = [line.split("transfer=")[1].split()[0]
+                       for line in p.log.read_text(errors="replace").splitlines()
+                       if "the engine aborted the request" in line]
+            told = [line for line in dw.log.read_text(errors="replace").splitlines()
+                    if "producer reported failure" in line][failures:]
+            if any(f"key={a}/" in line and "reason=Aborted" in line
+                   for a in aborted for line in told):
+                break
+            print(f"2d, attempt {attempt}: the abort came after prefill finished", file=sys.stderr)
+        else:
+            raise AssertionError(f"prefill's abort never reached decode: {aborted} {told}")
         assert took < 20, f"the abort reached decode after {took:.1f}s"
-        aborted = [line.split("transfer=")[1].split()[0]
-                   for line in p.log.read_text(errors="replace").splitlines()
-                   if "the engine aborted the request" in line]
-        assert aborted, p.tail()
-        told = [line for line in dw.log.read_text(errors="replace").splitlines()
-                if "producer reported failure" in line][failures:]
-        assert any(f"key={aborted[-1]}/" in line and "reason=Aborted" in line for line in told), \
-            (aborted, told)
         wait_usage_zero("prefill's aborted request", lease + 10)
 
         # 2e. A client gives up on a decode request that waits for its KV (prefill never
@@ -645,38 +655,41 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
         # prefill finishes a request's prefill leg and holds its KV; `w` runs a local request,
         # the only one it may (`--max-num-seqs 1`), while the push request waits behind it;
         # vLLM's abort API drops the queued request. `w` tells prefill, which gives the KV back
-        # at once instead of at its lease.
-        text = prompt(PROMPT_WORDS[3], salt=6)
+        # at once, as aborted (its lease would say `lease_expired`), without a registration.
+        def post(url: str, body: dict, request_id: str) -> HTTPConnection:
+            c = HTTPConnection("127.0.0.1", int(url.rsplit(":", 1)[1]), timeout=60)
+            c.request("POST", "/v1/completions", json.dumps(body),
+                      {"content-type": "application/json", "X-Request-Id": request_id})
+            return c
+
+        def dw_gauge_reaches(name: str, value: float, what: str) -> None:
+            t0 = time.monotonic()
+            while metric(dw_url, name) < value:
+                assert time.monotonic() - t0 < 30, what
+                time.sleep(0.01)
+
+        text = prompt(PROMPT_WORDS[1], salt=6)
         seen = registrations(dw)
-        status, _ = http("POST", f"{p_url}/v1/completions", prefill_leg(text, "queued-1"))
-        assert status == 200
-        finished = time.monotonic()
-        assert usage() > 0, "prefill should hold the finished request's blocks"
-        occupying: list = []
-        busy = send_waiting(dw_url, {"model": "tiny", "prompt": prompt(20), "max_tokens": 1900,
-                                     "temperature": 0, "ignore_eos": True}, occupying)
-        t0 = time.monotonic()
-        while metric(dw_url, "vllm:num_requests_running") < 1:
-            assert time.monotonic() - t0 < 30, "decode never ran the occupying request"
-            time.sleep(0.02)
-        client = HTTPConnection("127.0.0.1", int(dw_url.rsplit(":", 1)[1]), timeout=30)
-        client.request("POST", "/v1/completions", json.dumps(remote(text, "queued-1", 4)),
-                       {"content-type": "application/json", "X-Request-Id": "queued-1"})
-        t0 = time.monotonic()
-        while metric(dw_url, "vllm:num_requests_waiting") < 1:
-            assert time.monotonic() - t0 < 30, "the push request never queued on decode"
-            time.sleep(0.01)
+        leg = post(p_url, prefill_leg(text, "queued-1"), "pq-1")
+        assert leg.getresponse().status == 200
+        leg.close()
+        occupying = post(dw_url, {"model": "tiny", "prompt": prompt(20), "max_tokens": 1900,
+                                  "temperature": 0, "ignore_eos": True}, "occupy-1")
+        dw_gauge_reaches("vllm:num_requests_running", 1, "decode never ran the local request")
+        queued = post(dw_url, remote(text, "queued-1", 4), "queued-1")
+        dw_gauge_reaches("vllm:num_requests_waiting", 1, "the push request never queued")
         status, raw = http("POST", f"{dw_url}/inference/v1/abort_requests",
-                           {"request_ids": ["cmpl-queued-1-0"]})
+                           {"request_ids": ["cmpl-queued-1-0", "cmpl-occupy-1-0"]})
         assert status == 200, (status, raw)
-        client.close()
-        wait_usage_zero("a request dropped while queued on decode", lease)
-        assert time.monotonic() - finished < lease * 0.75, \
-            f"prefill held the dropped request's KV for {time.monotonic() - finished:.1f}s"
-        assert "abandoned before registration" in dw.log.read_text(errors="replace"), dw.tail()
+        wait_usage_zero("a request dropped while queued on decode", lease + 10)
         assert registrations(dw) == seen, "the dropped request registered after all"
-        busy.join(timeout=60)
-        assert occupying and occupying[0][0] == 200, occupying
+        assert "told prefill: dropped before registration" in \
+            dw.log.read_text(errors="replace"), dw.tail()
+        freed = [line for line in p.log.read_text(errors="replace").splitlines()
+                 if "KV of cmpl-pq-1-0" in line]
+        assert freed and "not delivered (aborted)" in freed[-1], (freed, p.tail())
+        queued.close()
+        occupying.close()
 
         # 3. Prefill killed while decode w waits: w's load fails at once and it recomputes.
         n = PROMPT_WORDS[1]

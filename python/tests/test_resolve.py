@@ -115,3 +115,24 @@ def test_a_name_that_does_not_resolve_fails_and_is_tried_again_later():
 
 def test_the_system_resolver_answers_for_localhost_with_its_ipv4_address():
     assert answer(Resolver(), "localhost:7100") == "127.0.0.1:7100"
+
+
+def test_cached_answers_only_what_is_known_without_a_lookup():
+    clock = Clock()
+    lookups = Lookups({"prefill-0": "10.0.0.5"})
+    r = Resolver(ttl_s=30.0, lookup_fn=lookups, clock=clock)
+    assert r.cached("10.1.2.3:7100") == "10.1.2.3:7100"
+    assert r.cached("prefill-0:7100") is None
+    assert r.cached("no-port") is None
+    assert r.cached("no-such-prefill:7100") is None
+    assert lookups.calls == [], "cached() looked a name up"
+    assert answer(r, "prefill-0:7100") == "10.0.0.5:7100"
+    assert r.cached("prefill-0:7100") == "10.0.0.5:7100"
+    # Due for a refresh: still the answer a connection was made to.
+    clock.now += 60
+    assert r.cached("prefill-0:7100") == "10.0.0.5:7100"
+    # A name that failed is not an address.
+    with pytest.raises(ValueError):
+        answer(r, "no-such-prefill:7100")
+    assert r.cached("no-such-prefill:7100") is None
+    assert lookups.calls == ["prefill-0", "no-such-prefill"]

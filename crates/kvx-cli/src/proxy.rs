@@ -9,8 +9,10 @@
 //!   returned.
 //!
 //! Decode's answer (streamed or not) goes back to the client. Instances are chosen by fewest
-//! requests in flight; an instance that refuses connections is skipped (the dispatch is retried
-//! elsewhere with a new transfer id), and when none of a kind is reachable the client gets 503.
+//! requests in flight; an instance that cannot be connected is skipped (the dispatch is retried
+//! elsewhere with a new transfer id; in pull, a decode leg goes to another decode with the same
+//! prefilled KV) and passed over for `--skip-unreachable-s` unless no other is left; when none
+//! of a kind is reachable the client gets 503.
 //! A prefill that fails while decode waits ends the client's request with 502 instead of
 //! leaving it hanging; a decode answer that breaks off once streaming has started ends with an
 //! error event (`data: {"error": ...}`). In push mode decode's
@@ -1072,6 +1074,7 @@ mod tests {
             route_ok(&proxy, 4).await;
             let p_ids = p_seen.lock().unwrap().clone();
             let d_ids = d_seen.lock().unwrap().clone();
+            assert_eq!(proxy.decode[0].unreachable.load(Ordering::Relaxed), 1);
             assert_eq!(p_ids.len(), 4, "prefill ran again for a retry: {p_ids:?}");
             assert_eq!(d_ids, p_ids);
 
@@ -1100,7 +1103,8 @@ mod tests {
             let (p_url, p_seen) = recording_instance().await;
             let (d_url, d_seen) = recording_instance().await;
             let down = dead_url();
-            let proxy = test_proxy(Mode::Push, &p_url, &[&down, &d_url], 2.0);
+            // Not passed over: every request that picks the dead decode first meets it.
+            let proxy = test_proxy(Mode::Push, &p_url, &[&down, &d_url], 0.0);
             // Round-robin among equally loaded instances: some of these go to the dead one.
             route_ok(&proxy, 4).await;
             tokio::time::sleep(Duration::from_millis(300)).await;

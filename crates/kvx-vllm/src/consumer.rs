@@ -390,11 +390,13 @@ impl Consumer {
         self.send(Command::Cancel { transfer, attempt })
     }
 
-    /// The engine dropped a request that was never handed to this consumer (aborted before
-    /// decode allocated its blocks): every connected rank of the prefill instance whose rank 0
-    /// listens at `prefill` is told to give the transfer's KV back now, not at the end of its
-    /// lease. A prefill instance this consumer has no connection to is not contacted (its lease
-    /// frees the KV); a transfer another decode instance registered is not touched there.
+    /// The engine dropped a push request that was never handed to this consumer (aborted
+    /// before decode allocated its blocks): every connected rank of the prefill instance whose
+    /// rank 0 listens at `prefill` is told to give the transfer's KV back now, not at the end of
+    /// its lease. A prefill instance this consumer has no connection to is not contacted (its
+    /// lease frees the KV); a transfer another decode instance registered is not touched there.
+    /// Not for pull: a pull transfer is never registered before it is read, so prefill would
+    /// free it even while another decode reads it.
     ///
     /// # Errors
     /// [`Closed`] after shutdown.
@@ -1821,7 +1823,7 @@ impl Driver {
     /// registering it: each gives back what it holds for it.
     fn abandon(&mut self, prefill: SocketAddr, transfer: TransferId) {
         let Some(instance) = self.instances.get(&prefill) else {
-            debug!(%prefill, %transfer, "abandoned before registration; no connection to tell");
+            debug!(%prefill, %transfer, "dropped before registration; no connection to its prefill");
             return;
         };
         let message = Message::Abort(Abort {
@@ -1834,7 +1836,7 @@ impl Driver {
                 self.backlogged |= queued;
             }
         }
-        debug!(%prefill, %transfer, ranks = instance.ranks.len(), "abandoned before registration");
+        debug!(%prefill, %transfer, ranks = instance.ranks.len(), "told prefill: dropped before registration");
     }
 
     fn tell_producers(&mut self, key: AttemptKey, payload: &Waiting, done: bool) {

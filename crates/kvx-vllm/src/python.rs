@@ -614,11 +614,11 @@ impl PyConsumer {
             .map_err(|_| closed_err())
     }
 
-    /// The engine dropped a request that was never registered (aborted before decode allocated
-    /// its blocks): the prefill instance whose rank 0 listens at `prefill` (an IP address and
-    /// port) gives the transfer's KV back now rather than at its lease, if this consumer is
-    /// connected to it.
-    fn abandon(&self, prefill: &str, transfer_id: &str) -> PyResult<()> {
+    /// The engine dropped a push request that will never register (aborted before decode
+    /// allocated its blocks): the prefill instance whose rank 0 listens at `prefill` (an IP
+    /// address and port) gives the transfer's KV back now rather than at its lease, if this
+    /// consumer is connected to it.
+    fn abandon(&self, transfer_id: &str, prefill: &str) -> PyResult<()> {
         let addr: SocketAddr = prefill
             .parse()
             .map_err(|e| value_err(format!("bad address `{prefill}`: {e}")))?;
