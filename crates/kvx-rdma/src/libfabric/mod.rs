@@ -405,6 +405,8 @@ struct Peer {
     rails: PeerRails,
     /// `shm`: the process that owns the peer's endpoint, from its address.
     pid: Option<i32>,
+    /// `shm`: a watch on that process; nothing is posted to it once it has exited.
+    watch: Option<shm_sweep::ProcessWatch>,
     /// The peer's address in each local rail's address vector, for the links in use: local rail
     /// `i` talks to the peer's rail `i`, for `i` below both rail counts.
     links: Vec<sys::fi_addr_t>,
@@ -1267,6 +1269,13 @@ impl LibfabricTransport {
             if self.contexts.in_flight() >= self.in_flight_cap {
                 return true;
             }
+            if self.peer_terminated(peer) {
+                // Never posted to: the post could spin for ever on a lock it died holding.
+                self.abandon(op, || OpError::PeerUnreachable {
+                    source: "the peer's process has exited".into(),
+                });
+                continue;
+            }
             match self.post_one(op) {
                 Ok(()) => {}
                 Err(e) if e.is_again() => {
@@ -2019,6 +2028,15 @@ impl LibfabricTransport {
             .collect()
     }
 
+    /// Whether the process of an `shm` peer has terminated, by its watch: one `poll` that
+    /// never blocks (no watch, or another provider: never known).
+    fn peer_terminated(&self, peer: PeerId) -> bool {
+        self.peers
+            .get(peer)
+            .and_then(|p| p.watch.as_ref())
+            .is_some_and(shm_sweep::ProcessWatch::exited)
+    }
+
     /// Whether the process of an `shm` peer has exited (other providers: never known).
     fn peer_exited(&self, peer: PeerId) -> bool {
         self.peers
@@ -2240,6 +2258,9 @@ impl Transport for LibfabricTransport {
             let pid = self.shm_pid(&rails);
             if let Some(known) = self.peers.get_mut(id) {
                 known.desc = peer.clone();
+                if known.pid != pid {
+                    known.watch = pid.and_then(shm_sweep::ProcessWatch::open);
+                }
                 known.pid = pid;
                 known.rails = rails;
             }
@@ -2270,6 +2291,7 @@ impl Transport for LibfabricTransport {
             desc: peer.clone(),
             rails,
             pid,
+            watch: pid.and_then(shm_sweep::ProcessWatch::open),
             contact: vec![Contact::Untried; addrs.len()],
             links: addrs,
         }))

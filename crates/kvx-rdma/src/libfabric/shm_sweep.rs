@@ -18,6 +18,7 @@
 //! that container's transfers. Without the sweep, a reused pid makes opening the endpoint fail
 //! with a clear error instead.
 
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::sync::Mutex;
@@ -109,6 +110,37 @@ pub(super) fn sweep(dir: &Path, own_pid_too: bool) -> usize {
 mod tests {
     use super::*;
 
+    /// A watch sees a process end at once, before and after it is reaped; none is made for a
+    /// pid that names no process.
+    #[test]
+    fn a_process_watch_sees_its_process_exit() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let pid = i32::try_from(child.id()).unwrap();
+        let Some(watch) = ProcessWatch::open(pid) else {
+            eprintln!("SKIPPED: this kernel has no pidfd_open");
+            child.kill().unwrap();
+            child.wait().unwrap();
+            return;
+        };
+        assert!(!watch.exited());
+        child.kill().unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !watch.exited() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the kill was never seen"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        child.wait().unwrap();
+        assert!(watch.exited());
+        assert!(ProcessWatch::open(0).is_none());
+        assert!(ProcessWatch::open(i32::MAX).is_none());
+    }
+
     #[test]
     fn an_endpoint_address_names_its_process() {
         assert_eq!(address_pid(b"fi_shm://1234:0:1\0\0"), Some(1234));
@@ -188,5 +220,40 @@ mod tests {
         assert_eq!(sweep(&dir, true), 1);
         assert!(!left(&names[2]));
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
+/// Whether a peer process has terminated, in one system call that never blocks (a pidfd, which
+/// becomes readable when its process exits, before or after it is reaped). `shm` 1.17 takes a
+/// spin lock in the receiver's region for every post to it; a receiver killed while holding it
+/// (its own queue reads take it) leaves it held for ever, and a post to it would spin for ever:
+/// posts to a terminated process must not be made at all.
+#[derive(Debug)]
+pub(super) struct ProcessWatch(OwnedFd);
+
+impl ProcessWatch {
+    /// A watch on `pid`; `None` where the kernel has no `pidfd_open` (before 5.3) or the
+    /// process is gone already.
+    pub(super) fn open(pid: i32) -> Option<Self> {
+        if pid <= 0 {
+            return None;
+        }
+        // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor, or -1.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+        let fd = i32::try_from(fd).ok().filter(|&fd| fd >= 0)?;
+        // SAFETY: the descriptor was just created for this watch and nothing else owns it.
+        Some(Self(unsafe { OwnedFd::from_raw_fd(fd) }))
+    }
+
+    /// Whether the process has terminated.
+    pub(super) fn exited(&self) -> bool {
+        let mut pfd = libc::pollfd {
+            fd: self.0.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd that lives across the call; a zero timeout never blocks.
+        let n = unsafe { libc::poll(&mut pfd, 1, 0) };
+        n > 0 && pfd.revents & libc::POLLIN != 0
     }
 }
