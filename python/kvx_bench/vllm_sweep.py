@@ -603,8 +603,8 @@ def markdown(report: dict) -> str:
         f"arrivals, {OUTPUT_TOKENS} output tokens, streamed; warm-up "
         f"{report['warmup_per_length']} requests per input length first, and "
         f"{report.get('turn_warmup', 0)} untimed ones at the start of each turn; requests "
-        f"capped at {REQUEST_CAP_S:.0f} s. TTFT and TPOT in ms (client side); `err` = failed or timed-out "
-        "requests of the point.",
+        f"capped at {REQUEST_CAP_S:.0f} s. TTFT and TPOT in ms (client side); `err` = failed "
+        "or timed-out requests of the point.",
         "",
     ]
     def table(title, cell):

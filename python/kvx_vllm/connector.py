@@ -273,9 +273,11 @@ class _Scheduler:
         being read."""
         if self.pull:
             return
-        tid, prefill = params.get("kvx_transfer_id"), params.get("kvx_prefill")
-        if tid and isinstance(prefill, str) and prefill:
-            self.meta.abandons.append((str(tid), prefill))
+        try:
+            transfer_id, prefill, _, _ = _recv_params(params, False, 0)
+        except ValueError:
+            return  # nothing usable to name: its lease frees the KV
+        self.meta.abandons.append((transfer_id, prefill))
 
     # -- both ------------------------------------------------------------------------------
 

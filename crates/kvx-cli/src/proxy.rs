@@ -22,7 +22,7 @@
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
@@ -105,11 +105,30 @@ struct Instance {
     url: String,
     kvx: Option<String>,
     in_flight: AtomicUsize,
-    /// Until when (milliseconds since the proxy started) it is passed over after a failed
-    /// connection; 0: not.
-    skip_until_ms: AtomicU64,
+    /// Until when it is passed over after a failed connection.
+    skip_until: Mutex<Option<Instant>>,
     /// Connections to it that failed.
     unreachable: AtomicU64,
+}
+
+impl Instance {
+    /// Whether it is passed over at `now` (a connection to it failed lately).
+    fn skipped(&self, now: Instant) -> bool {
+        self.skip_until
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_some_and(|until| until > now)
+    }
+
+    /// A connection to it failed: it is passed over for `skip`.
+    fn unreachable(&self, skip: Duration, why: &str) {
+        *self
+            .skip_until
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Instant::now().checked_add(skip);
+        self.unreachable.fetch_add(1, Ordering::Relaxed);
+        eprintln!("kvx proxy: {why}; passing {} over for {skip:?}", self.url);
+    }
 }
 
 /// Counts a request in flight on an instance for as long as it lives.
@@ -135,7 +154,6 @@ struct Proxy {
     client: reqwest::Client,
     next: AtomicU64,
     seed: u64,
-    started: Instant,
     skip_unreachable: Duration,
 }
 
@@ -177,31 +195,16 @@ impl Proxy {
     /// lately unless no other is left; ties go round-robin.
     fn pick(&self, pool: &[Arc<Instance>], exclude: &[usize]) -> Option<usize> {
         let start = self.next.fetch_add(1, Ordering::Relaxed) as usize;
-        let now = self.now_ms();
+        let now = Instant::now();
         (0..pool.len())
             .map(|k| (start + k) % pool.len())
             .filter(|i| !exclude.contains(i))
             .min_by_key(|&i| {
-                let skipped = pool[i].skip_until_ms.load(Ordering::Relaxed) > now;
-                (skipped, pool[i].in_flight.load(Ordering::SeqCst))
+                (
+                    pool[i].skipped(now),
+                    pool[i].in_flight.load(Ordering::SeqCst),
+                )
             })
-    }
-
-    fn now_ms(&self) -> u64 {
-        u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)
-    }
-
-    /// `instance` could not be connected: it is passed over for a while.
-    fn unreachable(&self, instance: &Instance, why: &str) {
-        let until = self
-            .now_ms()
-            .saturating_add(u64::try_from(self.skip_unreachable.as_millis()).unwrap_or(u64::MAX));
-        instance.skip_until_ms.store(until, Ordering::Relaxed);
-        instance.unreachable.fetch_add(1, Ordering::Relaxed);
-        eprintln!(
-            "kvx proxy: {why}; passing {} over for {:?}",
-            instance.url, self.skip_unreachable
-        );
     }
 
     /// A fresh transfer id: unique per proxy process and dispatch.
@@ -212,12 +215,20 @@ impl Proxy {
 
     async fn send(
         &self,
-        url: &str,
+        instance: &Instance,
         path: &str,
         request_id: &str,
         body: &Value,
     ) -> Result<reqwest::Response, LegError> {
-        send_leg(&self.client, url, path, request_id, body).await
+        send_leg(
+            &self.client,
+            instance,
+            self.skip_unreachable,
+            path,
+            request_id,
+            body,
+        )
+        .await
     }
 
     async fn route(&self, path: &'static str, body: Value) -> Result<Response, ApiError> {
@@ -254,19 +265,11 @@ impl Proxy {
             match outcome {
                 Ok(r) => return Ok(r),
                 Err((which, LegError::Unreachable(why))) => {
-                    match which {
-                        Leg::Prefill => {
-                            self.unreachable(&self.prefill[p], &why);
-                            bad_prefill.push(p);
-                        }
-                        // Pull marked the decodes it tried itself.
-                        Leg::Decode if self.mode == Mode::Push => {
-                            self.unreachable(&self.decode[d], &why);
-                            bad_decode.push(d);
-                        }
-                        Leg::Decode => {}
-                    }
                     last = why;
+                    match which {
+                        Leg::Prefill => bad_prefill.push(p),
+                        Leg::Decode => bad_decode.push(d),
+                    }
                 }
                 Err((_, LegError::Failed(e))) => return Err(e),
             }
@@ -297,20 +300,21 @@ impl Proxy {
         // answer no longer matters to the client, but its request must still run to the end
         // (dropping the connection would abort it in vLLM).
         let p_task = {
-            let (client, url, path, id) = (
+            let (client, instance, skip, path, id) = (
                 self.client.clone(),
-                pi.url.clone(),
+                Arc::clone(pi),
+                self.skip_unreachable,
                 path.to_owned(),
                 transfer.to_owned(),
             );
             tokio::spawn(async move {
                 let _load = p_load;
-                let r = send_leg(&client, &url, &path, &id, &p_body).await?;
+                let r = send_leg(&client, &instance, skip, &path, &id, &p_body).await?;
                 check_prefill(r).await
             })
         };
         let mut p_task = AbortOnDrop(Some(p_task));
-        let d_leg = self.send(&di.url, path, transfer, &d_body);
+        let d_leg = self.send(di, path, transfer, &d_body);
         let mut d_leg = Box::pin(d_leg);
         // A failed prefill ends the request (dropping decode's leg closes its connection, which
         // aborts the request there) — unless decode is already answering: it then has the KV
@@ -368,7 +372,7 @@ impl Proxy {
         let params = {
             let _load = Load::new(pi);
             let r = self
-                .send(&pi.url, path, transfer, &p_body)
+                .send(pi, path, transfer, &p_body)
                 .await
                 .map_err(|e| (Leg::Prefill, e))?;
             check_prefill(r).await.map_err(|e| (Leg::Prefill, e))?
@@ -392,10 +396,9 @@ impl Proxy {
         loop {
             let di = &self.decode[d];
             let d_load = Load::new(di);
-            match self.send(&di.url, path, transfer, &d_body).await {
+            match self.send(di, path, transfer, &d_body).await {
                 Ok(r) => return Ok(forward(r, d_load)),
                 Err(LegError::Unreachable(why)) => {
-                    self.unreachable(di, &why);
                     bad_decode.push(d);
                     let Some(next) = self.pick(&self.decode, bad_decode) else {
                         return Err((Leg::Decode, LegError::Unreachable(why)));
@@ -435,13 +438,16 @@ fn decode_body(request: &Map<String, Value>, params: Value) -> Value {
 }
 
 /// Posts `body` to `url` + `path` with the request id both legs share.
+/// Sends one leg to `instance`; one that cannot be connected is passed over for `skip`.
 async fn send_leg(
     client: &reqwest::Client,
-    url: &str,
+    instance: &Instance,
+    skip: Duration,
     path: &str,
     request_id: &str,
     body: &Value,
 ) -> Result<reqwest::Response, LegError> {
+    let url = &instance.url;
     let result = client
         .post(format!("{url}{path}"))
         .header("X-Request-Id", request_id)
@@ -450,7 +456,11 @@ async fn send_leg(
         .await;
     match result {
         Ok(r) => Ok(r),
-        Err(e) if e.is_connect() => Err(LegError::Unreachable(format!("{url}: {e}"))),
+        Err(e) if e.is_connect() => {
+            let why = format!("{url}: {e}");
+            instance.unreachable(skip, &why);
+            Err(LegError::Unreachable(why))
+        }
         Err(e) => Err(LegError::Failed(ApiError::new(
             StatusCode::BAD_GATEWAY,
             format!("{url}{path}: {e}"),
@@ -662,7 +672,7 @@ fn build(args: &ProxyArgs) -> anyhow::Result<Arc<Proxy>> {
             url: url.trim_end_matches('/').to_owned(),
             kvx,
             in_flight: AtomicUsize::new(0),
-            skip_until_ms: AtomicU64::new(0),
+            skip_until: Mutex::new(None),
             unreachable: AtomicU64::new(0),
         })
     };
@@ -677,7 +687,6 @@ fn build(args: &ProxyArgs) -> anyhow::Result<Arc<Proxy>> {
         client,
         next: AtomicU64::new(0),
         seed: random_seed(),
-        started: Instant::now(),
         skip_unreachable,
     }))
 }

@@ -2028,8 +2028,8 @@ impl LibfabricTransport {
             .collect()
     }
 
-    /// Whether the process of an `shm` peer has terminated, by its watch: one `poll` that
-    /// never blocks (no watch, or another provider: never known).
+    /// Whether the process of an `shm` peer has terminated, by its watch only: one `poll` that
+    /// never blocks, fit for the posting path (no watch, or another provider: never known).
     fn peer_terminated(&self, peer: PeerId) -> bool {
         self.peers
             .get(peer)
@@ -2037,12 +2037,16 @@ impl LibfabricTransport {
             .is_some_and(shm_sweep::ProcessWatch::exited)
     }
 
-    /// Whether the process of an `shm` peer has exited (other providers: never known).
+    /// Whether the process of an `shm` peer has exited: by its watch, or, without one (a kernel
+    /// before 5.3), by its pid and `/proc` (other providers: never known).
     fn peer_exited(&self, peer: PeerId) -> bool {
-        self.peers
-            .get(peer)
-            .and_then(|p| p.pid)
-            .is_some_and(shm_sweep::exited)
+        let Some(p) = self.peers.get(peer) else {
+            return false;
+        };
+        match &p.watch {
+            Some(watch) => watch.exited(),
+            None => p.pid.is_some_and(shm_sweep::exited),
+        }
     }
 
     /// The process that owns a peer's `shm` endpoint (other providers: none).
