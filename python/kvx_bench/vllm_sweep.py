@@ -41,6 +41,7 @@ import os
 import random
 import statistics
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -97,6 +98,57 @@ def quantiles(xs: list[float]) -> dict:
 
     return {"mean": statistics.fmean(s), "p25": q(0.25), "p50": q(0.5), "p99": q(0.99),
             "n": len(s)}
+
+
+class MachineClock:
+    """The machine's CPU time as /proc/stat counts it, sampled every `PERIOD_S` on a thread:
+    time stolen by the hypervisor (`steal`: the VM's cores ran someone else) and time busy, to
+    tell a slow spell of the machine from a slow system. Counters tick in 10 ms jiffies."""
+
+    PERIOD_S = 0.02
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, int, int]] = []  # (perf_counter, steal, busy) jiffies
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="machine-clock", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def read() -> tuple[int, int] | None:
+        try:
+            with open("/proc/stat") as f:
+                fields = f.readline().split()
+        except OSError:
+            return None
+        # cpu user nice system idle iowait irq softirq steal ...
+        v = [int(x) for x in fields[1:9]]
+        return v[7], v[0] + v[1] + v[2] + v[5] + v[6]
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.PERIOD_S):
+            got = self.read()
+            if got is not None:
+                self.samples.append((time.perf_counter(), *got))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def between(self, t0: float, t1: float) -> dict | None:
+        """Steal and busy in [t0, t1], in ms of CPU time (all cores together)."""
+        import bisect
+
+        times = [s[0] for s in self.samples]
+        i, j = bisect.bisect_left(times, t0), bisect.bisect_right(times, t1) - 1
+        if i >= len(times) or j <= i:
+            return None
+        a, b = self.samples[i], self.samples[j]
+        return {"steal_ms": (b[1] - a[1]) * 10.0, "busy_ms": (b[2] - a[2]) * 10.0,
+                "window_ms": (b[0] - a[0]) * 1e3}
+
+
+# One for the whole sweep (None where /proc/stat cannot be read).
+CLOCK: MachineClock | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,7 +269,7 @@ async def one_request(session, url: str, prompt: list[int], sent_at: float) -> d
     tpot = (last - first) * 1e3 / (n - 1) if pieces > 1 else None
     return {"ok": True, "ttft_ms": (first - sent_at) * 1e3,
             "tpot_ms": tpot, "e2e_ms": (last - sent_at) * 1e3,
-            "stream_pieces": pieces}
+            "stream_pieces": pieces, "sent_at": sent_at, "first_at": first}
 
 
 VOCAB = 400  # set from the model's config in main()
@@ -283,9 +335,24 @@ def summarize(length: int, rate: float, results: list, wall: float, rounds: int,
         "e2e_ms": quantiles([r["e2e_ms"] for r in ok]),
         "server_tpot_ms_mean": server[0] * 1e3 / server[1] if server and server[1] else None,
         "server_tpot_requests": server[1] if server else None,
+        "steal": steal_summary(ok),
         "error_samples": sorted({r["error"] for r in errors})[:5],
         "samples": results,
     }
+
+
+def steal_summary(ok: list[dict]) -> dict | None:
+    """How much of the requests' waits the hypervisor stole (None without /proc/stat): the
+    requests that lost any CPU time to it, and the TTFT p50 of those that lost none."""
+    known = [r for r in ok if r.get("steal_ms") is not None]
+    if not known:
+        return None
+    hit = [r for r in known if r["steal_ms"] > 0]
+    clean = [r["ttft_ms"] for r in known if r["steal_ms"] == 0]
+    return {"requests": len(known), "requests_stolen_from": len(hit),
+            "stolen_ms_total": sum(r["steal_ms"] for r in hit),
+            "ttft_ms_p50_stolen_from": quantiles([r["ttft_ms"] for r in hit])["p50"],
+            "ttft_ms_p50_untouched": quantiles(clean)["p50"]}
 
 
 async def warm_up(url: str, lengths: list[int], per_length: int) -> dict:
@@ -457,8 +524,10 @@ def run_group(states: list[dict], args, lengths, rates) -> None:
                         turn["ok"] += warm["ok"]
                         turn["errors"] = (turn["errors"] + warm["errors"])[:5]
                     before = server_tpot(st["decode_url"])
+                    t_turn = time.perf_counter()
                     got, wall = asyncio.run(run_point(st["url"], length, rate, args.requests,
                                                       seed))
+                    note_machine(got, t_turn, st["result"]["system"], r)
                     # The engine's stats follow its outputs by a moment.
                     time.sleep(0.5)
                     after = server_tpot(st["decode_url"])
@@ -488,6 +557,21 @@ def run_group(states: list[dict], args, lengths, rates) -> None:
                     + (f"; errors: {pt['error_samples']}" if pt["errors"] else ""))
                 if pt["errors"] * 2 >= pt["requests"]:
                     res["saturated_at"] = length
+
+
+def note_machine(got: list[dict], t_turn: float, system: str, round_: int) -> None:
+    """Writes into each request's sample the CPU time the hypervisor stole from the machine
+    while it waited for its first token, and logs the turn's steal."""
+    if CLOCK is None:
+        return
+    for res in got:
+        if res.get("first_at") is not None:
+            m = CLOCK.between(res["sent_at"], res["first_at"])
+            res["steal_ms"] = None if m is None else m["steal_ms"]
+    turn = CLOCK.between(t_turn, time.perf_counter())
+    if turn is not None and turn["steal_ms"] > 0:
+        log(f"{system} round {round_}: {turn['steal_ms']:.0f} ms of CPU stolen in "
+            f"{turn['window_ms'] / 1e3:.1f} s ({turn['busy_ms']:.0f} ms busy)")
 
 
 def run_systems(systems: list[tuple], args, model: Path, log_dir: Path, lengths,
@@ -643,6 +727,16 @@ def markdown(report: dict) -> str:
                    "`request_time_per_output_token_seconds`, first to last token of each request)",
                    lambda p: "–" if p is None or "skipped" in p
                    else fmt_ms(p.get("server_tpot_ms_mean")))
+    def stolen(p):
+        if p is None or "skipped" in p or not p.get("steal"):
+            return "–"
+        st = p["steal"]
+        return (f"{st['requests_stolen_from']}/{st['requests']}, {st['stolen_ms_total']:.0f} ms; "
+                f"{fmt_ms(st['ttft_ms_p50_stolen_from'])} vs "
+                f"{fmt_ms(st['ttft_ms_p50_untouched'])}")
+    lines += table("CPU time stolen by the hypervisor while requests waited for their first "
+                   "token (/proc/stat `steal`): requests it touched / all, the time stolen, "
+                   "then the TTFT p50 of the requests it touched vs of the others (ms)", stolen)
     failed = [s for s in report["systems"] if s.get("failed")]
     if failed:
         lines += ["## Systems that did not run", ""]
@@ -726,7 +820,14 @@ def main() -> None:
     global VOCAB
     VOCAB = json.loads((model / "config.json").read_text())["vocab_size"]
     t0 = time.monotonic()
-    results = run_systems(systems, args, model, log_dir, lengths, rates)
+    global CLOCK
+    if MachineClock.read() is not None:
+        CLOCK = MachineClock()
+    try:
+        results = run_systems(systems, args, model, log_dir, lengths, rates)
+    finally:
+        if CLOCK is not None:
+            CLOCK.stop()
     report = {
         "what": "kvx push/pull vs vLLM NixlConnector / NixlPushConnector, as shipped and "
                 "corrected, through a router, on real vLLM (CPU)",

@@ -567,8 +567,9 @@ class _Worker:
                         self.cancelled.add(rid)
                 self.consumer.cancel(tid)
             for tid, prefill in meta.abandons:
-                # Only an address already known: a name never looked up has no connection to
-                # tell (a lookup here would cost a thread for nothing).
+                # Only an address known without a lookup (an IP address, or a name looked up
+                # for an earlier request): a lookup here would cost a thread, and a name no
+                # request of this decode used leaves the KV to prefill's lease.
                 addr = self.resolver.cached(prefill)
                 if addr is None:
                     continue

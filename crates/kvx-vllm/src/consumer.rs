@@ -105,6 +105,9 @@ enum Command {
 struct Connecting {
     ranks: HashSet<Rank>,
     queued: Vec<(PushRequest, Option<Vec<BlockId>>)>,
+    /// Transfers the engine dropped before registering them, to tell every rank about once
+    /// connected (see [`Consumer::abandon`]).
+    abandons: Vec<TransferId>,
 }
 
 /// How often the driver reads the notice board while a failed request waits for a writer rank
@@ -393,8 +396,10 @@ impl Consumer {
     /// The engine dropped a push request that was never handed to this consumer (aborted
     /// before decode allocated its blocks): every connected rank of the prefill instance whose
     /// rank 0 listens at `prefill` is told to give the transfer's KV back now, not at the end of
-    /// its lease. A prefill instance this consumer has no connection to is not contacted (its
-    /// lease frees the KV); a transfer another decode instance registered is not touched there.
+    /// its lease. A prefill instance this consumer has no connection to is connected first (as
+    /// a registration would), unless it was found unreachable within the last second: then its
+    /// lease frees the KV. A transfer another decode instance
+    /// registered is not touched there.
     /// Not for pull: a pull transfer is never registered before it is read, so prefill would
     /// free it even while another decode reads it.
     ///
@@ -1031,6 +1036,7 @@ impl Driver {
         match next {
             Ok(missing) if missing.is_empty() => {
                 let connecting = self.connecting.remove(&instance).unwrap_or_default();
+                self.tell_abandoned(instance, &connecting.abandons);
                 for (request, producer_blocks) in connecting.queued {
                     self.begin(request, producer_blocks);
                 }
@@ -1044,6 +1050,9 @@ impl Driver {
                 let now = self.clock.now();
                 self.unreachable.insert(instance, (now, detail.clone()));
                 let connecting = self.connecting.remove(&instance).unwrap_or_default();
+                if !connecting.abandons.is_empty() {
+                    debug!(%instance, detail, dropped = connecting.abandons.len(), "cannot tell an unreachable prefill about dropped transfers; its lease frees them");
+                }
                 for (request, _) in connecting.queued {
                     self.refuse(&request, Reason::PeerFailed, detail.clone());
                 }
@@ -1822,21 +1831,60 @@ impl Driver {
     /// Tells every connected rank of `prefill` that the engine dropped `transfer` before
     /// registering it: each gives back what it holds for it.
     fn abandon(&mut self, prefill: SocketAddr, transfer: TransferId) {
+        let missing = if self.connecting.contains_key(&prefill) {
+            Vec::new()
+        } else {
+            match self.missing_ranks(prefill) {
+                Ok(missing) if missing.is_empty() => {
+                    self.tell_abandoned(prefill, &[transfer]);
+                    return;
+                }
+                Ok(missing) => missing,
+                Err(detail) => {
+                    debug!(%prefill, %transfer, detail, "dropped before registration; its prefill cannot serve here");
+                    return;
+                }
+            }
+        };
+        if !self.connecting.contains_key(&prefill) {
+            if let Some((at, why)) = self.unreachable.get(&prefill) {
+                if self.clock.now() < *at + RETRY_UNREACHABLE {
+                    debug!(%prefill, %transfer, why, "dropped before registration; its prefill is unreachable");
+                    return;
+                }
+            }
+            self.unreachable.remove(&prefill);
+        }
+        debug!(%prefill, %transfer, "dropped before registration; connecting to its prefill to say so");
+        self.connecting
+            .entry(prefill)
+            .or_default()
+            .abandons
+            .push(transfer);
+        for rank in missing {
+            self.handshake_in_background(prefill, rank);
+        }
+    }
+
+    /// Tells every connected rank of `prefill` that the engine dropped `transfers` before
+    /// registering them.
+    fn tell_abandoned(&mut self, prefill: SocketAddr, transfers: &[TransferId]) {
         let Some(instance) = self.instances.get(&prefill) else {
-            debug!(%prefill, %transfer, "dropped before registration; no connection to its prefill");
             return;
         };
-        let message = Message::Abort(Abort {
-            transfer,
-            attempt: None,
-            reason: "decode dropped the request before registering it".into(),
-        });
-        for conn in instance.ranks.values() {
-            if let Ok(queued) = conn.sender.send_or_queue(&message) {
-                self.backlogged |= queued;
+        for &transfer in transfers {
+            let message = Message::Abort(Abort {
+                transfer,
+                attempt: None,
+                reason: "decode dropped the request before registering it".into(),
+            });
+            for conn in instance.ranks.values() {
+                if let Ok(queued) = conn.sender.send_or_queue(&message) {
+                    self.backlogged |= queued;
+                }
             }
+            debug!(%prefill, %transfer, ranks = instance.ranks.len(), "told prefill: dropped before registration");
         }
-        debug!(%prefill, %transfer, ranks = instance.ranks.len(), "told prefill: dropped before registration");
     }
 
     fn tell_producers(&mut self, key: AttemptKey, payload: &Waiting, done: bool) {

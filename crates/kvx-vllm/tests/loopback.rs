@@ -678,12 +678,48 @@ fn an_abandoned_transfer_is_given_back_at_once_by_every_prefill_rank() {
         assert_eq!(done[0].outcome, SendOutcome::NotSent(Reason::Aborted));
     }
 
-    // No connection to that address: nothing to tell, and nothing fails; the consumer still
+    // Nothing listens at that address: nobody to tell, and nothing fails; the consumer still
     // serves its prefill.
     consumer.abandon(free_ports(1), TransferId(23)).unwrap();
     register(&consumer, pre.base, key(24, 0), 16, c_blocks);
     pre.finish(key(24, 0), &p_blocks, 16);
     expect_ready(&consumer, key(24, 0), RequestId(1));
+}
+
+#[test]
+fn an_abandon_connects_to_a_prefill_that_decode_never_reached_before() {
+    let fabric = LoopbackFabric::new();
+    let pre = tp2_prefill(&fabric);
+    let c_spec = spec(1, 0, 8, MemoryOrder::Nhd, Arrangement::PerLayerKvHalves);
+    let (_dec, consumer) = decode(&fabric, c_spec.clone(), LONG);
+    let (p_blocks, c_blocks) = request_blocks(&pre, 16, 4, c_spec.block_tokens);
+    // Finished at prefill; the decode instance's first request for it, dropped there before
+    // it registered (no connection between the two yet).
+    pre.finish(key(30, 0), &p_blocks, 16);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pre.producers.iter().any(|p| p.stats().held != 1) {
+        assert!(
+            Instant::now() < deadline,
+            "prefill never held the finished request"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let abandoned = Instant::now();
+    consumer.abandon(pre.base, TransferId(30)).unwrap();
+    for p in &pre.producers {
+        let done = wait_finished(p, 1);
+        assert_eq!(done[0].outcome, SendOutcome::NotSent(Reason::Aborted));
+        assert_eq!(p.stats().held, 0);
+    }
+    assert!(
+        abandoned.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        abandoned.elapsed()
+    );
+    // The connection it made serves the next request.
+    register(&consumer, pre.base, key(31, 0), 16, c_blocks);
+    pre.finish(key(31, 0), &p_blocks, 16);
+    expect_ready(&consumer, key(31, 0), RequestId(1));
 }
 
 #[test]
