@@ -269,7 +269,9 @@ async def one_request(session, url: str, prompt: list[int], sent_at: float) -> d
     tpot = (last - first) * 1e3 / (n - 1) if pieces > 1 else None
     return {"ok": True, "ttft_ms": (first - sent_at) * 1e3,
             "tpot_ms": tpot, "e2e_ms": (last - sent_at) * 1e3,
-            "stream_pieces": pieces, "sent_at": sent_at, "first_at": first}
+            "stream_pieces": pieces, "sent_at": sent_at, "first_at": first,
+            # The send on the wall clock, to line requests up with the instances' logs.
+            "sent_unix": time.time() - (time.perf_counter() - sent_at)}
 
 
 VOCAB = 400  # set from the model's config in main()
