@@ -631,6 +631,33 @@ fn consumer_cancel_makes_prefill_release_its_blocks() {
 /// Decode dropped requests before registering them (aborted while queued): every rank of their
 /// prefill gives their KV back at once, long before its 30 s lease — a request prefill had
 /// finished, and one it finishes later; a prefill decode is not connected to is not contacted.
+/// Waits until every rank of `pre` holds `n` finished requests.
+fn wait_held(pre: &Prefill, n: i64) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pre.producers.iter().any(|p| p.stats().held != n) {
+        assert!(
+            Instant::now() < deadline,
+            "prefill never held the finished request"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// Every rank of `pre` gave its one held request back as aborted, within 5 s of `since` (far
+/// from the producer lease).
+fn expect_given_back(pre: &Prefill, since: Instant) {
+    for p in &pre.producers {
+        let done = wait_finished(p, 1);
+        assert_eq!(done[0].outcome, SendOutcome::NotSent(Reason::Aborted));
+        assert_eq!(p.stats().held, 0);
+    }
+    assert!(
+        since.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        since.elapsed()
+    );
+}
+
 #[test]
 fn an_abandoned_transfer_is_given_back_at_once_by_every_prefill_rank() {
     let fabric = LoopbackFabric::new();
@@ -648,26 +675,10 @@ fn an_abandoned_transfer_is_given_back_at_once_by_every_prefill_rank() {
 
     // Finished at prefill, dropped at decode before it registered.
     pre.finish(key(21, 0), &p_blocks, 16);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while pre.producers.iter().any(|p| p.stats().held != 1) {
-        assert!(
-            Instant::now() < deadline,
-            "prefill never held the finished request"
-        );
-        std::thread::sleep(Duration::from_millis(2));
-    }
+    wait_held(&pre, 1);
     let abandoned = Instant::now();
     consumer.abandon(pre.base, TransferId(21)).unwrap();
-    for p in &pre.producers {
-        let done = wait_finished(p, 1);
-        assert_eq!(done[0].outcome, SendOutcome::NotSent(Reason::Aborted));
-        assert_eq!(p.stats().held, 0);
-    }
-    assert!(
-        abandoned.elapsed() < Duration::from_secs(5),
-        "{:?}",
-        abandoned.elapsed()
-    );
+    expect_given_back(&pre, abandoned);
 
     // Dropped at decode while prefill still computes: given back as soon as it finishes.
     consumer.abandon(pre.base, TransferId(22)).unwrap();
@@ -696,26 +707,10 @@ fn an_abandon_connects_to_a_prefill_that_decode_never_reached_before() {
     // Finished at prefill; the decode instance's first request for it, dropped there before
     // it registered (no connection between the two yet).
     pre.finish(key(30, 0), &p_blocks, 16);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while pre.producers.iter().any(|p| p.stats().held != 1) {
-        assert!(
-            Instant::now() < deadline,
-            "prefill never held the finished request"
-        );
-        std::thread::sleep(Duration::from_millis(2));
-    }
+    wait_held(&pre, 1);
     let abandoned = Instant::now();
     consumer.abandon(pre.base, TransferId(30)).unwrap();
-    for p in &pre.producers {
-        let done = wait_finished(p, 1);
-        assert_eq!(done[0].outcome, SendOutcome::NotSent(Reason::Aborted));
-        assert_eq!(p.stats().held, 0);
-    }
-    assert!(
-        abandoned.elapsed() < Duration::from_secs(5),
-        "{:?}",
-        abandoned.elapsed()
-    );
+    expect_given_back(&pre, abandoned);
     // The connection it made serves the next request.
     register(&consumer, pre.base, key(31, 0), 16, c_blocks);
     pre.finish(key(31, 0), &p_blocks, 16);
