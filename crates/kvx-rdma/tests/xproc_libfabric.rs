@@ -23,6 +23,7 @@ use kvx_rdma::{
 const ROLE_ENV: &str = "KVX_XPROC_ROLE";
 const PROVIDER_ENV: &str = "KVX_XPROC_PROVIDER";
 const RAILS_ENV: &str = "KVX_XPROC_RAILS";
+const PEER_ENV: &str = "KVX_XPROC_PEER";
 const NOTICE: u64 = 0x5eed_0000_0000_0042;
 const DEADLINE: Duration = Duration::from_secs(60);
 
@@ -122,6 +123,10 @@ fn child_role() {
         return;
     };
     let provider = std::env::var(PROVIDER_ENV).expect("provider for the child");
+    if role == "writer" || role == "writer-once" {
+        writer_role(&provider, role == "writer-once");
+        return;
+    }
     let rails = std::env::var(RAILS_ENV)
         .ok()
         .and_then(|r| r.parse().ok())
@@ -185,6 +190,50 @@ fn child_role() {
     println!("KVX:OK {bytes}");
 }
 
+/// The producer child: connects to the parent's endpoint (`PEER_ENV`) and writes the sample
+/// plan into it, once with the notice (`once`), or without one, two writes at a time, until it
+/// is killed (it says `WRITING` once its first write is done).
+fn writer_role(provider: &str, once: bool) {
+    let desc = std::env::var(PEER_ENV).expect("the reader's description");
+    let (mut transport, _buffers) = producer(provider);
+    println!("KVX:DESC {}", hex(&transport.local_desc().to_bytes()));
+    let peer = transport
+        .connect(&EndpointDesc::from_bytes(&unhex(&desc)).expect("description decodes"))
+        .expect("child: connect");
+    let plan = sample_plan();
+    if once {
+        let id = transport.write(peer, &plan, Some(Notice(NOTICE))).unwrap();
+        wait_for(&mut transport, "the write's completion", |e| match e {
+            Event::WriteDone { op, .. } if *op == id => Some(()),
+            Event::Failed { error, .. } => panic!("child: write failed: {error:?}"),
+            _ => None,
+        });
+        println!("KVX:WROTE");
+        return;
+    }
+    let deadline = Instant::now() + DEADLINE;
+    let (mut posted, mut done) = (0_usize, 0_usize);
+    let mut events = Vec::new();
+    while Instant::now() < deadline {
+        if posted - done < 2 {
+            transport.write(peer, &plan, None).unwrap();
+            posted += 1;
+        }
+        events.clear();
+        transport
+            .wait(&mut events, Duration::from_millis(1))
+            .unwrap();
+        let before = done;
+        done += events
+            .iter()
+            .filter(|e| matches!(e, Event::WriteDone { .. }))
+            .count();
+        if before == 0 && done > 0 {
+            println!("KVX:WRITING");
+        }
+    }
+}
+
 /// A child process that is killed when dropped, with its `KVX:` lines on a channel.
 struct ChildProcess {
     child: Child,
@@ -197,6 +246,11 @@ impl ChildProcess {
     }
 
     fn spawn_rails(role: &str, provider: &str, rails: usize) -> Self {
+        Self::spawn_with(role, provider, rails, "")
+    }
+
+    /// A child whose role needs the parent's endpoint description (`peer`, hex).
+    fn spawn_with(role: &str, provider: &str, rails: usize, peer: &str) -> Self {
         let mut child = Command::new(std::env::current_exe().unwrap())
             .args([
                 "--ignored",
@@ -208,6 +262,7 @@ impl ChildProcess {
             .env(ROLE_ENV, role)
             .env(PROVIDER_ENV, provider)
             .env(RAILS_ENV, rails.to_string())
+            .env(PEER_ENV, peer)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -696,4 +751,121 @@ fn shm_a_new_peer_after_a_killed_one_is_reached() {
 #[test]
 fn tcp_a_new_peer_after_a_killed_one_is_reached() {
     new_peer_after_a_killed_one("tcp;ofi_rxm");
+}
+
+/// Writers killed while they write into this process (a prefill killed mid-transfer), one
+/// after the other at different moments of their writes: this side goes on reading its queue
+/// (over `shm` 1.17 a writer killed inside the provider's lock of this side's region left it
+/// held, and the next read spun for ever: a decode engine stopped by a killed prefill), and a
+/// new writer's plan then lands whole, its notice with it. This side connects to each writer,
+/// as a consumer does to its producers, and lets every other one go once it is dead.
+fn writer_killed_mid_write(provider: &str) {
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    let mut transport = LibfabricTransport::open(&config(provider)).expect("reader: open");
+    if provider == "shm" {
+        assert!(
+            transport.watches_region_locks(),
+            "libfabric 1.17's shm region"
+        );
+    }
+    let buffers: Vec<Arc<HostBuffer>> = CONSUMER_REGIONS
+        .iter()
+        .map(|&(index, len)| {
+            let buffer = Arc::new(HostBuffer::new(len).unwrap());
+            transport
+                .register(LocalRegion::host(index, Arc::clone(&buffer)))
+                .unwrap();
+            buffer
+        })
+        .collect();
+    let desc = hex(&transport.local_desc().to_bytes());
+    // The queue is read on a thread of its own: a read that never returns shows as a count
+    // that stops, not as a hung test. It connects to the writers it is given (`Some`), lets the
+    // last one go (`None`), and ends when the channel closes.
+    let reads = Arc::new(AtomicU64::new(0));
+    let (peers_tx, peers_rx) = mpsc::channel::<Option<EndpointDesc>>();
+    let (notices, notice_rx) = mpsc::channel();
+    let reader = {
+        let reads = Arc::clone(&reads);
+        std::thread::spawn(move || {
+            let mut events = Vec::new();
+            let mut last = None;
+            loop {
+                match peers_rx.try_recv() {
+                    Ok(Some(desc)) => {
+                        last = Some(transport.connect(&desc).expect("reader: connect"))
+                    }
+                    Ok(None) => {
+                        if let Some(peer) = last.take() {
+                            transport.disconnect(peer);
+                        }
+                    }
+                    Err(mpsc::TryRecvError::Empty) => {}
+                    Err(mpsc::TryRecvError::Disconnected) => return transport,
+                }
+                events.clear();
+                transport
+                    .wait(&mut events, Duration::from_millis(5))
+                    .expect("reader: wait");
+                for e in &events {
+                    if let Event::Notice(n) = e {
+                        let _ = notices.send(*n);
+                    }
+                }
+                reads.fetch_add(1, Ordering::Relaxed);
+            }
+        })
+    };
+    let still_reading = |round: usize| {
+        let before = reads.load(Ordering::Relaxed);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while reads.load(Ordering::Relaxed) < before + 3 {
+            assert!(
+                Instant::now() < deadline,
+                "round {round}: this side stopped reading its queue after the writer was killed"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    };
+    for round in 0..8 {
+        let mut writer = ChildProcess::spawn_with("writer", provider, 1, &desc);
+        peers_tx.send(Some(writer.desc())).unwrap();
+        assert_eq!(writer.line(), "WRITING", "round {round}");
+        // Each round kills at another moment of the writes (a plan takes about a millisecond).
+        std::thread::sleep(Duration::from_micros(300 * round as u64));
+        writer.child.kill().unwrap();
+        writer.child.wait().unwrap();
+        if round % 2 == 1 {
+            peers_tx.send(None).unwrap();
+        }
+        still_reading(round);
+    }
+    let writer = ChildProcess::spawn_with("writer-once", provider, 1, &desc);
+    peers_tx.send(Some(writer.desc())).unwrap();
+    assert_eq!(writer.line(), "WROTE");
+    let notice = notice_rx
+        .recv_timeout(DEADLINE)
+        .expect("the new writer's notice");
+    assert_eq!(notice, Notice(NOTICE));
+    drop(peers_tx);
+    let transport = reader.join().unwrap();
+    eprintln!(
+        "{provider}: {} region lock(s) left by killed writers released",
+        transport.abandoned_locks_released()
+    );
+    let expected = expected_regions(&sample_plan());
+    for (i, (buffer, want)) in buffers.iter().zip(&expected).enumerate() {
+        assert!(buffer.to_vec() == *want, "region {i} differs");
+    }
+}
+
+#[test]
+fn shm_a_writer_killed_mid_write_leaves_its_reader_working() {
+    writer_killed_mid_write("shm");
+}
+
+#[test]
+fn tcp_a_writer_killed_mid_write_leaves_its_reader_working() {
+    writer_killed_mid_write("tcp;ofi_rxm");
 }

@@ -66,6 +66,7 @@ pub mod fi;
 mod posters;
 pub mod rails;
 mod shm_cma;
+mod shm_lock;
 mod shm_sweep;
 pub mod stripe;
 
@@ -381,8 +382,11 @@ impl Scratch {
 
 /// One rail: an endpoint with its own domain, completion queue, address vector and buffer.
 struct Rail {
-    // Field order is drop order: the endpoint handle goes first; with `FI_MR_ENDPOINT` the
-    // scratch registration keeps it open until it closes itself, before its buffer is freed.
+    // Field order is drop order: the watch of the endpoint's region lock, then the endpoint
+    // handle; with `FI_MR_ENDPOINT` the scratch registration keeps it open until it closes
+    // itself, before its buffer is freed.
+    /// `shm` 1.17: the lock of this endpoint's own region (see [`shm_lock`]).
+    own_lock: Option<shm_lock::RegionLock>,
     ep: Arc<fi::Endpoint>,
     scratch: Scratch,
     domain: Arc<fi::Domain>,
@@ -605,6 +609,11 @@ pub struct LibfabricTransport {
     peer_rma_unassisted: bool,
     /// This endpoint's notice board (`shm` with cross-memory attach), once asked for.
     board: Option<Arc<NoticeBoard>>,
+    /// `shm`: watches of the processes of peers released within [`shm_lock::DEPARTED_KEPT`],
+    /// and when each was released.
+    departed: VecDeque<(Instant, shm_sweep::ProcessWatch)>,
+    /// `shm`: region locks released because a peer that died held them.
+    abandoned_locks: u64,
 }
 
 // SAFETY: every libfabric object of the domains is owned by this value and used only through
@@ -824,6 +833,11 @@ fn open_rail(
     };
     Ok((
         Rail {
+            own_lock: if config.provider == PROVIDER_SHM {
+                shm_lock::RegionLock::find(&address)
+            } else {
+                None
+            },
             ep,
             scratch,
             domain,
@@ -935,6 +949,8 @@ impl LibfabricTransport {
             draining: 0,
             broken: None,
             idle_sleep: MIN_IDLE_SLEEP,
+            departed: VecDeque::new(),
+            abandoned_locks: 0,
             wait_fds,
             wake,
             peer_rma_unassisted: first.provider == PROVIDER_SHM && shm_cma::cma_usable(),
@@ -989,6 +1005,19 @@ impl LibfabricTransport {
     #[must_use]
     pub fn delivery_complete(&self) -> bool {
         self.delivery_complete
+    }
+
+    /// Whether every rail watches the lock of its own `shm` region, which a writer killed while
+    /// writing here would leave held (libfabric 1.17's `shm`; see the module `shm_lock`).
+    #[must_use]
+    pub fn watches_region_locks(&self) -> bool {
+        self.rails.iter().all(|r| r.own_lock.is_some())
+    }
+
+    /// How many times a region lock left held by a peer that died was released.
+    #[must_use]
+    pub fn abandoned_locks_released(&self) -> u64 {
+        self.abandoned_locks
     }
 
     /// Whether remote addresses are virtual addresses (`FI_MR_VIRT_ADDR`) rather than offsets.
@@ -1122,9 +1151,20 @@ impl LibfabricTransport {
     /// pending.
     fn release_if_idle(&mut self, peer: PeerId) {
         let in_flight = self.pending.values().any(|p| p.peer == peer);
-        let Some(gone) = self.peers.release(peer, in_flight) else {
+        let Some(mut gone) = self.peers.release(peer, in_flight) else {
             return;
         };
+        if let Some(watch) = gone.watch.take() {
+            let now = Instant::now();
+            while self
+                .departed
+                .front()
+                .is_some_and(|(at, _)| now.duration_since(*at) > shm_lock::DEPARTED_KEPT)
+            {
+                self.departed.pop_front();
+            }
+            self.departed.push_back((now, watch));
+        }
         for ((rail, addr), contact) in self.rails.iter().zip(gone.links).zip(gone.contact) {
             if self.provider == PROVIDER_SHM && contact == Contact::Refused {
                 // Removed, the entry would go to the next address inserted with its state: had
@@ -1136,6 +1176,37 @@ impl LibfabricTransport {
             // A provider that cannot remove an entry keeps it: nothing refers to it any more,
             // so that costs its memory only.
             let _ = rail.ep.av().remove(addr);
+        }
+    }
+
+    /// Whether `rail`'s queue can be read without spinning: its region lock (`shm` 1.17) is
+    /// free, or was held by a peer that has died and is released now (see [`shm_lock`]).
+    fn own_region_readable(&mut self, rail: usize) -> bool {
+        let Some(lock) = self.rails[rail].own_lock.as_mut() else {
+            return true;
+        };
+        match lock.look(Instant::now()) {
+            shm_lock::Look::Free => true,
+            shm_lock::Look::Held(held) if held < shm_lock::ABANDONED_AFTER => false,
+            shm_lock::Look::Held(_) => {
+                let peer_died = self
+                    .peers
+                    .find(|p| {
+                        p.watch
+                            .as_ref()
+                            .is_some_and(shm_sweep::ProcessWatch::exited)
+                    })
+                    .is_some()
+                    || self.departed.iter().any(|(_, w)| w.exited());
+                if !peer_died {
+                    return false;
+                }
+                if let Some(lock) = self.rails[rail].own_lock.as_mut() {
+                    lock.release_abandoned();
+                }
+                self.abandoned_locks += 1;
+                true
+            }
         }
     }
 
@@ -1770,6 +1841,13 @@ impl LibfabricTransport {
     }
 
     fn drain_once(&mut self, rail: usize, timeout_ms: Option<i32>) -> Result<usize, FabricError> {
+        if !self.own_region_readable(rail) {
+            // Read later: a read now would spin on the lock.
+            if let Some(ms) = timeout_ms {
+                rest_if_idle(&mut self.idle_sleep, true, ms);
+            }
+            return Ok(0);
+        }
         let mut entries = std::mem::take(&mut self.entries);
         let cq = self.rails[rail].ep.cq();
         let read = match timeout_ms {
