@@ -195,7 +195,7 @@ pub struct LibfabricConfig {
     /// Completion-queue entries (per rail).
     pub cq_size: usize,
     /// `shm` only: before opening, remove the regions that killed processes of this user left in
-    /// `/dev/shm` (see [`shm_sweep`]; also turned on by `KVX_SHM_SWEEP=1`). Off by default: it
+    /// `/dev/shm` (see the module `shm_sweep`; also turned on by `KVX_SHM_SWEEP=1`). Off by default: it
     /// judges liveness in this pid namespace, which is wrong where containers share `/dev/shm`.
     pub sweep_stale_shm: bool,
 }

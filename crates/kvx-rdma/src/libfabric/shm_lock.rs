@@ -139,7 +139,10 @@ mod tests {
         word.store(FREE, Ordering::Release);
         assert_eq!(lock.look(later), Look::Free);
         word.store(-1, Ordering::Release);
-        assert_eq!(lock.look(later + ABANDONED_AFTER), Look::Held(Duration::ZERO));
+        assert_eq!(
+            lock.look(later + ABANDONED_AFTER),
+            Look::Held(Duration::ZERO)
+        );
         lock.release_abandoned();
         assert_eq!(word.load(Ordering::Acquire), FREE);
         assert_eq!(lock.look(later + ABANDONED_AFTER), Look::Free);
