@@ -380,6 +380,17 @@ fn plan_is_verified_by_the_consumer(provider: &str) {
 
     let plan = sample_plan();
     let total: u64 = plan.iter().map(CopyOp::bytes).sum();
+    if provider == "shm" {
+        // A first write maps the peer's region here (the same bytes as the plan's); the lock
+        // in it is looked for again a moment later, at the next post.
+        let first = transport.write(peer, &plan, None).unwrap();
+        wait_for(&mut transport, "the first write", |e| match e {
+            Event::WriteDone { op, .. } if *op == first => Some(()),
+            Event::Failed { error, .. } => panic!("write failed: {error:?}"),
+            _ => None,
+        });
+        std::thread::sleep(Duration::from_millis(150));
+    }
     let id = transport.write(peer, &plan, Some(Notice(NOTICE))).unwrap();
     let bytes = wait_for(&mut transport, "write completion", |e| match e {
         Event::WriteDone { op, bytes, .. } if *op == id => Some(*bytes),
@@ -387,6 +398,10 @@ fn plan_is_verified_by_the_consumer(provider: &str) {
         _ => None,
     });
     assert_eq!(bytes, total);
+    if provider == "shm" {
+        // Looked for before the notice write's posts, after the first write mapped it.
+        assert!(transport.watches_peer_region_locks(peer));
+    }
     let verdict = child.line();
     assert!(verdict.starts_with("OK "), "consumer: {verdict}");
     assert!(child.wait_exit(), "consumer exited with failure");
@@ -523,6 +538,17 @@ fn multi_rail_plan_is_verified(provider: &str, producer_rails: usize, consumer_r
     );
     let plan = sample_plan();
     let total: u64 = plan.iter().map(CopyOp::bytes).sum();
+    if provider == "shm" {
+        // A first write maps the peer's region here (the same bytes as the plan's); the lock
+        // in it is looked for again a moment later, at the next post.
+        let first = transport.write(peer, &plan, None).unwrap();
+        wait_for(&mut transport, "the first write", |e| match e {
+            Event::WriteDone { op, .. } if *op == first => Some(()),
+            Event::Failed { error, .. } => panic!("write failed: {error:?}"),
+            _ => None,
+        });
+        std::thread::sleep(Duration::from_millis(150));
+    }
     let id = transport.write(peer, &plan, Some(Notice(NOTICE))).unwrap();
     let bytes = wait_for(&mut transport, "write completion", |e| match e {
         Event::WriteDone { op, bytes, .. } if *op == id => Some(*bytes),
@@ -530,6 +556,10 @@ fn multi_rail_plan_is_verified(provider: &str, producer_rails: usize, consumer_r
         _ => None,
     });
     assert_eq!(bytes, total);
+    if provider == "shm" {
+        // Looked for before the notice write's posts, after the first write mapped it.
+        assert!(transport.watches_peer_region_locks(peer));
+    }
     let verdict = child.line();
     assert!(verdict.starts_with("OK "), "consumer: {verdict}");
     assert!(child.wait_exit(), "consumer exited with failure");

@@ -132,6 +132,9 @@ const MAX_AGAIN: usize = 10_000;
 /// Shortest sleep between completion-queue reads of a waiting thread on a provider without a
 /// wait object.
 const MIN_IDLE_SLEEP: Duration = Duration::from_micros(50);
+/// How often, at most, the transport looks in its process's mappings for an `shm` peer's region
+/// that the provider has not mapped yet (see `peer_region_locked`).
+const REGION_LOOKUP_EVERY: Duration = Duration::from_millis(100);
 /// A completion-queue read that uses more CPU than this made progress on something (the
 /// thread's own CPU time: a read that only waited for a core did no work).
 const BUSY_READ: Duration = Duration::from_micros(20);
@@ -411,6 +414,11 @@ struct Peer {
     pid: Option<i32>,
     /// `shm`: a watch on that process; nothing is posted to it once it has exited.
     watch: Option<shm_sweep::ProcessWatch>,
+    /// `shm` 1.17: the lock of the peer's region on each link, once the provider has mapped it
+    /// here; nothing is posted while it is held (see [`shm_lock`]).
+    region_locks: Vec<Option<shm_lock::RegionLock>>,
+    /// When the region locks still missing were last looked for.
+    region_lookup_at: Option<Instant>,
     /// The peer's address in each local rail's address vector, for the links in use: local rail
     /// `i` talks to the peer's rail `i`, for `i` below both rail counts.
     links: Vec<sys::fi_addr_t>,
@@ -1014,6 +1022,15 @@ impl LibfabricTransport {
         self.rails.iter().all(|r| r.own_lock.is_some())
     }
 
+    /// Whether posts towards `peer` look at the lock of its `shm` region first (every link's,
+    /// found once the provider has mapped the region, at the first post).
+    #[must_use]
+    pub fn watches_peer_region_locks(&self, peer: PeerId) -> bool {
+        self.peers.get(peer).is_some_and(|p| {
+            !p.region_locks.is_empty() && p.region_locks.iter().all(Option::is_some)
+        })
+    }
+
     /// How many times a region lock left held by a peer that died was released.
     #[must_use]
     pub fn abandoned_locks_released(&self) -> u64 {
@@ -1177,6 +1194,34 @@ impl LibfabricTransport {
             // so that costs its memory only.
             let _ = rail.ep.av().remove(addr);
         }
+    }
+
+    /// Whether the lock of a peer's region (`shm` 1.17), which a post towards it takes, is held
+    /// now. Locks the provider has not mapped yet are looked for at most every
+    /// [`REGION_LOOKUP_EVERY`].
+    fn peer_region_locked(&mut self, peer: PeerId) -> bool {
+        let Some(p) = self.peers.get_mut(peer) else {
+            return false;
+        };
+        let Some(pid) = p.pid else {
+            return false;
+        };
+        let now = Instant::now();
+        if p.region_locks.iter().any(Option::is_none)
+            && p.region_lookup_at
+                .is_none_or(|at| now.duration_since(at) >= REGION_LOOKUP_EVERY)
+        {
+            p.region_lookup_at = Some(now);
+            for (slot, rail) in p.region_locks.iter_mut().zip(&p.rails.rails) {
+                if slot.is_none() {
+                    *slot = shm_lock::RegionLock::find_peer(&rail.address, pid);
+                }
+            }
+        }
+        p.region_locks
+            .iter_mut()
+            .flatten()
+            .any(|lock| matches!(lock.look(now), shm_lock::Look::Held(_)))
     }
 
     /// Whether `rail`'s queue can be read without spinning: its region lock (`shm` 1.17) is
@@ -1345,6 +1390,13 @@ impl LibfabricTransport {
                 self.abandon(op, || OpError::PeerUnreachable {
                     source: "the peer's process has exited".into(),
                 });
+                continue;
+            }
+            if self.peer_region_locked(peer) {
+                // Posted later: the post would spin on the lock (for ever, were its holder
+                // dead); the operation's timeout still bounds the wait.
+                refused.push(peer);
+                at += 1;
                 continue;
             }
             match self.post_one(op) {
@@ -2374,6 +2426,8 @@ impl Transport for LibfabricTransport {
             rails,
             pid,
             watch: pid.and_then(shm_sweep::ProcessWatch::open),
+            region_locks: std::iter::repeat_with(|| None).take(addrs.len()).collect(),
+            region_lookup_at: None,
             contact: vec![Contact::Untried; addrs.len()],
             links: addrs,
         }))

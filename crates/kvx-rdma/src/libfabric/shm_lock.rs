@@ -9,7 +9,9 @@
 //! KV) leaves it held for ever: the next read spins in `pthread_spin_lock`, and with it the
 //! decode engine thread or driver that reads, and every other writer's post.
 //!
-//! So, before each read of the queue, the transport looks at the lock word. Held, the read is
+//! So, before each read of the queue, the transport looks at the lock word (and, before each
+//! post, at the lock of the peer's region it would take: held, the post waits for a later try
+//! instead of spinning, which leaves only a post that begins just as a peer dies inside). Held, the read is
 //! skipped (nothing spins). Held at every look for [`ABANDONED_AFTER`] while a peer's process
 //! has exited (a connected peer, or one disconnected within [`DEPARTED_KEPT`]), it was the dead
 //! peer's: the transport releases it and reads again. A live writer holds it for one copy (a
@@ -62,9 +64,20 @@ pub(super) enum Look {
 }
 
 impl RegionLock {
-    /// The lock of the region of the endpoint whose address is `address` (`fi_shm://<pid>:…`),
-    /// if it is mapped in this process and its header is 1.17's.
+    /// The lock of this process's own region, the one of its endpoint at `address`
+    /// (`fi_shm://<pid>:…`), if it is mapped and its header is 1.17's.
     pub(super) fn find(address: &[u8]) -> Option<Self> {
+        Self::find_owned_by(address, std::process::id() as i32)
+    }
+
+    /// The lock of a peer's region (its endpoint address, owned by process `pid`), once the
+    /// provider has mapped it here (at the first post towards it), if its header is 1.17's.
+    pub(super) fn find_peer(address: &[u8], pid: i32) -> Option<Self> {
+        Self::find_owned_by(address, pid)
+    }
+
+    fn find_owned_by(address: &[u8], pid: i32) -> Option<Self> {
+        let own = pid == std::process::id() as i32;
         let text = std::str::from_utf8(address).ok()?.trim_end_matches('\0');
         let name = text.strip_prefix("fi_shm://")?;
         let path = format!("{SHM_DIR}/{name}");
@@ -76,15 +89,17 @@ impl RegionLock {
             usize::from_str_radix(range.split('-').next()?, 16).ok()
         })?;
         // SAFETY: `start` is the first byte of a live shared mapping of the region, at least a
-        // page long (the header is 32 bytes); it stays mapped while the endpoint is open, and
+        // page long (the header is 32 bytes); it stays mapped while the endpoint is open (a
+        // peer's: while its address-vector entry is, which outlives the peer's record here), and
         // this value is dropped before the endpoint closes (see `word`). The header fields are
         // read as plain integers at their aligned offsets; the lock word is only ever accessed
         // atomically, as the provider's own `pthread_spin_*` calls do.
         unsafe {
             let base = start as *const u8;
+            // The region's own address is the owner's mapping: comparable in the owner only.
             if base.read_volatile() != VERSION_1_17
-                || base.add(PID_OFFSET).cast::<i32>().read_volatile() != std::process::id() as i32
-                || base.add(BASE_ADDR_OFFSET).cast::<u64>().read_volatile() != start as u64
+                || base.add(PID_OFFSET).cast::<i32>().read_volatile() != pid
+                || (own && base.add(BASE_ADDR_OFFSET).cast::<u64>().read_volatile() != start as u64)
             {
                 return None;
             }
