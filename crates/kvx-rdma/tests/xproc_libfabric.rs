@@ -114,6 +114,24 @@ fn unhex(s: &str) -> Vec<u8> {
         .collect()
 }
 
+/// Registers the consumer's regions with `transport`, filled with their pattern (`filled`) or
+/// zero.
+fn consumer_regions(transport: &mut LibfabricTransport, filled: bool) -> Vec<Arc<HostBuffer>> {
+    CONSUMER_REGIONS
+        .iter()
+        .map(|&(index, len)| {
+            let buffer = Arc::new(HostBuffer::new(len).unwrap());
+            if filled {
+                buffer.fill_with(|i| pattern(index, i as u64));
+            }
+            transport
+                .register(LocalRegion::host(index, Arc::clone(&buffer)))
+                .unwrap();
+            buffer
+        })
+        .collect()
+}
+
 /// The consumer child: registers its regions, prints its description, and then (role `verify`)
 /// waits for the notice and checks every byte, or (role `sink`) waits until it is killed.
 #[test]
@@ -134,20 +152,8 @@ fn child_role() {
     let mut transport =
         LibfabricTransport::open(&config_rails(&provider, rails)).expect("child: open");
     assert_eq!(transport.rail_count(), rails);
-    let buffers: Vec<Arc<HostBuffer>> = CONSUMER_REGIONS
-        .iter()
-        .map(|&(index, len)| {
-            let buffer = Arc::new(HostBuffer::new(len).unwrap());
-            if role == "serve" {
-                // Pull mode: the child holds the bytes, the parent reads them.
-                buffer.fill_with(|i| pattern(index, i as u64));
-            }
-            transport
-                .register(LocalRegion::host(index, Arc::clone(&buffer)))
-                .unwrap();
-            buffer
-        })
-        .collect();
+    // Pull mode (`serve`): the child holds the bytes, the parent reads them.
+    let buffers = consumer_regions(&mut transport, role == "serve");
     println!("KVX:DESC {}", hex(&transport.local_desc().to_bytes()));
     let deadline = Instant::now() + DEADLINE;
     if role == "silent" {
@@ -357,6 +363,26 @@ fn wait_for<T>(
     }
 }
 
+/// Over `shm`, a first write of `plan` (the same bytes as the test's), which maps the peer's
+/// region here; the lock in it is looked for again a moment later, at the next post.
+fn map_peer_region_first(
+    transport: &mut LibfabricTransport,
+    peer: kvx_rdma::PeerId,
+    plan: &[CopyOp],
+    provider: &str,
+) {
+    if provider != "shm" {
+        return;
+    }
+    let first = transport.write(peer, plan, None).unwrap();
+    wait_for(transport, "the first write", |e| match e {
+        Event::WriteDone { op, .. } if *op == first => Some(()),
+        Event::Failed { error, .. } => panic!("write failed: {error:?}"),
+        _ => None,
+    });
+    std::thread::sleep(Duration::from_millis(150));
+}
+
 fn plan_is_verified_by_the_consumer(provider: &str) {
     let mut child = ChildProcess::spawn("verify", provider);
     let (mut transport, _buffers) = producer(provider);
@@ -380,17 +406,7 @@ fn plan_is_verified_by_the_consumer(provider: &str) {
 
     let plan = sample_plan();
     let total: u64 = plan.iter().map(CopyOp::bytes).sum();
-    if provider == "shm" {
-        // A first write maps the peer's region here (the same bytes as the plan's); the lock
-        // in it is looked for again a moment later, at the next post.
-        let first = transport.write(peer, &plan, None).unwrap();
-        wait_for(&mut transport, "the first write", |e| match e {
-            Event::WriteDone { op, .. } if *op == first => Some(()),
-            Event::Failed { error, .. } => panic!("write failed: {error:?}"),
-            _ => None,
-        });
-        std::thread::sleep(Duration::from_millis(150));
-    }
+    map_peer_region_first(&mut transport, peer, &plan, provider);
     let id = transport.write(peer, &plan, Some(Notice(NOTICE))).unwrap();
     let bytes = wait_for(&mut transport, "write completion", |e| match e {
         Event::WriteDone { op, bytes, .. } if *op == id => Some(*bytes),
@@ -538,17 +554,7 @@ fn multi_rail_plan_is_verified(provider: &str, producer_rails: usize, consumer_r
     );
     let plan = sample_plan();
     let total: u64 = plan.iter().map(CopyOp::bytes).sum();
-    if provider == "shm" {
-        // A first write maps the peer's region here (the same bytes as the plan's); the lock
-        // in it is looked for again a moment later, at the next post.
-        let first = transport.write(peer, &plan, None).unwrap();
-        wait_for(&mut transport, "the first write", |e| match e {
-            Event::WriteDone { op, .. } if *op == first => Some(()),
-            Event::Failed { error, .. } => panic!("write failed: {error:?}"),
-            _ => None,
-        });
-        std::thread::sleep(Duration::from_millis(150));
-    }
+    map_peer_region_first(&mut transport, peer, &plan, provider);
     let id = transport.write(peer, &plan, Some(Notice(NOTICE))).unwrap();
     let bytes = wait_for(&mut transport, "write completion", |e| match e {
         Event::WriteDone { op, bytes, .. } if *op == id => Some(*bytes),
@@ -799,16 +805,7 @@ fn writer_killed_mid_write(provider: &str) {
             "libfabric 1.17's shm region"
         );
     }
-    let buffers: Vec<Arc<HostBuffer>> = CONSUMER_REGIONS
-        .iter()
-        .map(|&(index, len)| {
-            let buffer = Arc::new(HostBuffer::new(len).unwrap());
-            transport
-                .register(LocalRegion::host(index, Arc::clone(&buffer)))
-                .unwrap();
-            buffer
-        })
-        .collect();
+    let buffers = consumer_regions(&mut transport, false);
     let desc = hex(&transport.local_desc().to_bytes());
     // The queue is read on a thread of its own: a read that never returns shows as a count
     // that stops, not as a hung test. It connects to the writers it is given (`Some`), lets the
