@@ -1087,25 +1087,32 @@ impl Driver {
                 return;
             }
         };
+        match self.connect_ranks(instance, missing) {
+            Ok(connecting) => connecting.queued.push((request, producer_blocks)),
+            Err(detail) => self.refuse(&request, Reason::PeerFailed, detail),
+        }
+    }
+
+    /// Connects the `missing` ranks of `instance` (a handshake already running is not started
+    /// again) and returns what waits for them; `Err` with the reason while the instance counts
+    /// as unreachable (for [`RETRY_UNREACHABLE`] after a failed connection).
+    fn connect_ranks(
+        &mut self,
+        instance: SocketAddr,
+        missing: Vec<Rank>,
+    ) -> Result<&mut Connecting, String> {
         if !self.connecting.contains_key(&instance) {
-            let now = self.clock.now();
             if let Some((at, why)) = self.unreachable.get(&instance) {
-                if now < *at + RETRY_UNREACHABLE {
-                    let detail = why.clone();
-                    self.refuse(&request, Reason::PeerFailed, detail);
-                    return;
+                if self.clock.now() < *at + RETRY_UNREACHABLE {
+                    return Err(why.clone());
                 }
             }
             self.unreachable.remove(&instance);
         }
-        self.connecting
-            .entry(instance)
-            .or_default()
-            .queued
-            .push((request, producer_blocks));
         for rank in missing {
             self.handshake_in_background(instance, rank);
         }
+        Ok(self.connecting.entry(instance).or_default())
     }
 
     /// Takes the requests queued for a connection that `pick` selects out of their queues.
@@ -1831,38 +1838,25 @@ impl Driver {
     /// Tells every connected rank of `prefill` that the engine dropped `transfer` before
     /// registering it: each gives back what it holds for it.
     fn abandon(&mut self, prefill: SocketAddr, transfer: TransferId) {
-        let missing = if self.connecting.contains_key(&prefill) {
-            Vec::new()
-        } else {
-            match self.missing_ranks(prefill) {
-                Ok(missing) if missing.is_empty() => {
-                    self.tell_abandoned(prefill, &[transfer]);
-                    return;
-                }
-                Ok(missing) => missing,
-                Err(detail) => {
-                    debug!(%prefill, %transfer, detail, "dropped before registration; its prefill cannot serve here");
-                    return;
-                }
+        let missing = match self.missing_ranks(prefill) {
+            Ok(missing) if missing.is_empty() => {
+                self.tell_abandoned(prefill, &[transfer]);
+                return;
+            }
+            Ok(missing) => missing,
+            Err(detail) => {
+                debug!(%prefill, %transfer, detail, "dropped before registration; its prefill cannot serve here");
+                return;
             }
         };
-        if !self.connecting.contains_key(&prefill) {
-            if let Some((at, why)) = self.unreachable.get(&prefill) {
-                if self.clock.now() < *at + RETRY_UNREACHABLE {
-                    debug!(%prefill, %transfer, why, "dropped before registration; its prefill is unreachable");
-                    return;
-                }
+        match self.connect_ranks(prefill, missing) {
+            Ok(connecting) => {
+                connecting.abandons.push(transfer);
+                debug!(%prefill, %transfer, "dropped before registration; connecting to its prefill to say so");
             }
-            self.unreachable.remove(&prefill);
-        }
-        debug!(%prefill, %transfer, "dropped before registration; connecting to its prefill to say so");
-        self.connecting
-            .entry(prefill)
-            .or_default()
-            .abandons
-            .push(transfer);
-        for rank in missing {
-            self.handshake_in_background(prefill, rank);
+            Err(why) => {
+                debug!(%prefill, %transfer, why, "dropped before registration; its prefill is unreachable");
+            }
         }
     }
 

@@ -842,7 +842,7 @@ fn open_rail(
     Ok((
         Rail {
             own_lock: if config.provider == PROVIDER_SHM {
-                shm_lock::RegionLock::find(&address)
+                shm_lock::RegionLock::find(&address, std::process::id() as i32)
             } else {
                 None
             },
@@ -1203,7 +1203,12 @@ impl LibfabricTransport {
         let Some(p) = self.peers.get_mut(peer) else {
             return false;
         };
-        let Some(pid) = p.pid else {
+        // Where this side's own region is not 1.17's, no peer's is: nothing to look for (and
+        // no scan of the mappings on the posting path).
+        let Some(pid) = p
+            .pid
+            .filter(|_| self.rails.iter().any(|r| r.own_lock.is_some()))
+        else {
             return false;
         };
         let now = Instant::now();
@@ -1214,7 +1219,7 @@ impl LibfabricTransport {
             p.region_lookup_at = Some(now);
             for (slot, rail) in p.region_locks.iter_mut().zip(&p.rails.rails) {
                 if slot.is_none() {
-                    *slot = shm_lock::RegionLock::find_peer(&rail.address, pid);
+                    *slot = shm_lock::RegionLock::find(&rail.address, pid);
                 }
             }
         }

@@ -64,19 +64,10 @@ pub(super) enum Look {
 }
 
 impl RegionLock {
-    /// The lock of this process's own region, the one of its endpoint at `address`
-    /// (`fi_shm://<pid>:…`), if it is mapped and its header is 1.17's.
-    pub(super) fn find(address: &[u8]) -> Option<Self> {
-        Self::find_owned_by(address, std::process::id() as i32)
-    }
-
-    /// The lock of a peer's region (its endpoint address, owned by process `pid`), once the
-    /// provider has mapped it here (at the first post towards it), if its header is 1.17's.
-    pub(super) fn find_peer(address: &[u8], pid: i32) -> Option<Self> {
-        Self::find_owned_by(address, pid)
-    }
-
-    fn find_owned_by(address: &[u8], pid: i32) -> Option<Self> {
+    /// The lock of the region of the endpoint at `address` (`fi_shm://<pid>:…`), owned by
+    /// process `pid` (this one's own, or a peer's once the provider has mapped it here, at the
+    /// first post towards it), if it is mapped and its header is 1.17's.
+    pub(super) fn find(address: &[u8], pid: i32) -> Option<Self> {
         let own = pid == std::process::id() as i32;
         let text = std::str::from_utf8(address).ok()?.trim_end_matches('\0');
         let name = text.strip_prefix("fi_shm://")?;
@@ -165,7 +156,8 @@ mod tests {
 
     #[test]
     fn no_lock_is_found_for_a_region_not_mapped_here() {
-        assert!(RegionLock::find(b"fi_shm://1:0:0\0").is_none());
-        assert!(RegionLock::find(b"not an shm address").is_none());
+        let me = std::process::id() as i32;
+        assert!(RegionLock::find(b"fi_shm://1:0:0\0", 1).is_none());
+        assert!(RegionLock::find(b"not an shm address", me).is_none());
     }
 }
