@@ -431,7 +431,8 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
        through computing it (vLLM's abort API), after some of its KV was written into `w`
        early (its first writes to `w`): `w` hears at once, not at its lease, and recomputes,
        exactly. A request dropped while queued on `w` (never registered) has prefill give its
-       KV back at once, not at the lease;
+       KV back at once, not at the lease; so does a request whose only decode does not answer
+       connections (the proxy gives the dispatch up and tells prefill, as a router);
     3. prefill is killed while decode `w` waits for a request's KV: `w` fails the load at once
        and recomputes, exactly, instead of hanging; a client of the proxy gets an error naming
        prefill."""
@@ -690,6 +691,36 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
         assert freed and "not delivered (aborted)" in freed[-1], (freed, p.tail())
         queued.close()
         occupying.close()
+
+        # 2g. A proxy whose only decode does not answer connections (a listener with a full
+        # backlog drops the SYNs): the prefill leg finishes while the decode leg's connection
+        # waits for its 2 s bound; the proxy gives the dispatch up (503) and tells prefill, as a
+        # router, to give that transfer's KV back: freed as aborted, where the lease would say
+        # `lease_expired`.
+        silent = socket.socket()
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(0)
+        filler = socket.create_connection(silent.getsockname(), timeout=5)
+        silent_url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        port_g = free_port()
+        proxy_g = Server("proxy-g",
+                         [str(KVX_BIN), "proxy", "--mode", "push", "--listen",
+                          f"127.0.0.1:{port_g}", "--prefill", f"{p_url}@127.0.0.1:{kvx_port}",
+                          "--decode", silent_url, "--connect-timeout-s", "2"],
+                         workdir, dict(os.environ), f"http://127.0.0.1:{port_g}/health")
+        servers.append(proxy_g)
+        proxy_g.wait_ready()
+        status, raw = http("POST", f"http://127.0.0.1:{port_g}/v1/completions",
+                           {"model": "tiny", "prompt": prompt(PROMPT_WORDS[1], salt=7),
+                            "max_tokens": 4}, timeout=60)
+        assert status == 503, (status, raw)
+        wait_usage_zero("a dispatch given up by the proxy", lease + 10)
+        freed = [line for line in p.log.read_text(errors="replace").splitlines()
+                 if "KV of cmpl-kvx-" in line]
+        assert freed and "not delivered (aborted)" in freed[-1], (freed, p.tail(), proxy_g.tail())
+        proxy_g.kill()
+        filler.close()
+        silent.close()
 
         # 3. Prefill killed while decode w waits: w's load fails at once and it recomputes.
         n = PROMPT_WORDS[1]

@@ -12,7 +12,9 @@
 //! requests in flight; an instance that cannot be connected is skipped (the dispatch is retried
 //! elsewhere with a new transfer id; in pull, a decode leg goes to another decode with the same
 //! prefilled KV) and passed over for `--skip-unreachable-s` unless no other is left; when none
-//! of a kind is reachable the client gets 503.
+//! of a kind is reachable the client gets 503. A dispatch no decode instance saw has its
+//! prefill's KV given back at once: the proxy tells that prefill instance over its kvx control
+//! port, as a router ([`kvx_vllm::router::abandon`]).
 //! A prefill that fails while decode waits ends the client's request with 502 instead of
 //! leaving it hanging; a decode answer that breaks off once streaming has started ends with an
 //! error event (`data: {"error": ...}`). In push mode decode's
@@ -155,6 +157,8 @@ struct Proxy {
     next: AtomicU64,
     seed: u64,
     skip_unreachable: Duration,
+    /// Bounds each step of telling a prefill instance to give a transfer's KV back.
+    connect_timeout: Duration,
 }
 
 /// An error answered to the client in OpenAI's format.
@@ -205,6 +209,36 @@ impl Proxy {
                     pool[i].in_flight.load(Ordering::SeqCst),
                 )
             })
+    }
+
+    /// Tells prefill instance `p` to give the KV it holds (or will hold) for `transfer` back
+    /// now instead of at its lease: the dispatch was given up before any decode instance saw
+    /// it. In the background; a failure is only reported (the lease still bounds the hold).
+    fn abandon(&self, p: usize, transfer: String) {
+        let Some(kvx) = self.prefill[p].kvx.clone() else {
+            return;
+        };
+        let timeout = self.connect_timeout;
+        tokio::task::spawn_blocking(move || {
+            let told = std::net::ToSocketAddrs::to_socket_addrs(kvx.as_str())
+                .map_err(|e| e.to_string())
+                .and_then(|mut addrs| addrs.next().ok_or_else(|| "no address".to_owned()))
+                .and_then(|addr| {
+                    kvx_vllm::router::abandon(
+                        addr,
+                        &transfer,
+                        "the router gave the dispatch up: its decode instance was unreachable",
+                        timeout,
+                    )
+                    .map_err(|e| e.to_string())
+                });
+            if let Err(why) = told {
+                eprintln!(
+                    "kvx proxy: cannot tell prefill {kvx} to give back the KV of {transfer} \
+                     (held until its lease): {why}"
+                );
+            }
+        });
     }
 
     /// A fresh transfer id: unique per proxy process and dispatch.
@@ -268,7 +302,12 @@ impl Proxy {
                     last = why;
                     match which {
                         Leg::Prefill => bad_prefill.push(p),
-                        Leg::Decode => bad_decode.push(d),
+                        Leg::Decode => {
+                            bad_decode.push(d);
+                            // No decode instance saw this dispatch: whatever KV prefill holds
+                            // for it waits for no one (the retry, if any, has a new id).
+                            self.abandon(p, transfer);
+                        }
                     }
                 }
                 Err((_, LegError::Failed(e))) => return Err(e),
@@ -688,6 +727,7 @@ fn build(args: &ProxyArgs) -> anyhow::Result<Arc<Proxy>> {
         next: AtomicU64::new(0),
         seed: random_seed(),
         skip_unreachable,
+        connect_timeout: connect,
     }))
 }
 
@@ -887,10 +927,23 @@ mod tests {
         test_proxy(Mode::Push, prefill, &[decode], 2.0)
     }
 
-    /// A proxy for one prefill instance and `decodes`.
+    /// A proxy for one prefill instance (whose kvx control address nobody listens on) and
+    /// `decodes`.
     fn test_proxy(
         mode: Mode,
         prefill: &str,
+        decodes: &[&str],
+        skip_unreachable_s: f64,
+    ) -> Arc<Proxy> {
+        let kvx = dead_url().trim_start_matches("http://").to_owned();
+        proxy_with_control(mode, prefill, &kvx, decodes, skip_unreachable_s)
+    }
+
+    /// A proxy for one prefill instance with kvx control address `kvx`, and `decodes`.
+    fn proxy_with_control(
+        mode: Mode,
+        prefill: &str,
+        kvx: &str,
         decodes: &[&str],
         skip_unreachable_s: f64,
     ) -> Arc<Proxy> {
@@ -899,7 +952,7 @@ mod tests {
             listen: "127.0.0.1:0".parse().unwrap(),
             prefill: vec![Prefill {
                 url: prefill.into(),
-                kvx: "127.0.0.1:7100".into(),
+                kvx: kvx.into(),
             }],
             decode: decodes.iter().map(|&d| d.to_owned()).collect(),
             connect_timeout_s: 1.0,
@@ -907,6 +960,58 @@ mod tests {
             skip_unreachable_s,
         })
         .unwrap()
+    }
+
+    /// A prefill rank's kvx control port as a router sees it (one rank): it answers a
+    /// router's hello with a producer's and records the transfers aborted; returns its
+    /// address and that record.
+    fn fake_prefill_control() -> (String, Arc<Mutex<Vec<kvx_core::TransferId>>>) {
+        use kvx_core::wire::{FrameHeader, Hello, Message, Role, HEADER_LEN};
+        use kvx_core::{EngineId, Incarnation};
+        use std::io::{Read as _, Write as _};
+
+        fn read(s: &mut std::net::TcpStream) -> Option<Message> {
+            let mut header = [0; HEADER_LEN];
+            s.read_exact(&mut header).ok()?;
+            let header = FrameHeader::parse(&header).unwrap();
+            let mut payload = vec![0; header.payload_len as usize];
+            s.read_exact(&mut payload).ok()?;
+            Some(Message::decode_payload(header.kind, &payload).unwrap())
+        }
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let aborted = Arc::new(Mutex::new(Vec::new()));
+        let record = Arc::clone(&aborted);
+        std::thread::spawn(move || {
+            for mut s in listener.incoming().map_while(Result::ok) {
+                let Some(Message::Hello(theirs)) = read(&mut s) else {
+                    continue;
+                };
+                assert_eq!(theirs.role, Role::Router);
+                let mut mine = Hello::router(EngineId(1), Incarnation(1));
+                mine.role = Role::Producer;
+                mine.layout.tp_size = 1;
+                s.write_all(&Message::Hello(mine).to_bytes().unwrap())
+                    .unwrap();
+                while let Some(m) = read(&mut s) {
+                    if let Message::Abort(a) = m {
+                        record.lock().unwrap().push(a.transfer);
+                    }
+                }
+            }
+        });
+        (addr, aborted)
+    }
+
+    /// Waits up to 5 s for `record` to hold `n` entries; returns them.
+    async fn wait_recorded<T: Clone>(record: &Mutex<Vec<T>>, n: usize) -> Vec<T> {
+        for _ in 0..500 {
+            if record.lock().unwrap().len() >= n {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        record.lock().unwrap().clone()
     }
 
     /// The URL of an instance that is down: a port nobody listens on.
@@ -1093,13 +1198,16 @@ mod tests {
                 post(|| async { axum::Json(json!({"choices": [], "kv_transfer_params": {}})) }),
             ))
             .await;
-            let proxy = test_proxy(Mode::Pull, &prefill, &[&down], 2.0);
+            let (kvx, aborted) = fake_prefill_control();
+            let proxy = proxy_with_control(Mode::Pull, &prefill, &kvx, &[&down], 2.0);
             let e = proxy
                 .route("/v1/completions", json!({"prompt": "x"}))
                 .await
                 .unwrap_err();
             assert_eq!(e.status, StatusCode::SERVICE_UNAVAILABLE);
             assert!(e.message.contains("decode"), "{}", e.message);
+            // ... and prefill is told to give back the KV it holds for the one dispatch.
+            assert_eq!(wait_recorded(&aborted, 1).await.len(), 1);
         });
     }
 
@@ -1112,8 +1220,9 @@ mod tests {
             let (p_url, p_seen) = recording_instance().await;
             let (d_url, d_seen) = recording_instance().await;
             let down = dead_url();
+            let (kvx, aborted) = fake_prefill_control();
             // Not passed over: every request that picks the dead decode first meets it.
-            let proxy = test_proxy(Mode::Push, &p_url, &[&down, &d_url], 0.0);
+            let proxy = proxy_with_control(Mode::Push, &p_url, &kvx, &[&down, &d_url], 0.0);
             // Round-robin among equally loaded instances: some of these go to the dead one.
             route_ok(&proxy, 4).await;
             tokio::time::sleep(Duration::from_millis(300)).await;
@@ -1130,6 +1239,47 @@ mod tests {
             assert!(
                 d_ids.iter().all(|id| p_ids.contains(id)),
                 "{d_ids:?} {p_ids:?}"
+            );
+            // Prefill was told to give back the KV of each dispatch no decode saw (its prefill
+            // leg may have been dropped before it reached prefill), and of no other.
+            let hash = |id: &String| kvx_core::TransferId::from_str_hash(id);
+            let met_dead = proxy.decode[0].unreachable.load(Ordering::Relaxed) as usize;
+            let told = wait_recorded(&aborted, met_dead).await;
+            assert_eq!(told.len(), met_dead, "{told:?}");
+            assert!(d_ids.iter().all(|id| !told.contains(&hash(id))));
+            assert!(p_ids
+                .iter()
+                .filter(|id| !d_ids.contains(id))
+                .all(|id| told.contains(&hash(id))));
+        });
+    }
+
+    /// A decode host that does not answer connections (a listener whose backlog is full drops
+    /// the SYNs) counts as unreachable once the connect timeout has passed: prefill, which
+    /// answered meanwhile, is told to give that dispatch's KV back.
+    #[test]
+    fn a_decode_that_does_not_answer_connections_has_prefill_give_the_kv_back() {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(async {
+            let (p_url, p_seen) = recording_instance().await;
+            let silent = tokio::net::TcpSocket::new_v4().unwrap();
+            silent.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+            let silent = silent.listen(0).unwrap();
+            let addr = silent.local_addr().unwrap();
+            let _filler = tokio::net::TcpStream::connect(addr).await.unwrap();
+            let (kvx, aborted) = fake_prefill_control();
+            let proxy =
+                proxy_with_control(Mode::Push, &p_url, &kvx, &[&format!("http://{addr}")], 2.0);
+            let e = proxy
+                .route("/v1/completions", json!({"prompt": "x"}))
+                .await
+                .unwrap_err();
+            assert_eq!(e.status, StatusCode::SERVICE_UNAVAILABLE, "{}", e.message);
+            let p_ids = p_seen.lock().unwrap().clone();
+            assert_eq!(p_ids.len(), 1, "prefill answered before the timeout");
+            assert_eq!(
+                wait_recorded(&aborted, 1).await,
+                vec![kvx_core::TransferId::from_str_hash(&p_ids[0])]
             );
         });
     }

@@ -20,7 +20,7 @@ use crate::layout::{Arrangement, Dtype, LayoutSpec, MemoryOrder};
 use crate::memory::{MemoryKind, RegionDesc};
 
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u8 = 3;
+pub const PROTOCOL_VERSION: u8 = 4;
 /// The frame magic.
 pub const MAGIC: [u8; 2] = *b"KX";
 /// Bytes in a frame header.
@@ -76,6 +76,10 @@ pub enum Role {
     Producer,
     /// Consumes KV (decode).
     Consumer,
+    /// Routes requests to both sides (`kvx proxy`): has no cache and no transport, and may
+    /// only cancel transfers that no consumer registered ([`Abort`]). Its hello carries an
+    /// all-zero layout and no regions.
+    Router,
 }
 
 /// The first message on a control connection: who the sender is, what its cache looks like and
@@ -108,6 +112,38 @@ pub struct Hello {
     /// blocks until this rank confirms that it writes no more, or for this long (plus a
     /// margin): a posted write cannot be recalled. Consumers send 0.
     pub write_timeout_ms: u32,
+}
+
+impl Hello {
+    /// A router's hello ([`Role::Router`]): no cache (an all-zero layout), no regions, no
+    /// transport.
+    #[must_use]
+    pub fn router(engine: EngineId, incarnation: Incarnation) -> Self {
+        Self {
+            compat_hash: 0,
+            engine,
+            incarnation,
+            role: Role::Router,
+            layout: LayoutSpec {
+                num_layers: 0,
+                total_kv_heads: 0,
+                head_dim: 0,
+                dtype: Dtype::F32,
+                mla: false,
+                block_tokens: 0,
+                num_blocks: 0,
+                tp_size: 0,
+                tp_rank: 0,
+                order: MemoryOrder::Nhd,
+                arrangement: Arrangement::PerLayerSplit,
+            },
+            regions: Vec::new(),
+            transport: String::new(),
+            transport_addr: Vec::new(),
+            finishing_hints: false,
+            write_timeout_ms: 0,
+        }
+    }
 }
 
 /// Decode tells prefill where one request's KV must land on one decode rank.
@@ -597,6 +633,7 @@ impl Writer<'_> {
         self.u8(match m.role {
             Role::Producer => 0,
             Role::Consumer => 1,
+            Role::Router => 2,
         });
         self.layout(&m.layout);
         self.count(m.regions.len())?;
@@ -842,6 +879,7 @@ impl<'a> Reader<'a> {
         let role = match self.u8()? {
             0 => Role::Producer,
             1 => Role::Consumer,
+            2 => Role::Router,
             v => {
                 return Err(DecodeError::InvalidField {
                     field: "role",

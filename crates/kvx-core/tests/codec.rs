@@ -84,7 +84,7 @@ fn reason() -> impl Strategy<Value = FailureReason> {
 
 fn message() -> impl Strategy<Value = Message> {
     let hello = (
-        (any::<u64>(), any::<u64>(), any::<u64>(), any::<bool>()),
+        (any::<u64>(), any::<u64>(), any::<u64>(), 0..3usize),
         layout(),
         prop::collection::vec(region(), 0..8),
         ".{0,40}",
@@ -93,7 +93,7 @@ fn message() -> impl Strategy<Value = Message> {
     )
         .prop_map(
             |(
-                (hash, engine, inc, producer),
+                (hash, engine, inc, role),
                 layout,
                 regions,
                 transport,
@@ -104,11 +104,7 @@ fn message() -> impl Strategy<Value = Message> {
                     compat_hash: hash,
                     engine: EngineId(engine),
                     incarnation: Incarnation(inc),
-                    role: if producer {
-                        Role::Producer
-                    } else {
-                        Role::Consumer
-                    },
+                    role: [Role::Producer, Role::Consumer, Role::Router][role],
                     layout,
                     regions,
                     transport,
@@ -495,4 +491,22 @@ fn compat_hash_ignores_what_the_planner_bridges() {
         ..a.clone()
     };
     assert_ne!(a.compat_hash(), c.compat_hash());
+}
+
+#[test]
+fn a_router_hello_round_trips_and_an_unknown_role_is_rejected() {
+    let hello = Message::Hello(Hello::router(EngineId(5), Incarnation(6)));
+    let mut bytes = hello.to_bytes().unwrap();
+    assert_eq!(Message::decode_exact(&bytes).unwrap(), hello);
+    // The role is the byte after the header and three u64s.
+    let role = HEADER_LEN + 24;
+    assert_eq!(bytes[role], 2);
+    bytes[role] = 3;
+    assert_eq!(
+        Message::decode_exact(&bytes),
+        Err(DecodeError::InvalidField {
+            field: "role",
+            value: 3
+        })
+    );
 }

@@ -61,6 +61,7 @@ pub mod error;
 pub mod producer;
 #[cfg(feature = "python")]
 mod python;
+pub mod router;
 mod stats;
 pub mod transport;
 
@@ -70,5 +71,6 @@ pub use consumer::{Consumer, PullRequest, PushRequest, RecvEvent};
 pub use control::ControlError;
 pub use error::{Closed, StartError};
 pub use producer::{FinishedSending, Producer, SendOutcome};
+pub use router::RouterError;
 pub use stats::StatsSnapshot;
 pub use transport::{TransportError, TransportSpec};

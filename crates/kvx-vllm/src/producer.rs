@@ -101,6 +101,8 @@ struct Consumer {
 struct Conn {
     sender: ControlSender,
     consumer: Option<Consumer>,
+    /// A router (`kvx proxy`): it may only abort transfers no consumer registered.
+    router: bool,
     /// The matcher keys of the registrations that came over this connection, to abort if it
     /// closes. Those that ended are forgotten in batches (see [`Conn::remember`]).
     keys: HashSet<AttemptKey>,
@@ -116,8 +118,16 @@ impl Conn {
         Self {
             sender,
             consumer,
+            router: false,
             keys: HashSet::new(),
             forget_at: FORGET_AT_LEAST,
+        }
+    }
+
+    fn router(sender: ControlSender) -> Self {
+        Self {
+            router: true,
+            ..Self::new(sender, None)
         }
     }
 
@@ -908,6 +918,10 @@ impl Driver {
                     self.give_back(key, held, SendOutcome::NotSent(Reason::Preempted));
                 }
             }
+            Command::Accepted(conn, sender, hello) if hello.role == Role::Router => {
+                debug!(conn, engine = hello.engine.0, "router connected");
+                self.conns.insert(conn, Conn::router(sender));
+            }
             Command::Accepted(conn, sender, hello) => {
                 let consumer = match accept_consumer(
                     &self.layout,
@@ -1036,12 +1050,18 @@ impl Driver {
         }
     }
 
-    /// Whether the consumer on `conn` may abort `transfer`: unless registrations of it came
-    /// from other consumers only. A transfer nobody registered (prefill finished first, or pull)
-    /// may be aborted by any consumer: its owner is not known.
+    /// Whether the consumer or router on `conn` may abort `transfer`: unless registrations of
+    /// it came from other consumers only. A transfer nobody registered (prefill finished first,
+    /// or pull) may be aborted by any consumer or router: its owner is not known.
     fn may_abort(&self, conn: ConnId, transfer: TransferId) -> bool {
-        let Some(me) = self.conns.get(&conn).and_then(|c| c.consumer.as_ref()) else {
+        let Some(c) = self.conns.get(&conn) else {
             return false;
+        };
+        // A router is no registrant: it may abort only what nobody registered.
+        let me = match (&c.consumer, c.router) {
+            (Some(consumer), _) => Some(consumer.id),
+            (None, true) => None,
+            (None, false) => return false,
         };
         let mixed: Vec<TransferId> = self
             .rank_keys(AttemptKey::new(transfer, Attempt(0)))
@@ -1054,7 +1074,7 @@ impl Driver {
             .filter(|(c, _)| c.keys.iter().any(|k| mixed.contains(&k.transfer)))
             .map(|(_, id)| id)
             .collect();
-        if registrants.is_empty() || registrants.contains(&me.id) {
+        if registrants.is_empty() || me.is_some_and(|me| registrants.contains(&me)) {
             return true;
         }
         warn!(
@@ -1092,6 +1112,17 @@ impl Driver {
         let Some(c) = self.conns.get_mut(&conn) else {
             return;
         };
+        if c.router {
+            match message {
+                Message::Abort(abort) if self.may_abort(conn, abort.transfer) => {
+                    debug!(conn, transfer = %abort.transfer, reason = abort.reason, "a router abandons a transfer");
+                    self.abort(now, abort.transfer, abort.attempt, Reason::Aborted);
+                }
+                Message::Abort(_) => {}
+                _ => warn!(conn, "a router may only send aborts: message ignored"),
+            }
+            return;
+        }
         match message {
             Message::Hello(_) => warn!(conn, "second hello on a control connection ignored"),
             Message::Registration(reg) => self.registration(conn, now, reg),

@@ -17,9 +17,10 @@ use kvx_rdma::loopback::LoopbackFabric;
 use kvx_rdma::region::{HostBuffer, LocalRegion};
 use kvx_rdma::{Capabilities, Event, Notice, OpId, PeerId, Transport};
 use kvx_rendezvous::{AttemptKey, Reason};
+use kvx_vllm::router;
 use kvx_vllm::{
     ConnectorConfig, Consumer, FinishedSending, KvCache, Producer, PullRequest, PushRequest,
-    RecvEvent, SendOutcome, QUIESCE_MARGIN,
+    RecvEvent, RouterError, SendOutcome, QUIESCE_MARGIN,
 };
 
 const SEED: u64 = 0x5eed;
@@ -643,6 +644,22 @@ fn wait_held(pre: &Prefill, n: i64) {
     }
 }
 
+/// Every rank of `pre` has a registration.
+fn wait_registered(pre: &Prefill) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while pre
+        .producers
+        .iter()
+        .any(|p| p.stats().remembered_registrations == 0)
+    {
+        assert!(
+            Instant::now() < deadline,
+            "prefill never got the registration"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 /// Every rank of `pre` gave its one held request back as aborted, within 5 s of `since` (far
 /// from the producer lease).
 fn expect_given_back(pre: &Prefill, since: Instant) {
@@ -715,6 +732,55 @@ fn an_abandon_connects_to_a_prefill_that_decode_never_reached_before() {
     register(&consumer, pre.base, key(31, 0), 16, c_blocks);
     pre.finish(key(31, 0), &p_blocks, 16);
     expect_ready(&consumer, key(31, 0), RequestId(1));
+}
+
+/// The key vLLM's connector derives from the router's transfer id string.
+fn routed(transfer: &str) -> AttemptKey {
+    AttemptKey::new(TransferId::from_str_hash(transfer), Attempt(0))
+}
+
+#[test]
+fn a_router_gives_a_dispatch_it_gave_up_back_on_every_prefill_rank() {
+    let fabric = LoopbackFabric::new();
+    let pre = tp2_prefill(&fabric);
+    let (p_blocks, _) = request_blocks(&pre, 16, 4, 8);
+    // Finished at prefill; the router's decode leg never reached a decode instance.
+    pre.finish(routed("kvx-a"), &p_blocks, 16);
+    wait_held(&pre, 1);
+    let abandoned = Instant::now();
+    let told = router::abandon(pre.base, "kvx-a", "decode unreachable", LONG).unwrap();
+    assert_eq!(told, 2, "both ranks of the prefill instance");
+    expect_given_back(&pre, abandoned);
+    // Abandoned while prefill still computes: given back as soon as it finishes.
+    router::abandon(pre.base, "kvx-b", "decode unreachable", LONG).unwrap();
+    let finished = Instant::now();
+    pre.finish(routed("kvx-b"), &p_blocks, 16);
+    expect_given_back(&pre, finished);
+}
+
+#[test]
+fn a_router_cannot_abandon_what_a_decode_registered_and_an_absent_prefill_is_an_error() {
+    let fabric = LoopbackFabric::new();
+    let pre = tp2_prefill(&fabric);
+    let c_spec = spec(1, 0, 8, MemoryOrder::Nhd, Arrangement::PerLayerKvHalves);
+    let (_dec, consumer) = decode(&fabric, c_spec.clone(), LONG);
+    let (p_blocks, c_blocks) = request_blocks(&pre, 16, 4, c_spec.block_tokens);
+    let k = routed("kvx-c");
+    register(&consumer, pre.base, k, 16, c_blocks);
+    wait_registered(&pre);
+    router::abandon(pre.base, "kvx-c", "a confused router", LONG).unwrap();
+    pre.finish(k, &p_blocks, 16);
+    expect_ready(&consumer, k, RequestId(1));
+    // Nothing listens there: the error names the address.
+    let closed = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let err = router::abandon(closed, "kvx-d", "x", Duration::from_secs(2)).unwrap_err();
+    assert!(
+        matches!(err, RouterError::Control { addr, .. } if addr == closed),
+        "{err}"
+    );
 }
 
 #[test]
@@ -2505,14 +2571,7 @@ fn an_abort_from_another_decode_instance_is_ignored() {
     let (p_blocks, c_blocks) = request_blocks(&pre, 12, 4, 4);
     let mine = key(801, 0);
     register(&consumer, pre.base, mine, 12, c_blocks.clone());
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while pre.producers[0].stats().remembered_registrations == 0 {
-        assert!(
-            Instant::now() < deadline,
-            "prefill never got the registration"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    wait_registered(&pre);
     // Another decode instance connects with a valid hello.
     let other_spec = spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit);
     let (_other, cache) = Side::new(other_spec.clone());
