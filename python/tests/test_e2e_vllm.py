@@ -710,14 +710,19 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
                          workdir, dict(os.environ), f"http://127.0.0.1:{port_g}/health")
         servers.append(proxy_g)
         proxy_g.wait_ready()
+
+        def routed_kv_freed() -> list[str]:
+            return [line for line in p.log.read_text(errors="replace").splitlines()
+                    if "KV of cmpl-kvx-" in line]
+        freed_before = len(routed_kv_freed())
         status, raw = http("POST", f"http://127.0.0.1:{port_g}/v1/completions",
                            {"model": "tiny", "prompt": prompt(PROMPT_WORDS[1], salt=7),
                             "max_tokens": 4}, timeout=60)
         assert status == 503, (status, raw)
         wait_usage_zero("a dispatch given up by the proxy", lease + 10)
-        freed = [line for line in p.log.read_text(errors="replace").splitlines()
-                 if "KV of cmpl-kvx-" in line]
-        assert freed and "not delivered (aborted)" in freed[-1], (freed, p.tail(), proxy_g.tail())
+        freed = routed_kv_freed()[freed_before:]
+        assert len(freed) == 1 and "not delivered (aborted)" in freed[0], \
+            (freed, p.tail(), proxy_g.tail())
         proxy_g.kill()
         filler.close()
         silent.close()
