@@ -138,9 +138,11 @@ class MachineClock:
         """Steal and busy in [t0, t1], in ms of CPU time (all cores together)."""
         import bisect
 
-        times = [s[0] for s in self.samples]
-        i, j = bisect.bisect_left(times, t0), bisect.bisect_right(times, t1) - 1
-        if i >= len(times) or j <= i:
+        # The samples are in time order; `key` bisects them without copying their times.
+        samples = self.samples
+        i = bisect.bisect_left(samples, t0, key=lambda s: s[0])
+        j = bisect.bisect_right(samples, t1, key=lambda s: s[0]) - 1
+        if i >= len(samples) or j <= i:
             return None
         a, b = self.samples[i], self.samples[j]
         return {"steal_ms": (b[1] - a[1]) * 10.0, "busy_ms": (b[2] - a[2]) * 10.0,
