@@ -301,7 +301,7 @@ def reference(model, workdir) -> dict:
 
 def run_pair(mode: str, model: Path, workdir: Path, reference: dict, *, p_extra=None,
              d_extra=None, d_block=BLOCK, d_policy="fail", p_args=(), p_log=None, d_log=None,
-             kvx_host="127.0.0.1", p_cores=P_CORES):
+             kvx_host="127.0.0.1", p_cores=P_CORES, d_args=(), d_cores=D_CORES):
     connector = "KvxPushConnector" if mode == "push" else "KvxPullConnector"
     kvx_port = free_port()
     p_cfg = kv_config(connector, "kv_producer", f"p-{mode}", listen=f"127.0.0.1:{kvx_port}",
@@ -310,7 +310,7 @@ def run_pair(mode: str, model: Path, workdir: Path, reference: dict, *, p_extra=
     p, p_url = start_vllm(f"prefill-{mode}", model, workdir, kv=p_cfg, cores=p_cores,
                           args_extra=p_args, kvx_log=p_log)
     d, d_url = start_vllm(f"decode-{mode}", model, workdir, kv=d_cfg, prefix_caching=False,
-                          block_size=d_block, cores=D_CORES, kvx_log=d_log)
+                          block_size=d_block, cores=d_cores, args_extra=d_args, kvx_log=d_log)
     proxy_port = free_port()
     proxy_url = f"http://127.0.0.1:{proxy_port}"
     proxy = Server(
@@ -323,12 +323,13 @@ def run_pair(mode: str, model: Path, workdir: Path, reference: dict, *, p_extra=
 
 
 def check_pair_matches_reference(mode, model, workdir, reference, transport=None, d_block=BLOCK,
-                                 chunk=None, d_log_expect=None, kvx_host="127.0.0.1", p_tp=1):
+                                 chunk=None, d_log_expect=None, kvx_host="127.0.0.1", p_tp=1,
+                                 d_tp=1):
     """With `chunk`, prefill computes prompts in steps of that many tokens (chunked prefill),
     and push writes each step's finished blocks while the next step computes. With
     `d_log_expect`, decode logs kvx at debug level and that text must appear in its log.
     `kvx_host` names prefill's kvx address to the proxy (which hands it to decode in push).
-    `p_tp`: prefill's tensor-parallel size (its ranks share the machine's cores)."""
+    `p_tp`, `d_tp`: each side's tensor-parallel size."""
     extra = {"transport": transport} if transport else None
     p_args = ("--max-num-batched-tokens", str(chunk)) if chunk else ()
     p_cores = P_CORES
@@ -340,12 +341,18 @@ def check_pair_matches_reference(mode, model, workdir, reference, transport=None
         # got almost none of it (its step, and its kvx threads' answers to decode's
         # handshake, waited tens of seconds).
         p_cores = "|".join([P_CORES] * p_tp) if P_CORES else None
+    d_args: tuple[str, ...] = ()
+    d_cores = D_CORES
+    if d_tp > 1:
+        d_args = ("--tensor-parallel-size", str(d_tp))
+        d_cores = "|".join([D_CORES] * d_tp) if D_CORES else None
     p_log = "kvx_vllm::producer=debug,kvx_vllm=info" if chunk else None
     p, p_url, d, d_url, proxy, proxy_url = run_pair(mode, model, workdir, reference,
                                                     p_extra=extra, d_extra=extra,
                                                     d_block=d_block, p_args=p_args, p_log=p_log,
                                                     d_log="kvx_vllm=debug" if d_log_expect else None,
-                                                    kvx_host=kvx_host, p_cores=p_cores)
+                                                    kvx_host=kvx_host, p_cores=p_cores,
+                                                    d_args=d_args, d_cores=d_cores)
     try:
         for s in (p, d, proxy):
             s.wait_ready()
@@ -423,6 +430,14 @@ def test_push_from_a_two_rank_prefill_matches_a_single_instance(model, workdir, 
     first's hello), registers each request with both, and starts it once both ranks' notices
     arrived. Outputs match one instance, and decode computed no prompt token."""
     check_pair_matches_reference("push", model, workdir, reference, p_tp=2)
+
+
+def test_pull_into_a_two_rank_decode_matches_a_single_instance(model, workdir, reference):
+    """Decode runs with tensor parallelism 2 (each rank holds one KV head), prefill with 1
+    (both heads): each decode rank reads its own head of every block from prefill's one rank
+    and reports to its scheduler; the request starts once both ranks have. Outputs match one
+    instance, and decode computed no prompt token."""
+    check_pair_matches_reference("pull", model, workdir, reference, d_tp=2)
 
 
 def test_push_over_cma_finds_the_kv_ready_in_decodes_notice_board(model, workdir, reference):
