@@ -429,7 +429,8 @@ def test_push_from_a_two_rank_prefill_matches_a_single_instance(model, workdir, 
     with 1 (both heads): decode connects to both prefill ranks (learning the second from the
     first's hello), registers each request with both, and starts it once both ranks' notices
     arrived. Outputs match one instance, and decode computed no prompt token."""
-    check_pair_matches_reference("push", model, workdir, reference, p_tp=2)
+    check_pair_matches_reference("push", model, workdir, reference, p_tp=2,
+                                 d_log_expect="writers=2")
 
 
 def test_pull_into_a_two_rank_decode_matches_a_single_instance(model, workdir, reference):
@@ -501,6 +502,7 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
                     f"127.0.0.1:{proxy_port}", "--prefill", f"{p_url}@127.0.0.1:{kvx_port}",
                     "--decode", d_url], workdir, dict(os.environ), f"{proxy_url}/health")
     servers = [p, d, dk, dw, proxy]
+    sockets: list[socket.socket] = []
 
     def usage() -> float:
         return metric(p_url, "vllm:kv_cache_usage_perc")
@@ -728,7 +730,8 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
 
         # 2g. A proxy whose only decode does not answer connections (a listener with a full
         # backlog drops the SYNs): the prefill leg finishes while the decode leg's connection
-        # waits for its 2 s bound; the proxy gives the dispatch up (503) and tells prefill, as a
+        # waits for its 3 s bound (prefill takes well under a second here; the 4 s lease runs
+        # from its finish); the proxy gives the dispatch up (503) and tells prefill, as a
         # router, to give that transfer's KV back: freed as aborted, where the lease would say
         # `lease_expired`.
         silent = socket.socket()
@@ -740,9 +743,10 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
         proxy_g = Server("proxy-g",
                          [str(KVX_BIN), "proxy", "--mode", "push", "--listen",
                           f"127.0.0.1:{port_g}", "--prefill", f"{p_url}@127.0.0.1:{kvx_port}",
-                          "--decode", silent_url, "--connect-timeout-s", "2"],
+                          "--decode", silent_url, "--connect-timeout-s", "3"],
                          workdir, dict(os.environ), f"http://127.0.0.1:{port_g}/health")
         servers.append(proxy_g)
+        sockets = [filler, silent]
         proxy_g.wait_ready()
 
         def routed_kv_freed() -> list[str]:
@@ -758,8 +762,6 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
         assert len(freed) == 1 and "not delivered (aborted)" in freed[0], \
             (freed, p.tail(), proxy_g.tail())
         proxy_g.kill()
-        filler.close()
-        silent.close()
 
         # 3. Prefill killed while decode w waits: w's load fails at once and it recomputes.
         n = PROMPT_WORDS[1]
@@ -783,3 +785,5 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
     finally:
         for s in reversed(servers):
             s.kill()
+        for sock in sockets:
+            sock.close()

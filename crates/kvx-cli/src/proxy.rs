@@ -159,7 +159,13 @@ struct Proxy {
     skip_unreachable: Duration,
     /// Bounds each step of telling a prefill instance to give a transfer's KV back.
     connect_timeout: Duration,
+    /// Bounds how many of those run at once (each holds a blocking thread): beyond it, the
+    /// lease frees the KV.
+    abandons: Arc<tokio::sync::Semaphore>,
 }
+
+/// How many abandons ([`Proxy::abandon`]) may run at once.
+const ABANDONS_IN_FLIGHT: usize = 8;
 
 /// An error answered to the client in OpenAI's format.
 #[derive(Debug)]
@@ -218,20 +224,17 @@ impl Proxy {
         let Some(kvx) = self.prefill[p].kvx.clone() else {
             return;
         };
+        let Ok(permit) = Arc::clone(&self.abandons).try_acquire_owned() else {
+            eprintln!(
+                "kvx proxy: {ABANDONS_IN_FLIGHT} abandons already running: prefill {kvx} keeps \
+                 the KV of {transfer} until its lease"
+            );
+            return;
+        };
         let timeout = self.connect_timeout;
         tokio::task::spawn_blocking(move || {
-            let told = std::net::ToSocketAddrs::to_socket_addrs(kvx.as_str())
-                .map_err(|e| e.to_string())
-                .and_then(|mut addrs| addrs.next().ok_or_else(|| "no address".to_owned()))
-                .and_then(|addr| {
-                    kvx_vllm::router::abandon(
-                        addr,
-                        &transfer,
-                        "the router gave the dispatch up: its decode instance was unreachable",
-                        timeout,
-                    )
-                    .map_err(|e| e.to_string())
-                });
+            let _permit = permit;
+            let told = abandon_at(&kvx, &transfer, timeout);
             if let Err(why) = told {
                 eprintln!(
                     "kvx proxy: cannot tell prefill {kvx} to give back the KV of {transfer} \
@@ -507,6 +510,29 @@ async fn send_leg(
     }
 }
 
+/// Tells the prefill instance at `kvx` (`HOST:PORT`) to give back the KV of `transfer`: at its
+/// first IPv4 address, as decode reaches it (a name such as `localhost` often lists `::1` first
+/// while prefill listens on IPv4), then at the others.
+fn abandon_at(kvx: &str, transfer: &str, timeout: Duration) -> Result<u32, String> {
+    let mut addrs: Vec<SocketAddr> = std::net::ToSocketAddrs::to_socket_addrs(kvx)
+        .map_err(|e| e.to_string())?
+        .collect();
+    addrs.sort_by_key(|a| !a.is_ipv4());
+    let mut last = "no address".to_owned();
+    for addr in addrs {
+        match kvx_vllm::router::abandon(
+            addr,
+            transfer,
+            "the router gave the dispatch up: its decode instance was unreachable",
+            timeout,
+        ) {
+            Ok(ranks) => return Ok(ranks),
+            Err(e) => last = e.to_string(),
+        }
+    }
+    Err(last)
+}
+
 /// Waits for prefill's answer; returns its `kv_transfer_params`.
 async fn check_prefill(r: reqwest::Response) -> Result<Option<Value>, LegError> {
     let status = r.status();
@@ -728,6 +754,7 @@ fn build(args: &ProxyArgs) -> anyhow::Result<Arc<Proxy>> {
         seed: random_seed(),
         skip_unreachable,
         connect_timeout: connect,
+        abandons: Arc::new(tokio::sync::Semaphore::new(ABANDONS_IN_FLIGHT)),
     }))
 }
 
@@ -927,7 +954,7 @@ mod tests {
         test_proxy(Mode::Push, prefill, &[decode], 2.0)
     }
 
-    /// A proxy for one prefill instance (whose kvx control address nobody listens on) and
+    /// A proxy for one prefill instance (whose kvx control port nobody listens on) and
     /// `decodes`.
     fn test_proxy(
         mode: Mode,
@@ -935,8 +962,8 @@ mod tests {
         decodes: &[&str],
         skip_unreachable_s: f64,
     ) -> Arc<Proxy> {
-        let kvx = dead_url().trim_start_matches("http://").to_owned();
-        proxy_with_control(mode, prefill, &kvx, decodes, skip_unreachable_s)
+        // Port 1: nothing listens there, and no test's listener can take it.
+        proxy_with_control(mode, prefill, "127.0.0.1:1", decodes, skip_unreachable_s)
     }
 
     /// A proxy for one prefill instance with kvx control address `kvx`, and `decodes`.
@@ -1182,7 +1209,8 @@ mod tests {
             let p_url = serve(prefill).await;
             let (d_url, d_seen) = recording_instance().await;
             let down = dead_url();
-            let proxy = test_proxy(Mode::Pull, &p_url, &[&down, &d_url], 2.0);
+            let (kvx, aborted) = fake_prefill_control();
+            let proxy = proxy_with_control(Mode::Pull, &p_url, &kvx, &[&down, &d_url], 2.0);
             // Equally loaded instances are picked round-robin, and each dispatch moves the
             // turn on by an odd count: some of these meet the dead decode first.
             route_ok(&proxy, 4).await;
@@ -1191,6 +1219,9 @@ mod tests {
             assert_eq!(proxy.decode[0].unreachable.load(Ordering::Relaxed), 1);
             assert_eq!(p_ids.len(), 4, "prefill ran again for a retry: {p_ids:?}");
             assert_eq!(d_ids, p_ids);
+            // Every dispatch reached a decode: prefill is told to give nothing back.
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            assert!(aborted.lock().unwrap().is_empty());
 
             // With every decode down the client gets a 503 naming decode.
             let prefill = serve(Router::new().route(

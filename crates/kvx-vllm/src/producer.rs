@@ -944,7 +944,7 @@ impl Driver {
             Command::Peer(conn, message) => self.peer_message(conn, message),
             Command::PeerClosed(conn, why) => {
                 if let Some(c) = self.conns.remove(&conn) {
-                    debug!(conn, why, "consumer connection closed");
+                    debug!(conn, why, "control connection closed");
                     // The transport forgets the consumer's endpoint (once its writes in flight
                     // end) unless another connection of the same endpoint still uses it.
                     if let Some(gone) = &c.consumer {
@@ -1080,9 +1080,23 @@ impl Driver {
         warn!(
             conn,
             %transfer,
-            "abort ignored: another decode instance registered this transfer"
+            "abort ignored: a decode instance registered this transfer"
         );
         false
+    }
+
+    /// Whether a decode rank has finished reading `transfer` (pull) while others may still
+    /// read it: a router's abort is refused then. (A read in progress before any rank finished
+    /// is invisible here: a router must only abandon ids it never handed to a decode.)
+    fn being_read(&self, transfer: TransferId) -> bool {
+        let read = self
+            .pull_held
+            .iter()
+            .any(|(k, hold)| k.transfer == transfer && hold.readers.is_some());
+        if read {
+            warn!(%transfer, "abort from a router ignored: a decode instance reads this transfer");
+        }
+        read
     }
 
     /// Whether nothing of `transfer` at `attempt` from the consumer rank on `conn` is
@@ -1114,11 +1128,13 @@ impl Driver {
         };
         if c.router {
             match message {
-                Message::Abort(abort) if self.may_abort(conn, abort.transfer) => {
-                    debug!(conn, transfer = %abort.transfer, reason = abort.reason, "a router abandons a transfer");
-                    self.abort(now, abort.transfer, abort.attempt, Reason::Aborted);
+                Message::Abort(abort) => {
+                    if self.may_abort(conn, abort.transfer) && !self.being_read(abort.transfer) {
+                        debug!(conn, transfer = %abort.transfer, reason = abort.reason, "a router abandons a transfer");
+                        self.abort(now, abort.transfer, abort.attempt, Reason::Aborted);
+                    }
+                    self.stats.router_aborts.fetch_add(1, Ordering::Relaxed);
                 }
-                Message::Abort(_) => {}
                 _ => warn!(conn, "a router may only send aborts: message ignored"),
             }
             return;

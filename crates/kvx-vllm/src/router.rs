@@ -32,8 +32,8 @@ pub enum RouterError {
         #[source]
         source: ControlError,
     },
-    /// The peer answered with something other than a producer's hello.
-    #[error("{addr} is not a kvx prefill (producer) rank: {answer}")]
+    /// The peer answered with something other than the hello of a producer of that rank.
+    #[error("{addr} is not the kvx prefill (producer) rank expected there: {answer}")]
     NotAProducer {
         /// The address connected.
         addr: SocketAddr,
@@ -44,10 +44,13 @@ pub enum RouterError {
 
 /// Tells every rank of the prefill instance whose rank 0 listens at `instance` to give the KV
 /// of `transfer` (the router's transfer id, as in `kv_transfer_params`) back now. Each step is
-/// bounded by `timeout`; returns how many ranks were told.
+/// bounded by `timeout`; returns how many ranks were told. A router must only abandon ids it
+/// never handed to a decode instance: a prefill rank cannot tell a pull read in progress from
+/// an orphan (see wire-protocol.md, "Routers").
 ///
 /// # Errors
-/// [`RouterError`] for the first rank that could not be told (those before it were).
+/// [`RouterError`] for rank 0 (the others cannot be known without its hello), or for the first
+/// other rank that could not be told (every other rank was still tried).
 pub fn abandon(
     instance: SocketAddr,
     transfer: &str,
@@ -63,39 +66,49 @@ pub fn abandon(
         EngineId(u64::from(std::process::id())),
         Incarnation(0),
     ));
-    let mut ranks = 1;
-    let mut rank = 0;
-    while rank < ranks {
-        let addr = rank_addr(instance, Rank(rank));
-        let control = |source| RouterError::Control {
-            rank: Rank(rank),
-            addr,
-            source,
-        };
-        let mut stream = control::connect(addr, timeout, true).map_err(control)?;
-        stream
-            .set_read_timeout(Some(timeout))
-            .and_then(|()| stream.set_write_timeout(Some(timeout)))
-            .map_err(|e| control(ControlError::Write(e)))?;
-        send(&mut stream, &hello).map_err(control)?;
-        match control::read_message(&mut stream).map_err(control)? {
-            Message::Hello(theirs) if theirs.role == Role::Producer => {
-                if rank == 0 {
-                    ranks = theirs.layout.tp_size.max(1);
-                }
-            }
-            other => {
-                return Err(RouterError::NotAProducer {
-                    addr,
-                    answer: format!("{other:?}"),
-                })
-            }
+    let ranks = tell(instance, Rank(0), &hello, &abort, timeout)?;
+    let mut first_error = None;
+    for rank in 1..ranks {
+        if let Err(e) = tell(instance, Rank(rank), &hello, &abort, timeout) {
+            first_error.get_or_insert(e);
         }
-        // The producer handles its connection's messages in order and reads the abort before
-        // the close that follows.
-        send(&mut stream, &abort).map_err(control)?;
-        rank += 1;
     }
+    first_error.map_or(Ok(ranks), Err)
+}
+
+/// Sends `abort` to rank `rank` of `instance`; returns the instance's TP size, from the rank's
+/// hello.
+fn tell(
+    instance: SocketAddr,
+    rank: Rank,
+    hello: &Message,
+    abort: &Message,
+    timeout: Duration,
+) -> Result<u32, RouterError> {
+    let addr = rank_addr(instance, rank);
+    let control = |source| RouterError::Control { rank, addr, source };
+    let mut stream = control::connect(addr, timeout, true).map_err(control)?;
+    stream
+        .set_read_timeout(Some(timeout))
+        .and_then(|()| stream.set_write_timeout(Some(timeout)))
+        .map_err(|e| control(ControlError::Write(e)))?;
+    send(&mut stream, hello).map_err(control)?;
+    let ranks = match control::read_message(&mut stream).map_err(control)? {
+        Message::Hello(theirs)
+            if theirs.role == Role::Producer && theirs.layout.tp_rank == rank.0 =>
+        {
+            theirs.layout.tp_size.max(1)
+        }
+        other => {
+            return Err(RouterError::NotAProducer {
+                addr,
+                answer: format!("{other:?}"),
+            })
+        }
+    };
+    // The producer handles its connection's messages in order and reads the abort before the
+    // close that follows.
+    send(&mut stream, abort).map_err(control)?;
     Ok(ranks)
 }
 

@@ -15,6 +15,7 @@ pub(crate) struct Stats {
     pub(crate) nudges: AtomicU64,
     pub(crate) remembered_registrations: AtomicU64,
     pub(crate) board_ready: AtomicU64,
+    pub(crate) router_aborts: AtomicU64,
     pub(crate) driver_turns: AtomicU64,
     pub(crate) local_connections: AtomicU64,
     pub(crate) released_unconfirmed: AtomicU64,
@@ -48,6 +49,9 @@ pub struct StatsSnapshot {
     /// Push requests found ready in the notice board by the engine thread (consumer): their
     /// notices cost the driver thread no wake-up.
     pub board_ready: u64,
+    /// Aborts from routers handled by the producer's driver, honoured or refused (a router
+    /// may abort only what no decode registered or reads).
+    pub router_aborts: u64,
     /// Times the driver thread woke up and took its turn (consumer): for a timer, a command, a
     /// transport event.
     pub driver_turns: u64,
@@ -73,6 +77,7 @@ impl Stats {
             nudges: self.nudges.load(Ordering::Relaxed),
             remembered_registrations: self.remembered_registrations.load(Ordering::Relaxed),
             board_ready: self.board_ready.load(Ordering::Relaxed),
+            router_aborts: self.router_aborts.load(Ordering::Relaxed),
             driver_turns: self.driver_turns.load(Ordering::Relaxed),
             local_connections: self.local_connections.load(Ordering::Relaxed),
             released_unconfirmed: self.released_unconfirmed.load(Ordering::Relaxed),

@@ -644,6 +644,18 @@ fn wait_held(pre: &Prefill, n: i64) {
     }
 }
 
+/// Every rank of `pre` has handled `n` aborts from routers.
+fn wait_router_aborts(pre: &Prefill, n: u64) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while pre.producers.iter().any(|p| p.stats().router_aborts < n) {
+        assert!(
+            Instant::now() < deadline,
+            "the router's abort never arrived"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
 /// Every rank of `pre` has a registration.
 fn wait_registered(pre: &Prefill) {
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -751,8 +763,10 @@ fn a_router_gives_a_dispatch_it_gave_up_back_on_every_prefill_rank() {
     let told = router::abandon(pre.base, "kvx-a", "decode unreachable", LONG).unwrap();
     assert_eq!(told, 2, "both ranks of the prefill instance");
     expect_given_back(&pre, abandoned);
-    // Abandoned while prefill still computes: given back as soon as it finishes.
+    // Abandoned while prefill still computes (the abort handled first): given back as soon as
+    // it finishes.
     router::abandon(pre.base, "kvx-b", "decode unreachable", LONG).unwrap();
+    wait_router_aborts(&pre, 2);
     let finished = Instant::now();
     pre.finish(routed("kvx-b"), &p_blocks, 16);
     expect_given_back(&pre, finished);
@@ -769,6 +783,7 @@ fn a_router_cannot_abandon_what_a_decode_registered_and_an_absent_prefill_is_an_
     register(&consumer, pre.base, k, 16, c_blocks);
     wait_registered(&pre);
     router::abandon(pre.base, "kvx-c", "a confused router", LONG).unwrap();
+    wait_router_aborts(&pre, 1);
     pre.finish(k, &p_blocks, 16);
     expect_ready(&consumer, k, RequestId(1));
     // Nothing listens there: the error names the address.
@@ -781,6 +796,65 @@ fn a_router_cannot_abandon_what_a_decode_registered_and_an_absent_prefill_is_an_
         matches!(err, RouterError::Control { addr, .. } if addr == closed),
         "{err}"
     );
+}
+
+/// Pull into two decode ranks: once one rank has read the transfer, a router's abort of it is
+/// refused (the other rank may be reading), and the second read still lands.
+#[test]
+fn a_router_cannot_abandon_a_pull_transfer_a_decode_reads() {
+    let fabric = LoopbackFabric::new();
+    let pre = prefill(
+        &fabric,
+        1,
+        8,
+        MemoryOrder::Hnd,
+        Arrangement::PerLayerSplit,
+        LONG,
+    );
+    let decoders: Vec<(Side, Consumer)> = (0..2)
+        .map(|rank| {
+            decode(
+                &fabric,
+                spec(2, rank, 4, MemoryOrder::Hnd, Arrangement::PerLayerSplit),
+                LONG,
+            )
+        })
+        .collect();
+    let tokens = 30;
+    let (p_blocks, c_blocks) = (ids(5..9), ids(30..38));
+    pre.sides[0].fill(&p_blocks, tokens);
+    let k = routed("kvx-p");
+    pre.producers[0]
+        .request_finished_pull(k, RequestId(4), p_blocks.clone(), tokens)
+        .unwrap();
+    let pull = |consumer: &Consumer| {
+        consumer
+            .pull(PullRequest {
+                push: PushRequest {
+                    key: k,
+                    request: RequestId(3),
+                    prefill: pre.base,
+                    num_tokens: tokens,
+                    skip_tokens: 0,
+                    blocks: c_blocks.clone(),
+                },
+                producer_blocks: p_blocks.clone(),
+            })
+            .unwrap();
+        expect_ready(consumer, k, RequestId(3));
+    };
+    pull(&decoders[0].1);
+    // The producer learns of the first read's end from its completion message, sent as the
+    // read ended (decode's Ready comes after it): a generous margin for the message.
+    std::thread::sleep(Duration::from_millis(300));
+    router::abandon(pre.base, "kvx-p", "a confused router", LONG).unwrap();
+    wait_router_aborts(&pre, 1);
+    pull(&decoders[1].1);
+    for (side, _) in &decoders {
+        side.verify(&c_blocks, 0, tokens);
+    }
+    let done = wait_finished(&pre.producers[0], 1);
+    assert_eq!(done[0].outcome, SendOutcome::Sent);
 }
 
 #[test]

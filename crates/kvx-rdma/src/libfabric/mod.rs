@@ -1239,12 +1239,13 @@ impl LibfabricTransport {
             shm_lock::Look::Free => true,
             shm_lock::Look::Held(held) if held < shm_lock::ABANDONED_AFTER => false,
             shm_lock::Look::Held(_) => {
+                // A peer without a watch (its process was gone before this side connected to
+                // it: no pidfd can be opened then) is looked up by its pid.
                 let peer_died = self
                     .peers
-                    .find(|p| {
-                        p.watch
-                            .as_ref()
-                            .is_some_and(shm_sweep::ProcessWatch::exited)
+                    .find(|p| match &p.watch {
+                        Some(watch) => watch.exited(),
+                        None => p.pid.is_some_and(shm_sweep::exited),
                     })
                     .is_some()
                     || self.departed.iter().any(|(_, w)| w.exited());
