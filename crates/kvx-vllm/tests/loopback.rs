@@ -803,23 +803,7 @@ fn a_router_cannot_abandon_what_a_decode_registered_and_an_absent_prefill_is_an_
 #[test]
 fn a_router_cannot_abandon_a_pull_transfer_a_decode_reads() {
     let fabric = LoopbackFabric::new();
-    let pre = prefill(
-        &fabric,
-        1,
-        8,
-        MemoryOrder::Hnd,
-        Arrangement::PerLayerSplit,
-        LONG,
-    );
-    let decoders: Vec<(Side, Consumer)> = (0..2)
-        .map(|rank| {
-            decode(
-                &fabric,
-                spec(2, rank, 4, MemoryOrder::Hnd, Arrangement::PerLayerSplit),
-                LONG,
-            )
-        })
-        .collect();
+    let (pre, decoders) = one_rank_prefill_two_rank_decode(&fabric);
     let tokens = 30;
     let (p_blocks, c_blocks) = (ids(5..9), ids(30..38));
     pre.sides[0].fill(&p_blocks, tokens);
@@ -958,25 +942,32 @@ fn bad_blocks_and_unreachable_prefill_fail_cleanly() {
 }
 
 /// One producer rank serving both ranks of a TP-2 decode: the blocks go back once, after both.
-fn one_producer_two_consumers(pull: bool, registration_first: bool) {
-    let fabric = LoopbackFabric::new();
+/// A prefill of one rank (8-token blocks) and the two ranks of a decode instance (4-token
+/// blocks, one KV head each).
+fn one_rank_prefill_two_rank_decode(fabric: &LoopbackFabric) -> (Prefill, Vec<(Side, Consumer)>) {
     let pre = prefill(
-        &fabric,
+        fabric,
         1,
         8,
         MemoryOrder::Hnd,
         Arrangement::PerLayerSplit,
         LONG,
     );
-    let decoders: Vec<(Side, Consumer)> = (0..2)
+    let decoders = (0..2)
         .map(|rank| {
             decode(
-                &fabric,
+                fabric,
                 spec(2, rank, 4, MemoryOrder::Hnd, Arrangement::PerLayerSplit),
                 LONG,
             )
         })
         .collect();
+    (pre, decoders)
+}
+
+fn one_producer_two_consumers(pull: bool, registration_first: bool) {
+    let fabric = LoopbackFabric::new();
+    let (pre, decoders) = one_rank_prefill_two_rank_decode(&fabric);
     let tokens = 30;
     let p_blocks = ids(5..9);
     let c_blocks = ids(30..38);
