@@ -1004,7 +1004,7 @@ impl Driver {
         let spawned = thread::Builder::new()
             .name(format!("kvx-hs-{addr}"))
             .spawn(move || {
-                let result = handshake(addr, &hello, timeout, local);
+                let result = control::handshake(addr, &hello, timeout, local);
                 let _ = tx.send(Command::Handshaken(instance, rank, result));
             });
         if let Err(e) = spawned {
@@ -1974,36 +1974,6 @@ impl Driver {
     fn push_event(&self, event: RecvEvent) {
         self.events.push((event, SystemTime::now()));
     }
-}
-
-/// Connects to `addr` and exchanges hellos (ours first), each step bounded by `timeout`; the
-/// stream is left blocking without a timeout.
-fn handshake(
-    addr: SocketAddr,
-    hello: &Message,
-    timeout: Duration,
-    local: bool,
-) -> Result<(ControlStream, Hello), String> {
-    use std::io::Write as _;
-    let mut stream = control::connect(addr, timeout, local).map_err(|e| e.to_string())?;
-    stream
-        .set_read_timeout(Some(timeout))
-        .and_then(|()| stream.set_write_timeout(Some(timeout)))
-        .map_err(|e| e.to_string())?;
-    let bytes = hello.to_bytes().map_err(|e| e.to_string())?;
-    stream
-        .write_all(&bytes)
-        .map_err(|e| format!("cannot send hello to {addr}: {e}"))?;
-    let theirs = match control::read_message(&mut stream) {
-        Ok(Message::Hello(h)) => h,
-        Ok(_) => return Err(format!("{addr} did not answer with a hello")),
-        Err(e) => return Err(format!("no hello from {addr}: {e}")),
-    };
-    stream
-        .set_read_timeout(None)
-        .and_then(|()| stream.set_write_timeout(None))
-        .map_err(|e| e.to_string())?;
-    Ok((stream, theirs))
 }
 
 #[cfg(test)]

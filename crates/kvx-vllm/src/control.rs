@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::Duration;
 
-use kvx_core::wire::{DecodeError, EncodeError, FrameHeader, Message, HEADER_LEN};
+use kvx_core::wire::{DecodeError, EncodeError, FrameHeader, Hello, Message, HEADER_LEN};
 use socket2::Socket;
 
 /// Why a control connection failed.
@@ -351,6 +351,36 @@ pub(crate) fn connect(
     TcpStream::connect_timeout(&addr, timeout)
         .map(ControlStream::tcp)
         .map_err(|source| ControlError::Connect { addr, source })
+}
+
+/// Connects to `addr` and exchanges hellos (ours first), each step bounded by `timeout`; the
+/// stream is left blocking without a timeout.
+pub(crate) fn handshake(
+    addr: SocketAddr,
+    hello: &Message,
+    timeout: Duration,
+    local: bool,
+) -> Result<(ControlStream, Hello), String> {
+    use std::io::Write as _;
+    let mut stream = connect(addr, timeout, local).map_err(|e| e.to_string())?;
+    stream
+        .set_read_timeout(Some(timeout))
+        .and_then(|()| stream.set_write_timeout(Some(timeout)))
+        .map_err(|e| e.to_string())?;
+    let bytes = hello.to_bytes().map_err(|e| e.to_string())?;
+    stream
+        .write_all(&bytes)
+        .map_err(|e| format!("cannot send hello to {addr}: {e}"))?;
+    let theirs = match read_message(&mut stream) {
+        Ok(Message::Hello(h)) => h,
+        Ok(_) => return Err(format!("{addr} did not answer with a hello")),
+        Err(e) => return Err(format!("no hello from {addr}: {e}")),
+    };
+    stream
+        .set_read_timeout(None)
+        .and_then(|()| stream.set_write_timeout(None))
+        .map_err(|e| e.to_string())?;
+    Ok((stream, theirs))
 }
 
 #[cfg(test)]

@@ -15,24 +15,23 @@ use kvx_core::wire::{Abort, Hello, Message, Role};
 use kvx_core::{EngineId, Incarnation, Rank, TransferId};
 
 use crate::common::rank_addr;
-use crate::control::{self, ControlError};
+use crate::control;
 
 /// Why a router could not tell a prefill instance to abandon a transfer.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum RouterError {
     /// Connecting to, writing to or reading from one of the instance's ranks failed.
-    #[error("prefill rank {rank} at {addr}: {source}")]
+    #[error("prefill rank {rank} at {addr}: {detail}")]
     Control {
         /// The rank.
         rank: Rank,
         /// Its control address.
         addr: SocketAddr,
         /// What failed.
-        #[source]
-        source: ControlError,
+        detail: String,
     },
-    /// The peer answered with something other than the hello of a producer of that rank.
+    /// The peer's hello is not that of a producer of that rank.
     #[error("{addr} is not the kvx prefill (producer) rank expected there: {answer}")]
     NotAProducer {
         /// The address connected.
@@ -86,33 +85,25 @@ fn tell(
     timeout: Duration,
 ) -> Result<u32, RouterError> {
     let addr = rank_addr(instance, rank);
-    let control = |source| RouterError::Control { rank, addr, source };
-    let mut stream = control::connect(addr, timeout, true).map_err(control)?;
-    stream
-        .set_read_timeout(Some(timeout))
-        .and_then(|()| stream.set_write_timeout(Some(timeout)))
-        .map_err(|e| control(ControlError::Write(e)))?;
-    send(&mut stream, hello).map_err(control)?;
-    let ranks = match control::read_message(&mut stream).map_err(control)? {
-        Message::Hello(theirs)
-            if theirs.role == Role::Producer && theirs.layout.tp_rank == rank.0 =>
-        {
-            theirs.layout.tp_size.max(1)
-        }
-        other => {
-            return Err(RouterError::NotAProducer {
-                addr,
-                answer: format!("{other:?}"),
-            })
-        }
-    };
+    let (mut stream, theirs) = control::handshake(addr, hello, timeout, true)
+        .map_err(|detail| RouterError::Control { rank, addr, detail })?;
+    if theirs.role != Role::Producer || theirs.layout.tp_rank != rank.0 {
+        return Err(RouterError::NotAProducer {
+            addr,
+            answer: format!("{:?} rank {}", theirs.role, theirs.layout.tp_rank),
+        });
+    }
     // The producer handles its connection's messages in order and reads the abort before the
     // close that follows.
-    send(&mut stream, abort).map_err(control)?;
-    Ok(ranks)
-}
-
-fn send(stream: &mut control::ControlStream, message: &Message) -> Result<(), ControlError> {
-    let bytes = message.to_bytes()?;
-    stream.write_all(&bytes).map_err(ControlError::Write)
+    let bytes = abort.to_bytes().map_err(|e| RouterError::Control {
+        rank,
+        addr,
+        detail: e.to_string(),
+    })?;
+    stream.write_all(&bytes).map_err(|e| RouterError::Control {
+        rank,
+        addr,
+        detail: format!("cannot send the abort: {e}"),
+    })?;
+    Ok(theirs.layout.tp_size.max(1))
 }

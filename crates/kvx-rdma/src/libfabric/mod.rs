@@ -426,6 +426,18 @@ struct Peer {
     contact: Vec<Contact>,
 }
 
+impl Peer {
+    /// Whether its process has exited (`shm`): by its watch, or, without one (a kernel before
+    /// 5.3, or a process gone before this side connected to it: no pidfd can be opened then),
+    /// by its pid and `/proc` (other providers: never known).
+    fn exited(&self) -> bool {
+        match &self.watch {
+            Some(watch) => watch.exited(),
+            None => self.pid.is_some_and(shm_sweep::exited),
+        }
+    }
+}
+
 /// How a link's provider took posts towards a peer. `shm` 1.17 refuses (`-FI_EAGAIN`) every
 /// post to a peer until the peer has read this side's name, which the first post sends it; that
 /// state stays in the address-vector entry after `fi_av_remove`, for the next address inserted
@@ -1239,15 +1251,7 @@ impl LibfabricTransport {
             shm_lock::Look::Free => true,
             shm_lock::Look::Held(held) if held < shm_lock::ABANDONED_AFTER => false,
             shm_lock::Look::Held(_) => {
-                // A peer without a watch (its process was gone before this side connected to
-                // it: no pidfd can be opened then) is looked up by its pid.
-                let peer_died = self
-                    .peers
-                    .find(|p| match &p.watch {
-                        Some(watch) => watch.exited(),
-                        None => p.pid.is_some_and(shm_sweep::exited),
-                    })
-                    .is_some()
+                let peer_died = self.peers.find(Peer::exited).is_some()
                     || self.departed.iter().any(|(_, w)| w.exited());
                 if !peer_died {
                     return false;
@@ -2176,13 +2180,7 @@ impl LibfabricTransport {
     /// Whether the process of an `shm` peer has exited: by its watch, or, without one (a kernel
     /// before 5.3), by its pid and `/proc` (other providers: never known).
     fn peer_exited(&self, peer: PeerId) -> bool {
-        let Some(p) = self.peers.get(peer) else {
-            return false;
-        };
-        match &p.watch {
-            Some(watch) => watch.exited(),
-            None => p.pid.is_some_and(shm_sweep::exited),
-        }
+        self.peers.get(peer).is_some_and(Peer::exited)
     }
 
     /// The process that owns a peer's `shm` endpoint (other providers: none).
