@@ -892,7 +892,7 @@ impl Driver {
                         },
                     );
                     self.expiry.push(Reverse((deadline, key, Hold::Pull)));
-                } else if let Some((readers, _)) = self.readers_known.remove(&key) {
+                } else if let Some(readers) = self.registered_readers(key) {
                     self.fan_out(now, key, held, &readers);
                 } else {
                     self.unfanned.insert(key, (held, deadline));
@@ -971,6 +971,22 @@ impl Driver {
             }
             Command::Shutdown => {}
         }
+    }
+
+    /// The consumer ranks that read `key` from this rank, if one of them registered it: as
+    /// recorded at its registration or, that record gone (it lasts the producer lease, while
+    /// heartbeats keep a registration for as long as decode waits), from a registration the
+    /// matcher still holds.
+    fn registered_readers(&mut self, key: AttemptKey) -> Option<Vec<Rank>> {
+        if let Some((readers, _)) = self.readers_known.remove(&key) {
+            return Some(readers);
+        }
+        let producer_tp = self.layout.spec().tp_size;
+        self.rank_keys(key).find_map(|rkey| {
+            let dest = self.matcher.held_registration(rkey)?;
+            let consumer = self.conns.get(&dest.conn)?.consumer.as_ref()?;
+            kvx_layout::readers_for(self.rank, producer_tp, &consumer.layout).ok()
+        })
     }
 
     /// Consumer ranks a key may have been registered under.

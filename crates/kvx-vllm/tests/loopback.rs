@@ -2384,6 +2384,42 @@ fn heartbeats_keep_a_registration_alive_past_its_producer_side_lease() {
     dec.verify(&ids(0..2), 0, 8);
 }
 
+/// A registration kept alive by heartbeats for longer than prefill's own lease still gets its
+/// KV when prefill finishes: prefill computing for longer than its lease after decode registered
+/// (a first step that compiles, a long queue) must not make it forget which decode ranks read.
+#[test]
+fn a_registration_older_than_the_producer_lease_still_gets_its_kv() {
+    let fabric = LoopbackFabric::new();
+    let lease = Duration::from_millis(600);
+    let pre = prefill(
+        &fabric,
+        2,
+        4,
+        MemoryOrder::Hnd,
+        Arrangement::PerLayerSplit,
+        lease,
+    );
+    let (dec, cache) = Side::new(spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit));
+    let mut c = config(2);
+    c.registration_lease = LONG;
+    c.heartbeat_interval = Duration::from_millis(100);
+    let consumer = Consumer::start(c, cache, Box::new(fabric.endpoint())).unwrap();
+    let k = key(104, 0);
+    register(&consumer, pre.base, k, 8, ids(0..2));
+    std::thread::sleep(lease * 3);
+    assert_eq!(consumer.take_events(), vec![]);
+    for side in &pre.sides {
+        side.fill(&ids(4..6), 8);
+    }
+    pre.finish(k, &ids(4..6), 8);
+    expect_ready(&consumer, k, RequestId(1));
+    dec.verify(&ids(0..2), 0, 8);
+    wait_held(&pre, 0);
+    for p in &pre.producers {
+        assert_eq!(p.stats().transfers_ok, 1, "{:?}", p.stats());
+    }
+}
+
 #[test]
 fn settings_that_must_be_positive_are_refused_at_start() {
     let fabric = LoopbackFabric::new();
