@@ -82,23 +82,31 @@ _PORTS = random.Random(os.getpid())
 _HANDED_OUT: set[int] = set()
 
 
-def free_port() -> int:
-    """A free port below the ephemeral range: vLLM binds its own sockets (ZMQ and others) to
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port(count: int = 1) -> int:
+    """The first of `count` consecutive free ports below the ephemeral range (a prefill with
+    several ranks listens on `listen` + rank): vLLM binds its own sockets (ZMQ and others) to
     ephemeral ports while it starts, so a port picked there could be taken before our server
     binds it. Never the same port twice in one run: a server handed a port may not have bound
     it yet when the next one is picked (a proxy once took its prefill's port that way)."""
     low = _ephemeral_low()
     for _ in range(1000):
-        port = _PORTS.randrange(max(1024, low - 12000), low)
-        if port in _HANDED_OUT:
+        port = _PORTS.randrange(max(1024, low - 12000), low - count + 1)
+        ports = range(port, port + count)
+        if any(p in _HANDED_OUT for p in ports):
             continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            _HANDED_OUT.add(port)
-            return port
+        if not all(_bindable(p) for p in ports):
+            continue
+        _HANDED_OUT.update(ports)
+        return port
     raise RuntimeError("no free port below the ephemeral range")
 
 
@@ -301,9 +309,9 @@ def reference(model, workdir) -> dict:
 
 def run_pair(mode: str, model: Path, workdir: Path, reference: dict, *, p_extra=None,
              d_extra=None, d_block=BLOCK, d_policy="fail", p_args=(), p_log=None, d_log=None,
-             kvx_host="127.0.0.1", p_cores=P_CORES, d_args=(), d_cores=D_CORES):
+             kvx_host="127.0.0.1", p_cores=P_CORES, p_tp=1, d_args=(), d_cores=D_CORES):
     connector = "KvxPushConnector" if mode == "push" else "KvxPullConnector"
-    kvx_port = free_port()
+    kvx_port = free_port(p_tp)  # rank r of prefill listens on kvx_port + r
     p_cfg = kv_config(connector, "kv_producer", f"p-{mode}", listen=f"127.0.0.1:{kvx_port}",
                       **(p_extra or {}))
     d_cfg = kv_config(connector, "kv_consumer", f"d-{mode}", _policy=d_policy, **(d_extra or {}))
@@ -351,7 +359,7 @@ def check_pair_matches_reference(mode, model, workdir, reference, transport=None
                                                     p_extra=extra, d_extra=extra,
                                                     d_block=d_block, p_args=p_args, p_log=p_log,
                                                     d_log="kvx_vllm=debug" if d_log_expect else None,
-                                                    kvx_host=kvx_host, p_cores=p_cores,
+                                                    kvx_host=kvx_host, p_cores=p_cores, p_tp=p_tp,
                                                     d_args=d_args, d_cores=d_cores)
     try:
         for s in (p, d, proxy):
