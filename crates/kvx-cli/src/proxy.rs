@@ -167,6 +167,75 @@ struct Proxy {
 /// How many abandons ([`Proxy::abandon`]) may run at once.
 const ABANDONS_IN_FLIGHT: usize = 8;
 
+/// Tells one prefill instance, over its kvx control port, to give the KV of a transfer back at
+/// once (or as soon as it finishes) instead of at its lease. Prefill honours that only for a
+/// transfer no decode registered (push) or finished reading (pull), so the proxy sends it only
+/// where no decode got the dispatch or a decode's answer to it is over.
+#[derive(Clone)]
+struct Abandoner {
+    kvx: String,
+    /// Bounds each step (connect, handshake, send).
+    timeout: Duration,
+    /// Bounds how many abandons run at once (each holds a blocking thread): beyond it, the
+    /// lease frees the KV.
+    abandons: Arc<tokio::sync::Semaphore>,
+}
+
+impl Abandoner {
+    /// In the background (a blocking thread of the runtime it is called on; outside a runtime
+    /// nothing is sent); a failure is only reported, the lease still bounds the hold.
+    fn abandon(&self, transfer: String) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let kvx = self.kvx.clone();
+        let Ok(permit) = Arc::clone(&self.abandons).try_acquire_owned() else {
+            eprintln!(
+                "kvx proxy: {ABANDONS_IN_FLIGHT} abandons already running: prefill {kvx} keeps \
+                 the KV of {transfer} until its lease"
+            );
+            return;
+        };
+        let timeout = self.timeout;
+        runtime.spawn_blocking(move || {
+            let _permit = permit;
+            let told = abandon_at(&kvx, &transfer, timeout);
+            if let Err(why) = told {
+                eprintln!(
+                    "kvx proxy: cannot tell prefill {kvx} to give back the KV of {transfer} \
+                     (held until its lease): {why}"
+                );
+            }
+        });
+    }
+}
+
+/// A push dispatch whose KV no decode has claimed yet: dropped unclaimed, it has prefill give
+/// that KV back (an [`Abandoner`]). Claimed once decode's answer shows that decode took the
+/// request in: a successful answer that is not a stream (decode has finished), or the first
+/// piece of a successful stream (decode has its first token, so it registered). Dropped
+/// unclaimed: decode was unreachable, refused or failed the request, the prefill leg failed,
+/// or the client went away first; a decode that registered in the meantime keeps the KV
+/// (prefill refuses a router's abort of a registered transfer) and gives it back itself.
+struct Unclaimed {
+    abandoner: Option<Abandoner>,
+    transfer: String,
+}
+
+impl Unclaimed {
+    fn claim(&mut self) {
+        self.abandoner = None;
+    }
+}
+
+impl Drop for Unclaimed {
+    fn drop(&mut self) {
+        if let Some(a) = self.abandoner.take() {
+            a.abandon(std::mem::take(&mut self.transfer));
+        }
+    }
+}
+
 /// An error answered to the client in OpenAI's format.
 #[derive(Debug)]
 struct ApiError {
@@ -218,30 +287,21 @@ impl Proxy {
     }
 
     /// Tells prefill instance `p` to give the KV it holds (or will hold) for `transfer` back
-    /// now instead of at its lease: the dispatch was given up before any decode instance saw
-    /// it. In the background; a failure is only reported (the lease still bounds the hold).
+    /// now instead of at its lease (see [`Abandoner`]).
     fn abandon(&self, p: usize, transfer: String) {
-        let Some(kvx) = self.prefill[p].kvx.clone() else {
-            return;
-        };
-        let Ok(permit) = Arc::clone(&self.abandons).try_acquire_owned() else {
-            eprintln!(
-                "kvx proxy: {ABANDONS_IN_FLIGHT} abandons already running: prefill {kvx} keeps \
-                 the KV of {transfer} until its lease"
-            );
-            return;
-        };
-        let timeout = self.connect_timeout;
-        tokio::task::spawn_blocking(move || {
-            let _permit = permit;
-            let told = abandon_at(&kvx, &transfer, timeout);
-            if let Err(why) = told {
-                eprintln!(
-                    "kvx proxy: cannot tell prefill {kvx} to give back the KV of {transfer} \
-                     (held until its lease): {why}"
-                );
-            }
-        });
+        if let Some(a) = self.abandoner(p) {
+            a.abandon(transfer);
+        }
+    }
+
+    /// What telling prefill instance `p` to give a transfer back takes; `None` where the proxy
+    /// was not given its kvx control address.
+    fn abandoner(&self, p: usize) -> Option<Abandoner> {
+        Some(Abandoner {
+            kvx: self.prefill[p].kvx.clone()?,
+            timeout: self.connect_timeout,
+            abandons: Arc::clone(&self.abandons),
+        })
     }
 
     /// A fresh transfer id: unique per proxy process and dispatch.
@@ -308,8 +368,11 @@ impl Proxy {
                         Leg::Decode => {
                             bad_decode.push(d);
                             // No decode instance saw this dispatch: whatever KV prefill holds
-                            // for it waits for no one (the retry, if any, has a new id).
-                            self.abandon(p, transfer);
+                            // for it waits for no one (the retry, if any, has a new id). In
+                            // push, the dispatch's `Unclaimed` has done this already.
+                            if self.mode == Mode::Pull {
+                                self.abandon(p, transfer);
+                            }
                         }
                     }
                 }
@@ -336,6 +399,10 @@ impl Proxy {
             request,
             json!({"do_remote_prefill": true, "kvx_transfer_id": transfer, "kvx_prefill": kvx}),
         );
+        let unclaimed = Unclaimed {
+            abandoner: self.abandoner(p),
+            transfer: transfer.to_owned(),
+        };
         let p_load = Load::new(pi);
         let d_load = Load::new(di);
         // The prefill leg runs as a task of its own: once decode is answering, prefill's HTTP
@@ -367,14 +434,14 @@ impl Proxy {
             p = p_task.join() => {
                 p.map_err(|e| (Leg::Prefill, e))?;
                 let d = d_leg.await.map_err(|e| (Leg::Decode, e))?;
-                return Ok(forward(d, d_load));
+                return Ok(forward(d, d_load, Some(unclaimed)));
             }
             d = &mut d_leg => d.map_err(|e| (Leg::Decode, e))?,
         };
         if !d_resp.status().is_success() {
             // Prefill's error, if it has one, says more than decode's.
             p_task.join().await.map_err(|e| (Leg::Prefill, e))?;
-            return Ok(forward(d_resp, d_load));
+            return Ok(forward(d_resp, d_load, Some(unclaimed)));
         }
         let status = d_resp.status();
         let content_type = d_resp.headers().get(reqwest::header::CONTENT_TYPE).cloned();
@@ -390,7 +457,14 @@ impl Proxy {
             // Decode is answering before prefill did: let prefill finish on its own.
             p_task.detach();
         }
-        Ok(respond(status, content_type, first, body, d_load))
+        Ok(respond(
+            status,
+            content_type,
+            first,
+            body,
+            d_load,
+            Some(unclaimed),
+        ))
     }
 
     /// Prefill first, then decode with prefill's `kv_transfer_params`. A decode instance that
@@ -439,7 +513,7 @@ impl Proxy {
             let di = &self.decode[d];
             let d_load = Load::new(di);
             match self.send(di, path, transfer, &d_body).await {
-                Ok(r) => return Ok(forward(r, d_load)),
+                Ok(r) => return Ok(forward(r, d_load, None)),
                 Err(LegError::Unreachable(why)) => {
                     bad_decode.push(d);
                     let Some(next) = self.pick(&self.decode, bad_decode) else {
@@ -567,26 +641,39 @@ fn error_event(message: &str) -> axum::body::Bytes {
 }
 
 /// Sends decode's answer to the client, streaming it through.
-fn forward(r: reqwest::Response, load: Load) -> Response {
+fn forward(r: reqwest::Response, load: Load, unclaimed: Option<Unclaimed>) -> Response {
     let status = r.status();
     let content_type = r.headers().get(reqwest::header::CONTENT_TYPE).cloned();
-    respond(status, content_type, None, r.bytes_stream(), load)
+    respond(
+        status,
+        content_type,
+        None,
+        r.bytes_stream(),
+        load,
+        unclaimed,
+    )
 }
 
 /// The client's response: `status`, the content type, then `first` (a chunk already read) and
-/// the rest of `body`. The decode instance counts as loaded until the whole body has been sent.
+/// the rest of `body`. The decode instance counts as loaded until the whole body has been sent;
+/// a push dispatch's `unclaimed` is claimed as decode's answer shows it took the request in.
 fn respond(
     status: reqwest::StatusCode,
     content_type: Option<reqwest::header::HeaderValue>,
     first: Option<Option<Result<axum::body::Bytes, reqwest::Error>>>,
     body: impl futures_util::Stream<Item = Result<axum::body::Bytes, reqwest::Error>> + Send + 'static,
     load: Load,
+    mut unclaimed: Option<Unclaimed>,
 ) -> Response {
     let status = StatusCode::from_u16(status.as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
     let mut headers = HeaderMap::new();
     let events = content_type
         .as_ref()
         .is_some_and(|ct| ct.as_bytes().starts_with(b"text/event-stream"));
+    let success = status.is_success();
+    if let Some(u) = unclaimed.as_mut().filter(|_| success && !events) {
+        u.claim();
+    }
     if let Some(v) = content_type.and_then(|ct| HeaderValue::from_bytes(ct.as_bytes()).ok()) {
         headers.insert(axum::http::header::CONTENT_TYPE, v);
     }
@@ -600,7 +687,12 @@ fn respond(
         let _ = &load;
         let item = match chunk {
             _ if *failed => None,
-            Ok(bytes) => Some(Ok(bytes)),
+            Ok(bytes) => {
+                if let Some(u) = unclaimed.as_mut().filter(|_| success) {
+                    u.claim();
+                }
+                Some(Ok(bytes))
+            }
             Err(e) if events => {
                 *failed = true;
                 Some(Ok(error_event(&format!("decode's answer broke off: {e}"))))
@@ -1282,6 +1374,77 @@ mod tests {
                 .iter()
                 .filter(|id| !d_ids.contains(id))
                 .all(|id| told.contains(&hash(id))));
+        });
+    }
+
+    /// Push: a dispatch whose decode refused the request or failed it, or whose client went
+    /// away before decode answered, has prefill give its KV back (decode never registered it,
+    /// so nobody else would before prefill's lease); a dispatch decode answered, as a whole
+    /// answer or as the first piece of a stream, does not.
+    #[test]
+    fn push_has_prefill_give_back_the_kv_of_a_dispatch_decode_did_not_take() {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(async {
+            let (p_url, p_seen) = recording_instance().await;
+            let (kvx, aborted) = fake_prefill_control();
+            let hash = |id: &String| kvx_core::TransferId::from_str_hash(id);
+            let last = |seen: &Mutex<Vec<String>>| hash(seen.lock().unwrap().last().unwrap());
+
+            // Decode refuses the request (as vLLM does one longer than its context).
+            let (refusing, _) =
+                fake_instance(400, r#"{"error":{"message":"too long"}}"#, Duration::ZERO).await;
+            let proxy = proxy_with_control(Mode::Push, &p_url, &kvx, &[&refusing], 0.0);
+            let r = proxy
+                .route("/v1/completions", json!({"prompt": "x"}))
+                .await
+                .unwrap();
+            assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+            assert!(body_of(r).await.contains("too long"));
+            assert_eq!(wait_recorded(&aborted, 1).await, vec![last(&p_seen)]);
+
+            // The client goes away while decode still works on the request.
+            let (slow, _) = fake_instance(200, r#"{"text":"late"}"#, Duration::from_secs(5)).await;
+            let proxy = proxy_with_control(Mode::Push, &p_url, &kvx, &[&slow], 0.0);
+            let gone = tokio::time::timeout(
+                Duration::from_millis(300),
+                proxy.route("/v1/completions", json!({"prompt": "x"})),
+            )
+            .await;
+            assert!(gone.is_err(), "decode answered before the client left");
+            let told = wait_recorded(&aborted, 2).await;
+            assert_eq!(told.len(), 2, "{told:?}");
+            assert_eq!(told[1], last(&p_seen));
+
+            // Decode answers, whole or as a stream whose first piece has come: nothing is
+            // given back.
+            let (d_url, _) = recording_instance().await;
+            let proxy = proxy_with_control(Mode::Push, &p_url, &kvx, &[&d_url], 0.0);
+            route_ok(&proxy, 2).await;
+            let stream = serve(Router::new().route(
+                "/v1/completions",
+                post(|| async {
+                    let mut resp = Response::new(Body::from("data: {\"text\":\"a\"}\n\n"));
+                    resp.headers_mut().insert(
+                        axum::http::header::CONTENT_TYPE,
+                        HeaderValue::from_static("text/event-stream"),
+                    );
+                    resp
+                }),
+            ))
+            .await;
+            let proxy = proxy_with_control(Mode::Push, &p_url, &kvx, &[&stream], 0.0);
+            let r = proxy
+                .route("/v1/completions", json!({"prompt": "x", "stream": true}))
+                .await
+                .unwrap();
+            assert!(body_of(r).await.contains("text"));
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            assert_eq!(
+                aborted.lock().unwrap().len(),
+                2,
+                "{:?}",
+                aborted.lock().unwrap()
+            );
         });
     }
 

@@ -239,6 +239,7 @@ impl Producer {
             pull_held: HashMap::new(),
             peer_rma_unassisted,
             dead: HashMap::new(),
+            max_dead: config.max_entries,
             streams: HashMap::new(),
             early: HashMap::new(),
             partials: HashMap::new(),
@@ -786,6 +787,9 @@ struct Driver {
     /// the transport: consumers' reads need no progress of this side.
     peer_rma_unassisted: bool,
     dead: HashMap<TransferId, (Option<Attempt>, Timestamp)>,
+    /// Bound on `dead` (`max_entries`): aborts of transfers unknown here (a peer that sends
+    /// many) cannot grow it without end; past it, a late finish waits for its lease instead.
+    max_dead: usize,
     streams: HashMap<AttemptKey, Streaming>,
     /// Early writes, by matcher key (per consumer rank).
     early: HashMap<AttemptKey, Early>,
@@ -1042,6 +1046,10 @@ impl Driver {
         }
         self.readers_known.retain(|k, _| !matches(k));
         self.streams.retain(|k, _| !matches(k));
+        if self.dead.len() >= self.max_dead && !self.dead.contains_key(&transfer) {
+            debug!(%transfer, remembered = self.dead.len(), "too many aborted transfers remembered: a late finish of this one is held until its lease");
+            return;
+        }
         let until = now + DEAD_TTL;
         self.dead.insert(transfer, (attempt, until));
         self.expiry.push(Reverse((
@@ -1093,11 +1101,17 @@ impl Driver {
         if registrants.is_empty() || me.is_some_and(|me| registrants.contains(&me)) {
             return true;
         }
-        warn!(
-            conn,
-            %transfer,
-            "abort ignored: a decode instance registered this transfer"
-        );
+        if me.is_some() {
+            warn!(
+                conn,
+                %transfer,
+                "abort ignored: another decode instance registered this transfer"
+            );
+        } else {
+            // A router abandons what it cannot tell a decode took in (a client that left):
+            // a decode that registered keeps the transfer, as it should.
+            debug!(conn, %transfer, "a router's abort ignored: a decode instance registered this transfer");
+        }
         false
     }
 
@@ -1110,7 +1124,7 @@ impl Driver {
             .iter()
             .any(|(k, hold)| k.transfer == transfer && hold.readers.is_some());
         if read {
-            warn!(%transfer, "abort from a router ignored: a decode instance reads this transfer");
+            debug!(%transfer, "a router's abort ignored: a decode instance reads this transfer");
         }
         read
     }

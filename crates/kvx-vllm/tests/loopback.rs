@@ -772,6 +772,39 @@ fn a_router_gives_a_dispatch_it_gave_up_back_on_every_prefill_rank() {
     expect_given_back(&pre, finished);
 }
 
+/// Aborts of transfers prefill has not finished are remembered (so that their finish gives the
+/// KV back at once) up to `max_entries`: a peer sending aborts of ever new ids cannot grow that
+/// memory without end; past the bound, a late finish waits for its lease instead.
+#[test]
+fn remembered_aborts_are_bounded() {
+    let fabric = LoopbackFabric::new();
+    let (side, cache) = Side::new(spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit));
+    let mut c = config(1);
+    let base = free_ports(1);
+    c.listen = base;
+    c.max_entries = 2;
+    c.producer_lease = Duration::from_millis(1500);
+    let producer = Producer::start(c, cache, Box::new(fabric.endpoint())).unwrap();
+    let pre = Prefill {
+        sides: vec![side],
+        producers: vec![producer],
+        base,
+    };
+    for (n, id) in ["kvx-e1", "kvx-e2", "kvx-e3"].into_iter().enumerate() {
+        router::abandon(base, id, "decode unreachable", LONG).unwrap();
+        wait_router_aborts(&pre, n as u64 + 1);
+    }
+    // Remembered: given back at once.
+    let finished = Instant::now();
+    pre.finish(routed("kvx-e1"), &ids(0..2), 8);
+    expect_given_back(&pre, finished);
+    // Past the bound: held until the lease.
+    pre.finish(routed("kvx-e3"), &ids(2..4), 8);
+    let done = wait_finished(&pre.producers[0], 1);
+    assert_eq!(done[0].outcome, SendOutcome::NotSent(Reason::LeaseExpired));
+    assert!(finished.elapsed() >= Duration::from_millis(1500));
+}
+
 #[test]
 fn a_router_cannot_abandon_what_a_decode_registered_and_an_absent_prefill_is_an_error() {
     let fabric = LoopbackFabric::new();
