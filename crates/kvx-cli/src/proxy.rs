@@ -169,8 +169,9 @@ const ABANDONS_IN_FLIGHT: usize = 8;
 
 /// Tells one prefill instance, over its kvx control port, to give the KV of a transfer back at
 /// once (or as soon as it finishes) instead of at its lease. Prefill honours that only for a
-/// transfer no decode registered (push) or finished reading (pull), so the proxy sends it only
-/// where no decode got the dispatch or a decode's answer to it is over.
+/// transfer no decode registered (push) or finished reading (pull): in pull the proxy sends it
+/// only where no decode got the dispatch; in push wherever decode did not take it in
+/// ([`Unclaimed`]).
 #[derive(Clone)]
 struct Abandoner {
     kvx: String,
@@ -399,7 +400,7 @@ impl Proxy {
             request,
             json!({"do_remote_prefill": true, "kvx_transfer_id": transfer, "kvx_prefill": kvx}),
         );
-        let unclaimed = Unclaimed {
+        let mut unclaimed = Unclaimed {
             abandoner: self.abandoner(p),
             transfer: transfer.to_owned(),
         };
@@ -432,7 +433,7 @@ impl Proxy {
         // KV (a busy prefill API server).
         let d_resp = tokio::select! {
             p = p_task.join() => {
-                p.map_err(|e| (Leg::Prefill, e))?;
+                p.map_err(|e| prefill_failed(&mut unclaimed, e))?;
                 let d = d_leg.await.map_err(|e| (Leg::Decode, e))?;
                 return Ok(forward(d, d_load, Some(unclaimed)));
             }
@@ -440,7 +441,10 @@ impl Proxy {
         };
         if !d_resp.status().is_success() {
             // Prefill's error, if it has one, says more than decode's.
-            p_task.join().await.map_err(|e| (Leg::Prefill, e))?;
+            p_task
+                .join()
+                .await
+                .map_err(|e| prefill_failed(&mut unclaimed, e))?;
             return Ok(forward(d_resp, d_load, Some(unclaimed)));
         }
         let status = d_resp.status();
@@ -448,7 +452,7 @@ impl Proxy {
         let mut body = d_resp.bytes_stream();
         let first = tokio::select! {
             p = p_task.join() => {
-                p.map_err(|e| (Leg::Prefill, e))?;
+                p.map_err(|e| prefill_failed(&mut unclaimed, e))?;
                 None
             }
             chunk = body.next() => Some(chunk),
@@ -527,6 +531,15 @@ impl Proxy {
     }
 }
 
+/// A push dispatch's prefill leg failed: one that never reached prefill leaves nothing there to
+/// give back (and its host is likely down: an abandon would only wait for its timeout).
+fn prefill_failed(unclaimed: &mut Unclaimed, e: LegError) -> (Leg, LegError) {
+    if matches!(e, LegError::Unreachable(_)) {
+        unclaimed.claim();
+    }
+    (Leg::Prefill, e)
+}
+
 #[derive(Clone, Copy)]
 enum Leg {
     Prefill,
@@ -597,7 +610,7 @@ fn abandon_at(kvx: &str, transfer: &str, timeout: Duration) -> Result<u32, Strin
         match kvx_vllm::router::abandon(
             addr,
             transfer,
-            "the router gave the dispatch up: its decode instance was unreachable",
+            "the router gave the dispatch up: no decode instance took it in",
             timeout,
         ) {
             Ok(ranks) => return Ok(ranks),

@@ -1046,7 +1046,14 @@ impl Driver {
         }
         self.readers_known.retain(|k, _| !matches(k));
         self.streams.retain(|k, _| !matches(k));
-        if self.dead.len() >= self.max_dead && !self.dead.contains_key(&transfer) {
+        if let Some((remembered, _)) = self.dead.get_mut(&transfer) {
+            // Already remembered (its expiry is queued): another attempt widens it to all.
+            if *remembered != attempt {
+                *remembered = None;
+            }
+            return;
+        }
+        if self.dead.len() >= self.max_dead {
             debug!(%transfer, remembered = self.dead.len(), "too many aborted transfers remembered: a late finish of this one is held until its lease");
             return;
         }
@@ -1124,7 +1131,7 @@ impl Driver {
             .iter()
             .any(|(k, hold)| k.transfer == transfer && hold.readers.is_some());
         if read {
-            debug!(%transfer, "a router's abort ignored: a decode instance reads this transfer");
+            warn!(%transfer, "abort from a router ignored: a decode instance reads this transfer");
         }
         read
     }

@@ -2435,7 +2435,7 @@ fn a_registration_older_than_the_producer_lease_still_gets_its_kv() {
     let (dec, cache) = Side::new(spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit));
     let mut c = config(2);
     c.registration_lease = LONG;
-    c.heartbeat_interval = Duration::from_millis(100);
+    c.heartbeat_interval = Duration::from_millis(50);
     let consumer = Consumer::start(c, cache, Box::new(fabric.endpoint())).unwrap();
     let k = key(104, 0);
     register(&consumer, pre.base, k, 8, ids(0..2));
