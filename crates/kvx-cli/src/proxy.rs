@@ -164,7 +164,7 @@ struct Proxy {
     abandons: Arc<tokio::sync::Semaphore>,
 }
 
-/// How many abandons ([`Proxy::abandon`]) may run at once.
+/// How many abandons ([`Abandoner`]) may run at once.
 const ABANDONS_IN_FLIGHT: usize = 8;
 
 /// Tells one prefill instance, over its kvx control port, to give the KV of a transfer back at
@@ -211,9 +211,10 @@ impl Abandoner {
     }
 }
 
-/// A push dispatch whose KV no decode has claimed yet: dropped unclaimed, it has prefill give
-/// that KV back (an [`Abandoner`]). Claimed once decode's answer shows that decode took the
-/// request in: a successful answer that is not a stream (decode has finished), or the first
+/// A dispatch whose KV no decode has claimed yet: dropped unclaimed, it has prefill give that KV
+/// back (an [`Abandoner`]). Pull claims it once a decode instance may have been handed the
+/// parameters (anything but a refused connection). Push claims it once decode's answer shows
+/// that decode took the request in: a successful answer that is not a stream (decode has finished), or the first
 /// piece of a successful stream (decode has its first token, so it registered). Dropped
 /// unclaimed: decode was unreachable, refused or failed the request, the prefill leg failed,
 /// or the client went away first; a decode that registered in the meantime keeps the KV
@@ -287,22 +288,18 @@ impl Proxy {
             })
     }
 
-    /// Tells prefill instance `p` to give the KV it holds (or will hold) for `transfer` back
-    /// now instead of at its lease (see [`Abandoner`]).
-    fn abandon(&self, p: usize, transfer: String) {
-        if let Some(a) = self.abandoner(p) {
-            a.abandon(transfer);
-        }
-    }
-
-    /// What telling prefill instance `p` to give a transfer back takes; `None` where the proxy
-    /// was not given its kvx control address.
-    fn abandoner(&self, p: usize) -> Option<Abandoner> {
-        Some(Abandoner {
-            kvx: self.prefill[p].kvx.clone()?,
+    /// `transfer`'s KV on prefill instance `p`, not claimed by a decode yet (nothing to give
+    /// back where the proxy was not given that instance's kvx control address).
+    fn unclaimed(&self, p: usize, transfer: &str) -> Unclaimed {
+        let abandoner = self.prefill[p].kvx.clone().map(|kvx| Abandoner {
+            kvx,
             timeout: self.connect_timeout,
             abandons: Arc::clone(&self.abandons),
-        })
+        });
+        Unclaimed {
+            abandoner,
+            transfer: transfer.to_owned(),
+        }
     }
 
     /// A fresh transfer id: unique per proxy process and dispatch.
@@ -366,15 +363,9 @@ impl Proxy {
                     last = why;
                     match which {
                         Leg::Prefill => bad_prefill.push(p),
-                        Leg::Decode => {
-                            bad_decode.push(d);
-                            // No decode instance saw this dispatch: whatever KV prefill holds
-                            // for it waits for no one (the retry, if any, has a new id). In
-                            // push, the dispatch's `Unclaimed` has done this already.
-                            if self.mode == Mode::Pull {
-                                self.abandon(p, transfer);
-                            }
-                        }
+                        // The dispatch's `Unclaimed` has had prefill give its KV back (the
+                        // retry, if any, has a new id).
+                        Leg::Decode => bad_decode.push(d),
                     }
                 }
                 Err((_, LegError::Failed(e))) => return Err(e),
@@ -400,10 +391,7 @@ impl Proxy {
             request,
             json!({"do_remote_prefill": true, "kvx_transfer_id": transfer, "kvx_prefill": kvx}),
         );
-        let mut unclaimed = Unclaimed {
-            abandoner: self.abandoner(p),
-            transfer: transfer.to_owned(),
-        };
+        let mut unclaimed = self.unclaimed(p, transfer);
         let p_load = Load::new(pi);
         let d_load = Load::new(di);
         // The prefill leg runs as a task of its own: once decode is answering, prefill's HTTP
@@ -513,11 +501,13 @@ impl Proxy {
             params.insert("kvx_prefill".into(), Value::String(kvx.clone()));
         }
         let d_body = decode_body(request, Value::Object(params));
+        // Claimed as soon as a decode instance may have the parameters: a read in progress is
+        // invisible to prefill, so only a dispatch no decode saw is given back.
+        let mut unclaimed = self.unclaimed(p, transfer);
         loop {
             let di = &self.decode[d];
             let d_load = Load::new(di);
             match self.send(di, path, transfer, &d_body).await {
-                Ok(r) => return Ok(forward(r, d_load, None)),
                 Err(LegError::Unreachable(why)) => {
                     bad_decode.push(d);
                     let Some(next) = self.pick(&self.decode, bad_decode) else {
@@ -525,13 +515,18 @@ impl Proxy {
                     };
                     d = next;
                 }
-                Err(e) => return Err((Leg::Decode, e)),
+                answered => {
+                    unclaimed.claim();
+                    return answered
+                        .map(|r| forward(r, d_load, None))
+                        .map_err(|e| (Leg::Decode, e));
+                }
             }
         }
     }
 }
 
-/// A push dispatch's prefill leg failed: one that never reached prefill leaves nothing there to
+/// A dispatch's prefill leg failed: one that never reached prefill leaves nothing there to
 /// give back (and its host is likely down: an abandon would only wait for its timeout).
 fn prefill_failed(unclaimed: &mut Unclaimed, e: LegError) -> (Leg, LegError) {
     if matches!(e, LegError::Unreachable(_)) {

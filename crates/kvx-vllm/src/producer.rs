@@ -235,7 +235,6 @@ impl Producer {
             flights: HashMap::new(),
             fanouts: HashMap::new(),
             unfanned: HashMap::new(),
-            readers_known: HashMap::new(),
             pull_held: HashMap::new(),
             peer_rma_unassisted,
             dead: HashMap::new(),
@@ -621,8 +620,6 @@ struct Fanout {
 enum Hold {
     /// Finished blocks whose consumer ranks are not known yet (no registration so far).
     Unfanned,
-    /// Readers learned from a registration, waiting for the prefill to finish.
-    Readers,
     /// Pull-mode blocks waiting to be read.
     Pull,
     /// An aborted transfer remembered, so that its late prefill is released at once.
@@ -781,7 +778,6 @@ struct Driver {
     flights: HashMap<OpId, Flight>,
     fanouts: HashMap<AttemptKey, Fanout>,
     unfanned: HashMap<AttemptKey, (Held, Timestamp)>,
-    readers_known: HashMap<AttemptKey, (Vec<Rank>, Timestamp)>,
     pull_held: HashMap<AttemptKey, PullHold>,
     /// [`Capabilities::peer_rma_unassisted`](kvx_rdma::Capabilities::peer_rma_unassisted) of
     /// the transport: consumers' reads need no progress of this side.
@@ -977,14 +973,10 @@ impl Driver {
         }
     }
 
-    /// The consumer ranks that read `key` from this rank, if one of them registered it: as
-    /// recorded at its registration or, that record gone (it lasts the producer lease, while
-    /// heartbeats keep a registration for as long as decode waits), from a registration the
-    /// matcher still holds.
-    fn registered_readers(&mut self, key: AttemptKey) -> Option<Vec<Rank>> {
-        if let Some((readers, _)) = self.readers_known.remove(&key) {
-            return Some(readers);
-        }
+    /// The consumer ranks that read `key` from this rank, if one of them registered it (and
+    /// the matcher still holds that registration: for as long as decode's heartbeats keep it,
+    /// however long prefill computes).
+    fn registered_readers(&self, key: AttemptKey) -> Option<Vec<Rank>> {
         let producer_tp = self.layout.spec().tp_size;
         self.rank_keys(key).find_map(|rkey| {
             let dest = self.matcher.held_registration(rkey)?;
@@ -995,9 +987,7 @@ impl Driver {
 
     /// Consumer ranks a key may have been registered under.
     fn ranks_of(&self, key: AttemptKey) -> Vec<Rank> {
-        self.readers_known
-            .get(&key)
-            .map(|(r, _)| r.clone())
+        self.registered_readers(key)
             .unwrap_or_else(|| (0..self.max_consumer_tp).map(Rank).collect())
     }
 
@@ -1044,7 +1034,6 @@ impl Driver {
                 self.give_back(key, hold.held, SendOutcome::NotSent(reason));
             }
         }
-        self.readers_known.retain(|k, _| !matches(k));
         self.streams.retain(|k, _| !matches(k));
         if let Some((remembered, _)) = self.dead.get_mut(&transfer) {
             // Already remembered (its expiry is queued): another attempt widens it to all.
@@ -1300,15 +1289,8 @@ impl Driver {
         );
         if let Some((held, _)) = self.unfanned.remove(&key) {
             self.fan_out(now, key, held, &readers);
-        } else if !self.fanouts.contains_key(&key) {
-            if !self.readers_known.contains_key(&key) {
-                let deadline = now + lease.max(self.producer_lease);
-                self.readers_known.insert(key, (readers, deadline));
-                self.expiry.push(Reverse((deadline, key, Hold::Readers)));
-            }
-            if self.streams.contains_key(&key) {
-                self.stream(key, rank_key(key, reg.consumer_rank));
-            }
+        } else if !self.fanouts.contains_key(&key) && self.streams.contains_key(&key) {
+            self.stream(key, rank_key(key, reg.consumer_rank));
         }
     }
 
@@ -1888,11 +1870,6 @@ impl Driver {
                     if self.unfanned.get(&key).is_some_and(|(_, d)| *d == at) {
                         let (held, _) = self.unfanned.remove(&key).expect("present");
                         self.give_back(key, held, SendOutcome::NotSent(Reason::LeaseExpired));
-                    }
-                }
-                Hold::Readers => {
-                    if self.readers_known.get(&key).is_some_and(|(_, d)| *d == at) {
-                        self.readers_known.remove(&key);
                     }
                 }
                 Hold::Dead => {

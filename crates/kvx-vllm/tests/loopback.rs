@@ -2394,15 +2394,24 @@ fn a_prefill_preempted_at_an_attempt_fails_it_and_serves_the_next() {
     assert_eq!(pre.producers[0].stats().held, 0);
 }
 
+/// A one-rank decode (4-token blocks, NHD, K and V apart) with a long lease whose heartbeats
+/// come every `heartbeat`: they alone keep its registrations alive at prefill.
+fn heartbeating_decode(fabric: &LoopbackFabric, heartbeat: Duration) -> (Side, Consumer) {
+    let (dec, cache) = Side::new(spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit));
+    let mut c = config(2);
+    c.registration_lease = LONG;
+    c.heartbeat_interval = heartbeat;
+    (
+        dec,
+        Consumer::start(c, cache, Box::new(fabric.endpoint())).unwrap(),
+    )
+}
+
 #[test]
 fn heartbeats_keep_a_registration_alive_past_its_producer_side_lease() {
     let fabric = LoopbackFabric::new();
     let pre = tp1_prefill(&fabric);
-    let (dec, cache) = Side::new(spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit));
-    let mut c = config(2);
-    c.registration_lease = LONG;
-    c.heartbeat_interval = Duration::from_millis(100);
-    let consumer = Consumer::start(c, cache, Box::new(fabric.endpoint())).unwrap();
+    let (dec, consumer) = heartbeating_decode(&fabric, Duration::from_millis(100));
     let k = key(103, 0);
     register(&consumer, pre.base, k, 8, ids(0..2));
     // Prefill holds the registration for three heartbeat intervals at a time: only decode's
@@ -2432,11 +2441,7 @@ fn a_registration_older_than_the_producer_lease_still_gets_its_kv() {
         Arrangement::PerLayerSplit,
         lease,
     );
-    let (dec, cache) = Side::new(spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit));
-    let mut c = config(2);
-    c.registration_lease = LONG;
-    c.heartbeat_interval = Duration::from_millis(50);
-    let consumer = Consumer::start(c, cache, Box::new(fabric.endpoint())).unwrap();
+    let (dec, consumer) = heartbeating_decode(&fabric, Duration::from_millis(50));
     let k = key(104, 0);
     register(&consumer, pre.base, k, 8, ids(0..2));
     std::thread::sleep(lease * 3);
