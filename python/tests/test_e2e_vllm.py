@@ -332,10 +332,11 @@ def run_pair(mode: str, model: Path, workdir: Path, reference: dict, *, p_extra=
 
 def check_pair_matches_reference(mode, model, workdir, reference, transport=None, d_block=BLOCK,
                                  chunk=None, d_log_expect=None, kvx_host="127.0.0.1", p_tp=1,
-                                 d_tp=1):
+                                 d_tp=1, d_log_absent=None):
     """With `chunk`, prefill computes prompts in steps of that many tokens (chunked prefill),
     and push writes each step's finished blocks while the next step computes. With
-    `d_log_expect`, decode logs kvx at debug level and that text must appear in its log.
+    `d_log_expect`, decode logs kvx at debug level and that text must appear in its log (and
+    `d_log_absent` must not).
     `kvx_host` names prefill's kvx address to the proxy (which hands it to decode in push).
     `p_tp`, `d_tp`: each side's tensor-parallel size."""
     extra = {"transport": transport} if transport else None
@@ -386,7 +387,9 @@ def check_pair_matches_reference(mode, model, workdir, reference, transport=None
         for s in (p, d):
             assert "Traceback" not in s.log.read_text(errors="replace"), s.tail()
         if d_log_expect:
-            assert d_log_expect in d.log.read_text(errors="replace"), d.tail()
+            d_text = d.log.read_text(errors="replace")
+            assert d_log_expect in d_text, d.tail()
+            assert not d_log_absent or d_log_absent not in d_text, d.tail()
         if chunk:
             # The long prompts' first chunks were written before their prefill finished, and
             # layer by layer within a step too: a write of one of the tiny model's two layers.
@@ -447,6 +450,25 @@ def test_pull_into_a_two_rank_decode_matches_a_single_instance(model, workdir, r
     and reports to its scheduler; the request starts once both ranks have. Outputs match one
     instance, and decode computed no prompt token."""
     check_pair_matches_reference("pull", model, workdir, reference, d_tp=2)
+
+
+def test_push_into_a_two_rank_decode_matches_a_single_instance(model, workdir, reference):
+    """Push into a decode running with tensor parallelism 2, prefill with 1: each decode rank
+    registers its own head of every block with prefill's one rank, which writes each rank's
+    head into that rank's cache and sends each its own notice; decode's scheduler starts the
+    request once both ranks have reported it. Outputs match one instance, and decode computed
+    no prompt token."""
+    check_pair_matches_reference("push", model, workdir, reference, d_tp=2)
+
+
+def test_push_between_two_rank_instances_matches_a_single_instance(model, workdir, reference):
+    """Push with tensor parallelism 2 on both sides (four worker processes): decode rank r
+    registers each request with prefill rank r only (both hold the same KV head; decode's debug
+    log: `writers=1`, never 2), each prefill rank writes its head and notices its own decode
+    rank, and the request starts once both decode ranks have reported it. Outputs match one
+    instance, and decode computed no prompt token."""
+    check_pair_matches_reference("push", model, workdir, reference, p_tp=2, d_tp=2,
+                                 d_log_expect="writers=1", d_log_absent="writers=2")
 
 
 def test_push_over_cma_finds_the_kv_ready_in_decodes_notice_board(model, workdir, reference):
