@@ -31,6 +31,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.request import RequestStatus
 
+try:
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError:  # a vLLM before per-source hit metrics
+    CacheHitSource = None  # type: ignore[assignment,misc]
+
 from kvx_vllm import _native
 from kvx_vllm.config import KvxConfig
 from kvx_vllm.layout import CacheDescription, describe, ordered_layers
@@ -110,6 +115,16 @@ class RecvSpec:
     producer_block_ids: list[int] | None = None
     # Set when the request's kv_transfer_params were unusable: its load fails at once.
     error: str | None = None
+    # Index in ``block_ids`` of the first block the load writes: those before it hold decode's
+    # own prefix-cache hit, which other requests may share.
+    loads_from: int = 0
+
+    @property
+    def loaded_block_ids(self) -> list[int]:
+        """The blocks this load writes: what a failed load reports to vLLM as load errors.
+        Never the prefix-cache hit before them: vLLM would cut back, or fail under the `fail`
+        policy, every other request sharing those blocks."""
+        return self.block_ids[self.loads_from:]
 
 
 @dataclass
@@ -130,6 +145,12 @@ class KvxConnectorMetadata(KVConnectorMetadata):
     # (aborted while queued, or nothing to load): prefill gives their KV back now instead of
     # at its lease.
     abandons: list[tuple[str, str]] = field(default_factory=list)
+
+    def has_work(self) -> bool:
+        return any(
+            (self.sends, self.progress, self.layered, self.recvs, self.aborts, self.cancels,
+             self.abandons)
+        )
 
 
 def _transfer_id(params: dict[str, Any]) -> str:
@@ -167,6 +188,13 @@ def _recv_params(
     num_tokens = params.get("kvx_num_tokens", prompt_tokens)
     if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
         raise ValueError(f"kvx_num_tokens must be a count of tokens, not {num_tokens!r}")
+    if num_tokens < prompt_tokens - 1:
+        # vLLM counts every prompt token but the last as loaded (it computes the last one to
+        # sample from): KV for fewer would leave tokens that nobody wrote.
+        raise ValueError(
+            f"prefill computed {num_tokens} tokens of a {prompt_tokens}-token prompt "
+            "(kvx_num_tokens): not the same prompt"
+        )
     return transfer_id, prefill, list(blocks), min(prompt_tokens, num_tokens)
 
 
@@ -233,6 +261,9 @@ class _Scheduler:
             self._abandon(params)
             return
         (block_ids,) = blocks.get_block_ids()
+        # Tokens of decode's own prefix-cache hit: whole blocks, which the load skips.
+        skip_tokens = request.num_prompt_tokens - num_external_tokens
+        loads_from = skip_tokens // self.block_size
         try:
             transfer_id, prefill, producer_blocks, num_tokens = _recv_params(
                 params, self.pull, request.num_prompt_tokens
@@ -246,9 +277,10 @@ class _Scheduler:
                     transfer_id="",
                     prefill="",
                     num_tokens=0,
-                    skip_tokens=0,
+                    skip_tokens=skip_tokens,
                     block_ids=list(block_ids),
                     error=f"bad kv_transfer_params: {e}",
+                    loads_from=loads_from,
                 )
             )
             return
@@ -258,9 +290,10 @@ class _Scheduler:
                 transfer_id=transfer_id,
                 prefill=prefill,
                 num_tokens=num_tokens,
-                skip_tokens=request.num_prompt_tokens - num_external_tokens,
+                skip_tokens=skip_tokens,
                 block_ids=list(block_ids),
                 producer_block_ids=producer_blocks,
+                loads_from=loads_from,
             )
         )
         self.waiting[request.request_id] = transfer_id
@@ -285,6 +318,13 @@ class _Scheduler:
         if self.computing:
             self._progress(scheduler_output)
         meta, self.meta = self.meta, KvxConnectorMetadata()
+        if meta.has_work() and hasattr(scheduler_output, "has_sync_kv_loads"):
+            # vLLM (0.32 on) runs `start_load_kv` after the step's forward pass unless a load
+            # feeds that pass. Here it carries what must go out *before* it: finished requests'
+            # writes (after the forward they would wait a whole step behind the next prefill),
+            # registrations, and the progress and layer-by-layer reports of the requests this
+            # very pass computes.
+            scheduler_output.has_sync_kv_loads = True
         return meta
 
     def _progress(self, out: SchedulerOutput) -> None:
@@ -438,7 +478,8 @@ class _Worker:
         self.consumer: Any = None
         self.cache: CacheDescription | None = None
         self.lock = threading.Lock()
-        # Decode: block ids of requests waiting, for get_block_ids_with_load_errors.
+        # Decode: the blocks the loads of requests waiting write, for
+        # get_block_ids_with_load_errors.
         self.recv_blocks: dict[str, tuple[str, list[int]]] = {}
         # Decode: transfer id -> request id of requests waiting; request ids cancelled.
         self.recv_transfers: dict[str, str] = {}
@@ -549,7 +590,7 @@ class _Worker:
                     self._refuse(r, r.error)
                     continue
                 with self.lock:
-                    self.recv_blocks[r.request_id] = (r.transfer_id, r.block_ids)
+                    self.recv_blocks[r.request_id] = (r.transfer_id, r.loaded_block_ids)
                     self.recv_transfers[r.transfer_id] = r.request_id
                 self._submit(r, time.monotonic())
             for tid in meta.cancels:
@@ -607,7 +648,7 @@ class _Worker:
     def _refuse(self, r: RecvSpec, error: str) -> None:
         with self.lock:
             self.refused.append((r.request_id, error))
-            self.load_errors.update(r.block_ids)
+            self.load_errors.update(r.loaded_block_ids)
 
     def _receive(self, r: RecvSpec, prefill: str) -> None:
         if r.producer_block_ids is not None:
@@ -690,6 +731,9 @@ class _KvxConnector(KVConnectorBase_V1):
     """Common part of the push and pull connectors."""
 
     _PULL = False
+    if CacheHitSource is not None:
+        # vLLM's metrics label the prompt tokens kvx brought as peer-to-peer hits.
+        _cache_hit_source = CacheHitSource.P2P
 
     def __init__(
         self,
@@ -697,6 +741,7 @@ class _KvxConnector(KVConnectorBase_V1):
         role: KVConnectorRole,
         kv_cache_config: KVCacheConfig | None = None,
     ):
+        _check_parallelism(vllm_config)
         super().__init__(vllm_config, role, kv_cache_config)
         self._sched: _Scheduler | None = None
         self._worker: _Worker | None = None
@@ -784,6 +829,21 @@ class _KvxConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+
+
+def _check_parallelism(vllm_config: VllmConfig) -> None:
+    """Refuses, at start, the parallel layouts kvx does not pair: several pipeline stages (a
+    rank's kvx port and its share of the layers follow its tensor-parallel rank only) and
+    context parallelism (a request's blocks are split across ranks by token)."""
+    parallel = vllm_config.parallel_config
+    for name in (
+        "pipeline_parallel_size",
+        "decode_context_parallel_size",
+        "prefill_context_parallel_size",
+    ):
+        size = getattr(parallel, name, 1)
+        if size > 1:
+            raise NotImplementedError(f"kvx_vllm does not support {name} > 1 (here {size})")
 
 
 class KvxPushConnector(_KvxConnector):

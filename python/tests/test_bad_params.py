@@ -34,11 +34,13 @@ def decode_scheduler(pull: bool) -> _Scheduler:
     return s
 
 
-def allocate(s: _Scheduler, params: dict) -> list[RecvSpec]:
+def allocate(s: _Scheduler, params: dict, cached: int = 0) -> list[RecvSpec]:
+    """Request "r" of 40 tokens in blocks 1-3 (16 tokens each), of which decode's own prefix
+    cache holds the first `cached`."""
     request = NS(request_id="r", kv_transfer_params=dict(params), num_prompt_tokens=40)
     blocks = NS(get_block_ids=lambda: ([1, 2, 3],))
-    count, is_async = s.get_num_new_matched_tokens(request, 0)
-    assert (count, is_async) == (40, True)
+    count, is_async = s.get_num_new_matched_tokens(request, cached)
+    assert (count, is_async) == (40 - cached, True)
     s.update_state_after_alloc(request, blocks, count)
     return s.build_connector_meta(NS(preempted_req_ids=set())).recvs
 
@@ -55,6 +57,9 @@ def allocate(s: _Scheduler, params: dict) -> list[RecvSpec]:
         (True, {**PULL, "kvx_remote_block_ids": [-1]}, "kvx_remote_block_ids"),
         (True, {**PULL, "kvx_remote_block_ids": 7}, "kvx_remote_block_ids"),
         (True, {**PULL, "kvx_num_tokens": "many"}, "kvx_num_tokens"),
+        # Prefill computed fewer tokens than decode's prompt has (less the last, which decode
+        # computes itself): a different prompt, whose KV would leave tokens unwritten.
+        (True, {**PULL, "kvx_num_tokens": 38}, "kvx_num_tokens"),
     ],
 )
 def test_scheduler_turns_bad_params_into_a_failed_load(pull, params, why):
@@ -64,6 +69,24 @@ def test_scheduler_turns_bad_params_into_a_failed_load(pull, params, why):
     assert spec.block_ids == [1, 2, 3]
     # Nothing is waited for: the worker reports the failure itself.
     assert s.waiting == {}
+
+
+@pytest.mark.parametrize("pull", [False, True])
+def test_a_failed_load_never_reports_decodes_own_prefix_cache_blocks(pull):
+    """Decode's prefix cache holds the first block (16 tokens), which other requests may
+    share: the load skips it, and a failed load reports only the blocks it writes, so that vLLM
+    neither cuts back nor fails the requests sharing that block."""
+    s = decode_scheduler(pull)
+    (good,) = allocate(s, PULL if pull else GOOD, cached=16)
+    assert (good.skip_tokens, good.loaded_block_ids) == (16, [2, 3])
+    s = decode_scheduler(pull)
+    (bad,) = allocate(s, {**GOOD, "kvx_transfer_id": None}, cached=16)
+    assert bad.error is not None and bad.loaded_block_ids == [2, 3]
+    # The refusal never reaches the native side: a stand-in with nothing to report.
+    w = decode_worker(consumer=NS(take_events=lambda: []))
+    w.start_load_kv(KvxConnectorMetadata(recvs=[bad]))
+    assert w.get_transfer_results().failed_recving == {"r"}
+    assert w.get_block_ids_with_load_errors() == {2, 3}
 
 
 @pytest.mark.parametrize("pull", [False, True])

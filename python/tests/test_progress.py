@@ -14,6 +14,7 @@ from kvx_vllm.connector import (
     KvxConnectorMetadata,
     LayerSpec,
     ProgressSpec,
+    SendSpec,
     _Computing,
     _Scheduler,
     _Worker,
@@ -179,3 +180,26 @@ def test_pending_push_work_lasts_while_blocks_are_held_or_metadata_is_unsent():
     assert s.has_pending_work(), "the producer still holds the blocks"
     s.update_connector_output(NS(finished_sending={"p"}, finished_recving=None))
     assert not s.has_pending_work()
+
+
+def test_a_step_with_work_for_the_workers_has_it_done_before_its_forward_pass():
+    """vLLM 0.32 runs `start_load_kv` after the forward pass unless the step has a load that
+    feeds it: a step whose metadata carries anything (here a finished request's send, and
+    the progress of a request this pass computes) asks for it before; an empty one changes
+    nothing."""
+    s = scheduler(async_scheduling=False)
+    idle = NS(preempted_req_ids=set(), scheduled_new_reqs=[], has_sync_kv_loads=False,
+              scheduled_cached_reqs=NS(req_ids=[], new_block_ids=[], num_computed_tokens=[],
+                                       resumed_req_ids=set()))
+    assert not s.build_connector_meta(idle).has_work()
+    assert idle.has_sync_kv_loads is False
+    s.meta.sends.append(SendSpec("b", "t-b", [7], 16))
+    busy = NS(**{**vars(idle), "has_sync_kv_loads": False})
+    assert s.build_connector_meta(busy).sends
+    assert busy.has_sync_kv_loads is True
+    layered = NS(**{**vars(idle), "has_sync_kv_loads": False,
+                    "scheduled_new_reqs": [NS(req_id="a", block_ids=([1, 2],),
+                                              num_computed_tokens=0)],
+                    "num_scheduled_tokens": {"a": 32}})
+    assert s.build_connector_meta(layered).layered
+    assert layered.has_sync_kv_loads is True

@@ -28,8 +28,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
-use axum::body::Body;
-use axum::extract::State;
+use axum::body::{Body, Bytes};
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -51,14 +52,18 @@ pub(crate) struct ProxyArgs {
     #[arg(long = "prefill", required = true, value_parser = parse_prefill)]
     pub(crate) prefill: Vec<Prefill>,
     /// A decode instance's HTTP base URL. Repeatable.
-    #[arg(long = "decode", required = true)]
+    #[arg(long = "decode", required = true, value_parser = parse_url)]
     pub(crate) decode: Vec<String>,
     /// Bound on connecting to an instance, in seconds.
     #[arg(long, default_value_t = 5.0)]
     pub(crate) connect_timeout_s: f64,
-    /// Bound on one whole request (both legs), in seconds.
+    /// Bound on one whole request (both legs, retries and the streamed answer included), in
+    /// seconds.
     #[arg(long, default_value_t = 600.0)]
     pub(crate) request_timeout_s: f64,
+    /// Largest request body accepted, in MiB (a request with images inlined can be large).
+    #[arg(long, default_value_t = 64)]
+    pub(crate) max_request_mib: usize,
     /// How long an instance that could not be connected is passed over, in seconds: requests
     /// meanwhile go to the others (to it only when no other is left), instead of each paying
     /// for a failed connection and, in push mode, leaving a prefill leg behind.
@@ -82,13 +87,28 @@ pub(crate) struct Prefill {
     pub(crate) kvx: String,
 }
 
+/// An instance's base URL: `http://HOST[:PORT][/PATH]` (the proxy speaks plain HTTP to its
+/// instances).
+fn parse_url(url: &str) -> Result<String, String> {
+    if url.starts_with("https://") {
+        return Err(format!(
+            "`{url}`: https is not supported (kvx proxy speaks plain HTTP to its instances)"
+        ));
+    }
+    let host = url
+        .strip_prefix("http://")
+        .ok_or_else(|| format!("`{url}` is not an http:// URL"))?;
+    if host.is_empty() || host.starts_with(['/', ':']) {
+        return Err(format!("`{url}`: no host"));
+    }
+    Ok(url.trim_end_matches('/').to_owned())
+}
+
 fn parse_prefill(s: &str) -> Result<Prefill, String> {
     let (url, kvx) = s
         .rsplit_once('@')
         .ok_or_else(|| format!("`{s}`: expected URL@KVX_HOST:PORT"))?;
-    if !(url.starts_with("http://") || url.starts_with("https://")) {
-        return Err(format!("`{url}` is not an http:// URL"));
-    }
+    let url = parse_url(url)?;
     let (host, port) = kvx
         .rsplit_once(':')
         .ok_or_else(|| format!("`{kvx}`: expected HOST:PORT"))?;
@@ -96,7 +116,7 @@ fn parse_prefill(s: &str) -> Result<Prefill, String> {
         return Err(format!("`{kvx}`: expected HOST:PORT"));
     }
     Ok(Prefill {
-        url: url.trim_end_matches('/').to_owned(),
+        url,
         kvx: kvx.to_owned(),
     })
 }
@@ -154,8 +174,16 @@ struct Proxy {
     prefill: Vec<Arc<Instance>>,
     decode: Vec<Arc<Instance>>,
     client: reqwest::Client,
+    /// Round-robin turns among equally loaded instances, one per pool.
+    prefill_turn: AtomicUsize,
+    decode_turn: AtomicUsize,
+    /// Numbers transfer ids.
     next: AtomicU64,
     seed: u64,
+    /// Bound on one whole client request.
+    request_timeout: Duration,
+    /// Largest request body accepted.
+    max_request_bytes: usize,
     skip_unreachable: Duration,
     /// Bounds each step of telling a prefill instance to give a transfer's KV back.
     connect_timeout: Duration,
@@ -228,6 +256,18 @@ impl Unclaimed {
     fn claim(&mut self) {
         self.abandoner = None;
     }
+
+    /// Claims it until [`Unclaimed::take_back`] is given what this returns: for a leg that
+    /// hands a decode the dispatch, claimed however the leg ends (even dropped) unless it
+    /// shows that the decode never got it.
+    fn hand_over(&mut self) -> Option<Abandoner> {
+        self.abandoner.take()
+    }
+
+    /// Unclaimed again (the leg's decode never got the dispatch).
+    fn take_back(&mut self, handed: Option<Abandoner>) {
+        self.abandoner = handed;
+    }
 }
 
 impl Drop for Unclaimed {
@@ -271,21 +311,60 @@ enum LegError {
     Failed(ApiError),
 }
 
+/// The least loaded instance of `pool` not in `exclude`, passing over those that failed to
+/// connect lately unless no other is left; ties go round-robin (`turn`, the pool's own).
+fn least_loaded(pool: &[Arc<Instance>], turn: &AtomicUsize, exclude: &[usize]) -> Option<usize> {
+    let start = turn.fetch_add(1, Ordering::Relaxed);
+    let now = Instant::now();
+    (0..pool.len())
+        .map(|k| start.wrapping_add(k) % pool.len())
+        .filter(|i| !exclude.contains(i))
+        .min_by_key(|&i| {
+            (
+                pool[i].skipped(now),
+                pool[i].in_flight.load(Ordering::SeqCst),
+            )
+        })
+}
+
+/// Request headers of the client's that go on to the instances: credentials (vLLM's
+/// `--api-key`) and trace context. Not the others: hop-by-hop ones, the body's framing, and
+/// `Accept-Encoding` (the answer is passed through as it comes).
+const FORWARDED_HEADERS: [&str; 4] = ["authorization", "traceparent", "tracestate", "baggage"];
+
+/// What every leg of one client request shares.
+#[derive(Clone, Debug)]
+struct Call {
+    path: &'static str,
+    /// The client's headers that go on to the instances ([`FORWARDED_HEADERS`]).
+    headers: HeaderMap,
+    /// When the whole request must be over.
+    deadline: Instant,
+}
+
+impl Call {
+    fn new(path: &'static str, client_headers: &HeaderMap, timeout: Duration) -> Self {
+        let mut headers = HeaderMap::new();
+        for name in FORWARDED_HEADERS {
+            for value in client_headers.get_all(name) {
+                headers.append(name, value.clone());
+            }
+        }
+        Self {
+            path,
+            headers,
+            deadline: Instant::now() + timeout,
+        }
+    }
+}
+
 impl Proxy {
-    /// The least loaded instance not in `exclude`, passing over those that failed to connect
-    /// lately unless no other is left; ties go round-robin.
-    fn pick(&self, pool: &[Arc<Instance>], exclude: &[usize]) -> Option<usize> {
-        let start = self.next.fetch_add(1, Ordering::Relaxed) as usize;
-        let now = Instant::now();
-        (0..pool.len())
-            .map(|k| (start + k) % pool.len())
-            .filter(|i| !exclude.contains(i))
-            .min_by_key(|&i| {
-                (
-                    pool[i].skipped(now),
-                    pool[i].in_flight.load(Ordering::SeqCst),
-                )
-            })
+    fn pick_prefill(&self, exclude: &[usize]) -> Option<usize> {
+        least_loaded(&self.prefill, &self.prefill_turn, exclude)
+    }
+
+    fn pick_decode(&self, exclude: &[usize]) -> Option<usize> {
+        least_loaded(&self.decode, &self.decode_turn, exclude)
     }
 
     /// `transfer`'s KV on prefill instance `p`, not claimed by a decode yet (nothing to give
@@ -311,7 +390,7 @@ impl Proxy {
     async fn send(
         &self,
         instance: &Instance,
-        path: &str,
+        call: &Call,
         request_id: &str,
         body: &Value,
     ) -> Result<reqwest::Response, LegError> {
@@ -319,14 +398,14 @@ impl Proxy {
             &self.client,
             instance,
             self.skip_unreachable,
-            path,
+            call,
             request_id,
             body,
         )
         .await
     }
 
-    async fn route(&self, path: &'static str, body: Value) -> Result<Response, ApiError> {
+    async fn dispatch(&self, call: Call, body: Value) -> Result<Response, ApiError> {
         let Value::Object(request) = body else {
             return Err(ApiError::new(
                 StatusCode::BAD_REQUEST,
@@ -337,13 +416,13 @@ impl Proxy {
         let mut bad_decode = Vec::new();
         let mut last = String::new();
         loop {
-            let Some(p) = self.pick(&self.prefill, &bad_prefill) else {
+            let Some(p) = self.pick_prefill(&bad_prefill) else {
                 return Err(ApiError::new(
                     StatusCode::SERVICE_UNAVAILABLE,
                     format!("no prefill instance reachable ({last})"),
                 ));
             };
-            let Some(d) = self.pick(&self.decode, &bad_decode) else {
+            let Some(d) = self.pick_decode(&bad_decode) else {
                 return Err(ApiError::new(
                     StatusCode::SERVICE_UNAVAILABLE,
                     format!("no decode instance reachable ({last})"),
@@ -351,9 +430,9 @@ impl Proxy {
             };
             let transfer = self.transfer_id();
             let outcome = match self.mode {
-                Mode::Push => self.push(path, &request, p, d, &transfer).await,
+                Mode::Push => self.push(&call, &request, p, d, &transfer).await,
                 Mode::Pull => {
-                    self.pull(path, &request, p, d, &mut bad_decode, &transfer)
+                    self.pull(&call, &request, p, d, &mut bad_decode, &transfer)
                         .await
                 }
             };
@@ -375,7 +454,7 @@ impl Proxy {
 
     async fn push(
         &self,
-        path: &str,
+        call: &Call,
         request: &Map<String, Value>,
         p: usize,
         d: usize,
@@ -398,21 +477,21 @@ impl Proxy {
         // answer no longer matters to the client, but its request must still run to the end
         // (dropping the connection would abort it in vLLM).
         let p_task = {
-            let (client, instance, skip, path, id) = (
+            let (client, instance, skip, call, id) = (
                 self.client.clone(),
                 Arc::clone(pi),
                 self.skip_unreachable,
-                path.to_owned(),
+                call.clone(),
                 transfer.to_owned(),
             );
             tokio::spawn(async move {
                 let _load = p_load;
-                let r = send_leg(&client, &instance, skip, &path, &id, &p_body).await?;
+                let r = send_leg(&client, &instance, skip, &call, &id, &p_body).await?;
                 check_prefill(r).await
             })
         };
         let mut p_task = AbortOnDrop(Some(p_task));
-        let d_leg = self.send(di, path, transfer, &d_body);
+        let d_leg = self.send(di, call, transfer, &d_body);
         let mut d_leg = Box::pin(d_leg);
         // A failed prefill ends the request (dropping decode's leg closes its connection, which
         // aborts the request there) — unless decode is already answering: it then has the KV
@@ -428,11 +507,9 @@ impl Proxy {
             d = &mut d_leg => d.map_err(|e| (Leg::Decode, e))?,
         };
         if !d_resp.status().is_success() {
-            // Prefill's error, if it has one, says more than decode's.
-            p_task
-                .join()
-                .await
-                .map_err(|e| prefill_failed(&mut unclaimed, e))?;
+            // Decode refused or failed the request: its answer goes to the client at once, and
+            // prefill's leg is dropped (vLLM aborts it there; what it finished meanwhile is
+            // given back through `unclaimed`).
             return Ok(forward(d_resp, d_load, Some(unclaimed)));
         }
         let status = d_resp.status();
@@ -465,7 +542,7 @@ impl Proxy {
     /// ones are added to `bad_decode`).
     async fn pull(
         &self,
-        path: &str,
+        call: &Call,
         request: &Map<String, Value>,
         p: usize,
         mut d: usize,
@@ -477,13 +554,19 @@ impl Proxy {
             request,
             json!({"do_remote_decode": true, "kvx_transfer_id": transfer}),
         );
+        // Unclaimed from the start: a client that leaves while prefill computes or answers
+        // (its answer can come long after it finished), or a prefill leg that fails after
+        // reaching prefill, has prefill give back whatever it finished for this dispatch.
+        let mut unclaimed = self.unclaimed(p, transfer);
         let params = {
             let _load = Load::new(pi);
             let r = self
-                .send(pi, path, transfer, &p_body)
+                .send(pi, call, transfer, &p_body)
                 .await
-                .map_err(|e| (Leg::Prefill, e))?;
-            check_prefill(r).await.map_err(|e| (Leg::Prefill, e))?
+                .map_err(|e| prefill_failed(&mut unclaimed, e))?;
+            check_prefill(r)
+                .await
+                .map_err(|e| prefill_failed(&mut unclaimed, e))?
         };
         let Some(Value::Object(mut params)) = params else {
             return Err((
@@ -501,22 +584,23 @@ impl Proxy {
             params.insert("kvx_prefill".into(), Value::String(kvx.clone()));
         }
         let d_body = decode_body(request, Value::Object(params));
-        // Claimed as soon as a decode instance may have the parameters: a read in progress is
-        // invisible to prefill, so only a dispatch no decode saw is given back.
-        let mut unclaimed = self.unclaimed(p, transfer);
         loop {
             let di = &self.decode[d];
             let d_load = Load::new(di);
-            match self.send(di, path, transfer, &d_body).await {
+            // Claimed while a decode instance may have the parameters (a read in progress is
+            // invisible to prefill): during the leg, so that a client leaving meanwhile gives
+            // nothing back, and after it, unless the instance could not be connected.
+            let handed = unclaimed.hand_over();
+            match self.send(di, call, transfer, &d_body).await {
                 Err(LegError::Unreachable(why)) => {
+                    unclaimed.take_back(handed);
                     bad_decode.push(d);
-                    let Some(next) = self.pick(&self.decode, bad_decode) else {
+                    let Some(next) = self.pick_decode(bad_decode) else {
                         return Err((Leg::Decode, LegError::Unreachable(why)));
                     };
                     d = next;
                 }
                 answered => {
-                    unclaimed.claim();
                     return answered
                         .map(|r| forward(r, d_load, None))
                         .map_err(|e| (Leg::Decode, e));
@@ -561,20 +645,23 @@ fn decode_body(request: &Map<String, Value>, params: Value) -> Value {
     Value::Object(b)
 }
 
-/// Posts `body` to `url` + `path` with the request id both legs share.
-/// Sends one leg to `instance`; one that cannot be connected is passed over for `skip`.
+/// Sends one leg of `call` to `instance`, with the client's forwarded headers and the request
+/// id both legs share, bounded by what is left of the call's time (the answer's body
+/// included); an instance that cannot be connected is passed over for `skip`.
 async fn send_leg(
     client: &reqwest::Client,
     instance: &Instance,
     skip: Duration,
-    path: &str,
+    call: &Call,
     request_id: &str,
     body: &Value,
 ) -> Result<reqwest::Response, LegError> {
-    let url = &instance.url;
+    let (url, path) = (&instance.url, call.path);
     let result = client
         .post(format!("{url}{path}"))
+        .headers(call.headers.clone())
         .header("X-Request-Id", request_id)
+        .timeout(call.deadline.saturating_duration_since(Instant::now()))
         .json(body)
         .send()
         .await;
@@ -585,6 +672,10 @@ async fn send_leg(
             instance.unreachable(skip, &why);
             Err(LegError::Unreachable(why))
         }
+        Err(e) if e.is_timeout() => Err(LegError::Failed(ApiError::new(
+            StatusCode::GATEWAY_TIMEOUT,
+            format!("{url}{path}: no answer within the request timeout"),
+        ))),
         Err(e) => Err(LegError::Failed(ApiError::new(
             StatusCode::BAD_GATEWAY,
             format!("{url}{path}: {e}"),
@@ -762,25 +853,49 @@ impl Drop for AbortOnDrop {
     }
 }
 
+/// The client's request body as JSON; what cannot be read (too large, not JSON) is answered
+/// in OpenAI's error format.
+fn json_body(body: Result<Bytes, BytesRejection>) -> Result<Value, ApiError> {
+    let bytes = body.map_err(|e| ApiError::new(e.status(), e.body_text()))?;
+    serde_json::from_slice(&bytes).map_err(|e| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            format!("the request body is not JSON: {e}"),
+        )
+    })
+}
+
 async fn completions(
     State(proxy): State<Arc<Proxy>>,
-    Json(body): Json<Value>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    proxy.route("/v1/completions", body).await
+    let call = Call::new("/v1/completions", &headers, proxy.request_timeout);
+    proxy.dispatch(call, json_body(body)?).await
 }
 
 async fn chat_completions(
     State(proxy): State<Arc<Proxy>>,
-    Json(body): Json<Value>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    proxy.route("/v1/chat/completions", body).await
+    let call = Call::new("/v1/chat/completions", &headers, proxy.request_timeout);
+    proxy.dispatch(call, json_body(body)?).await
 }
 
-async fn models(State(proxy): State<Arc<Proxy>>) -> Result<Response, ApiError> {
-    for d in &proxy.decode {
+/// Decode's model list: from the first decode instance that answers, those passed over lately
+/// last, each bounded by the connect timeout (plus a second to answer).
+async fn models(State(proxy): State<Arc<Proxy>>, headers: HeaderMap) -> Result<Response, ApiError> {
+    let call = Call::new("/v1/models", &headers, proxy.request_timeout);
+    let now = Instant::now();
+    let mut order: Vec<&Arc<Instance>> = proxy.decode.iter().collect();
+    order.sort_by_key(|d| d.skipped(now));
+    for d in order {
         if let Ok(r) = proxy
             .client
-            .get(format!("{}/v1/models", d.url))
+            .get(format!("{}{}", d.url, call.path))
+            .headers(call.headers.clone())
+            .timeout(proxy.connect_timeout + Duration::from_secs(1))
             .send()
             .await
         {
@@ -828,8 +943,11 @@ fn build(args: &ProxyArgs) -> anyhow::Result<Arc<Proxy>> {
         Duration::try_from_secs_f64(args.request_timeout_s).context("--request-timeout-s")?;
     let client = reqwest::Client::builder()
         .connect_timeout(connect)
-        .timeout(total)
-        .pool_idle_timeout(Duration::from_secs(30))
+        // Below vLLM's keep-alive (uvicorn's, `VLLM_HTTP_TIMEOUT_KEEP_ALIVE`, 5 s): a pooled
+        // connection is never reused just as the server closes it.
+        .pool_idle_timeout(Duration::from_secs(4))
+        // The instances are reached directly, never through a proxy named by `HTTP_PROXY`.
+        .no_proxy()
         .build()
         .context("cannot build the HTTP client")?;
     let instance = |url: &str, kvx: Option<String>| {
@@ -850,8 +968,12 @@ fn build(args: &ProxyArgs) -> anyhow::Result<Arc<Proxy>> {
             .collect(),
         decode: args.decode.iter().map(|u| instance(u, None)).collect(),
         client,
+        prefill_turn: AtomicUsize::new(0),
+        decode_turn: AtomicUsize::new(0),
         next: AtomicU64::new(0),
         seed: random_seed(),
+        request_timeout: total,
+        max_request_bytes: args.max_request_mib.saturating_mul(1 << 20),
         skip_unreachable,
         connect_timeout: connect,
         abandons: Arc::new(tokio::sync::Semaphore::new(ABANDONS_IN_FLIGHT)),
@@ -859,11 +981,13 @@ fn build(args: &ProxyArgs) -> anyhow::Result<Arc<Proxy>> {
 }
 
 fn app(proxy: Arc<Proxy>) -> Router {
+    let limit = DefaultBodyLimit::max(proxy.max_request_bytes);
     Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
         .route("/health", get(health))
+        .layer(limit)
         .with_state(proxy)
 }
 
@@ -924,6 +1048,14 @@ async fn shutdown_signal() {
 mod tests {
     use super::*;
 
+    impl Proxy {
+        /// A client request without headers.
+        async fn route(&self, path: &'static str, body: Value) -> Result<Response, ApiError> {
+            let call = Call::new(path, &HeaderMap::new(), self.request_timeout);
+            self.dispatch(call, body).await
+        }
+    }
+
     #[test]
     fn prefill_addresses_parse() {
         assert_eq!(
@@ -936,6 +1068,11 @@ mod tests {
         assert!(parse_prefill("http://127.0.0.1:8100").is_err());
         assert!(parse_prefill("127.0.0.1:8100@127.0.0.1:7100").is_err());
         assert!(parse_prefill("http://h:1@nope").is_err());
+        assert!(parse_prefill("https://127.0.0.1:8100@127.0.0.1:7100").is_err());
+        assert_eq!(parse_url("http://d:8200/").unwrap(), "http://d:8200");
+        for bad in ["d:8200", "https://d:8200", "http://", "http://:8200"] {
+            assert!(parse_url(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]
@@ -973,6 +1110,7 @@ mod tests {
             connect_timeout_s: 1.0,
             request_timeout_s: 5.0,
             skip_unreachable_s: 2.0,
+            max_request_mib: 1,
         };
         Arc::into_inner(build(&args).unwrap()).unwrap()
     }
@@ -984,13 +1122,13 @@ mod tests {
         let _b = Load::new(&p.prefill[0]);
         let _c = Load::new(&p.prefill[2]);
         for _ in 0..5 {
-            assert_eq!(p.pick(&p.prefill, &[]), Some(1));
+            assert_eq!(p.pick_prefill(&[]), Some(1));
         }
-        assert_eq!(p.pick(&p.prefill, &[1]), Some(2));
-        assert_eq!(p.pick(&p.prefill, &[0, 1, 2]), None);
+        assert_eq!(p.pick_prefill(&[1]), Some(2));
+        assert_eq!(p.pick_prefill(&[0, 1, 2]), None);
         drop(_a);
         drop(_b);
-        assert_ne!(p.pick(&p.prefill, &[1]), Some(2));
+        assert_ne!(p.pick_prefill(&[1]), Some(2));
     }
 
     #[test]
@@ -1085,6 +1223,7 @@ mod tests {
             connect_timeout_s: 1.0,
             request_timeout_s: 10.0,
             skip_unreachable_s,
+            max_request_mib: 1,
         })
         .unwrap()
     }
@@ -1453,6 +1592,176 @@ mod tests {
                 "{:?}",
                 aborted.lock().unwrap()
             );
+        });
+    }
+
+    /// Push: a decode that refuses the request is answered at once, without waiting for a
+    /// slow prefill leg (which is dropped, and its KV given back).
+    #[test]
+    fn push_answers_decodes_refusal_without_waiting_for_prefill() {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(async {
+            let (p_url, p_done) = fake_instance(200, "{}", Duration::from_secs(3)).await;
+            let (refusing, _) =
+                fake_instance(400, r#"{"error":{"message":"too long"}}"#, Duration::ZERO).await;
+            let (kvx, aborted) = fake_prefill_control();
+            let proxy = proxy_with_control(Mode::Push, &p_url, &kvx, &[&refusing], 0.0);
+            let t0 = Instant::now();
+            let r = proxy
+                .route("/v1/completions", json!({"prompt": "x"}))
+                .await
+                .unwrap();
+            assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+            assert!(body_of(r).await.contains("too long"));
+            assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+            assert_eq!(wait_recorded(&aborted, 1).await.len(), 1);
+            tokio::time::sleep(Duration::from_millis(3500)).await;
+            assert_eq!(p_done.load(Ordering::SeqCst), 0, "prefill's leg ran on");
+        });
+    }
+
+    /// Pull: a client that leaves while prefill computes has prefill give back what it
+    /// finished; one that leaves while decode answers (and may be reading prefill's KV) has
+    /// nothing given back.
+    #[test]
+    fn pull_gives_back_only_what_no_decode_may_be_reading() {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(async {
+            let prefill = |delay: Duration| {
+                Router::new().route(
+                    "/v1/completions",
+                    post(move || async move {
+                        tokio::time::sleep(delay).await;
+                        axum::Json(json!({"choices": [], "kv_transfer_params": {"x": 1}}))
+                    }),
+                )
+            };
+            let (kvx, aborted) = fake_prefill_control();
+            let (d_url, _) = recording_instance().await;
+            let slow_prefill = serve(prefill(Duration::from_secs(5))).await;
+            let proxy = proxy_with_control(Mode::Pull, &slow_prefill, &kvx, &[&d_url], 0.0);
+            let gone = tokio::time::timeout(
+                Duration::from_millis(300),
+                proxy.route("/v1/completions", json!({"prompt": "x"})),
+            )
+            .await;
+            assert!(gone.is_err(), "prefill answered before the client left");
+            assert_eq!(wait_recorded(&aborted, 1).await.len(), 1);
+
+            let fast_prefill = serve(prefill(Duration::ZERO)).await;
+            let (slow_decode, _) =
+                fake_instance(200, r#"{"text":"late"}"#, Duration::from_secs(5)).await;
+            let proxy = proxy_with_control(Mode::Pull, &fast_prefill, &kvx, &[&slow_decode], 0.0);
+            let gone = tokio::time::timeout(
+                Duration::from_millis(500),
+                proxy.route("/v1/completions", json!({"prompt": "x"})),
+            )
+            .await;
+            assert!(gone.is_err(), "decode answered before the client left");
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            assert_eq!(
+                aborted.lock().unwrap().len(),
+                1,
+                "a dispatch decode had was given back"
+            );
+        });
+    }
+
+    /// Equally loaded instances take turns in each pool, whatever the pools' sizes (the turn
+    /// of one pool does not move with the other's picks or with transfer ids).
+    #[test]
+    fn idle_instances_take_turns() {
+        let p = proxy(3);
+        for _ in 0..4 {
+            // Three dispatches, each picking a decode and numbering a transfer beside.
+            let turn: Vec<usize> = (0..3)
+                .map(|_| {
+                    let prefill = p.pick_prefill(&[]).unwrap();
+                    assert_eq!(p.pick_decode(&[]), Some(0));
+                    let _ = p.transfer_id();
+                    prefill
+                })
+                .collect();
+            let mut sorted = turn.clone();
+            sorted.sort_unstable();
+            assert_eq!(sorted, vec![0, 1, 2], "{turn:?}");
+        }
+    }
+
+    /// The proxy as a client sees it: the client's credentials and trace context reach both
+    /// legs; a body that is not JSON, or too large, is answered in OpenAI's error format; a
+    /// request over its time is answered 504.
+    #[test]
+    fn clients_headers_bodies_and_deadlines() {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(async {
+            let seen = Arc::new(Mutex::new(Vec::new()));
+            let log = Arc::clone(&seen);
+            let instance = serve(Router::new().route(
+                "/v1/completions",
+                post(move |headers: HeaderMap| {
+                    let log = Arc::clone(&log);
+                    async move {
+                        let auth = headers.get("authorization").cloned();
+                        log.lock().unwrap().push(auth);
+                        axum::Json(json!({"choices": [], "kv_transfer_params": {"x": 1}}))
+                    }
+                }),
+            ))
+            .await;
+            let proxy = proxy_with_control(Mode::Pull, &instance, "127.0.0.1:1", &[&instance], 0.0);
+            let url = serve(app(proxy)).await;
+            let client = reqwest::Client::new();
+            let r = client
+                .post(format!("{url}/v1/completions"))
+                .header("Authorization", "Bearer sesame")
+                .header("Cookie", "not-forwarded")
+                .json(&json!({"prompt": "x"}))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), reqwest::StatusCode::OK);
+            let bearer = Some(HeaderValue::from_static("Bearer sesame"));
+            assert_eq!(*seen.lock().unwrap(), vec![bearer.clone(), bearer]);
+
+            for (body, status) in [
+                ("{not json".to_owned(), 400),
+                (format!("{{\"prompt\": \"{}\"}}", "x".repeat(2 << 20)), 413),
+            ] {
+                let r = client
+                    .post(format!("{url}/v1/completions"))
+                    .header("Content-Type", "application/json")
+                    .body(body)
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(r.status().as_u16(), status);
+                let v: Value = r.json().await.unwrap();
+                assert!(v["error"]["message"].is_string(), "{v}");
+            }
+
+            let (slow, _) = fake_instance(200, "{}", Duration::from_secs(3)).await;
+            let proxy = build(&ProxyArgs {
+                mode: Mode::Push,
+                listen: "127.0.0.1:0".parse().unwrap(),
+                prefill: vec![Prefill {
+                    url: slow.clone(),
+                    kvx: "127.0.0.1:1".into(),
+                }],
+                decode: vec![slow],
+                connect_timeout_s: 1.0,
+                request_timeout_s: 0.5,
+                skip_unreachable_s: 0.0,
+                max_request_mib: 1,
+            })
+            .unwrap();
+            let t0 = Instant::now();
+            let e = proxy
+                .route("/v1/completions", json!({"prompt": "x"}))
+                .await
+                .unwrap_err();
+            assert_eq!(e.status, StatusCode::GATEWAY_TIMEOUT, "{}", e.message);
+            assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
         });
     }
 
