@@ -35,6 +35,10 @@ try:
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 except ImportError:  # a vLLM before per-source hit metrics
     CacheHitSource = None  # type: ignore[assignment,misc]
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+except ImportError:  # a vLLM before connector stats
+    KVConnectorStats = None  # type: ignore[assignment,misc]
 
 from kvx_vllm import _native
 from kvx_vllm.config import KvxConfig
@@ -55,6 +59,38 @@ if TYPE_CHECKING:
 logger = logging.getLogger("vllm.kvx")
 
 _FINISHED_OK = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+
+# The native side's counters that vLLM logs with its own stats, as increments per interval.
+STATS_COUNTERS = (
+    "transfers_started",
+    "transfers_ok",
+    "transfers_failed",
+    "bytes_written",
+    "bytes_streamed",
+)
+# Seconds between two reads of the counters (vLLM asks every step).
+STATS_EVERY_S = 1.0
+
+if KVConnectorStats is not None:
+
+    @dataclass
+    class KvxConnectorStats(KVConnectorStats):
+        """kvx's transfer counters (``STATS_COUNTERS``) over an interval, summed over ranks;
+        vLLM logs them as "KV Transfer metrics"."""
+
+        def reset(self) -> None:
+            self.data = {}
+
+        def aggregate(self, other: KVConnectorStats) -> KvxConnectorStats:
+            for name, value in other.data.items():
+                self.data[name] = self.data.get(name, 0) + value
+            return self
+
+        def reduce(self) -> dict[str, int | float]:
+            return dict(self.data)
+
+        def is_empty(self) -> bool:
+            return not any(self.data.values())
 
 
 @dataclass
@@ -497,6 +533,9 @@ class _Worker:
         # requests to report layer by layer (empty otherwise).
         self.layer_index: dict[str, int] = {}
         self.layered: list[LayerSpec] = []
+        # The counters last reported to vLLM, and when they may be read next.
+        self.stats_reported: dict[str, int] = {}
+        self.stats_due = 0.0
         _native.init_logging(self.cfg.log)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -721,6 +760,21 @@ class _Worker:
         side = self.producer if self.producer is not None else self.consumer
         return dict(side.stats()) if side is not None else {}
 
+    def stats_increments(self) -> dict[str, int] | None:
+        """What ``STATS_COUNTERS`` grew by since the last report, at most every
+        ``STATS_EVERY_S``; ``None`` in between, and when nothing moved."""
+        now = time.monotonic()
+        if now < self.stats_due:
+            return None
+        self.stats_due = now + STATS_EVERY_S
+        current = self.stats()
+        grown = {
+            name: current.get(name, 0) - self.stats_reported.get(name, 0)
+            for name in STATS_COUNTERS
+        }
+        self.stats_reported = current
+        return grown if any(grown.values()) else None
+
     def shutdown(self) -> None:
         for side in (self.producer, self.consumer):
             if side is not None:
@@ -825,6 +879,18 @@ class _KvxConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None
         return self._worker.get_block_ids_with_load_errors()
+
+    def get_kv_connector_stats(self) -> Any:
+        if self._worker is None or KVConnectorStats is None:
+            return None
+        grown = self._worker.stats_increments()
+        return None if grown is None else KvxConnectorStats(data=grown)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        if KVConnectorStats is None:
+            return None
+        return KvxConnectorStats(data=dict(data or {}))
 
     def shutdown(self) -> None:
         if self._worker is not None:

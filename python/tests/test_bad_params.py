@@ -117,6 +117,7 @@ def decode_worker(consumer, resolver: Resolver | None = None) -> _Worker:
     w.recv_blocks, w.recv_transfers, w.cancelled = {}, {}, set()
     w.load_errors, w.refused = set(), []
     w.resolver, w.resolving, w.dropped = resolver or Resolver(), [], []
+    w.stats_reported, w.stats_due = {}, 0.0
     return w
 
 

@@ -198,8 +198,8 @@ const ABANDONS_IN_FLIGHT: usize = 8;
 /// Tells one prefill instance, over its kvx control port, to give the KV of a transfer back at
 /// once (or as soon as it finishes) instead of at its lease. Prefill honours that only for a
 /// transfer no decode registered (push) or finished reading (pull): in pull the proxy sends it
-/// only where no decode got the dispatch; in push wherever decode did not take it in
-/// ([`Unclaimed`]).
+/// only where no decode may have been handed the dispatch; in push wherever decode did not take
+/// it in ([`Unclaimed`]).
 #[derive(Clone)]
 struct Abandoner {
     kvx: String,
@@ -240,8 +240,8 @@ impl Abandoner {
 }
 
 /// A dispatch whose KV no decode has claimed yet: dropped unclaimed, it has prefill give that KV
-/// back (an [`Abandoner`]). Pull claims it once a decode instance may have been handed the
-/// parameters (anything but a refused connection). Push claims it once decode's answer shows
+/// back (an [`Abandoner`]). Pull claims it while a decode instance may have been handed the
+/// parameters (from the decode leg's start, unless its connection is refused). Push claims it once decode's answer shows
 /// that decode took the request in: a successful answer that is not a stream (decode has finished), or the first
 /// piece of a successful stream (decode has its first token, so it registered). Dropped
 /// unclaimed: decode was unreachable, refused or failed the request, the prefill leg failed,

@@ -1,0 +1,46 @@
+"""kvx's transfer counters in vLLM's own stats: each worker reports what its native side's
+counters grew by (at most once a second), vLLM sums them over ranks and logs them. The native
+pair here is the real one (loopback transport)."""
+
+from __future__ import annotations
+
+from kvx_vllm.connector import KvxConnectorStats, KvxPushConnector, RecvSpec, KvxConnectorMetadata
+from test_bad_params import decode_worker
+from test_native import cpu_caches, start_pair, wait_events
+
+
+def test_workers_report_what_their_counters_grew_by():
+    caches = cpu_caches(2, 8, 2, 16, fill=True)
+    producer, consumer, _, _ = start_pair(caches, cpu_caches(2, 8, 2, 16, fill=False),
+                                          heads=2, p_bs=16, d_bs=16)
+    w = decode_worker(consumer)
+    # Nothing moved yet: nothing to report.
+    assert w.stats_increments() is None
+    w.start_load_kv(KvxConnectorMetadata(recvs=[
+        RecvSpec("a", "t-a", producer.control_addr, 16, 0, [4]),
+    ]))
+    producer.request_finished("t-a", "pa", [5], 16)
+    assert wait_events(consumer, 1) == [("a", True, "", "")]
+    # Asked again within the second: nothing read.
+    assert w.stats_increments() is None
+    w.stats_due = 0.0
+    grown = w.stats_increments()
+    assert grown is not None and grown["transfers_ok"] == 1 and grown["transfers_failed"] == 0
+    w.stats_due = 0.0
+    assert w.stats_increments() is None, "reported twice"
+    consumer.shutdown()
+    producer.shutdown()
+
+
+def test_vllm_sums_the_reports_of_every_rank():
+    total = KvxPushConnector.build_kv_connector_stats()
+    assert total.is_empty()
+    total.aggregate(KvxConnectorStats(data={"transfers_ok": 2, "bytes_written": 100}))
+    total.aggregate(KvxConnectorStats(data={"transfers_ok": 1, "bytes_written": 50}))
+    assert total.reduce() == {"transfers_ok": 3, "bytes_written": 150}
+    assert not total.is_empty()
+    total.reset()
+    assert total.is_empty()
+    # What a worker sent, rebuilt on the logging side.
+    again = KvxPushConnector.build_kv_connector_stats({"transfers_ok": 4})
+    assert again.reduce() == {"transfers_ok": 4}
