@@ -1297,6 +1297,16 @@ mod tests {
         }
     }
 
+    /// A client that gives up on its request after `patience`, before `who` answered it.
+    async fn client_gives_up(proxy: &Proxy, patience: Duration, who: &str) {
+        let gone = tokio::time::timeout(
+            patience,
+            proxy.route("/v1/completions", json!({"prompt": "x"})),
+        )
+        .await;
+        assert!(gone.is_err(), "{who} answered before the client left");
+    }
+
     async fn body_of(r: Response) -> String {
         let bytes = axum::body::to_bytes(r.into_body(), 1 << 20).await.unwrap();
         String::from_utf8(bytes.to_vec()).unwrap()
@@ -1552,12 +1562,7 @@ mod tests {
             // The client goes away while decode still works on the request.
             let (slow, _) = fake_instance(200, r#"{"text":"late"}"#, Duration::from_secs(5)).await;
             let proxy = proxy_with_control(Mode::Push, &p_url, &kvx, &[&slow], 0.0);
-            let gone = tokio::time::timeout(
-                Duration::from_millis(300),
-                proxy.route("/v1/completions", json!({"prompt": "x"})),
-            )
-            .await;
-            assert!(gone.is_err(), "decode answered before the client left");
+            client_gives_up(&proxy, Duration::from_millis(300), "decode").await;
             let told = wait_recorded(&aborted, 2).await;
             assert_eq!(told.len(), 2, "{told:?}");
             assert_eq!(told[1], last(&p_seen));
@@ -1640,24 +1645,14 @@ mod tests {
             let (d_url, _) = recording_instance().await;
             let slow_prefill = serve(prefill(Duration::from_secs(5))).await;
             let proxy = proxy_with_control(Mode::Pull, &slow_prefill, &kvx, &[&d_url], 0.0);
-            let gone = tokio::time::timeout(
-                Duration::from_millis(300),
-                proxy.route("/v1/completions", json!({"prompt": "x"})),
-            )
-            .await;
-            assert!(gone.is_err(), "prefill answered before the client left");
+            client_gives_up(&proxy, Duration::from_millis(300), "prefill").await;
             assert_eq!(wait_recorded(&aborted, 1).await.len(), 1);
 
             let fast_prefill = serve(prefill(Duration::ZERO)).await;
             let (slow_decode, _) =
                 fake_instance(200, r#"{"text":"late"}"#, Duration::from_secs(5)).await;
             let proxy = proxy_with_control(Mode::Pull, &fast_prefill, &kvx, &[&slow_decode], 0.0);
-            let gone = tokio::time::timeout(
-                Duration::from_millis(500),
-                proxy.route("/v1/completions", json!({"prompt": "x"})),
-            )
-            .await;
-            assert!(gone.is_err(), "decode answered before the client left");
+            client_gives_up(&proxy, Duration::from_millis(500), "decode").await;
             tokio::time::sleep(Duration::from_millis(300)).await;
             assert_eq!(
                 aborted.lock().unwrap().len(),
