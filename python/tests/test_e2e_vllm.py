@@ -458,6 +458,24 @@ def test_pull_into_a_two_rank_decode_matches_a_single_instance(model, workdir, r
     check_pair_matches_reference("pull", model, workdir, reference, d_tp=2)
 
 
+def test_pull_from_a_two_rank_prefill_matches_a_single_instance(model, workdir, reference):
+    """Pull from a prefill running with tensor parallelism 2 into a decode with 1: prefill's
+    `kv_transfer_params` name its rank 0, decode learns rank 1 from rank 0's hello, reads each
+    rank's KV head of every block (decode's debug log: `writers=2`) and starts the request once
+    both reads are done. Outputs match one instance, and decode computed no prompt token."""
+    check_pair_matches_reference("pull", model, workdir, reference, p_tp=2,
+                                 d_log_expect="writers=2")
+
+
+def test_pull_between_two_rank_instances_matches_a_single_instance(model, workdir, reference):
+    """Pull with tensor parallelism 2 on both sides (four worker processes): decode rank r reads
+    from prefill rank r only (both hold the same KV head; decode's debug log: `writers=1`, never
+    2), and the request starts once both decode ranks have reported it. Outputs match one
+    instance, and decode computed no prompt token."""
+    check_pair_matches_reference("pull", model, workdir, reference, p_tp=2, d_tp=2,
+                                 d_log_expect="writers=1", d_log_absent="writers=2")
+
+
 def test_push_into_a_two_rank_decode_matches_a_single_instance(model, workdir, reference):
     """Push into a decode running with tensor parallelism 2, prefill with 1: each decode rank
     registers its own head of every block with prefill's one rank, which writes each rank's
