@@ -17,11 +17,13 @@ KEYS: dict[str, tuple[Any, str]] = {
         "the KVX_ADDR given to `kvx proxy --prefill URL@KVX_ADDR`. Unused on decode.",
     ),
     "transport": (
-        "libfabric:shm",
-        "Data transport: libfabric:shm (one machine), libfabric:tcp, libfabric:efa, "
-        "libfabric:auto, cma (host memory between processes of one host, one-sided), "
-        "cuda-ipc[:DEVICE] (CUDA KV caches of processes on one host), or "
-        "loopback (one process only; tests). A libfabric name may end in ,rails=N.",
+        "auto",
+        "Data transport: auto (cuda-ipc on the KV cache's own GPU for a CUDA cache, "
+        "libfabric:shm for a host cache: both for one machine), libfabric:shm, libfabric:tcp, "
+        "libfabric:efa, libfabric:auto, cma (host memory between processes of one host, "
+        "one-sided), cuda-ipc[:DEVICE] (CUDA KV caches of processes on one host; without DEVICE "
+        "the cache's own GPU), or loopback (one process only; tests). A libfabric name may end "
+        "in ,rails=N.",
     ),
     "layout": (
         "auto",
@@ -132,6 +134,36 @@ class KvxConfig:
         } | (
             {} if self.quiesce_timeout_s is None else {"quiesce_timeout": self.quiesce_timeout_s}
         )
+
+
+def resolve_transport(setting: str, cuda_device: int | None) -> str:
+    """The transport to open for a KV cache in host memory (``cuda_device`` None) or on CUDA
+    device ``cuda_device``, from the ``transport`` setting: ``auto`` follows the cache,
+    ``cuda-ipc`` without a device takes the cache's, and a setting that cannot move the cache's
+    memory (a host transport for a CUDA cache, ``cuda-ipc`` for a host cache, or ``cuda-ipc:N``
+    for a cache on another GPU) is refused with the fix in the message."""
+    fix = " (kv_connector_extra_config key 'transport'; 'auto' follows the cache)"
+    if setting == "auto":
+        return "libfabric:shm" if cuda_device is None else f"cuda-ipc:{cuda_device}"
+    if setting == "cuda-ipc" or setting.startswith("cuda-ipc:"):
+        if cuda_device is None:
+            raise ValueError(
+                f"kvx: the KV cache is in host memory but the transport is {setting!r}, which "
+                f"moves CUDA memory; use a host transport such as libfabric:shm" + fix
+            )
+        named = setting.partition(":")[2]
+        if named and named != str(cuda_device):
+            raise ValueError(
+                f"kvx: the KV cache is on CUDA device {cuda_device} but the transport is "
+                f"{setting!r}; use cuda-ipc:{cuda_device} or cuda-ipc" + fix
+            )
+        return f"cuda-ipc:{cuda_device}"
+    if cuda_device is not None:
+        raise ValueError(
+            f"kvx: the KV cache is on CUDA device {cuda_device} but the transport {setting!r} "
+            f"moves host memory; use cuda-ipc" + fix
+        )
+    return setting
 
 
 def _parse_bool(key: str, raw: Any) -> bool:

@@ -41,7 +41,7 @@ except ImportError:  # a vLLM before connector stats
     KVConnectorStats = None  # type: ignore[assignment,misc]
 
 from kvx_vllm import _native
-from kvx_vllm.config import KvxConfig
+from kvx_vllm.config import KvxConfig, resolve_transport
 from kvx_vllm.layout import CacheDescription, describe, ordered_layers
 from kvx_vllm.resolve import Resolver, split
 
@@ -561,16 +561,13 @@ class _Worker:
                 self.vllm_config.cache_config.cache_dtype,
             ),
         )
-        on_gpu = any(t.is_cuda for t in self.cache.tensors)
-        if on_gpu != self.cfg.transport.startswith("cuda-ipc"):
-            raise ValueError(
-                f"kvx: the KV cache is in {'CUDA' if on_gpu else 'host'} memory but the transport "
-                f"is {self.cfg.transport!r}; use "
-                + ("cuda-ipc[:DEVICE]" if on_gpu else "a libfabric transport")
-                + " (kv_connector_extra_config key 'transport')"
-            )
+        # `describe` checked that every layer's tensor is on one device.
+        device = self.cache.tensors[0].device
+        on_gpu = device.type == "cuda"
+        cuda_device = (device.index or 0) if on_gpu else None
+        self.transport = resolve_transport(self.cfg.transport, cuda_device)
         common = dict(
-            transport=self.cfg.transport,
+            transport=self.transport,
             token_unit=self.cache.token_unit,
             timings=self.cfg.timings(),
             max_entries=self.cfg.max_entries,
@@ -604,7 +601,7 @@ class _Worker:
             self.cache.layout,
             len(self.cache.regions),
             where,
-            self.cfg.transport,
+            self.transport,
         )
 
     def start_load_kv(self, meta: KvxConnectorMetadata) -> None:
@@ -895,6 +892,16 @@ class _KvxConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """Head-major blocks (vLLM's ``HND``, ``LBHNC`` from 0.32 on): a rank's share of the
+        heads is one run per block, and vLLM's CPU backend takes only this one. MLA caches hold
+        one latent vector per token, where the order does not matter."""
+        model = getattr(vllm_config, "model_config", None)
+        if model is not None and getattr(model, "use_mla", False):
+            return None
+        return "HND"
 
 
 def _check_parallelism(vllm_config: VllmConfig) -> None:

@@ -22,8 +22,16 @@ a ``vec`` one; otherwise (``auto``) the cache is described block by block, which
 kernel on both sides: a prefill and a decode on different kernels that both describe their caches
 block by block are not told apart.
 
-vLLM's FlashAttention layout ``(2, num_blocks, block_size, num_kv_heads, head_size)`` (contiguous)
-maps exactly onto ``per-layer-kv-halves`` in NHD order.
+On GPUs, vLLM from 0.32 on hands every layer a view ``[num_blocks, num_kv_heads, block_size,
+2 * head_size]`` of one shared allocation whose last axis holds, per token and head, the K vector
+then the V vector (its attention backends split it in halves). Its strides follow vLLM's cache
+layout: ``LBHNC`` (head-major, what the kvx connectors ask vLLM for, as its ``HND``) or ``LBNHC``
+(token-major): kvx describes those as ``per-layer-cell-kv`` in order ``hnd`` or ``nhd``, token
+by token. Block-outermost layouts (a block of every layer together) and padded pages are refused.
+
+The FlashAttention layout of earlier vLLMs, ``(2, num_blocks, block_size, num_kv_heads,
+head_size)``, maps exactly onto ``per-layer-kv-halves``: in order ``nhd`` when contiguous, ``hnd``
+when its strides put heads before tokens.
 """
 
 from __future__ import annotations
@@ -90,8 +98,11 @@ def describe(
     tp_rank: int,
     mode: str = "auto",
     cpu_kernel: str | None = "vec",
+    cells: bool | None = None,
 ) -> CacheDescription:
-    """Describes the per-layer KV tensors vLLM hands to ``register_kv_caches``."""
+    """Describes the per-layer KV tensors vLLM hands to ``register_kv_caches``. ``cells``: a 4D
+    tensor holds K then V per token and head (vLLM's GPU backends from 0.32 on) rather than
+    vLLM's CPU blocks; by default, whether the tensors are on a GPU."""
     if mode not in ("auto", "exact", "block"):
         raise ValueError(f"unknown layout mode {mode!r}")
     layers = ordered_layers(kv_caches)
@@ -103,10 +114,6 @@ def describe(
             raise ValueError(
                 f"KV caches differ: {first_name} {tuple(first.shape)} {first.dtype} {first.device}"
                 f" vs {name} {tuple(t.shape)} {t.dtype} {t.device}"
-            )
-        if not t.is_contiguous():
-            raise NotImplementedError(
-                f"KV cache {name} is not contiguous (shape {tuple(t.shape)}, stride {t.stride()})"
             )
     if first.device.type not in ("cpu", "cuda"):
         raise NotImplementedError(
@@ -124,15 +131,36 @@ def describe(
         "tp_size": tp_size,
         "tp_rank": tp_rank,
     }
-    if len(shape) == 4 and shape[3] == 2 * head_size and shape[2] == block_size:
+    if cells is None:
+        cells = first.device.type == "cuda"
+    if (
+        cells
+        and len(shape) == 4
+        and shape[3] == 2 * head_size
+        and shape[2] == block_size
+    ):
+        # vLLM >= 0.32 on GPUs: [num_blocks, local_heads, block_size, K|V] per layer.
+        if mode == "block":
+            raise ValueError("layout 'block' is only for the CPU backend's cache")
+        order = _dense_order(layers, {"hnd": (0, 1, 2, 3), "nhd": (0, 2, 1, 3)},
+                             "vLLM's LBHNC or LBNHC cache layout (VLLM_KV_CACHE_LAYOUT)")
+        _check_local_heads(first_name, shape[1], total_kv_heads, tp_size)
+        layout = dict(
+            base,
+            total_kv_heads=total_kv_heads,
+            head_dim=head_size,
+            block_tokens=block_size,
+            num_blocks=shape[0],
+            order=order,
+            arrangement="per-layer-cell-kv",
+        )
+        unit, chosen = 1, "exact"
+    elif len(shape) == 4 and shape[3] == 2 * head_size and shape[2] == block_size:
         # CPU attention: [num_blocks, local_heads, block_size, 2 * head_size]; per block and
         # head, K dimension-major then V token-major.
         num_blocks, local_heads = shape[0], shape[1]
-        if local_heads != max(1, total_kv_heads // tp_size):
-            raise ValueError(
-                f"KV cache {first_name} holds {local_heads} heads; {total_kv_heads} KV heads over "
-                f"TP {tp_size} give {max(1, total_kv_heads // tp_size)} per rank"
-            )
+        _dense_order(layers, {"contiguous": (0, 1, 2, 3)}, "a contiguous tensor")
+        _check_local_heads(first_name, local_heads, total_kv_heads, tp_size)
         vec = cpu_kernel in VEC_KERNELS
         if mode == "exact" and not vec:
             raise ValueError(
@@ -163,16 +191,18 @@ def describe(
             )
             unit, chosen = 1, "exact"
     elif len(shape) == 5 and shape[0] == 2 and shape[2] == block_size and shape[4] == head_size:
-        # FlashAttention: (2, num_blocks, block_size, local_heads, head_size).
+        # FlashAttention before vLLM 0.32: (2, num_blocks, block_size, local_heads, head_size).
         if mode == "block":
             raise ValueError("layout 'block' is only for the CPU backend's cache")
+        order = _dense_order(layers, {"nhd": (0, 1, 2, 3, 4), "hnd": (0, 1, 3, 2, 4)},
+                             "vLLM's NHD or HND cache layout")
         layout = dict(
             base,
             total_kv_heads=total_kv_heads,
             head_dim=head_size,
             block_tokens=block_size,
             num_blocks=shape[1],
-            order="nhd",
+            order=order,
             arrangement="per-layer-kv-halves",
         )
         unit, chosen = 1, "exact"
@@ -180,6 +210,7 @@ def describe(
         raise NotImplementedError(
             f"unknown KV cache shape {shape} (head size {head_size}, block size {block_size})"
         )
+    # Each layer's tensor is dense (checked above), so its bytes are one range from its start.
     regions = [(t.data_ptr(), t.numel() * esize) for _, t in layers]
     return CacheDescription(
         layout=layout,
@@ -188,3 +219,38 @@ def describe(
         mode=chosen,
         tensors=[t for _, t in layers],
     )
+
+
+def _dense_order(layers: list[tuple[str, torch.Tensor]], orders: dict[str, tuple[int, ...]],
+                 expected: str) -> str:
+    """The name of the order (axes from outermost to innermost in memory) in which every
+    layer's tensor is dense, without gaps; axes of size 1 may have any stride."""
+    for name, axes in orders.items():
+        if all(_dense_in(t, axes) for _, t in layers):
+            return name
+    odd = [(n, t) for n, t in layers if not any(_dense_in(t, a) for a in orders.values())]
+    if not odd:
+        raise NotImplementedError(f"the KV caches' layers are laid out in different orders of "
+                                  f"{sorted(orders)}")
+    layer, t = odd[0]
+    raise NotImplementedError(
+        f"KV cache {layer} (shape {tuple(t.shape)}, strides {t.stride()}) is not laid out as "
+        f"{expected}: kvx describes dense per-layer tensors only"
+    )
+
+
+def _dense_in(t: torch.Tensor, axes: tuple[int, ...]) -> bool:
+    step = 1
+    for axis in reversed(axes):
+        if t.shape[axis] != 1 and t.stride(axis) != step:
+            return False
+        step *= t.shape[axis]
+    return True
+
+
+def _check_local_heads(name: str, local_heads: int, total_kv_heads: int, tp_size: int) -> None:
+    if local_heads != max(1, total_kv_heads // tp_size):
+        raise ValueError(
+            f"KV cache {name} holds {local_heads} heads; {total_kv_heads} KV heads over "
+            f"TP {tp_size} give {max(1, total_kv_heads // tp_size)} per rank"
+        )

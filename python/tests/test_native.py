@@ -36,11 +36,11 @@ def token_kv(cache: torch.Tensor, block_ids: list[int], bs: int, token: int) -> 
     return torch.stack([k, v])
 
 
-def start_pair(p_caches, d_caches, *, heads, p_bs, d_bs, mode="auto", **kw):
+def start_pair(p_caches, d_caches, *, heads, p_bs, d_bs, mode="auto", cells=None, **kw):
     p_desc = describe(p_caches, head_size=HEAD, total_kv_heads=heads, block_size=p_bs,
-                      tp_size=1, tp_rank=0, mode=mode)
+                      tp_size=1, tp_rank=0, mode=mode, cells=cells)
     d_desc = describe(d_caches, head_size=HEAD, total_kv_heads=heads, block_size=d_bs,
-                      tp_size=1, tp_rank=0, mode=mode)
+                      tp_size=1, tp_rank=0, mode=mode, cells=cells)
     producer = _native.Producer("p0", p_desc.layout, p_desc.regions, transport="loopback",
                                 token_unit=p_desc.token_unit, **kw)
     consumer = _native.Consumer("d0", d_desc.layout, d_desc.regions, transport="loopback",
@@ -256,5 +256,129 @@ def test_flash_layout_is_token_exact_across_block_sizes(p_bs, d_bs):
             pb, ps = p_blocks[tok // p_bs], tok % p_bs
             db, ds = d_blocks[tok // d_bs], tok % d_bs
             assert torch.equal(p_caches[name][:, pb, ps], d_caches[name][:, db, ds])
+    producer.shutdown()
+    consumer.shutdown()
+
+
+# Axes of [blocks, heads, tokens, K|V] from outermost to innermost in memory, per vLLM 0.32
+# cache layout (a layer-compact one: each layer's blocks together).
+CELL_ORDERS = {"hnd": (0, 1, 2, 3), "nhd": (0, 2, 1, 3)}
+
+
+def cell_caches(layers: int, blocks: int, heads: int, bs: int, order: str,
+                fill: bool) -> dict[str, torch.Tensor]:
+    """What vLLM 0.32's GPU model runner hands a connector: per layer a view [blocks, heads,
+    tokens, K|V] of one shared allocation, strided as its cache layout (`LBHNC` is `hnd`,
+    `LBNHC` is `nhd`) says."""
+    shape = (blocks, heads, bs, 2 * HEAD)
+    raw = torch.zeros(layers * blocks * heads * bs * 2 * HEAD)
+    strides = [0] * 4
+    step = 1
+    for axis in reversed(CELL_ORDERS[order]):
+        strides[axis] = step
+        step *= shape[axis]
+    out = {}
+    for i in range(layers):
+        view = torch.as_strided(raw, shape, strides, storage_offset=i * step)
+        if fill:
+            view.copy_(torch.randn(shape))
+        out[f"model.layers.{i}.self_attn.attn"] = view
+    return out
+
+
+@pytest.mark.parametrize("order", ["hnd", "nhd"])
+@pytest.mark.parametrize("p_bs,d_bs", [(16, 32), (32, 16), (32, 32)])
+def test_kv_cells_of_vllm_gpu_views_move_token_by_token(order, p_bs, d_bs):
+    """vLLM 0.32's GPU layout (K then V per token and head; `cells=True` describes these CPU
+    tensors as that), in its head-major and token-major orders: every token's K and V land in
+    decode's blocks, across block sizes, and nothing else changes. (The same on a GPU, between
+    processes over CUDA IPC: test_gpu.py.)"""
+    p_caches = cell_caches(2, 16, 2, p_bs, order, fill=True)
+    d_caches = cell_caches(2, 16, 2, d_bs, order, fill=False)
+    producer, consumer, p_desc, d_desc = start_pair(p_caches, d_caches, heads=2, p_bs=p_bs,
+                                                    d_bs=d_bs, cells=True)
+    assert (p_desc.layout["arrangement"], p_desc.layout["order"]) == ("per-layer-cell-kv", order)
+    assert p_desc.mode == d_desc.mode == "exact"
+    tokens = 70
+    p_blocks = [5, 1, 12, 3, 9][: -(-tokens // p_bs)]
+    d_blocks = [2, 14, 7, 0, 11][: -(-tokens // d_bs)]
+    consumer.request_allocated("t-c", "dreq", producer.control_addr, tokens, 0, d_blocks)
+    producer.request_finished("t-c", "preq", p_blocks, tokens)
+    assert wait_events(consumer, 1) == [("dreq", True, "", "")]
+    for name in p_caches:
+        for tok in range(tokens):
+            pb, ps = p_blocks[tok // p_bs], tok % p_bs
+            db, ds = d_blocks[tok // d_bs], tok % d_bs
+            assert torch.equal(p_caches[name][pb, :, ps], d_caches[name][db, :, ds]), tok
+        untouched = [b for b in range(16) if b not in d_blocks]
+        assert torch.count_nonzero(d_caches[name][untouched]) == 0
+    # Exactly the request's tokens: 2 layers x 2 heads x (K, V) x HEAD float32s each.
+    assert producer.stats()["bytes_written"] == tokens * 2 * 2 * 2 * HEAD * 4
+    producer.shutdown()
+    consumer.shutdown()
+
+
+def test_kv_cells_in_different_orders_fail_the_request_cleanly():
+    """A head-major prefill and a token-major decode (or any other arrangement) are not
+    re-laid-out: the request fails with the planner's reason and decode's blocks stay as they
+    were."""
+    p_caches = cell_caches(2, 8, 2, 32, "hnd", fill=True)
+    d_caches = cell_caches(2, 8, 2, 32, "nhd", fill=False)
+    producer, consumer, _, _ = start_pair(p_caches, d_caches, heads=2, p_bs=32, d_bs=32,
+                                          cells=True)
+    consumer.request_allocated("t-o", "dreq", producer.control_addr, 40, 0, [1, 6])
+    producer.request_finished("t-o", "preq", [3, 4], 40)
+    [(rid, ok, reason, detail)] = wait_events(consumer, 1)
+    assert rid == "dreq" and not ok, (reason, detail)
+    assert "re-layout" in detail or "order" in detail, detail
+    assert all(torch.count_nonzero(t) == 0 for t in d_caches.values())
+    producer.shutdown()
+    consumer.shutdown()
+
+
+def test_only_dense_per_layer_views_are_described():
+    """A block-outermost layout (every layer's page of a block together) or a padded page is
+    not one dense range per layer: refused, naming vLLM's layouts, rather than misdescribed."""
+    kw = dict(head_size=HEAD, total_kv_heads=2, block_size=16, tp_size=1, tp_rank=0, cells=True)
+    shape = (4, 2, 16, 2 * HEAD)
+    page = 2 * 16 * 2 * HEAD
+    raw = torch.zeros(2 * 4 * page)
+    block_outer = {
+        f"model.layers.{i}.self_attn.attn": torch.as_strided(
+            raw, shape, (2 * page, 16 * 2 * HEAD, 2 * HEAD, 1), storage_offset=i * page)
+        for i in range(2)
+    }
+    with pytest.raises(NotImplementedError, match="LBHNC or LBNHC"):
+        describe(block_outer, **kw)
+    assert describe(cell_caches(2, 4, 2, 16, "nhd", fill=False), **kw).layout["order"] == "nhd"
+
+
+def test_flash_layout_in_hnd_order_is_described_as_such():
+    """Earlier vLLMs' FlashAttention tensor (2, blocks, tokens, heads, dim) viewed over
+    head-major memory (their HND layout, which the kvx connectors ask for) is `hnd`, and its
+    bytes move token-exactly into a contiguous (`nhd`) decode cache."""
+    def hnd_flash(blocks, bs, fill):
+        out = {}
+        for i in range(2):
+            t = torch.zeros(2, blocks, 2, bs, HEAD)
+            if fill:
+                t.copy_(torch.randn_like(t))
+            out[f"model.layers.{i}.self_attn.attn"] = t.transpose(2, 3)
+        return out
+
+    p_caches = hnd_flash(16, 16, fill=True)
+    d_caches = flash_caches(2, 16, 2, 16, fill=False)
+    producer, consumer, p_desc, d_desc = start_pair(p_caches, d_caches, heads=2, p_bs=16,
+                                                    d_bs=16)
+    assert (p_desc.layout["order"], d_desc.layout["order"]) == ("hnd", "nhd")
+    tokens = 40
+    p_blocks, d_blocks = [4, 9, 1], [8, 2, 13]
+    consumer.request_allocated("t-h", "dreq", producer.control_addr, tokens, 0, d_blocks)
+    producer.request_finished("t-h", "preq", p_blocks, tokens)
+    assert wait_events(consumer, 1) == [("dreq", True, "", "")]
+    for name in p_caches:
+        for tok in range(tokens):
+            pb, db, s = p_blocks[tok // 16], d_blocks[tok // 16], tok % 16
+            assert torch.equal(p_caches[name][:, pb, s], d_caches[name][:, db, s]), tok
     producer.shutdown()
     consumer.shutdown()

@@ -134,16 +134,22 @@ pub enum Arrangement {
     /// CPU tensor `[num_blocks, heads, block_size, 2·head_size]`. A chunk's heads are therefore
     /// not adjacent; the memory order must be head-major (`hnd` or `hnd-kt`).
     PerLayerHeadKv,
+    /// One region per layer, each block holding, per (token, head) cell, that head's K vector
+    /// then its V vector: vLLM's per-layer view `[blocks, heads, tokens, K|V]` (order `hnd`, its
+    /// `LBHNC` cache layout) or `[blocks, tokens, heads, K|V]` (`nhd`, `LBNHC`), the GPU caches
+    /// of vLLM 0.32 on. K and V travel together, so this plans against itself only.
+    PerLayerCellKv,
 }
 
 impl Arrangement {
     /// All arrangements, in wire-code order.
-    pub const ALL: [Self; 5] = [
+    pub const ALL: [Self; 6] = [
         Self::PerLayerSplit,
         Self::PerLayerKvHalves,
         Self::PerLayerKvInBlock,
         Self::CrossLayer,
         Self::PerLayerHeadKv,
+        Self::PerLayerCellKv,
     ];
 
     /// The name used on the command line and in configuration.
@@ -155,6 +161,7 @@ impl Arrangement {
             Self::PerLayerKvInBlock => "per-layer-kv-in-block",
             Self::CrossLayer => "cross-layer",
             Self::PerLayerHeadKv => "per-layer-head-kv",
+            Self::PerLayerCellKv => "per-layer-cell-kv",
         }
     }
 }

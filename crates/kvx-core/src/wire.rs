@@ -611,6 +611,7 @@ impl Writer<'_> {
             Arrangement::PerLayerKvInBlock => 2,
             Arrangement::CrossLayer => 3,
             Arrangement::PerLayerHeadKv => 4,
+            Arrangement::PerLayerCellKv => 5,
         });
     }
     fn region(&mut self, r: &RegionDesc) {
@@ -828,6 +829,7 @@ impl<'a> Reader<'a> {
             2 => Arrangement::PerLayerKvInBlock,
             3 => Arrangement::CrossLayer,
             4 => Arrangement::PerLayerHeadKv,
+            5 => Arrangement::PerLayerCellKv,
             v => {
                 return Err(DecodeError::InvalidField {
                     field: "layout.arrangement",

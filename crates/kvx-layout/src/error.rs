@@ -39,6 +39,9 @@ pub enum LayoutError {
         /// The arrangement given.
         arrangement: kvx_core::Arrangement,
     },
+    /// Cells holding K then V keep a token's key vector whole, which dimension-major keys do not.
+    #[error("arrangement per-layer-cell-kv keeps each key vector whole: use order nhd or hnd, not hnd-kt")]
+    CellKeysDimensionMajor,
 }
 
 /// Which side of a plan a problem is on.
@@ -156,5 +159,18 @@ pub enum PlanError {
         consumer: kvx_core::MemoryOrder,
         /// Consumer's arrangement.
         arrangement: kvx_core::Arrangement,
+    },
+    /// One side keeps K and V together per (token, head) cell and the other does not: such a
+    /// cache plans against its own arrangement only.
+    #[error(
+        "producer arrangement {producer} and consumer arrangement {consumer} do not plan \
+         together: per-layer-cell-kv (K and V together per token and head) plans only against \
+         itself"
+    )]
+    ArrangementMismatch {
+        /// Producer's arrangement.
+        producer: kvx_core::Arrangement,
+        /// Consumer's arrangement.
+        consumer: kvx_core::Arrangement,
     },
 }

@@ -76,13 +76,18 @@ impl Layout {
                 arrangement: spec.arrangement,
             });
         }
+        if spec.arrangement == Arrangement::PerLayerCellKv && spec.order == MemoryOrder::HndKt {
+            return Err(LayoutError::CellKeysDimensionMajor);
+        }
         let head_bytes = u64::from(spec.head_dim) * u64::from(spec.dtype.size());
         let chunk_bytes = head_bytes
             .checked_mul(u64::from(local_heads) * u64::from(spec.block_tokens))
             .ok_or(LayoutError::TooLarge)?;
         let per_block_chunks = match spec.arrangement {
             Arrangement::PerLayerSplit | Arrangement::PerLayerKvHalves => 1,
-            Arrangement::PerLayerKvInBlock | Arrangement::PerLayerHeadKv => u64::from(kv_parts),
+            Arrangement::PerLayerKvInBlock
+            | Arrangement::PerLayerHeadKv
+            | Arrangement::PerLayerCellKv => u64::from(kv_parts),
             Arrangement::CrossLayer => u64::from(kv_parts) * u64::from(spec.num_layers),
         };
         let block_stride = chunk_bytes
@@ -92,16 +97,18 @@ impl Layout {
             Arrangement::PerLayerSplit => 1,
             Arrangement::PerLayerKvHalves
             | Arrangement::PerLayerKvInBlock
-            | Arrangement::PerLayerHeadKv => u64::from(kv_parts),
+            | Arrangement::PerLayerHeadKv
+            | Arrangement::PerLayerCellKv => u64::from(kv_parts),
             Arrangement::CrossLayer => u64::from(kv_parts) * u64::from(spec.num_layers),
         };
         // Head-major orders: one head's tokens of a chunk, then the next head's; with K and V
-        // interleaved per head, the next head comes after this head's V.
+        // interleaved per head (or per token and head), the next head comes after this head's V.
         let head_span = head_bytes * u64::from(spec.block_tokens);
-        let head_pitch = if spec.arrangement == Arrangement::PerLayerHeadKv {
-            head_span * u64::from(kv_parts)
-        } else {
-            head_span
+        let head_pitch = match spec.arrangement {
+            Arrangement::PerLayerHeadKv | Arrangement::PerLayerCellKv => {
+                head_span * u64::from(kv_parts)
+            }
+            _ => head_span,
         };
         let region_len = chunk_bytes
             .checked_mul(chunks_per_region)
@@ -177,6 +184,24 @@ impl Layout {
         self.head_pitch
     }
 
+    /// Whether each (token, head) cell holds its K vector and then its V vector
+    /// ([`Arrangement::PerLayerCellKv`]).
+    #[must_use]
+    pub fn cells_hold_kv(&self) -> bool {
+        self.spec.arrangement == Arrangement::PerLayerCellKv
+    }
+
+    /// Distance between the head vectors of consecutive slots (head-major orders) or heads
+    /// (`nhd`) of one part: a head vector, times 2 where each cell holds K then V.
+    #[must_use]
+    pub fn vector_pitch(&self) -> u64 {
+        if self.cells_hold_kv() {
+            self.head_bytes * u64::from(self.kv_parts)
+        } else {
+            self.head_bytes
+        }
+    }
+
     /// Distance between consecutive elements of one head vector of part `kv`: the element size,
     /// except for the dimension-major keys of [`MemoryOrder::HndKt`], whose elements are a
     /// block's tokens apart.
@@ -209,7 +234,8 @@ impl Layout {
             Arrangement::PerLayerSplit => self.spec.num_layers * self.kv_parts,
             Arrangement::PerLayerKvHalves
             | Arrangement::PerLayerKvInBlock
-            | Arrangement::PerLayerHeadKv => self.spec.num_layers,
+            | Arrangement::PerLayerHeadKv
+            | Arrangement::PerLayerCellKv => self.spec.num_layers,
             Arrangement::CrossLayer => 1,
         }
     }
@@ -246,6 +272,11 @@ impl Layout {
                 region: layer,
                 base: u64::from(kv) * self.head_bytes * u64::from(self.spec.block_tokens),
             },
+            // Each cell's V follows its K.
+            Arrangement::PerLayerCellKv => ChunkPlace {
+                region: layer,
+                base: u64::from(kv) * self.head_bytes,
+            },
         }
     }
 
@@ -254,9 +285,10 @@ impl Layout {
     #[must_use]
     pub fn inner_offset(&self, order: MemoryOrder, kv: u32, slot: u32, head: u32) -> u64 {
         let (slot, head) = (u64::from(slot), u64::from(head));
+        let vector = self.vector_pitch();
         match order {
-            MemoryOrder::Nhd => (slot * u64::from(self.local_heads) + head) * self.head_bytes,
-            MemoryOrder::Hnd => head * self.head_pitch + slot * self.head_bytes,
+            MemoryOrder::Nhd => (slot * u64::from(self.local_heads) + head) * vector,
+            MemoryOrder::Hnd => head * self.head_pitch + slot * vector,
             MemoryOrder::HndKt if kv == 0 => {
                 head * self.head_pitch + slot * u64::from(self.spec.dtype.size())
             }

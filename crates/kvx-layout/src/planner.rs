@@ -56,7 +56,8 @@ pub struct Plan {
 }
 
 impl Plan {
-    /// All copy operations, grouped by producer rank (ascending), then layer, then K/V.
+    /// All copy operations, grouped by producer rank (ascending), then layer, then K/V (K and V
+    /// together where cells hold both, [`Arrangement::PerLayerCellKv`]).
     #[must_use]
     pub fn ops(&self) -> &[CopyOp] {
         &self.ops
@@ -372,6 +373,12 @@ fn transfer_order(
     producer: &Layout,
     consumer: &Layout,
 ) -> Result<(MemoryOrder, Option<MemoryOrder>), PlanError> {
+    if producer.cells_hold_kv() != consumer.cells_hold_kv() {
+        return Err(PlanError::ArrangementMismatch {
+            producer: producer.spec().arrangement,
+            consumer: consumer.spec().arrangement,
+        });
+    }
     let (p, c) = (effective_order(producer), effective_order(consumer));
     let arrangement = consumer.spec().arrangement;
     let unsupported = Err(PlanError::UnsupportedReLayout {
@@ -392,7 +399,10 @@ fn transfer_order(
     let order = p.or(c).unwrap_or(MemoryOrder::Nhd);
     match (p, c) {
         (Some(p), Some(c)) if p != c => {
-            if arrangement == Arrangement::PerLayerHeadKv {
+            if matches!(
+                arrangement,
+                Arrangement::PerLayerHeadKv | Arrangement::PerLayerCellKv
+            ) {
                 return unsupported;
             }
             Ok((order, Some(p)))
@@ -542,6 +552,9 @@ pub fn plan_layers(req: &PlanRequest<'_>, layers: Range<u32>) -> Result<Plan, Pl
     let by_rank = check_producers(req.producers)?;
     let reference = &req.producers[0];
     check_model(reference, consumer)?;
+    // Cells holding K then V (on both sides: `transfer_order` checks): each cell moves whole,
+    // as one part of twice the width.
+    let cells = consumer.cells_hold_kv();
     let (n, skip) = (req.num_tokens, req.skip_tokens);
     if skip > n {
         return Err(PlanError::SkipBeyondTokens { skip, tokens: n });
@@ -580,7 +593,7 @@ pub fn plan_layers(req: &PlanRequest<'_>, layers: Range<u32>) -> Result<Plan, Pl
         .collect();
     ranks.sort_unstable();
     ranks.dedup();
-    let parts = consumer.kv_parts();
+    let parts = if cells { 1 } else { consumer.kv_parts() };
     let template_ops: usize = kv_templates.iter().flatten().map(Vec::len).sum();
     let per_kv = kv_templates.len() as u32;
     ops.reserve(template_ops * (layers.len() as u32 * parts / per_kv) as usize);
@@ -638,7 +651,8 @@ fn build_templates(
     let consumer = req.consumer;
     let mut templates: Vec<Vec<Piece>> = vec![Vec::new(); groups.len()];
     let mut mergers: Vec<Merger> = vec![Merger::default(); groups.len()];
-    let head_bytes = consumer.head_bytes();
+    // A head vector, or a whole K-then-V cell where cells hold both (the same on both sides).
+    let head_bytes = consumer.vector_pitch();
     let hc = u64::from(consumer.local_heads());
     let c_stride = consumer.block_stride();
     let c_pitch = consumer.head_pitch();

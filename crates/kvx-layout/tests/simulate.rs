@@ -8,12 +8,16 @@ use kvx_layout::synth::{fill_request, verify_request};
 use kvx_layout::{plan, plan_layers, Layout, PlanError, PlanRequest};
 use proptest::prelude::*;
 
-const ARRANGEMENTS: [Arrangement; 5] = Arrangement::ALL;
+const ARRANGEMENTS: [Arrangement; 6] = Arrangement::ALL;
 const ORDERS: [MemoryOrder; 3] = MemoryOrder::ALL;
 
-/// `per-layer-head-kv` needs a head-major order; `nhd` becomes `hnd` there.
+/// `per-layer-head-kv` needs a head-major order; `nhd` becomes `hnd` there. `per-layer-cell-kv`
+/// keeps key vectors whole; `hnd-kt` becomes `hnd` there.
 fn fit_order(side: &mut SideParams) {
     if side.arrangement == Arrangement::PerLayerHeadKv && side.order == MemoryOrder::Nhd {
+        side.order = MemoryOrder::Hnd;
+    }
+    if side.arrangement == Arrangement::PerLayerCellKv && side.order == MemoryOrder::HndKt {
         side.order = MemoryOrder::Hnd;
     }
 }
@@ -212,6 +216,18 @@ fn simulate(case: &Case) -> Result<usize, TestCaseError> {
         only_producer: None,
     };
     let planned = match plan(&request(skip)) {
+        Err(PlanError::ArrangementMismatch { .. }) => {
+            let cells = |s: &SideParams| s.arrangement == Arrangement::PerLayerCellKv;
+            prop_assert!(cells(&case.producer) != cells(&case.consumer));
+            let permute =
+                kvx_layout::permute_for(&producers[0], &consumer, case.tokens, 0, &c_blocks);
+            prop_assert!(
+                matches!(permute, Err(PlanError::ArrangementMismatch { .. })),
+                "permute_for must refuse the pairing too: {:?}",
+                permute
+            );
+            return Ok(0);
+        }
         Err(PlanError::UnsupportedReLayout { .. }) => {
             let (p, c) = (&case.producer, &case.consumer);
             prop_assert!(p.order != c.order || p.arrangement != c.arrangement);
@@ -219,6 +235,7 @@ fn simulate(case: &Case) -> Result<usize, TestCaseError> {
                 p.order == MemoryOrder::HndKt
                     || c.order == MemoryOrder::HndKt
                     || c.arrangement == Arrangement::PerLayerHeadKv
+                    || c.arrangement == Arrangement::PerLayerCellKv
             );
             prop_assert!(kvx_layout::permute_for(
                 &producers[0],
@@ -450,7 +467,7 @@ fn every_named_combination_simulates() {
         for (p_bt, c_bt) in [(4, 4), (2, 8), (8, 2), (3, 5)] {
             for p_order in [MemoryOrder::Nhd, MemoryOrder::Hnd] {
                 for c_order in [MemoryOrder::Nhd, MemoryOrder::Hnd] {
-                    for (p_arr, c_arr) in [(0, 0), (1, 2), (3, 0), (2, 3)] {
+                    for (p_arr, c_arr) in [(0, 0), (1, 2), (3, 0), (2, 3), (5, 5)] {
                         for fragmented in [false, true] {
                             for skip in [0, 8] {
                                 let mut case = base_case();
@@ -477,7 +494,7 @@ fn every_named_combination_simulates() {
             }
         }
     }
-    assert_eq!(count, 7 * 4 * 4 * 4 * 2 * 2);
+    assert_eq!(count, 7 * 4 * 4 * 5 * 2 * 2);
 }
 
 #[test]
@@ -566,6 +583,57 @@ fn vllm_cpu_layout_moves_token_exactly_across_block_sizes() {
                 }
             }
         }
+    }
+}
+
+/// vLLM's GPU caches from 0.32 on (K then V per token and head: `per-layer-cell-kv`, in its
+/// `LBHNC` or `LBNHC` layout) move token-exactly between any block sizes and TP degrees when both
+/// sides use them, each cell whole; a pairing with another arrangement is refused.
+#[test]
+fn vllm_gpu_cells_move_token_exactly_across_block_sizes_and_tp() {
+    for order in [MemoryOrder::Hnd, MemoryOrder::Nhd] {
+        for (p_bt, c_bt) in [(16, 16), (16, 32), (32, 16), (3, 5)] {
+            for (p_tp, c_tp) in [(2, 2), (4, 2), (1, 2), (2, 1)] {
+                for fragmented in [false, true] {
+                    for skip in [0, 16] {
+                        let mut case = base_case();
+                        case.tokens = 70;
+                        case.skip = skip;
+                        case.consumer_rank = c_tp - 1;
+                        for (side, tp, bt) in [
+                            (&mut case.producer, p_tp, p_bt),
+                            (&mut case.consumer, c_tp, c_bt),
+                        ] {
+                            side.tp = tp;
+                            side.block_tokens = bt;
+                            side.order = order;
+                            side.arrangement = Arrangement::PerLayerCellKv;
+                            side.fragmented = fragmented;
+                        }
+                        let ops = simulate(&case).unwrap();
+                        assert!(ops > 0, "refused: {case:?}");
+                        if p_bt == c_bt && p_tp == c_tp && !fragmented {
+                            case.tokens = 64;
+                            let ops = simulate(&case).unwrap();
+                            assert_eq!(ops, 2, "one op per layer, K and V together: {case:?}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+    for other in Arrangement::ALL {
+        if other == Arrangement::PerLayerCellKv {
+            continue;
+        }
+        let mut case = base_case();
+        case.producer.order = MemoryOrder::Hnd;
+        case.producer.arrangement = Arrangement::PerLayerCellKv;
+        case.consumer.order = MemoryOrder::Hnd;
+        case.consumer.arrangement = other;
+        assert_eq!(simulate(&case).unwrap(), 0, "{other} must be refused");
+        std::mem::swap(&mut case.producer, &mut case.consumer);
+        assert_eq!(simulate(&case).unwrap(), 0, "{other} must be refused");
     }
 }
 

@@ -1,0 +1,38 @@
+"""The connector's settings: which transport a KV cache gets (`transport`, default `auto`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvx_vllm.config import KvxConfig, resolve_transport
+
+
+def test_auto_follows_the_cache():
+    assert KvxConfig.from_extra({}).transport == "auto"
+    assert resolve_transport("auto", None) == "libfabric:shm"
+    assert resolve_transport("auto", 0) == "cuda-ipc:0"
+    assert resolve_transport("auto", 3) == "cuda-ipc:3"
+
+
+def test_cuda_ipc_takes_the_caches_gpu_unless_it_names_it():
+    # Tensor-parallel rank r of a GPU instance holds its cache on its own device.
+    assert resolve_transport("cuda-ipc", 1) == "cuda-ipc:1"
+    assert resolve_transport("cuda-ipc:1", 1) == "cuda-ipc:1"
+
+
+def test_named_host_transports_are_kept_for_host_caches():
+    for setting in ("libfabric:shm", "cma", "libfabric:tcp,rails=2", "loopback"):
+        assert resolve_transport(setting, None) == setting
+
+
+@pytest.mark.parametrize("setting,device,says", [
+    ("cuda-ipc", None, "host memory"),
+    ("cuda-ipc:0", None, "host memory"),
+    ("libfabric:shm", 0, "moves host memory"),
+    ("cma", 2, "CUDA device 2"),
+    ("cuda-ipc:0", 1, "use cuda-ipc:1"),
+])
+def test_a_transport_that_cannot_move_the_cache_is_refused(setting, device, says):
+    with pytest.raises(ValueError, match=says) as err:
+        resolve_transport(setting, device)
+    assert "'transport'" in str(err.value)

@@ -1,0 +1,278 @@
+"""The native module with CUDA tensors, as vLLM hands them over on GPUs, between two processes:
+prefill in a child process, decode in the test's. vLLM 0.32's per-layer views of one shared
+allocation, `[blocks, heads, tokens, K|V]` in its head-major (`LBHNC`) and token-major (`LBNHC`)
+layouts, and earlier vLLMs' FlashAttention tensors `(2, blocks, tokens, heads, dim)`. The
+transport is what the connector's default (`auto`) picks for a CUDA cache, CUDA IPC on the
+cache's own GPU. Push (with part of the request written before it finishes) and pull move every
+token's K and V to where decode's blocks say, across different block sizes, and leave every
+other block untouched.
+
+Without a CUDA device these tests are skipped, saying so; with `KVX_REQUIRE_GPU=1` (set on GPU
+machines) they fail instead."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvx_vllm import _native
+from kvx_vllm.config import resolve_transport
+from kvx_vllm.layout import describe
+
+HEAD = 32
+HEADS = 2
+LAYERS = 3
+BLOCKS = 16
+
+# The caches both sides make, as vLLM lays them out (`kind`: cells-hnd, cells-nhd, flash).
+CACHES = r"""
+import torch
+
+
+def make_caches(kind, layers, blocks, heads, bs, head, device, fill):
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    if kind == "flash":
+        out = {n: torch.zeros(2, blocks, bs, heads, head, device=device) for n in names}
+        for t in out.values():
+            if fill:
+                t.normal_()
+        return out
+    axes = {"cells-hnd": (0, 1, 2, 3), "cells-nhd": (0, 2, 1, 3)}[kind]
+    shape = (blocks, heads, bs, 2 * head)
+    strides, step = [0] * 4, 1
+    for axis in reversed(axes):
+        strides[axis] = step
+        step *= shape[axis]
+    raw = torch.zeros(layers * step, device=device)
+    if fill:
+        raw.normal_()
+    return {n: torch.as_strided(raw, shape, strides, storage_offset=i * step)
+            for i, n in enumerate(names)}
+"""
+exec(CACHES)  # noqa: S102 - the same builder as the child's, from one source
+
+# Prefill: fills its cache, starts a producer over the transport `auto` picks, and answers the
+# test's commands (one JSON object per line) until it is told to quit.
+PREFILL = CACHES + r"""
+import json, sys, time
+from kvx_vllm import _native
+from kvx_vllm.config import resolve_transport
+from kvx_vllm.layout import describe
+
+cfg = json.loads(sys.argv[1])
+dev, bs = cfg["device"], cfg["block_size"]
+torch.manual_seed(11)
+caches = make_caches(cfg["kind"], cfg["layers"], cfg["blocks"], cfg["heads"], bs, cfg["head"],
+                     f"cuda:{dev}", fill=True)
+torch.cuda.synchronize(dev)
+desc = describe(caches, head_size=cfg["head"], total_kv_heads=cfg["heads"], block_size=bs,
+                tp_size=1, tp_rank=0)
+transport = resolve_transport("auto", dev)
+producer = _native.Producer("p0", desc.layout, desc.regions, transport=transport,
+                            token_unit=desc.token_unit)
+torch.save({k: v.cpu() for k, v in caches.items()}, cfg["dump"])
+print(json.dumps({"addr": producer.control_addr, "mode": desc.mode, "transport": transport}),
+      flush=True)
+
+
+def until(what, check, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise SystemExit(f"prefill: no {what} after {timeout} s")
+        time.sleep(0.005)
+
+
+for line in sys.stdin:
+    cmd = json.loads(line)
+    op, out = cmd["op"], {}
+    if op == "progress":
+        producer.request_progress(cmd["tid"], cmd["blocks"], cmd["tokens"])
+        until("early write", lambda: producer.stats()["bytes_streamed"])
+    elif op == "finished":
+        producer.request_finished(cmd["tid"], cmd["rid"], cmd["blocks"], cmd["tokens"])
+    elif op == "finished_pull":
+        producer.request_finished_pull(cmd["tid"], cmd["rid"], cmd["blocks"], cmd["tokens"])
+    elif op == "done":
+        out["finished"] = until("finished report", producer.take_finished)
+    elif op == "quit":
+        producer.shutdown()
+        break
+    out["stats"] = {k: v for k, v in producer.stats().items()}
+    print(json.dumps(out), flush=True)
+"""
+
+
+@pytest.fixture
+def gpu() -> int:
+    """Decode's device: the last GPU (a second one where there is one, else prefill's)."""
+    if not torch.cuda.is_available():
+        why = "no CUDA device (torch.cuda.is_available() is False)"
+        if os.environ.get("KVX_REQUIRE_GPU") == "1":
+            pytest.fail(f"KVX_REQUIRE_GPU=1 but {why}")
+        print(f"SKIPPED (GPU test): {why}")
+        pytest.skip(why)
+    return torch.cuda.device_count() - 1
+
+
+class Prefill:
+    def __init__(self, tmp: Path, kind: str, block_size: int):
+        self.dump = tmp / "prefill-caches.pt"
+        cfg = dict(device=0, kind=kind, block_size=block_size, blocks=BLOCKS, heads=HEADS,
+                   head=HEAD, layers=LAYERS, dump=str(self.dump))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", PREFILL, json.dumps(cfg)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+        self.hello = self.read()
+
+    def read(self) -> dict:
+        line = self.proc.stdout.readline()
+        assert line, f"prefill exited with {self.proc.wait(timeout=30)}"
+        return json.loads(line)
+
+    def ask(self, **cmd) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def caches(self) -> dict[str, torch.Tensor]:
+        return torch.load(self.dump)
+
+    def close(self):
+        if self.proc.poll() is None:
+            try:
+                self.ask(op="quit")
+            except (AssertionError, BrokenPipeError, json.JSONDecodeError):
+                pass
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def decode_side(device: int, kind: str, block_size: int):
+    caches = make_caches(kind, LAYERS, BLOCKS, HEADS, block_size, HEAD,  # noqa: F821
+                         f"cuda:{device}", fill=False)
+    desc = describe(caches, head_size=HEAD, total_kv_heads=HEADS, block_size=block_size,
+                    tp_size=1, tp_rank=0)
+    transport = resolve_transport("auto", device)
+    assert transport == f"cuda-ipc:{device}"
+    consumer = _native.Consumer("d0", desc.layout, desc.regions, transport=transport,
+                                token_unit=desc.token_unit)
+    return caches, desc, consumer
+
+
+def wait_events(consumer, n: int, timeout: float = 20.0):
+    events = []
+    deadline = time.monotonic() + timeout
+    while len(events) < n:
+        events += consumer.take_events()
+        assert time.monotonic() < deadline, f"only {events} after {timeout}s"
+        time.sleep(0.005)
+    return events
+
+
+def assert_moved(kind, p_caches, p_blocks, p_bs, d_caches, d_blocks, d_bs, tokens, device):
+    torch.cuda.synchronize(device)
+    got = {name: t.cpu() for name, t in d_caches.items()}
+    # Every token's K and V of every head: [block, :, slot] of a cell view, [:, block, slot] of
+    # a FlashAttention tensor; the blocks decode did not name stay zero.
+    def at(t, block, slot):
+        return t[:, block, slot] if kind == "flash" else t[block, :, slot]
+
+    for name, want in p_caches.items():
+        for tok in range(tokens):
+            pb, ps = p_blocks[tok // p_bs], tok % p_bs
+            db, ds = d_blocks[tok // d_bs], tok % d_bs
+            assert torch.equal(at(want, pb, ps), at(got[name], db, ds)), f"{name} token {tok}"
+        untouched = [b for b in range(BLOCKS) if b not in d_blocks]
+        rest = got[name][:, untouched] if kind == "flash" else got[name][untouched]
+        assert torch.count_nonzero(rest) == 0, name
+
+
+@pytest.mark.parametrize("kind,p_bs,d_bs", [
+    ("cells-hnd", 16, 32),
+    ("cells-nhd", 32, 16),
+    ("cells-hnd", 32, 32),
+    ("flash", 16, 32),
+])
+def test_push_moves_cuda_tensors_between_processes(gpu, tmp_path, kind, p_bs, d_bs):
+    """Decode registers first; prefill reports 70 of 100 tokens computed (the whole blocks of
+    both sides among them are written at once), then finishes; decode's event comes once every
+    byte landed, and prefill's blocks come back."""
+    d_caches, d_desc, consumer = decode_side(gpu, kind, d_bs)
+    prefill = Prefill(tmp_path, kind, p_bs)
+    try:
+        assert prefill.hello["transport"] == "cuda-ipc:0"
+        assert prefill.hello["mode"] == d_desc.mode == "exact"
+        tokens = 100
+        p_blocks = [5, 1, 12, 3, 9, 14, 7][: -(-tokens // p_bs)]
+        d_blocks = [2, 14, 7, 0, 11, 4, 9][: -(-tokens // d_bs)]
+        consumer.request_allocated("t-1", "dreq", prefill.hello["addr"], tokens, 0, d_blocks)
+        early = prefill.ask(op="progress", tid="t-1", blocks=p_blocks[: -(-70 // p_bs)],
+                            tokens=70)
+        assert early["stats"]["bytes_streamed"] > 0, early
+        assert consumer.take_events() == []
+        prefill.ask(op="finished", tid="t-1", rid="preq", blocks=p_blocks, tokens=tokens)
+        assert wait_events(consumer, 1) == [("dreq", True, "", "")]
+        done = prefill.ask(op="done")
+        assert done["finished"] == [["preq", True, ""]], done
+        assert done["stats"]["held"] == 0, done
+        # Whole blocks of both sides up to token 70 went early; every token exactly once.
+        unit = max(p_bs, d_bs)
+        per_token = LAYERS * 2 * HEADS * HEAD * 4
+        assert done["stats"]["bytes_streamed"] == 70 // unit * unit * per_token, done
+        assert done["stats"]["bytes_written"] == tokens * per_token, done
+        assert_moved(kind, prefill.caches(), p_blocks, p_bs, d_caches, d_blocks, d_bs, tokens,
+                     gpu)
+    finally:
+        prefill.close()
+        consumer.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["cells-hnd", "cells-nhd"])
+def test_pull_reads_cuda_tensors_between_processes(gpu, tmp_path, kind):
+    """Prefill finishes first and holds its blocks; decode reads them into its own (different
+    block size) and prefill's blocks come back once decode says it is done."""
+    p_bs, d_bs = 32, 16
+    d_caches, _, consumer = decode_side(gpu, kind, d_bs)
+    prefill = Prefill(tmp_path, kind, p_bs)
+    try:
+        tokens = 77
+        p_blocks = [8, 3, 15][: -(-tokens // p_bs)]
+        d_blocks = [6, 1, 13, 10, 2][: -(-tokens // d_bs)]
+        prefill.ask(op="finished_pull", tid="t-2", rid="preq", blocks=p_blocks, tokens=tokens)
+        consumer.pull("t-2", "dreq", prefill.hello["addr"], tokens, 0, d_blocks, p_blocks)
+        assert wait_events(consumer, 1) == [("dreq", True, "", "")]
+        done = prefill.ask(op="done")
+        assert done["finished"] == [["preq", True, ""]], done
+        assert done["stats"]["held"] == 0, done
+        assert_moved(kind, prefill.caches(), p_blocks, p_bs, d_caches, d_blocks, d_bs, tokens,
+                     gpu)
+    finally:
+        prefill.close()
+        consumer.shutdown()
+
+
+def test_a_cuda_cache_gets_cuda_ipc_on_its_own_device(gpu):
+    """What the connector does in `register_kv_caches`: the cache's device picks the transport,
+    and a host transport for it is refused before anything is registered."""
+    caches, desc, consumer = decode_side(gpu, "cells-hnd", 16)
+    consumer.shutdown()
+    assert desc.mode == "exact"
+    assert (desc.layout["arrangement"], desc.layout["order"]) == ("per-layer-cell-kv", "hnd")
+    assert all(t.is_cuda for t in desc.tensors)
+    with pytest.raises(ValueError, match="moves host memory"):
+        resolve_transport("libfabric:shm", gpu)
