@@ -11,10 +11,18 @@ Load it in vLLM with::
 documented in ``docs/vllm.md`` and in :mod:`kvx_vllm.config`.
 
 The connector classes are imported lazily, so that ``import kvx_vllm`` (for the native module,
-``kvx_vllm._native``) does not import vLLM.
+``kvx_vllm._native``) does not import vLLM. The native module is loaded here, keeping the
+process's signal handlers as they were (:mod:`kvx_vllm._signals`).
 """
 
 from typing import Any
+
+from kvx_vllm._signals import signal_handlers_kept
+
+# Loading the native module runs its libraries' constructors, one of which (Debian libfabric's
+# libinfinipath) replaces the process's signal handlers: they are put back (see _signals).
+with signal_handlers_kept():
+    from kvx_vllm import _native  # noqa: F401
 
 __all__ = ["KvxPushConnector", "KvxPullConnector"]
 
