@@ -133,6 +133,12 @@ def describe(
     }
     if cells is None:
         cells = first.device.type == "cuda"
+
+    def token_exact(num_blocks: int, order: str, arrangement: str) -> dict[str, Any]:
+        return dict(base, total_kv_heads=total_kv_heads, head_dim=head_size,
+                    block_tokens=block_size, num_blocks=num_blocks, order=order,
+                    arrangement=arrangement)
+
     if (
         cells
         and len(shape) == 4
@@ -145,15 +151,7 @@ def describe(
         order = _dense_order(layers, {"hnd": (0, 1, 2, 3), "nhd": (0, 2, 1, 3)},
                              "vLLM's LBHNC or LBNHC cache layout (VLLM_KV_CACHE_LAYOUT)")
         _check_local_heads(first_name, shape[1], total_kv_heads, tp_size)
-        layout = dict(
-            base,
-            total_kv_heads=total_kv_heads,
-            head_dim=head_size,
-            block_tokens=block_size,
-            num_blocks=shape[0],
-            order=order,
-            arrangement="per-layer-cell-kv",
-        )
+        layout = token_exact(shape[0], order, "per-layer-cell-kv")
         unit, chosen = 1, "exact"
     elif len(shape) == 4 and shape[3] == 2 * head_size and shape[2] == block_size:
         # CPU attention: [num_blocks, local_heads, block_size, 2 * head_size]; per block and
@@ -180,15 +178,7 @@ def describe(
             )
             unit, chosen = block_size, "block"
         else:
-            layout = dict(
-                base,
-                total_kv_heads=total_kv_heads,
-                head_dim=head_size,
-                block_tokens=block_size,
-                num_blocks=num_blocks,
-                order="hnd-kt",
-                arrangement="per-layer-head-kv",
-            )
+            layout = token_exact(num_blocks, "hnd-kt", "per-layer-head-kv")
             unit, chosen = 1, "exact"
     elif len(shape) == 5 and shape[0] == 2 and shape[2] == block_size and shape[4] == head_size:
         # FlashAttention before vLLM 0.32: (2, num_blocks, block_size, local_heads, head_size).
@@ -196,15 +186,7 @@ def describe(
             raise ValueError("layout 'block' is only for the CPU backend's cache")
         order = _dense_order(layers, {"nhd": (0, 1, 2, 3, 4), "hnd": (0, 1, 3, 2, 4)},
                              "vLLM's NHD or HND cache layout")
-        layout = dict(
-            base,
-            total_kv_heads=total_kv_heads,
-            head_dim=head_size,
-            block_tokens=block_size,
-            num_blocks=shape[1],
-            order=order,
-            arrangement="per-layer-kv-halves",
-        )
+        layout = token_exact(shape[1], order, "per-layer-kv-halves")
         unit, chosen = 1, "exact"
     else:
         raise NotImplementedError(

@@ -16,7 +16,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +24,7 @@ import torch
 from kvx_vllm import _native
 from kvx_vllm.config import resolve_transport
 from kvx_vllm.layout import describe
+from kv_helpers import assert_tokens_moved, wait_events
 
 HEAD = 32
 HEADS = 2
@@ -174,32 +174,10 @@ def decode_side(device: int, kind: str, block_size: int):
     return caches, desc, consumer
 
 
-def wait_events(consumer, n: int, timeout: float = 20.0):
-    events = []
-    deadline = time.monotonic() + timeout
-    while len(events) < n:
-        events += consumer.take_events()
-        assert time.monotonic() < deadline, f"only {events} after {timeout}s"
-        time.sleep(0.005)
-    return events
-
-
 def assert_moved(kind, p_caches, p_blocks, p_bs, d_caches, d_blocks, d_bs, tokens, device):
     torch.cuda.synchronize(device)
     got = {name: t.cpu() for name, t in d_caches.items()}
-    # Every token's K and V of every head: [block, :, slot] of a cell view, [:, block, slot] of
-    # a FlashAttention tensor; the blocks decode did not name stay zero.
-    def at(t, block, slot):
-        return t[:, block, slot] if kind == "flash" else t[block, :, slot]
-
-    for name, want in p_caches.items():
-        for tok in range(tokens):
-            pb, ps = p_blocks[tok // p_bs], tok % p_bs
-            db, ds = d_blocks[tok // d_bs], tok % d_bs
-            assert torch.equal(at(want, pb, ps), at(got[name], db, ds)), f"{name} token {tok}"
-        untouched = [b for b in range(BLOCKS) if b not in d_blocks]
-        rest = got[name][:, untouched] if kind == "flash" else got[name][untouched]
-        assert torch.count_nonzero(rest) == 0, name
+    assert_tokens_moved(kind, p_caches, p_blocks, p_bs, got, d_blocks, d_bs, tokens)
 
 
 @pytest.mark.parametrize("kind,p_bs,d_bs", [
@@ -226,7 +204,7 @@ def test_push_moves_cuda_tensors_between_processes(gpu, tmp_path, kind, p_bs, d_
         assert early["stats"]["bytes_streamed"] > 0, early
         assert consumer.take_events() == []
         prefill.ask(op="finished", tid="t-1", rid="preq", blocks=p_blocks, tokens=tokens)
-        assert wait_events(consumer, 1) == [("dreq", True, "", "")]
+        assert wait_events(consumer, 1, timeout=20) == [("dreq", True, "", "")]
         done = prefill.ask(op="done")
         assert done["finished"] == [["preq", True, ""]], done
         assert done["stats"]["held"] == 0, done
@@ -255,7 +233,7 @@ def test_pull_reads_cuda_tensors_between_processes(gpu, tmp_path, kind):
         d_blocks = [6, 1, 13, 10, 2][: -(-tokens // d_bs)]
         prefill.ask(op="finished_pull", tid="t-2", rid="preq", blocks=p_blocks, tokens=tokens)
         consumer.pull("t-2", "dreq", prefill.hello["addr"], tokens, 0, d_blocks, p_blocks)
-        assert wait_events(consumer, 1) == [("dreq", True, "", "")]
+        assert wait_events(consumer, 1, timeout=20) == [("dreq", True, "", "")]
         done = prefill.ask(op="done")
         assert done["finished"] == [["preq", True, ""]], done
         assert done["stats"]["held"] == 0, done

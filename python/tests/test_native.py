@@ -12,6 +12,7 @@ import torch
 
 from kvx_vllm import _native
 from kvx_vllm.layout import describe
+from kv_helpers import assert_tokens_moved, wait_events
 
 HEAD = 32
 
@@ -46,16 +47,6 @@ def start_pair(p_caches, d_caches, *, heads, p_bs, d_bs, mode="auto", cells=None
     consumer = _native.Consumer("d0", d_desc.layout, d_desc.regions, transport="loopback",
                                 token_unit=d_desc.token_unit, **kw)
     return producer, consumer, p_desc, d_desc
-
-
-def wait_events(consumer, n: int, timeout: float = 10.0):
-    events = []
-    deadline = time.monotonic() + timeout
-    while len(events) < n:
-        events += consumer.take_events()
-        assert time.monotonic() < deadline, f"only {events} after {timeout}s"
-        time.sleep(0.005)
-    return events
 
 
 @pytest.mark.parametrize("heads,p_bs,d_bs,mode", [
@@ -236,28 +227,33 @@ def flash_caches(layers: int, blocks: int, heads: int, bs: int, fill: bool) -> d
     return out
 
 
+def push_70_tokens(kind: str, p_caches, d_caches, p_bs: int, d_bs: int, cells=None):
+    """Pushes a 70-token request between two caches described token by token, checks that
+    every token landed and nothing else changed; returns the producer's stats and
+    description."""
+    producer, consumer, p_desc, d_desc = start_pair(p_caches, d_caches, heads=2, p_bs=p_bs,
+                                                    d_bs=d_bs, cells=cells)
+    try:
+        assert p_desc.mode == d_desc.mode == "exact"
+        tokens = 70
+        p_blocks = [5, 1, 12, 3, 9][: -(-tokens // p_bs)]
+        d_blocks = [2, 14, 7, 0, 11][: -(-tokens // d_bs)]
+        consumer.request_allocated("t-7", "dreq", producer.control_addr, tokens, 0, d_blocks)
+        producer.request_finished("t-7", "preq", p_blocks, tokens)
+        assert wait_events(consumer, 1) == [("dreq", True, "", "")]
+        assert_tokens_moved(kind, p_caches, p_blocks, p_bs, d_caches, d_blocks, d_bs, tokens)
+        return producer.stats(), p_desc
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
+
+
 @pytest.mark.parametrize("p_bs,d_bs", [(16, 32), (32, 16)])
 def test_flash_layout_is_token_exact_across_block_sizes(p_bs, d_bs):
     """The FlashAttention layout (2, blocks, bs, heads, dim) is described token by token, so
     prefill and decode may use different block sizes."""
-    p_caches = flash_caches(2, 16, 2, p_bs, fill=True)
-    d_caches = flash_caches(2, 16, 2, d_bs, fill=False)
-    producer, consumer, p_desc, d_desc = start_pair(p_caches, d_caches, heads=2, p_bs=p_bs,
-                                                    d_bs=d_bs)
-    assert p_desc.mode == d_desc.mode == "exact"
-    tokens = 70
-    p_blocks = [5, 1, 12, 3, 9][: -(-tokens // p_bs)]
-    d_blocks = [2, 14, 7, 0, 11][: -(-tokens // d_bs)]
-    consumer.request_allocated("t-7", "dreq", producer.control_addr, tokens, 0, d_blocks)
-    producer.request_finished("t-7", "preq", p_blocks, tokens)
-    assert wait_events(consumer, 1) == [("dreq", True, "", "")]
-    for name in p_caches:
-        for tok in range(tokens):
-            pb, ps = p_blocks[tok // p_bs], tok % p_bs
-            db, ds = d_blocks[tok // d_bs], tok % d_bs
-            assert torch.equal(p_caches[name][:, pb, ps], d_caches[name][:, db, ds])
-    producer.shutdown()
-    consumer.shutdown()
+    push_70_tokens("flash", flash_caches(2, 16, 2, p_bs, fill=True),
+                   flash_caches(2, 16, 2, d_bs, fill=False), p_bs, d_bs)
 
 
 # Axes of [blocks, heads, tokens, K|V] from outermost to innermost in memory, per vLLM 0.32
@@ -293,29 +289,12 @@ def test_kv_cells_of_vllm_gpu_views_move_token_by_token(order, p_bs, d_bs):
     tensors as that), in its head-major and token-major orders: every token's K and V land in
     decode's blocks, across block sizes, and nothing else changes. (The same on a GPU, between
     processes over CUDA IPC: test_gpu.py.)"""
-    p_caches = cell_caches(2, 16, 2, p_bs, order, fill=True)
-    d_caches = cell_caches(2, 16, 2, d_bs, order, fill=False)
-    producer, consumer, p_desc, d_desc = start_pair(p_caches, d_caches, heads=2, p_bs=p_bs,
-                                                    d_bs=d_bs, cells=True)
+    stats, p_desc = push_70_tokens("cells", cell_caches(2, 16, 2, p_bs, order, fill=True),
+                                   cell_caches(2, 16, 2, d_bs, order, fill=False), p_bs, d_bs,
+                                   cells=True)
     assert (p_desc.layout["arrangement"], p_desc.layout["order"]) == ("per-layer-cell-kv", order)
-    assert p_desc.mode == d_desc.mode == "exact"
-    tokens = 70
-    p_blocks = [5, 1, 12, 3, 9][: -(-tokens // p_bs)]
-    d_blocks = [2, 14, 7, 0, 11][: -(-tokens // d_bs)]
-    consumer.request_allocated("t-c", "dreq", producer.control_addr, tokens, 0, d_blocks)
-    producer.request_finished("t-c", "preq", p_blocks, tokens)
-    assert wait_events(consumer, 1) == [("dreq", True, "", "")]
-    for name in p_caches:
-        for tok in range(tokens):
-            pb, ps = p_blocks[tok // p_bs], tok % p_bs
-            db, ds = d_blocks[tok // d_bs], tok % d_bs
-            assert torch.equal(p_caches[name][pb, :, ps], d_caches[name][db, :, ds]), tok
-        untouched = [b for b in range(16) if b not in d_blocks]
-        assert torch.count_nonzero(d_caches[name][untouched]) == 0
     # Exactly the request's tokens: 2 layers x 2 heads x (K, V) x HEAD float32s each.
-    assert producer.stats()["bytes_written"] == tokens * 2 * 2 * 2 * HEAD * 4
-    producer.shutdown()
-    consumer.shutdown()
+    assert stats["bytes_written"] == 70 * 2 * 2 * 2 * HEAD * 4
 
 
 def test_kv_cells_in_different_orders_fail_the_request_cleanly():
@@ -376,9 +355,6 @@ def test_flash_layout_in_hnd_order_is_described_as_such():
     consumer.request_allocated("t-h", "dreq", producer.control_addr, tokens, 0, d_blocks)
     producer.request_finished("t-h", "preq", p_blocks, tokens)
     assert wait_events(consumer, 1) == [("dreq", True, "", "")]
-    for name in p_caches:
-        for tok in range(tokens):
-            pb, db, s = p_blocks[tok // 16], d_blocks[tok // 16], tok % 16
-            assert torch.equal(p_caches[name][:, pb, s], d_caches[name][:, db, s]), tok
+    assert_tokens_moved("flash", p_caches, p_blocks, 16, d_caches, d_blocks, 16, tokens)
     producer.shutdown()
     consumer.shutdown()

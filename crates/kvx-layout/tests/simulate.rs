@@ -551,10 +551,10 @@ fn same_geometry_needs_one_op_per_layer_and_kv() {
     let _ = Rank(0);
 }
 
-/// vLLM's CPU cache (`hnd-kt` in `per-layer-head-kv`) moves token-exactly between any block
-/// sizes and TP degrees, as long as both sides use it.
-#[test]
-fn vllm_cpu_layout_moves_token_exactly_across_block_sizes() {
+/// Both sides in `order` and `arrangement`: a 70-token request moves token-exactly between
+/// block sizes 16, 32, 3 and 5 and TP degrees 1, 2 and 4, fragmented or not, with and without a
+/// prefix skip; with equal sides and 64 tokens it is `aligned_ops` operations.
+fn moves_token_exactly(order: MemoryOrder, arrangement: Arrangement, aligned_ops: usize) {
     for (p_bt, c_bt) in [(16, 16), (16, 32), (32, 16), (3, 5)] {
         for (p_tp, c_tp) in [(2, 2), (4, 2), (1, 2), (2, 1)] {
             for fragmented in [false, true] {
@@ -569,8 +569,8 @@ fn vllm_cpu_layout_moves_token_exactly_across_block_sizes() {
                     ] {
                         side.tp = tp;
                         side.block_tokens = bt;
-                        side.order = MemoryOrder::HndKt;
-                        side.arrangement = Arrangement::PerLayerHeadKv;
+                        side.order = order;
+                        side.arrangement = arrangement;
                         side.fragmented = fragmented;
                     }
                     let ops = simulate(&case).unwrap();
@@ -578,7 +578,7 @@ fn vllm_cpu_layout_moves_token_exactly_across_block_sizes() {
                     if p_bt == c_bt && p_tp == c_tp && !fragmented {
                         case.tokens = 64;
                         let ops = simulate(&case).unwrap();
-                        assert_eq!(ops, 2 * 2, "one op per (layer, K/V) for {case:?}");
+                        assert_eq!(ops, aligned_ops, "aligned request: {case:?}");
                     }
                 }
             }
@@ -586,41 +586,21 @@ fn vllm_cpu_layout_moves_token_exactly_across_block_sizes() {
     }
 }
 
+/// vLLM's CPU cache (`hnd-kt` in `per-layer-head-kv`) moves token-exactly between any block
+/// sizes and TP degrees, as long as both sides use it: one op per (layer, K/V) when aligned.
+#[test]
+fn vllm_cpu_layout_moves_token_exactly_across_block_sizes() {
+    moves_token_exactly(MemoryOrder::HndKt, Arrangement::PerLayerHeadKv, 2 * 2);
+}
+
 /// vLLM's GPU caches from 0.32 on (K then V per token and head: `per-layer-cell-kv`, in its
 /// `LBHNC` or `LBNHC` layout) move token-exactly between any block sizes and TP degrees when both
-/// sides use them, each cell whole; a pairing with another arrangement is refused.
+/// sides use them, each cell whole (one op per layer when aligned); a pairing with another
+/// arrangement is refused.
 #[test]
 fn vllm_gpu_cells_move_token_exactly_across_block_sizes_and_tp() {
     for order in [MemoryOrder::Hnd, MemoryOrder::Nhd] {
-        for (p_bt, c_bt) in [(16, 16), (16, 32), (32, 16), (3, 5)] {
-            for (p_tp, c_tp) in [(2, 2), (4, 2), (1, 2), (2, 1)] {
-                for fragmented in [false, true] {
-                    for skip in [0, 16] {
-                        let mut case = base_case();
-                        case.tokens = 70;
-                        case.skip = skip;
-                        case.consumer_rank = c_tp - 1;
-                        for (side, tp, bt) in [
-                            (&mut case.producer, p_tp, p_bt),
-                            (&mut case.consumer, c_tp, c_bt),
-                        ] {
-                            side.tp = tp;
-                            side.block_tokens = bt;
-                            side.order = order;
-                            side.arrangement = Arrangement::PerLayerCellKv;
-                            side.fragmented = fragmented;
-                        }
-                        let ops = simulate(&case).unwrap();
-                        assert!(ops > 0, "refused: {case:?}");
-                        if p_bt == c_bt && p_tp == c_tp && !fragmented {
-                            case.tokens = 64;
-                            let ops = simulate(&case).unwrap();
-                            assert_eq!(ops, 2, "one op per layer, K and V together: {case:?}");
-                        }
-                    }
-                }
-            }
-        }
+        moves_token_exactly(order, Arrangement::PerLayerCellKv, 2);
     }
     for other in Arrangement::ALL {
         if other == Arrangement::PerLayerCellKv {
