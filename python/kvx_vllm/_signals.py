@@ -16,7 +16,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 logger = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ _KEPT = tuple(
 )
 
 
-def _sigaction() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+def _sigaction() -> Callable[..., int] | None:
     try:
         return ctypes.CDLL(None, use_errno=True).sigaction
     except (OSError, AttributeError):

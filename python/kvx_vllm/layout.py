@@ -139,47 +139,46 @@ def describe(
                     block_tokens=block_size, num_blocks=num_blocks, order=order,
                     arrangement=arrangement)
 
-    if (
-        cells
-        and len(shape) == 4
-        and shape[3] == 2 * head_size
-        and shape[2] == block_size
-    ):
-        # vLLM >= 0.32 on GPUs: [num_blocks, local_heads, block_size, K|V] per layer.
-        if mode == "block":
-            raise ValueError("layout 'block' is only for the CPU backend's cache")
-        order = _dense_order(layers, {"hnd": (0, 1, 2, 3), "nhd": (0, 2, 1, 3)},
-                             "vLLM's LBHNC or LBNHC cache layout (VLLM_KV_CACHE_LAYOUT)")
-        _check_local_heads(first_name, shape[1], total_kv_heads, tp_size)
-        layout = token_exact(shape[0], order, "per-layer-cell-kv")
-        unit, chosen = 1, "exact"
-    elif len(shape) == 4 and shape[3] == 2 * head_size and shape[2] == block_size:
-        # CPU attention: [num_blocks, local_heads, block_size, 2 * head_size]; per block and
-        # head, K dimension-major then V token-major.
+    if len(shape) == 4 and shape[3] == 2 * head_size and shape[2] == block_size:
+        # [num_blocks, local_heads, block_size, 2 * head_size] per layer.
         num_blocks, local_heads = shape[0], shape[1]
-        _dense_order(layers, {"contiguous": (0, 1, 2, 3)}, "a contiguous tensor")
-        _check_local_heads(first_name, local_heads, total_kv_heads, tp_size)
-        vec = cpu_kernel in VEC_KERNELS
-        if mode == "exact" and not vec:
+        if local_heads != max(1, total_kv_heads // tp_size):
             raise ValueError(
-                f"layout 'exact' needs one of vLLM's vec CPU attention kernels {VEC_KERNELS}; "
-                f"this cache uses {cpu_kernel!r}, whose block layout kvx does not describe token "
-                "by token: use 'auto' or 'block'"
+                f"KV cache {first_name} holds {local_heads} heads; {total_kv_heads} KV heads over "
+                f"TP {tp_size} give {max(1, total_kv_heads // tp_size)} per rank"
             )
-        if mode == "block" or not vec:
-            layout = dict(
-                base,
-                total_kv_heads=tp_size,
-                head_dim=local_heads * block_size * head_size,
-                block_tokens=1,
-                num_blocks=num_blocks,
-                order="nhd",
-                arrangement="per-layer-kv-in-block",
-            )
-            unit, chosen = block_size, "block"
-        else:
-            layout = token_exact(num_blocks, "hnd-kt", "per-layer-head-kv")
+        if cells:
+            # vLLM >= 0.32 on GPUs: per token and head, K then V.
+            if mode == "block":
+                raise ValueError("layout 'block' is only for the CPU backend's cache")
+            order = _dense_order(layers, {"hnd": (0, 1, 2, 3), "nhd": (0, 2, 1, 3)},
+                                 "vLLM's LBHNC or LBNHC cache layout (VLLM_KV_CACHE_LAYOUT)")
+            layout = token_exact(num_blocks, order, "per-layer-cell-kv")
             unit, chosen = 1, "exact"
+        else:
+            # CPU attention: per block and head, K dimension-major then V token-major.
+            _dense_order(layers, {"contiguous": (0, 1, 2, 3)}, "a contiguous tensor")
+            vec = cpu_kernel in VEC_KERNELS
+            if mode == "exact" and not vec:
+                raise ValueError(
+                    f"layout 'exact' needs one of vLLM's vec CPU attention kernels "
+                    f"{VEC_KERNELS}; this cache uses {cpu_kernel!r}, whose block layout kvx does "
+                    "not describe token by token: use 'auto' or 'block'"
+                )
+            if mode == "block" or not vec:
+                layout = dict(
+                    base,
+                    total_kv_heads=tp_size,
+                    head_dim=local_heads * block_size * head_size,
+                    block_tokens=1,
+                    num_blocks=num_blocks,
+                    order="nhd",
+                    arrangement="per-layer-kv-in-block",
+                )
+                unit, chosen = block_size, "block"
+            else:
+                layout = token_exact(num_blocks, "hnd-kt", "per-layer-head-kv")
+                unit, chosen = 1, "exact"
     elif len(shape) == 5 and shape[0] == 2 and shape[2] == block_size and shape[4] == head_size:
         # FlashAttention before vLLM 0.32: (2, num_blocks, block_size, local_heads, head_size).
         if mode == "block":
@@ -229,10 +228,3 @@ def _dense_in(t: torch.Tensor, axes: tuple[int, ...]) -> bool:
         step *= t.shape[axis]
     return True
 
-
-def _check_local_heads(name: str, local_heads: int, total_kv_heads: int, tp_size: int) -> None:
-    if local_heads != max(1, total_kv_heads // tp_size):
-        raise ValueError(
-            f"KV cache {name} holds {local_heads} heads; {total_kv_heads} KV heads over "
-            f"TP {tp_size} give {max(1, total_kv_heads // tp_size)} per rank"
-        )

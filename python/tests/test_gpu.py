@@ -24,53 +24,30 @@ import torch
 from kvx_vllm import _native
 from kvx_vllm.config import resolve_transport
 from kvx_vllm.layout import describe
-from kv_helpers import assert_tokens_moved, wait_events
+from kv_helpers import assert_tokens_moved, make_caches, wait_events
 
 HEAD = 32
 HEADS = 2
 LAYERS = 3
 BLOCKS = 16
 
-# The caches both sides make, as vLLM lays them out (`kind`: cells-hnd, cells-nhd, flash).
-CACHES = r"""
-import torch
-
-
-def make_caches(kind, layers, blocks, heads, bs, head, device, fill):
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
-    if kind == "flash":
-        out = {n: torch.zeros(2, blocks, bs, heads, head, device=device) for n in names}
-        for t in out.values():
-            if fill:
-                t.normal_()
-        return out
-    axes = {"cells-hnd": (0, 1, 2, 3), "cells-nhd": (0, 2, 1, 3)}[kind]
-    shape = (blocks, heads, bs, 2 * head)
-    strides, step = [0] * 4, 1
-    for axis in reversed(axes):
-        strides[axis] = step
-        step *= shape[axis]
-    raw = torch.zeros(layers * step, device=device)
-    if fill:
-        raw.normal_()
-    return {n: torch.as_strided(raw, shape, strides, storage_offset=i * step)
-            for i, n in enumerate(names)}
-"""
-exec(CACHES)  # noqa: S102 - the same builder as the child's, from one source
-
 # Prefill: fills its cache, starts a producer over the transport `auto` picks, and answers the
 # test's commands (one JSON object per line) until it is told to quit.
-PREFILL = CACHES + r"""
-import json, sys, time
+PREFILL = r"""
+import json, sys
+import torch
 from kvx_vllm import _native
 from kvx_vllm.config import resolve_transport
 from kvx_vllm.layout import describe
 
 cfg = json.loads(sys.argv[1])
 dev, bs = cfg["device"], cfg["block_size"]
+sys.path.insert(0, cfg["helpers"])
+from kv_helpers import make_caches, until
+
 torch.manual_seed(11)
 caches = make_caches(cfg["kind"], cfg["layers"], cfg["blocks"], cfg["heads"], bs, cfg["head"],
-                     f"cuda:{dev}", fill=True)
+                     fill=True, device=f"cuda:{dev}")
 torch.cuda.synchronize(dev)
 desc = describe(caches, head_size=cfg["head"], total_kv_heads=cfg["heads"], block_size=bs,
                 tp_size=1, tp_rank=0)
@@ -82,33 +59,22 @@ print(json.dumps({"addr": producer.control_addr, "mode": desc.mode, "transport":
       flush=True)
 
 
-def until(what, check, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise SystemExit(f"prefill: no {what} after {timeout} s")
-        time.sleep(0.005)
-
-
 for line in sys.stdin:
     cmd = json.loads(line)
     op, out = cmd["op"], {}
     if op == "progress":
         producer.request_progress(cmd["tid"], cmd["blocks"], cmd["tokens"])
-        until("early write", lambda: producer.stats()["bytes_streamed"])
+        until("early write", lambda: producer.stats()["bytes_streamed"], 20)
     elif op == "finished":
         producer.request_finished(cmd["tid"], cmd["rid"], cmd["blocks"], cmd["tokens"])
     elif op == "finished_pull":
         producer.request_finished_pull(cmd["tid"], cmd["rid"], cmd["blocks"], cmd["tokens"])
     elif op == "done":
-        out["finished"] = until("finished report", producer.take_finished)
+        out["finished"] = until("finished report", producer.take_finished, 20)
     elif op == "quit":
         producer.shutdown()
         break
-    out["stats"] = {k: v for k, v in producer.stats().items()}
+    out["stats"] = dict(producer.stats())
     print(json.dumps(out), flush=True)
 """
 
@@ -129,7 +95,8 @@ class Prefill:
     def __init__(self, tmp: Path, kind: str, block_size: int):
         self.dump = tmp / "prefill-caches.pt"
         cfg = dict(device=0, kind=kind, block_size=block_size, blocks=BLOCKS, heads=HEADS,
-                   head=HEAD, layers=LAYERS, dump=str(self.dump))
+                   head=HEAD, layers=LAYERS, dump=str(self.dump),
+                   helpers=str(Path(__file__).resolve().parent))
         self.proc = subprocess.Popen(
             [sys.executable, "-c", PREFILL, json.dumps(cfg)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -163,8 +130,8 @@ class Prefill:
 
 
 def decode_side(device: int, kind: str, block_size: int):
-    caches = make_caches(kind, LAYERS, BLOCKS, HEADS, block_size, HEAD,  # noqa: F821
-                         f"cuda:{device}", fill=False)
+    caches = make_caches(kind, LAYERS, BLOCKS, HEADS, block_size, HEAD, fill=False,
+                         device=f"cuda:{device}")
     desc = describe(caches, head_size=HEAD, total_kv_heads=HEADS, block_size=block_size,
                     tp_size=1, tp_rank=0)
     transport = resolve_transport("auto", device)

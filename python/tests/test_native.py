@@ -12,7 +12,7 @@ import torch
 
 from kvx_vllm import _native
 from kvx_vllm.layout import describe
-from kv_helpers import assert_tokens_moved, wait_events
+from kv_helpers import assert_tokens_moved, make_caches, wait_events
 
 HEAD = 32
 
@@ -218,13 +218,7 @@ def test_an_unset_quiesce_bound_follows_the_producer_and_costs_nothing_when_it_a
 
 
 def flash_caches(layers: int, blocks: int, heads: int, bs: int, fill: bool) -> dict[str, torch.Tensor]:
-    out = {}
-    for i in range(layers):
-        t = torch.zeros(2, blocks, bs, heads, HEAD)
-        if fill:
-            t.copy_(torch.randn_like(t))
-        out[f"model.layers.{i}.self_attn.attn"] = t
-    return out
+    return make_caches("flash", layers, blocks, heads, bs, HEAD, fill)
 
 
 def push_70_tokens(kind: str, p_caches, d_caches, p_bs: int, d_bs: int, cells=None):
@@ -256,30 +250,12 @@ def test_flash_layout_is_token_exact_across_block_sizes(p_bs, d_bs):
                    flash_caches(2, 16, 2, d_bs, fill=False), p_bs, d_bs)
 
 
-# Axes of [blocks, heads, tokens, K|V] from outermost to innermost in memory, per vLLM 0.32
-# cache layout (a layer-compact one: each layer's blocks together).
-CELL_ORDERS = {"hnd": (0, 1, 2, 3), "nhd": (0, 2, 1, 3)}
-
-
 def cell_caches(layers: int, blocks: int, heads: int, bs: int, order: str,
                 fill: bool) -> dict[str, torch.Tensor]:
     """What vLLM 0.32's GPU model runner hands a connector: per layer a view [blocks, heads,
     tokens, K|V] of one shared allocation, strided as its cache layout (`LBHNC` is `hnd`,
     `LBNHC` is `nhd`) says."""
-    shape = (blocks, heads, bs, 2 * HEAD)
-    raw = torch.zeros(layers * blocks * heads * bs * 2 * HEAD)
-    strides = [0] * 4
-    step = 1
-    for axis in reversed(CELL_ORDERS[order]):
-        strides[axis] = step
-        step *= shape[axis]
-    out = {}
-    for i in range(layers):
-        view = torch.as_strided(raw, shape, strides, storage_offset=i * step)
-        if fill:
-            view.copy_(torch.randn(shape))
-        out[f"model.layers.{i}.self_attn.attn"] = view
-    return out
+    return make_caches(f"cells-{order}", layers, blocks, heads, bs, HEAD, fill)
 
 
 @pytest.mark.parametrize("order", ["hnd", "nhd"])
@@ -289,7 +265,7 @@ def test_kv_cells_of_vllm_gpu_views_move_token_by_token(order, p_bs, d_bs):
     tensors as that), in its head-major and token-major orders: every token's K and V land in
     decode's blocks, across block sizes, and nothing else changes. (The same on a GPU, between
     processes over CUDA IPC: test_gpu.py.)"""
-    stats, p_desc = push_70_tokens("cells", cell_caches(2, 16, 2, p_bs, order, fill=True),
+    stats, p_desc = push_70_tokens(f"cells-{order}", cell_caches(2, 16, 2, p_bs, order, fill=True),
                                    cell_caches(2, 16, 2, d_bs, order, fill=False), p_bs, d_bs,
                                    cells=True)
     assert (p_desc.layout["arrangement"], p_desc.layout["order"]) == ("per-layer-cell-kv", order)
@@ -336,16 +312,7 @@ def test_flash_layout_in_hnd_order_is_described_as_such():
     """Earlier vLLMs' FlashAttention tensor (2, blocks, tokens, heads, dim) viewed over
     head-major memory (their HND layout, which the kvx connectors ask for) is `hnd`, and its
     bytes move token-exactly into a contiguous (`nhd`) decode cache."""
-    def hnd_flash(blocks, bs, fill):
-        out = {}
-        for i in range(2):
-            t = torch.zeros(2, blocks, 2, bs, HEAD)
-            if fill:
-                t.copy_(torch.randn_like(t))
-            out[f"model.layers.{i}.self_attn.attn"] = t.transpose(2, 3)
-        return out
-
-    p_caches = hnd_flash(16, 16, fill=True)
+    p_caches = make_caches("flash-hnd", 2, 16, 2, 16, HEAD, fill=True)
     d_caches = flash_caches(2, 16, 2, 16, fill=False)
     producer, consumer, p_desc, d_desc = start_pair(p_caches, d_caches, heads=2, p_bs=16,
                                                     d_bs=16)

@@ -552,9 +552,6 @@ pub fn plan_layers(req: &PlanRequest<'_>, layers: Range<u32>) -> Result<Plan, Pl
     let by_rank = check_producers(req.producers)?;
     let reference = &req.producers[0];
     check_model(reference, consumer)?;
-    // Cells holding K then V (on both sides: `transfer_order` checks): each cell moves whole,
-    // as one part of twice the width.
-    let cells = consumer.cells_hold_kv();
     let (n, skip) = (req.num_tokens, req.skip_tokens);
     if skip > n {
         return Err(PlanError::SkipBeyondTokens { skip, tokens: n });
@@ -593,7 +590,13 @@ pub fn plan_layers(req: &PlanRequest<'_>, layers: Range<u32>) -> Result<Plan, Pl
         .collect();
     ranks.sort_unstable();
     ranks.dedup();
-    let parts = if cells { 1 } else { consumer.kv_parts() };
+    // Cells holding K then V (on both sides: `transfer_order` checked) move whole, as one part
+    // of twice the width (`Layout::vector_pitch`).
+    let parts = if consumer.cells_hold_kv() {
+        1
+    } else {
+        consumer.kv_parts()
+    };
     let template_ops: usize = kv_templates.iter().flatten().map(Vec::len).sum();
     let per_kv = kv_templates.len() as u32;
     ops.reserve(template_ops * (layers.len() as u32 * parts / per_kv) as usize);
