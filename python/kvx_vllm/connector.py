@@ -121,6 +121,10 @@ class LayerSpec:
     transfer_id: str
     block_ids: list[int]
     tokens: int
+    # Set when this step computes the request's last prompt token and vLLM will finish the
+    # request in it (its one output token): at the end of the forward pass its KV is complete,
+    # and the workers seal it then, a whole engine iteration before `request_finished`.
+    seal_request: str | None = None
 
 
 @dataclass
@@ -136,6 +140,9 @@ class _Computing:
     pending: int | None = None
     # Whether the workers were told to report steps of it layer by layer.
     layered: bool = False
+    # The vLLM request, when it finishes with its first output token (a prefill for a remote
+    # decode): the step computing its last prompt token is its last.
+    one_token: str | None = None
 
 
 @dataclass
@@ -283,8 +290,12 @@ class _Scheduler:
                 # Not streamed; request_finished says the same and keeps its KV here.
                 logger.warning("kvx: request %s: %s", request.request_id, e)
             else:
+                one_token = (
+                    request.request_id if getattr(request, "max_tokens", None) == 1 else None
+                )
                 self.computing.setdefault(
-                    request.request_id, _Computing(transfer_id, request.num_prompt_tokens)
+                    request.request_id,
+                    _Computing(transfer_id, request.num_prompt_tokens, one_token=one_token),
                 )
         if not params or not params.get("do_remote_prefill"):
             return
@@ -430,7 +441,17 @@ class _Scheduler:
         used = -(-end // self.block_size)
         if used <= len(c.block_ids):
             c.layered = True
-            self.meta.layered.append(LayerSpec(c.transfer_id, list(c.block_ids[:used]), end))
+            # Sealed only where nothing can come between this step and the request's finish:
+            # with async scheduling an abort can (it is handled between the steps' halves).
+            last = end == c.prompt_tokens and not self.async_scheduling
+            self.meta.layered.append(
+                LayerSpec(
+                    c.transfer_id,
+                    list(c.block_ids[:used]),
+                    end,
+                    seal_request=c.one_token if last else None,
+                )
+            )
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for rid in output.finished_sending or ():
@@ -712,6 +733,17 @@ class _Worker:
                 spec.transfer_id, spec.block_ids, spec.tokens, layers=index + 1
             )
 
+    def wait_for_save(self) -> None:
+        """The forward pass has ended: requests it computed to their end are sealed (their
+        KV goes to decode now; vLLM hands their blocks over when it finishes them, at the end
+        of this step)."""
+        layered, self.layered = self.layered, []
+        for spec in layered:
+            if spec.seal_request is not None:
+                self.producer.request_sealed(
+                    spec.transfer_id, spec.seal_request, spec.block_ids, spec.tokens
+                )
+
     def get_transfer_results(self) -> KVConnectorTransferResults:
         results = KVConnectorTransferResults()
         if self.producer is not None:
@@ -863,7 +895,8 @@ class _KvxConnector(KVConnectorBase_V1):
             self._worker.save_kv_layer(layer_name)
 
     def wait_for_save(self) -> None:
-        return
+        if self._worker is not None:
+            self._worker.wait_for_save()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self._worker is not None

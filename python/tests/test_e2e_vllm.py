@@ -406,6 +406,12 @@ def check_pair_matches_reference(mode, model, workdir, reference, transport=None
             ]
             assert early, p.tail()
             assert any("layers=1" in line for line in early), early[:10]
+            # Each prompt's KV was sealed when the forward pass that computed its last token
+            # ended (a one-token prefill on a host cache), before vLLM finished the request.
+            p_lines = p.log.read_text(errors="replace").splitlines()
+            sealed = sum("request sealed" in line for line in p_lines)
+            finished = sum("request finished" in line for line in p_lines)
+            assert sealed == finished > 0, (sealed, finished)
     except Exception:
         for s in (p, d, proxy):
             print(f"--- {s.name} ---\n{s.tail(30)}", file=sys.stderr)
@@ -421,9 +427,10 @@ def test_push_matches_a_single_instance(model, workdir, reference):
     computed no prompt token (all came over kvx). Decode uses blocks of 64 tokens against
     prefill's 32: the CPU cache is moved token by token. Prefill computes in 32-token steps
     (chunked prefill), and push writes the finished blocks of a long prompt while its next step
-    computes (prefill's log shows those early writes). Where `shm` moves data by cross-memory
-    attach, prefill writes each notice into decode's notice board, and decode's engine finds the
-    requests ready there (its log says so)."""
+    computes (prefill's log shows those early writes), and seals each prompt's KV when the
+    forward pass that computed its last token ends, before vLLM finishes the request. Where
+    `shm` moves data by cross-memory attach, prefill writes each notice into decode's notice
+    board, and decode's engine finds the requests ready there (its log says so)."""
     from kvx_vllm import _native
 
     board = "ready (notice board)" if _native.shm_uses_cma() else None

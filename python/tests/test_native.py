@@ -172,6 +172,35 @@ def test_unclaimed_blocks_come_back_after_the_producer_lease():
     consumer.shutdown()
 
 
+def test_a_sealed_request_lands_before_prefill_finishes_it():
+    """`request_sealed` (the end of the forward pass that computed the prompt) writes the KV
+    and tells decode at once; the blocks come back to prefill's engine only after its
+    `request_finished`, with the request's name."""
+    p_caches = make_caches("cells-hnd", 2, 8, 2, 32, HEAD, fill=True)
+    d_caches = make_caches("cells-hnd", 2, 8, 2, 16, HEAD, fill=False)
+    producer, consumer, _, _ = start_pair(p_caches, d_caches, heads=2, p_bs=32, d_bs=16,
+                                          cells=True)
+    try:
+        consumer.request_allocated("t-s", "dreq", producer.control_addr, 50, 0, [6, 4, 0, 7])
+        producer.request_sealed("t-s", "preq", [1, 2], 50)
+        assert wait_events(consumer, 1) == [("dreq", True, "", "")]
+        assert_tokens_moved("cells-hnd", p_caches, [1, 2], 32, d_caches, [6, 4, 0, 7], 16, 50)
+        time.sleep(0.05)
+        assert producer.take_finished() == []
+        producer.request_finished("t-s", "preq", [1, 2], 50)
+        deadline = time.monotonic() + 5
+        finished = []
+        while not finished:
+            finished = producer.take_finished()
+            assert time.monotonic() < deadline, "blocks never given back"
+            time.sleep(0.005)
+        assert finished == [("preq", True, "")]
+        assert producer.stats()["held"] == 0
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
+
+
 def test_cancel_reports_failure_and_bad_arguments_raise():
     p_caches = cpu_caches(1, 8, 1, 32, fill=True)
     d_caches = cpu_caches(1, 8, 1, 32, fill=False)

@@ -203,3 +203,57 @@ def test_a_step_with_work_for_the_workers_has_it_done_before_its_forward_pass():
                     "num_scheduled_tokens": {"a": 32}})
     assert s.build_connector_meta(layered).layered
     assert layered.has_sync_kv_loads is True
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_step_that_ends_a_one_token_prefill_seals_it_with_synchronous_scheduling(
+    async_scheduling,
+):
+    """A prefill for a remote decode (one output token) finishes in the step that computes
+    its last prompt token: that step's spec names the request, so that the workers seal it
+    when the forward pass ends. Not earlier steps, not a request that goes on generating,
+    and not under async scheduling (an abort can come between the step and its finish)."""
+    s = scheduler(async_scheduling)
+    s.computing = {"a": _Computing("t-a", prompt_tokens=60, one_token="req-a")}
+    layered: list[LayerSpec] = []
+    step(s, new=([1, 2], 0), layered=layered)
+    step(s, cached=([3, 4], 32), layered=layered)
+    assert [x.seal_request for x in layered] == [None, None if async_scheduling else "req-a"]
+    assert layered[1].tokens == 60 and layered[1].block_ids == [1, 2, 3, 4]
+    s = scheduler(async_scheduling)
+    s.computing = {"a": _Computing("t-a", prompt_tokens=30)}  # generates more tokens
+    layered.clear()
+    step(s, new=([1, 2], 0), layered=layered)
+    assert [x.seal_request for x in layered] == [None]
+
+
+def test_only_one_token_requests_for_a_remote_decode_are_marked():
+    s = scheduler(async_scheduling=False)
+    s.computing = {}
+    params = {"do_remote_decode": True, "kvx_transfer_id": "t"}
+    for rid, max_tokens in (("one", 1), ("more", 5)):
+        s.update_state_after_alloc(
+            NS(request_id=rid, kv_transfer_params=dict(params), num_prompt_tokens=40,
+               max_tokens=max_tokens),
+            None,
+            0,
+        )
+    assert s.computing["one"].one_token == "one"
+    assert s.computing["more"].one_token is None
+
+
+class _Sealer:
+    def __init__(self):
+        self.sealed = []
+
+    def request_sealed(self, transfer_id, request_id, block_ids, tokens):
+        self.sealed.append((transfer_id, request_id, block_ids, tokens))
+
+
+def test_worker_seals_at_the_end_of_the_forward_pass_once():
+    w = _Worker.__new__(_Worker)
+    w.producer = _Sealer()
+    w.layered = [LayerSpec("t-a", [1, 2], 20, seal_request="req-a"), LayerSpec("t-b", [3], 9)]
+    w.wait_for_save()
+    w.wait_for_save()
+    assert w.producer.sealed == [("t-a", "req-a", [1, 2], 20)]

@@ -54,6 +54,11 @@ enum Command {
         held: Held,
         pull: bool,
     },
+    /// The KV of `key` is final (push), but the engine keeps its blocks until it finishes.
+    Sealed {
+        key: AttemptKey,
+        held: Held,
+    },
     Progress {
         key: AttemptKey,
         blocks: Vec<BlockId>,
@@ -240,6 +245,7 @@ impl Producer {
             dead: HashMap::new(),
             max_dead: config.max_entries,
             streams: HashMap::new(),
+            sealed: HashMap::new(),
             early: HashMap::new(),
             partials: HashMap::new(),
             nudged: HashMap::new(),
@@ -325,6 +331,37 @@ impl Producer {
                 num_tokens,
             },
             pull: false,
+        })
+    }
+
+    /// The KV of `key` (push) is complete and final in `blocks`, although the engine has not
+    /// finished the request yet: it is written, and decode told, as soon as decode has
+    /// registered, instead of once the engine hands the blocks over. The blocks stay the
+    /// engine's until [`Producer::request_finished`] for the same key (which must follow, with
+    /// the same blocks, unless the engine aborts the request); only then can
+    /// [`Producer::take_finished`] report them. Call it when the request will finish with
+    /// these tokens (prefill for a remote decode: one output token) and nothing can abort it
+    /// before then: an engine that aborts a sealed request frees blocks whose writes may still
+    /// be in flight.
+    ///
+    /// On a GPU, call this only once the request's kernels have completed (an event).
+    ///
+    /// # Errors
+    /// [`Closed`] after shutdown.
+    pub fn request_sealed(
+        &self,
+        key: AttemptKey,
+        request: RequestId,
+        blocks: Vec<BlockId>,
+        num_tokens: u64,
+    ) -> Result<(), Closed> {
+        self.send(Command::Sealed {
+            key,
+            held: Held {
+                request,
+                blocks,
+                num_tokens,
+            },
         })
     }
 
@@ -628,6 +665,18 @@ enum Hold {
     Stream,
 }
 
+/// A sealed request's blocks, which the engine has not handed over yet
+/// ([`Producer::request_sealed`]).
+#[derive(Debug)]
+enum Sealed {
+    /// Its transfer has not ended.
+    Pending,
+    /// Its transfer ended: reported once the engine finishes the request.
+    Ended(FinishedSending, SystemTime),
+    /// The engine aborted the request and frees the blocks itself: nothing is reported.
+    Disowned,
+}
+
 /// How long an aborted transfer is remembered.
 const DEAD_TTL: Duration = Duration::from_secs(300);
 
@@ -787,6 +836,8 @@ struct Driver {
     /// many) cannot grow it without end; past it, a late finish waits for its lease instead.
     max_dead: usize,
     streams: HashMap<AttemptKey, Streaming>,
+    /// Sealed requests the engine has not finished yet.
+    sealed: HashMap<AttemptKey, Sealed>,
     /// Early writes, by matcher key (per consumer rank).
     early: HashMap<AttemptKey, Early>,
     /// Early writes in flight.
@@ -860,44 +911,23 @@ impl Driver {
         match command {
             Command::Finished { key, held, pull } => {
                 debug!(%key, tokens = held.num_tokens, pull, "request finished");
-                if self.fanouts.contains_key(&key)
-                    || self.unfanned.contains_key(&key)
-                    || self.pull_held.contains_key(&key)
-                {
+                if !pull && self.finish_sealed(key, &held) {
+                    return;
+                }
+                if self.holds(key) {
                     warn!(%key, "request finished twice; the second copy is ignored");
                     return;
                 }
-                if let Some(streaming) = self.streams.remove(&key) {
-                    // Progress only ever appends blocks; other ones mean a recomputation.
-                    if !held.blocks.starts_with(&streaming.blocks) {
-                        self.reset_early(key);
-                    }
+                self.take_over(now, key, held, pull);
+            }
+            Command::Sealed { key, held } => {
+                debug!(%key, tokens = held.num_tokens, "request sealed");
+                if self.sealed.contains_key(&key) || self.holds(key) {
+                    warn!(%key, "request sealed twice, or after it finished; ignored");
+                    return;
                 }
-                self.stats.held.fetch_add(1, Ordering::Relaxed);
-                let deadline = now + self.producer_lease;
-                let aborted = self
-                    .dead
-                    .get(&key.transfer)
-                    .is_some_and(|(attempt, _)| attempt.is_none_or(|a| a == key.attempt));
-                if aborted {
-                    self.give_back(key, held, SendOutcome::NotSent(Reason::Aborted));
-                } else if pull {
-                    self.pull_held.insert(
-                        key,
-                        PullHold {
-                            held,
-                            deadline,
-                            readers: None,
-                            done: Vec::new(),
-                        },
-                    );
-                    self.expiry.push(Reverse((deadline, key, Hold::Pull)));
-                } else if let Some(readers) = self.registered_readers(key) {
-                    self.fan_out(now, key, held, &readers);
-                } else {
-                    self.unfanned.insert(key, (held, deadline));
-                    self.expiry.push(Reverse((deadline, key, Hold::Unfanned)));
-                }
+                self.sealed.insert(key, Sealed::Pending);
+                self.take_over(now, key, held, false);
             }
             Command::Progress {
                 key,
@@ -907,6 +937,7 @@ impl Driver {
             } => self.progress(now, key, blocks, tokens, layers),
             Command::Abort { transfer, attempt } => {
                 debug!(%transfer, ?attempt, "the engine aborted the request");
+                self.disown(transfer, attempt);
                 self.abort(now, transfer, attempt, Reason::Aborted);
             }
             Command::Preempted(key) => {
@@ -970,6 +1001,86 @@ impl Driver {
                 }
             }
             Command::Shutdown => {}
+        }
+    }
+
+    /// Whether the blocks of `key` are held here (finished, or sealed and not ended).
+    fn holds(&self, key: AttemptKey) -> bool {
+        self.fanouts.contains_key(&key)
+            || self.unfanned.contains_key(&key)
+            || self.pull_held.contains_key(&key)
+    }
+
+    /// Takes over the blocks of a finished (or sealed) request: given back at once if it was
+    /// aborted, held for pull, written once its consumer ranks are known.
+    fn take_over(&mut self, now: Timestamp, key: AttemptKey, held: Held, pull: bool) {
+        if let Some(streaming) = self.streams.remove(&key) {
+            // Progress only ever appends blocks; other ones mean a recomputation.
+            if !held.blocks.starts_with(&streaming.blocks) {
+                self.reset_early(key);
+            }
+        }
+        self.stats.held.fetch_add(1, Ordering::Relaxed);
+        let deadline = now + self.producer_lease;
+        let aborted = self
+            .dead
+            .get(&key.transfer)
+            .is_some_and(|(attempt, _)| attempt.is_none_or(|a| a == key.attempt));
+        if aborted {
+            self.give_back(key, held, SendOutcome::NotSent(Reason::Aborted));
+        } else if pull {
+            self.pull_held.insert(
+                key,
+                PullHold {
+                    held,
+                    deadline,
+                    readers: None,
+                    done: Vec::new(),
+                },
+            );
+            self.expiry.push(Reverse((deadline, key, Hold::Pull)));
+        } else if let Some(readers) = self.registered_readers(key) {
+            self.fan_out(now, key, held, &readers);
+        } else {
+            self.unfanned.insert(key, (held, deadline));
+            self.expiry.push(Reverse((deadline, key, Hold::Unfanned)));
+        }
+    }
+
+    /// The engine finished a request it had sealed: its blocks are this side's to give back
+    /// now, at once if its transfer has ended. `false` when `key` was not sealed (or was
+    /// disowned: this finish is a new one).
+    fn finish_sealed(&mut self, key: AttemptKey, held: &Held) -> bool {
+        match self.sealed.remove(&key) {
+            None | Some(Sealed::Disowned) => false,
+            Some(Sealed::Pending) => {
+                if let Some(fanout) = self.fanouts.get_mut(&key) {
+                    fanout.held.request = held.request;
+                } else if let Some((mine, _)) = self.unfanned.get_mut(&key) {
+                    mine.request = held.request;
+                }
+                true
+            }
+            Some(Sealed::Ended(mut done, at)) => {
+                done.request = held.request;
+                self.finished
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .push((done, at));
+                true
+            }
+        }
+    }
+
+    /// The engine aborted (one attempt of) `transfer` and frees its blocks itself: what it had
+    /// sealed is not reported back (what ended is forgotten now, the rest when it ends).
+    fn disown(&mut self, transfer: TransferId, attempt: Option<Attempt>) {
+        let matches =
+            |k: &AttemptKey| k.transfer == transfer && attempt.is_none_or(|a| a == k.attempt);
+        self.sealed
+            .retain(|k, s| !(matches(k) && matches!(s, Sealed::Ended(..))));
+        for (_, sealed) in self.sealed.iter_mut().filter(|(k, _)| matches(k)) {
+            *sealed = Sealed::Disowned;
         }
     }
 
@@ -1304,9 +1415,7 @@ impl Driver {
         tokens: u64,
         layers: Option<u32>,
     ) {
-        let known = self.fanouts.contains_key(&key)
-            || self.unfanned.contains_key(&key)
-            || self.pull_held.contains_key(&key);
+        let known = self.holds(key) || self.sealed.contains_key(&key);
         let aborted = self
             .dead
             .get(&key.transfer)
@@ -1843,19 +1952,28 @@ impl Driver {
         }
     }
 
-    fn give_back(&self, key: AttemptKey, held: Held, outcome: SendOutcome) {
+    /// The blocks of `key` are done with: reported to the engine, unless it sealed the request
+    /// and has not finished it (then reported when it does) or aborted it since (never).
+    fn give_back(&mut self, key: AttemptKey, held: Held, outcome: SendOutcome) {
         self.stats.held.fetch_sub(1, Ordering::Relaxed);
-        self.finished
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .push((
-                FinishedSending {
-                    request: held.request,
-                    key,
-                    outcome,
-                },
-                SystemTime::now(),
-            ));
+        let done = FinishedSending {
+            request: held.request,
+            key,
+            outcome,
+        };
+        match self.sealed.get_mut(&key) {
+            Some(sealed @ (Sealed::Pending | Sealed::Ended(..))) => {
+                *sealed = Sealed::Ended(done, SystemTime::now());
+            }
+            Some(Sealed::Disowned) => {
+                self.sealed.remove(&key);
+            }
+            None => self
+                .finished
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .push((done, SystemTime::now())),
+        }
     }
 
     /// Expiry of what is held outside the matcher; work proportional to what expires.

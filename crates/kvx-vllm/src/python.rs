@@ -351,6 +351,28 @@ impl PyProducer {
         )
     }
 
+    /// The request's KV (push) is complete and final in `block_ids`, and the engine will
+    /// finish the request with these tokens: it is written, and decode told, as soon as decode
+    /// has registered. The blocks stay the engine's until `request_finished` for the same
+    /// request, which must follow (or `abort`); `take_finished` reports them only after it.
+    #[pyo3(signature = (transfer_id, request_id, block_ids, num_tokens, attempt = 0))]
+    fn request_sealed(
+        &self,
+        transfer_id: &str,
+        request_id: &str,
+        block_ids: Vec<i64>,
+        num_tokens: u64,
+        attempt: u32,
+    ) -> PyResult<()> {
+        let blocks = blocks(block_ids)?;
+        // Named when the request finishes: an aborted one never is, and leaves no name here.
+        let request = RequestId::from_str_hash(request_id);
+        let key = key(transfer_id, attempt);
+        let tokens = self.tokens(num_tokens);
+        self.with(|p| p.request_sealed(key, request, blocks, tokens))?
+            .map_err(|_| closed_err())
+    }
+
     /// Prefill of the request (push) is still running and its first `computed_tokens` tokens
     /// are final in `block_ids` (its blocks so far): they are written to decode now if it has
     /// registered. With `layers`, they are final in the first `layers` layers only (a step

@@ -1451,6 +1451,181 @@ fn abort_after_early_writes_fails_the_consumer_and_releases_the_finish() {
     finish_and_expect(&pre.producers[0], key(8, 0), ids(0..4), 16, Reason::Aborted);
 }
 
+/// Nothing reaches the engine's finished reports for `for_at_least` (a sealed request's
+/// blocks stay the engine's until it finishes the request).
+fn expect_nothing_given_back(producer: &Producer, for_at_least: Duration) {
+    let until = Instant::now() + for_at_least;
+    while Instant::now() < until {
+        let done = producer.take_finished();
+        assert!(
+            done.is_empty(),
+            "reported before the engine finished: {done:?}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// A sealed request is written, and decode told, without waiting for the engine to finish it
+/// (registration first or seal first); its blocks are reported back only once the engine has
+/// finished it, at once then.
+fn sealed_request_lands_before_it_finishes(registration_first: bool) {
+    let fabric = LoopbackFabric::new();
+    let (pre, dec, consumer) = simple_pair(&fabric);
+    let producer = &pre.producers[0];
+    let (k, blocks, landing) = (key(30, 0), ids(0..5), ids(20..25));
+    pre.sides[0].fill(&blocks, 19);
+    if registration_first {
+        register(&consumer, pre.base, k, 19, landing.clone());
+        wait_registered(&pre);
+    }
+    producer
+        .request_sealed(k, RequestId(7), blocks.clone(), 19)
+        .unwrap();
+    if !registration_first {
+        std::thread::sleep(Duration::from_millis(20));
+        register(&consumer, pre.base, k, 19, landing.clone());
+    }
+    expect_ready(&consumer, k, RequestId(1));
+    dec.verify(&landing, 0, 19);
+    expect_nothing_given_back(producer, Duration::from_millis(100));
+    assert_eq!(producer.stats().transfers_ok, 1);
+    producer
+        .request_finished(k, RequestId(7), blocks, 19)
+        .unwrap();
+    let done = wait_finished(producer, 1);
+    assert_eq!(done[0].outcome, SendOutcome::Sent);
+    assert_eq!(done[0].request, RequestId(7));
+    assert_eq!(producer.stats().held, 0);
+    // One transfer: the finish wrote nothing more.
+    assert_eq!(producer.stats().transfers_started, 1);
+}
+
+#[test]
+fn a_sealed_request_lands_before_it_finishes_registration_first() {
+    sealed_request_lands_before_it_finishes(true);
+}
+
+#[test]
+fn a_sealed_request_lands_before_it_finishes_seal_first() {
+    sealed_request_lands_before_it_finishes(false);
+}
+
+/// A request finished after its seal but before decode registered is written when the
+/// registration comes, and reported then.
+#[test]
+fn a_sealed_request_finished_before_its_registration_is_reported_when_written() {
+    let fabric = LoopbackFabric::new();
+    let (pre, dec, consumer) = simple_pair(&fabric);
+    let producer = &pre.producers[0];
+    let (k, blocks, landing) = (key(31, 0), ids(0..3), ids(20..23));
+    pre.sides[0].fill(&blocks, 12);
+    producer
+        .request_sealed(k, RequestId(7), blocks.clone(), 12)
+        .unwrap();
+    producer
+        .request_finished(k, RequestId(7), blocks, 12)
+        .unwrap();
+    expect_nothing_given_back(producer, Duration::from_millis(50));
+    register(&consumer, pre.base, k, 12, landing.clone());
+    expect_ready(&consumer, k, RequestId(1));
+    dec.verify(&landing, 0, 12);
+    let done = wait_finished(producer, 1);
+    assert_eq!(done[0].outcome, SendOutcome::Sent);
+    assert_eq!(producer.stats().held, 0);
+}
+
+/// A sealed request whose lease ran out before any registration: the outcome waits for the
+/// engine's finish, which gets it at once.
+#[test]
+fn a_sealed_request_that_expired_is_reported_at_its_finish() {
+    let fabric = LoopbackFabric::new();
+    let pre = prefill(
+        &fabric,
+        1,
+        4,
+        MemoryOrder::Nhd,
+        Arrangement::PerLayerSplit,
+        Duration::from_millis(100),
+    );
+    let producer = &pre.producers[0];
+    let k = key(32, 0);
+    producer
+        .request_sealed(k, RequestId(7), ids(0..2), 8)
+        .unwrap();
+    expect_nothing_given_back(producer, Duration::from_millis(300));
+    assert_eq!(producer.stats().held, 0);
+    finish_and_expect(producer, k, ids(0..2), 8, Reason::LeaseExpired);
+}
+
+/// The engine aborts a sealed request (it frees the blocks itself): nothing is reported back,
+/// before or after its transfer ended, and a registration that comes later fails.
+#[test]
+fn a_sealed_request_the_engine_aborts_is_never_reported() {
+    let fabric = LoopbackFabric::new();
+    let (pre, dec, consumer) = simple_pair(&fabric);
+    let producer = &pre.producers[0];
+    // Delivered, then aborted.
+    let (k, blocks, landing) = (key(33, 0), ids(0..2), ids(20..22));
+    pre.sides[0].fill(&blocks, 8);
+    register(&consumer, pre.base, k, 8, landing.clone());
+    wait_registered(&pre);
+    producer
+        .request_sealed(k, RequestId(7), blocks.clone(), 8)
+        .unwrap();
+    expect_ready(&consumer, k, RequestId(1));
+    dec.verify(&landing, 0, 8);
+    producer.abort(k.transfer, None).unwrap();
+    // Aborted before anyone registered.
+    let late = key(34, 0);
+    producer
+        .request_sealed(late, RequestId(8), ids(2..4), 8)
+        .unwrap();
+    producer.abort(late.transfer, None).unwrap();
+    expect_nothing_given_back(producer, Duration::from_millis(100));
+    assert_eq!(producer.stats().held, 0);
+    register(&consumer, pre.base, late, 8, ids(30..32));
+    let events = wait_events(&consumer, 1);
+    assert!(
+        matches!(
+            events[0],
+            RecvEvent::Failed {
+                reason: Reason::Aborted,
+                ..
+            }
+        ),
+        "{events:?}"
+    );
+    expect_nothing_given_back(producer, Duration::from_millis(50));
+}
+
+/// A seal after the request finished, or a second seal, changes nothing.
+#[test]
+fn a_second_seal_is_ignored() {
+    let fabric = LoopbackFabric::new();
+    let (pre, dec, consumer) = simple_pair(&fabric);
+    let producer = &pre.producers[0];
+    let (k, blocks, landing) = (key(35, 0), ids(0..2), ids(20..22));
+    pre.sides[0].fill(&blocks, 8);
+    producer
+        .request_sealed(k, RequestId(7), blocks.clone(), 8)
+        .unwrap();
+    producer
+        .request_sealed(k, RequestId(7), blocks.clone(), 8)
+        .unwrap();
+    producer
+        .request_finished(k, RequestId(7), blocks.clone(), 8)
+        .unwrap();
+    producer.request_sealed(k, RequestId(7), blocks, 8).unwrap();
+    register(&consumer, pre.base, k, 8, landing.clone());
+    expect_ready(&consumer, k, RequestId(1));
+    dec.verify(&landing, 0, 8);
+    let done = wait_finished(producer, 1);
+    assert_eq!(done[0].outcome, SendOutcome::Sent);
+    expect_nothing_given_back(producer, Duration::from_millis(50));
+    assert_eq!(producer.stats().held, 0);
+    assert_eq!(producer.stats().transfers_started, 1);
+}
+
 /// Progress naming blocks outside the producer's cache fails the consumer at once (not at the
 /// end of its lease), and the finish is released without a write.
 #[test]
