@@ -143,6 +143,8 @@ class _Computing:
     # The vLLM request, when it finishes with its first output token (a prefill for a remote
     # decode): the step computing its last prompt token is its last.
     one_token: str | None = None
+    # The workers seal its KV at the end of this step's forward pass.
+    sealed: bool = False
 
 
 @dataclass
@@ -444,6 +446,7 @@ class _Scheduler:
             # Sealed only where nothing can come between this step and the request's finish:
             # with async scheduling an abort can (it is handled between the steps' halves).
             last = end == c.prompt_tokens and not self.async_scheduling
+            c.sealed = last and c.one_token is not None
             self.meta.layered.append(
                 LayerSpec(
                     c.transfer_id,
@@ -466,7 +469,7 @@ class _Scheduler:
         if not params:
             return False, None
         rid = request.request_id
-        self.computing.pop(rid, None)
+        computing = self.computing.pop(rid, None)
         if rid in self.waiting:
             # Decode: finished (aborted) while its KV is still coming. vLLM keeps the blocks
             # until the request shows up in finished_recving, which the cancel brings about.
@@ -485,7 +488,12 @@ class _Scheduler:
         except ValueError as e:
             logger.warning("kvx: request %s: %s; its KV stays here", rid, e)
             return False, None
-        if request.status not in _FINISHED_OK or not block_ids:
+        # A sealed request's KV is complete and may be on its way to decode: aborted after
+        # the forward pass that sealed it (vLLM takes aborts that came during a step before it
+        # finishes the step's requests), it is still sent, and its blocks are freed only once
+        # nothing reads them.
+        sealed = computing is not None and computing.sealed
+        if (request.status not in _FINISHED_OK and not sealed) or not block_ids:
             # Aborted (or nothing computed): a registration that arrived must fail now rather
             # than at the end of its lease.
             self.meta.aborts.append(transfer_id)

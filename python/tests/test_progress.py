@@ -257,3 +257,32 @@ def test_worker_seals_at_the_end_of_the_forward_pass_once():
     w.wait_for_save()
     w.wait_for_save()
     assert w.producer.sealed == [("t-a", "req-a", [1, 2], 20)]
+
+
+def test_a_sealed_request_aborted_before_vllm_finished_it_is_still_sent():
+    """vLLM handles aborts that came during a step before it finishes the step's requests: a
+    request sealed in that step may be aborted instead of finishing. Its KV is complete and may
+    be being written, so its blocks are handed over as for a finish (freed once nothing reads
+    them), not freed at once; an aborted request that was not sealed is aborted."""
+    from vllm.v1.request import RequestStatus
+
+    s = scheduler(async_scheduling=False)
+    s.computing = {"a": _Computing("t-a", prompt_tokens=30, one_token="a"),
+                   "b": _Computing("t-b", prompt_tokens=300, one_token="b")}
+    out = NS(
+        scheduled_new_reqs=[NS(req_id=r, block_ids=(blocks,), num_computed_tokens=0)
+                            for r, blocks in (("a", [1, 2]), ("b", [3, 4]))],
+        scheduled_cached_reqs=NS(req_ids=[], new_block_ids=[], num_computed_tokens=[],
+                                 resumed_req_ids=set()),
+        preempted_req_ids=set(),
+        num_scheduled_tokens={"a": 30, "b": 32},
+    )
+    assert [x.seal_request for x in s.build_connector_meta(out).layered] == ["a", None]
+    for rid, blocks in (("a", [1, 2]), ("b", [3, 4])):
+        request = NS(request_id=rid, status=RequestStatus.FINISHED_ABORTED,
+                     num_computed_tokens=30 if rid == "a" else 32,
+                     kv_transfer_params={"do_remote_decode": True, "kvx_transfer_id": f"t-{rid}"})
+        delay, _ = s.request_finished(request, blocks)
+        assert delay is (rid == "a")
+    assert s.meta.sends == [SendSpec("a", "t-a", [1, 2], 30)]
+    assert s.meta.aborts == ["t-b"]

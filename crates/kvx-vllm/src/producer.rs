@@ -340,9 +340,10 @@ impl Producer {
     /// engine's until [`Producer::request_finished`] for the same key (which must follow, with
     /// the same blocks, unless the engine aborts the request); only then can
     /// [`Producer::take_finished`] report them. Call it when the request will finish with
-    /// these tokens (prefill for a remote decode: one output token) and nothing can abort it
-    /// before then: an engine that aborts a sealed request frees blocks whose writes may still
-    /// be in flight.
+    /// these tokens (prefill for a remote decode: one output token). Should the engine abort
+    /// it after all, hand the blocks over with [`Producer::request_finished`] anyway (its KV is
+    /// complete and may be on its way): after [`Producer::abort`] the blocks are not reported
+    /// back, and blocks the engine frees at once may still be being read.
     ///
     /// On a GPU, call this only once the request's kernels have completed (an event).
     ///
