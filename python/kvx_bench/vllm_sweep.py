@@ -72,6 +72,10 @@ TURN_WARMUP = 2
 # (name, router, connector, corrected)
 SYSTEMS = [
     ("kvx-push", "kvx-push", "KvxPushConnector", None),
+    # kvx push without the seal (extra-config `seal` off): its KV leaves when vLLM has
+    # finished the request, an engine iteration after its last forward pass (not run unless
+    # named: an A/B of the seal side by side).
+    ("kvx-push-noseal", "kvx-push", "KvxPushConnector", None),
     ("kvx-pull", "kvx-pull", "KvxPullConnector", None),
     ("nixl-pull-shipped", "kvx-pull", "NixlConnector", False),
     ("nixl-pull-corrected", "kvx-pull", "NixlConnector", True),
@@ -384,9 +388,12 @@ async def warm_up(url: str, lengths: list[int], per_length: int) -> dict:
 KVX_TRANSPORT: str | None = None
 
 
-def kv_config(connector: str, role: str, engine: str, kvx_listen: str | None) -> dict:
+def kv_config(connector: str, role: str, engine: str, kvx_listen: str | None,
+              seal: bool = True) -> dict:
     if connector.startswith("Kvx"):
-        extra = {"listen": kvx_listen} if kvx_listen else {}
+        extra: dict = {"listen": kvx_listen} if kvx_listen else {}
+        if not seal:
+            extra["seal"] = False
         if KVX_TRANSPORT:
             extra["transport"] = KVX_TRANSPORT
         return {"kv_connector": connector, "kv_connector_module_path": "kvx_vllm",
@@ -452,7 +459,8 @@ def start_system(system: tuple, args, model: Path, log_dir: Path, lengths) -> di
     p_engine, d_engine = f"p-{name}", f"d-{name}"
     p, p_url = start_instance(f"{name}-prefill", model, log_dir,
                               kv_config(connector, "kv_producer", p_engine,
-                                        f"127.0.0.1:{kvx_port}" if kvx_port else None),
+                                        f"127.0.0.1:{kvx_port}" if kvx_port else None,
+                                        seal=not name.endswith("-noseal")),
                               P_CORES, extra_p)
     d, d_url = start_instance(f"{name}-decode", model, log_dir,
                               kv_config(connector, "kv_consumer", d_engine, None), D_CORES,
@@ -802,7 +810,8 @@ def main() -> None:
         rates = [float(x) for x in args.rates.split(",")]
     args.requests = args.requests or requests
     args.warmup = args.warmup if args.warmup is not None else warmup
-    systems = SYSTEMS
+    # Every system but the A/B variants, unless named.
+    systems = [s for s in SYSTEMS if not s[0].endswith("-noseal")]
     if args.systems:
         want = args.systems.split(",")
         systems = [s for s in SYSTEMS if s[0] in want]

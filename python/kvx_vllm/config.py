@@ -38,6 +38,12 @@ KEYS: dict[str, tuple[Any, str]] = {
         "the next step; with a host cache also layer by layer within a step, as vLLM saves each "
         "layer), so that only the last chunk's last layer is left when the request finishes.",
     ),
+    "seal": (
+        True,
+        "Prefill, push, host cache: when the forward pass that computes a one-token prefill's "
+        "last prompt token ends, write what is left of its KV and tell decode at once, instead "
+        "of after vLLM has finished the request (an engine iteration later). Needs stream.",
+    ),
     "registration_lease_s": (
         120.0,
         "Decode: how long a request may wait for its KV from registration before it fails.",
@@ -84,6 +90,7 @@ class KvxConfig:
     transport: str
     layout: str
     stream: bool
+    seal: bool
     registration_lease_s: float
     producer_lease_s: float
     heartbeat_interval_s: float

@@ -293,7 +293,9 @@ class _Scheduler:
                 logger.warning("kvx: request %s: %s", request.request_id, e)
             else:
                 one_token = (
-                    request.request_id if getattr(request, "max_tokens", None) == 1 else None
+                    request.request_id
+                    if self.cfg.seal and getattr(request, "max_tokens", None) == 1
+                    else None
                 )
                 self.computing.setdefault(
                     request.request_id,

@@ -10,6 +10,7 @@ from types import SimpleNamespace as NS
 
 import pytest
 
+from kvx_vllm.config import KvxConfig
 from kvx_vllm.connector import (
     KvxConnectorMetadata,
     LayerSpec,
@@ -32,6 +33,7 @@ def scheduler(async_scheduling: bool) -> _Scheduler:
     s.waiting = {}
     s.computing = {"a": _Computing("t-a", prompt_tokens=100)}
     s.stream = True
+    s.cfg = KvxConfig.from_extra({})
     s.async_scheduling = async_scheduling
     return s
 
@@ -240,6 +242,15 @@ def test_only_one_token_requests_for_a_remote_decode_are_marked():
         )
     assert s.computing["one"].one_token == "one"
     assert s.computing["more"].one_token is None
+    # Extra-config `seal` off: none is.
+    s.cfg = KvxConfig.from_extra({"seal": False})
+    s.update_state_after_alloc(
+        NS(request_id="off", kv_transfer_params=dict(params), num_prompt_tokens=40,
+           max_tokens=1),
+        None,
+        0,
+    )
+    assert s.computing["off"].one_token is None
 
 
 class _Sealer:
