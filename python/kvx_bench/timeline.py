@@ -12,6 +12,7 @@ events (from the instances' logs) against the client's clock:
     .kvx-cache/venv/bin/python -m kvx_bench.timeline --kvx-bin target/debug/kvx \\
         [--mode push|pull] [--transport cma] [--input-tokens 256] [--requests 12]
         [--max-tokens 8] [--rate R (Poisson arrivals, overlapping, instead of sequential)]
+        [--no-seal]
         (from python/, or with python/ on PYTHONPATH; `maturin develop` first)
 
 It prints one line per request and the medians of the phases: how long the connector's own part
@@ -90,6 +91,9 @@ def main() -> None:
                     help="Poisson arrivals at this many requests/s (overlapping) instead of "
                          "sequential requests --gap-s apart")
     ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--no-seal", action="store_true",
+                    help="prefill's extra-config seal off: the KV leaves when vLLM has finished "
+                         "the request, not when the forward pass that computed it ended")
     args = ap.parse_args()
     os.environ["KVX_BIN"] = str(Path(args.kvx_bin).resolve())
     os.environ["KVX_LOG"] = "kvx_vllm=debug"
@@ -99,6 +103,8 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="kvx-timeline-"))
     model = build(work / "model", kv_heads=2)
     extra = {"transport": args.transport}
+    if args.no_seal:
+        extra["seal"] = False
     p, _, d, _, proxy, url = e2e.run_pair(args.mode, model, work, {}, p_extra=dict(extra),
                                           d_extra=dict(extra))
     rng = random.Random(1)
@@ -127,7 +133,8 @@ def main() -> None:
     logged = sorted([(t, "prefill " + e) for t, e in events(p.log)]
                     + [(t, "decode " + e) for t, e in events(d.log)])
     phases: dict[str, list[float]] = {}
-    print(f"kvx {args.mode} over {args.transport}, {args.input_tokens}-token prompts "
+    print(f"kvx {args.mode} over {args.transport}{', seal off' if args.no_seal else ''}, "
+          f"{args.input_tokens}-token prompts "
           f"(ms from the request's send; logs in {work})")
     for sent, first in sends:
         mine = [(round((t - sent) * 1e3, 2), e) for t, e in logged if sent <= t <= first]
