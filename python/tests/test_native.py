@@ -152,6 +152,17 @@ def test_cpu_cache_is_described_token_by_token():
                  block_size=16, tp_size=1, tp_rank=0, mode="block")
 
 
+def wait_finished(producer, what: str) -> list:
+    """The producer's first finished reports (5 s at most)."""
+    deadline = time.monotonic() + 5
+    finished = []
+    while not finished:
+        finished = producer.take_finished()
+        assert time.monotonic() < deadline, f"blocks never {what}"
+        time.sleep(0.005)
+    return finished
+
+
 def test_unclaimed_blocks_come_back_after_the_producer_lease():
     p_caches = cpu_caches(1, 8, 1, 32, fill=True)
     d_caches = cpu_caches(1, 8, 1, 32, fill=False)
@@ -160,12 +171,7 @@ def test_unclaimed_blocks_come_back_after_the_producer_lease():
     producer.request_finished("t-3", "preq", [1, 2], 50)
     time.sleep(0.1)
     assert producer.stats()["held"] == 1
-    deadline = time.monotonic() + 5
-    finished = []
-    while not finished:
-        finished = producer.take_finished()
-        assert time.monotonic() < deadline, "blocks never released"
-        time.sleep(0.01)
+    finished = wait_finished(producer, "released")
     assert [f[:2] for f in finished] == [("preq", False)], finished
     assert producer.stats()["held"] == 0
     producer.shutdown()
@@ -188,13 +194,7 @@ def test_a_sealed_request_lands_before_prefill_finishes_it():
         time.sleep(0.05)
         assert producer.take_finished() == []
         producer.request_finished("t-s", "preq", [1, 2], 50)
-        deadline = time.monotonic() + 5
-        finished = []
-        while not finished:
-            finished = producer.take_finished()
-            assert time.monotonic() < deadline, "blocks never given back"
-            time.sleep(0.005)
-        assert finished == [("preq", True, "")]
+        assert wait_finished(producer, "given back") == [("preq", True, "")]
         assert producer.stats()["held"] == 0
     finally:
         producer.shutdown()

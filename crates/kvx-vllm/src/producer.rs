@@ -84,6 +84,16 @@ struct Held {
     num_tokens: u64,
 }
 
+impl Held {
+    fn new(request: RequestId, blocks: Vec<BlockId>, num_tokens: u64) -> Self {
+        Self {
+            request,
+            blocks,
+            num_tokens,
+        }
+    }
+}
+
 #[derive(Debug)]
 struct Dest {
     conn: ConnId,
@@ -325,11 +335,7 @@ impl Producer {
     ) -> Result<(), Closed> {
         self.send(Command::Finished {
             key,
-            held: Held {
-                request,
-                blocks,
-                num_tokens,
-            },
+            held: Held::new(request, blocks, num_tokens),
             pull: false,
         })
     }
@@ -358,11 +364,7 @@ impl Producer {
     ) -> Result<(), Closed> {
         self.send(Command::Sealed {
             key,
-            held: Held {
-                request,
-                blocks,
-                num_tokens,
-            },
+            held: Held::new(request, blocks, num_tokens),
         })
     }
 
@@ -431,11 +433,7 @@ impl Producer {
     ) -> Result<(), Closed> {
         self.send(Command::Finished {
             key,
-            held: Held {
-                request,
-                blocks,
-                num_tokens,
-            },
+            held: Held::new(request, blocks, num_tokens),
             pull: true,
         })
     }

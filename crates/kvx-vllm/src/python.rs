@@ -248,6 +248,21 @@ impl PyProducer {
         n.div_ceil(self.token_unit)
     }
 
+    /// A finished (or sealed) request's key, blocks and token units, checked.
+    fn request_args(
+        &self,
+        transfer_id: &str,
+        block_ids: Vec<i64>,
+        num_tokens: u64,
+        attempt: u32,
+    ) -> PyResult<(AttemptKey, Vec<BlockId>, u64)> {
+        Ok((
+            key(transfer_id, attempt),
+            blocks(block_ids)?,
+            self.tokens(num_tokens),
+        ))
+    }
+
     fn finished(
         &self,
         transfer_id: &str,
@@ -257,10 +272,9 @@ impl PyProducer {
         attempt: u32,
         pull: bool,
     ) -> PyResult<()> {
-        let blocks = blocks(block_ids)?;
+        let (key, blocks, tokens) =
+            self.request_args(transfer_id, block_ids, num_tokens, attempt)?;
         let request = self.names.insert(request_id);
-        let key = key(transfer_id, attempt);
-        let tokens = self.tokens(num_tokens);
         let sent = self.with(|p| {
             if pull {
                 p.request_finished_pull(key, request, blocks, tokens)
@@ -364,11 +378,10 @@ impl PyProducer {
         num_tokens: u64,
         attempt: u32,
     ) -> PyResult<()> {
-        let blocks = blocks(block_ids)?;
+        let (key, blocks, tokens) =
+            self.request_args(transfer_id, block_ids, num_tokens, attempt)?;
         // Named when the request finishes: an aborted one never is, and leaves no name here.
         let request = RequestId::from_str_hash(request_id);
-        let key = key(transfer_id, attempt);
-        let tokens = self.tokens(num_tokens);
         self.with(|p| p.request_sealed(key, request, blocks, tokens))?
             .map_err(|_| closed_err())
     }

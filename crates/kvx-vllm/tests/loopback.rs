@@ -200,13 +200,18 @@ fn tp2_prefill(fabric: &LoopbackFabric) -> Prefill {
 
 /// One prefill rank (4-token blocks, NHD, K and V apart), long leases.
 fn tp1_prefill(fabric: &LoopbackFabric) -> Prefill {
+    tp1_prefill_leased(fabric, LONG)
+}
+
+/// [`tp1_prefill`] with producer lease `lease`.
+fn tp1_prefill_leased(fabric: &LoopbackFabric, lease: Duration) -> Prefill {
     prefill(
         fabric,
         1,
         4,
         MemoryOrder::Nhd,
         Arrangement::PerLayerSplit,
-        LONG,
+        lease,
     )
 }
 
@@ -282,6 +287,15 @@ fn wait_events(consumer: &Consumer, n: usize) -> Vec<RecvEvent> {
         std::thread::sleep(Duration::from_millis(2));
     }
     events
+}
+
+/// Waits for decode's one event and checks that it says the request failed for `reason`.
+fn expect_failed(consumer: &Consumer, reason: Reason) {
+    let events = wait_events(consumer, 1);
+    assert!(
+        matches!(events[0], RecvEvent::Failed { reason: r, .. } if r == reason),
+        "{events:?}"
+    );
 }
 
 /// Waits for decode's one event and checks that it says `key` (decode's `request`) is ready.
@@ -537,17 +551,7 @@ fn registration_without_prefill_fails_after_its_lease() {
         Duration::from_millis(300),
     );
     register(&consumer, pre.base, key(1, 0), 8, ids(0..2));
-    let events = wait_events(&consumer, 1);
-    assert!(
-        matches!(
-            events[0],
-            RecvEvent::Failed {
-                reason: Reason::LeaseExpired,
-                ..
-            }
-        ),
-        "{events:?}"
-    );
+    expect_failed(&consumer, Reason::LeaseExpired);
     assert_eq!(consumer.stats().held, 0);
     // A late prefill for the expired attempt is released at once, not held for a lease.
     pre.producers[0]
@@ -563,14 +567,7 @@ fn registration_without_prefill_fails_after_its_lease() {
 #[test]
 fn prefill_without_registration_is_released_after_the_producer_lease() {
     let fabric = LoopbackFabric::new();
-    let pre = prefill(
-        &fabric,
-        1,
-        4,
-        MemoryOrder::Nhd,
-        Arrangement::PerLayerSplit,
-        Duration::from_millis(200),
-    );
+    let pre = tp1_prefill_leased(&fabric, Duration::from_millis(200));
     finish_and_expect(
         &pre.producers[0],
         key(2, 0),
@@ -587,17 +584,7 @@ fn producer_abort_fails_the_waiting_consumer() {
     register(&consumer, pre.base, key(3, 0), 8, ids(0..2));
     std::thread::sleep(Duration::from_millis(50));
     pre.producers[0].abort(TransferId(3), None).unwrap();
-    let events = wait_events(&consumer, 1);
-    assert!(
-        matches!(
-            events[0],
-            RecvEvent::Failed {
-                reason: Reason::Aborted,
-                ..
-            }
-        ),
-        "{events:?}"
-    );
+    expect_failed(&consumer, Reason::Aborted);
 }
 
 #[test]
@@ -1437,17 +1424,7 @@ fn abort_after_early_writes_fails_the_consumer_and_releases_the_finish() {
         .unwrap();
     wait_landed(&dec, &ids(20..24), 0, 12);
     pre.producers[0].abort(TransferId(8), None).unwrap();
-    let events = wait_events(&consumer, 1);
-    assert!(
-        matches!(
-            events[0],
-            RecvEvent::Failed {
-                reason: Reason::Aborted,
-                ..
-            }
-        ),
-        "{events:?}"
-    );
+    expect_failed(&consumer, Reason::Aborted);
     finish_and_expect(&pre.producers[0], key(8, 0), ids(0..4), 16, Reason::Aborted);
 }
 
@@ -1465,39 +1442,99 @@ fn expect_nothing_given_back(producer: &Producer, for_at_least: Duration) {
     }
 }
 
+/// A request of `tokens` tokens in prefill's blocks from 0 (filled), landing in decode's
+/// blocks from 20, between one prefill and one decode rank.
+struct SealCase {
+    pre: Prefill,
+    dec: Side,
+    consumer: Consumer,
+    key: AttemptKey,
+    blocks: Vec<BlockId>,
+    landing: Vec<BlockId>,
+    tokens: u64,
+}
+
+impl SealCase {
+    fn new(fabric: &LoopbackFabric, transfer: u128, tokens: u64) -> Self {
+        let (pre, dec, consumer) = simple_pair(fabric);
+        let count = tokens.div_ceil(4) as u32;
+        let (blocks, landing) = (ids(0..count), ids(20..20 + count));
+        pre.sides[0].fill(&blocks, tokens);
+        Self {
+            pre,
+            dec,
+            consumer,
+            key: key(transfer, 0),
+            blocks,
+            landing,
+            tokens,
+        }
+    }
+
+    fn producer(&self) -> &Producer {
+        &self.pre.producers[0]
+    }
+
+    fn seal(&self) {
+        self.producer()
+            .request_sealed(self.key, RequestId(7), self.blocks.clone(), self.tokens)
+            .unwrap();
+    }
+
+    fn finish(&self) {
+        self.producer()
+            .request_finished(self.key, RequestId(7), self.blocks.clone(), self.tokens)
+            .unwrap();
+    }
+
+    fn register(&self) {
+        register(
+            &self.consumer,
+            self.pre.base,
+            self.key,
+            self.tokens,
+            self.landing.clone(),
+        );
+    }
+
+    /// Decode's request is ready and holds prefill's KV.
+    fn expect_landed(&self) {
+        expect_ready(&self.consumer, self.key, RequestId(1));
+        self.dec.verify(&self.landing, 0, self.tokens);
+    }
+
+    /// The blocks came back, sent, and nothing more is held or reported.
+    fn expect_sent(&self) {
+        let done = wait_finished(self.producer(), 1);
+        assert_eq!(done[0].outcome, SendOutcome::Sent);
+        assert_eq!(done[0].request, RequestId(7));
+        expect_nothing_given_back(self.producer(), Duration::from_millis(50));
+        assert_eq!(self.producer().stats().held, 0);
+        // One transfer: the finish wrote nothing more.
+        assert_eq!(self.producer().stats().transfers_started, 1);
+    }
+}
+
 /// A sealed request is written, and decode told, without waiting for the engine to finish it
 /// (registration first or seal first); its blocks are reported back only once the engine has
 /// finished it, at once then.
 fn sealed_request_lands_before_it_finishes(registration_first: bool) {
     let fabric = LoopbackFabric::new();
-    let (pre, dec, consumer) = simple_pair(&fabric);
-    let producer = &pre.producers[0];
-    let (k, blocks, landing) = (key(30, 0), ids(0..5), ids(20..25));
-    pre.sides[0].fill(&blocks, 19);
+    let case = SealCase::new(&fabric, 30, 19);
     if registration_first {
-        register(&consumer, pre.base, k, 19, landing.clone());
-        wait_registered(&pre);
+        case.register();
+        wait_registered(&case.pre);
     }
-    producer
-        .request_sealed(k, RequestId(7), blocks.clone(), 19)
-        .unwrap();
+    case.seal();
     if !registration_first {
         std::thread::sleep(Duration::from_millis(20));
-        register(&consumer, pre.base, k, 19, landing.clone());
+        case.register();
     }
-    expect_ready(&consumer, k, RequestId(1));
-    dec.verify(&landing, 0, 19);
-    expect_nothing_given_back(producer, Duration::from_millis(100));
-    assert_eq!(producer.stats().transfers_ok, 1);
-    producer
-        .request_finished(k, RequestId(7), blocks, 19)
-        .unwrap();
-    let done = wait_finished(producer, 1);
-    assert_eq!(done[0].outcome, SendOutcome::Sent);
-    assert_eq!(done[0].request, RequestId(7));
-    assert_eq!(producer.stats().held, 0);
-    // One transfer: the finish wrote nothing more.
-    assert_eq!(producer.stats().transfers_started, 1);
+    case.expect_landed();
+    expect_nothing_given_back(case.producer(), Duration::from_millis(100));
+    assert_eq!(case.producer().stats().transfers_ok, 1);
+    case.finish();
+    case.expect_sent();
 }
 
 #[test]
@@ -1515,23 +1552,13 @@ fn a_sealed_request_lands_before_it_finishes_seal_first() {
 #[test]
 fn a_sealed_request_finished_before_its_registration_is_reported_when_written() {
     let fabric = LoopbackFabric::new();
-    let (pre, dec, consumer) = simple_pair(&fabric);
-    let producer = &pre.producers[0];
-    let (k, blocks, landing) = (key(31, 0), ids(0..3), ids(20..23));
-    pre.sides[0].fill(&blocks, 12);
-    producer
-        .request_sealed(k, RequestId(7), blocks.clone(), 12)
-        .unwrap();
-    producer
-        .request_finished(k, RequestId(7), blocks, 12)
-        .unwrap();
-    expect_nothing_given_back(producer, Duration::from_millis(50));
-    register(&consumer, pre.base, k, 12, landing.clone());
-    expect_ready(&consumer, k, RequestId(1));
-    dec.verify(&landing, 0, 12);
-    let done = wait_finished(producer, 1);
-    assert_eq!(done[0].outcome, SendOutcome::Sent);
-    assert_eq!(producer.stats().held, 0);
+    let case = SealCase::new(&fabric, 31, 12);
+    case.seal();
+    case.finish();
+    expect_nothing_given_back(case.producer(), Duration::from_millis(50));
+    case.register();
+    case.expect_landed();
+    case.expect_sent();
 }
 
 /// A sealed request whose lease ran out before any registration: the outcome waits for the
@@ -1539,14 +1566,7 @@ fn a_sealed_request_finished_before_its_registration_is_reported_when_written() 
 #[test]
 fn a_sealed_request_that_expired_is_reported_at_its_finish() {
     let fabric = LoopbackFabric::new();
-    let pre = prefill(
-        &fabric,
-        1,
-        4,
-        MemoryOrder::Nhd,
-        Arrangement::PerLayerSplit,
-        Duration::from_millis(100),
-    );
+    let pre = tp1_prefill_leased(&fabric, Duration::from_millis(100));
     let producer = &pre.producers[0];
     let k = key(32, 0);
     producer
@@ -1562,19 +1582,14 @@ fn a_sealed_request_that_expired_is_reported_at_its_finish() {
 #[test]
 fn a_sealed_request_the_engine_aborts_is_never_reported() {
     let fabric = LoopbackFabric::new();
-    let (pre, dec, consumer) = simple_pair(&fabric);
-    let producer = &pre.producers[0];
     // Delivered, then aborted.
-    let (k, blocks, landing) = (key(33, 0), ids(0..2), ids(20..22));
-    pre.sides[0].fill(&blocks, 8);
-    register(&consumer, pre.base, k, 8, landing.clone());
-    wait_registered(&pre);
-    producer
-        .request_sealed(k, RequestId(7), blocks.clone(), 8)
-        .unwrap();
-    expect_ready(&consumer, k, RequestId(1));
-    dec.verify(&landing, 0, 8);
-    producer.abort(k.transfer, None).unwrap();
+    let case = SealCase::new(&fabric, 33, 8);
+    case.register();
+    wait_registered(&case.pre);
+    case.seal();
+    case.expect_landed();
+    let producer = case.producer();
+    producer.abort(case.key.transfer, None).unwrap();
     // Aborted before anyone registered.
     let late = key(34, 0);
     producer
@@ -1583,18 +1598,8 @@ fn a_sealed_request_the_engine_aborts_is_never_reported() {
     producer.abort(late.transfer, None).unwrap();
     expect_nothing_given_back(producer, Duration::from_millis(100));
     assert_eq!(producer.stats().held, 0);
-    register(&consumer, pre.base, late, 8, ids(30..32));
-    let events = wait_events(&consumer, 1);
-    assert!(
-        matches!(
-            events[0],
-            RecvEvent::Failed {
-                reason: Reason::Aborted,
-                ..
-            }
-        ),
-        "{events:?}"
-    );
+    register(&case.consumer, case.pre.base, late, 8, ids(30..32));
+    expect_failed(&case.consumer, Reason::Aborted);
     expect_nothing_given_back(producer, Duration::from_millis(50));
 }
 
@@ -1602,28 +1607,14 @@ fn a_sealed_request_the_engine_aborts_is_never_reported() {
 #[test]
 fn a_second_seal_is_ignored() {
     let fabric = LoopbackFabric::new();
-    let (pre, dec, consumer) = simple_pair(&fabric);
-    let producer = &pre.producers[0];
-    let (k, blocks, landing) = (key(35, 0), ids(0..2), ids(20..22));
-    pre.sides[0].fill(&blocks, 8);
-    producer
-        .request_sealed(k, RequestId(7), blocks.clone(), 8)
-        .unwrap();
-    producer
-        .request_sealed(k, RequestId(7), blocks.clone(), 8)
-        .unwrap();
-    producer
-        .request_finished(k, RequestId(7), blocks.clone(), 8)
-        .unwrap();
-    producer.request_sealed(k, RequestId(7), blocks, 8).unwrap();
-    register(&consumer, pre.base, k, 8, landing.clone());
-    expect_ready(&consumer, k, RequestId(1));
-    dec.verify(&landing, 0, 8);
-    let done = wait_finished(producer, 1);
-    assert_eq!(done[0].outcome, SendOutcome::Sent);
-    expect_nothing_given_back(producer, Duration::from_millis(50));
-    assert_eq!(producer.stats().held, 0);
-    assert_eq!(producer.stats().transfers_started, 1);
+    let case = SealCase::new(&fabric, 35, 8);
+    case.seal();
+    case.seal();
+    case.finish();
+    case.seal();
+    case.register();
+    case.expect_landed();
+    case.expect_sent();
 }
 
 /// Progress naming blocks outside the producer's cache fails the consumer at once (not at the
@@ -1638,17 +1629,7 @@ fn bad_progress_fails_the_consumer_at_once() {
     pre.producers[0]
         .request_progress(key(6, 0), vec![BlockId(1), BlockId(9999)], 8)
         .unwrap();
-    let events = wait_events(&consumer, 1);
-    assert!(
-        matches!(
-            events[0],
-            RecvEvent::Failed {
-                reason: Reason::TransferFailed,
-                ..
-            }
-        ),
-        "{events:?}"
-    );
+    expect_failed(&consumer, Reason::TransferFailed);
     assert!(started.elapsed() < LONG / 2);
     pre.producers[0]
         .request_finished(key(6, 0), RequestId(7), ids(0..4), 16)
@@ -2444,17 +2425,7 @@ fn a_prefill_that_never_answers_delays_only_its_own_requests() {
     // ... and the next one for it fails at once, without another wait.
     let again = Instant::now();
     register(&consumer, silent_addr, key(100, 0), 8, ids(8..10));
-    let events = wait_events(&consumer, 1);
-    assert!(
-        matches!(
-            events[0],
-            RecvEvent::Failed {
-                reason: Reason::PeerFailed,
-                ..
-            }
-        ),
-        "{events:?}"
-    );
+    expect_failed(&consumer, Reason::PeerFailed);
     assert!(
         again.elapsed() < Duration::from_secs(1),
         "{:?}",
