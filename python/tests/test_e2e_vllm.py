@@ -408,9 +408,15 @@ def check_pair_matches_reference(mode, model, workdir, reference, transport=None
             assert any("layers=1" in line for line in early), early[:10]
             # Each prompt's KV was sealed when the forward pass that computed its last token
             # ended (a one-token prefill on a host cache), before vLLM finished the request.
-            p_lines = p.log.read_text(errors="replace").splitlines()
-            sealed = sum("request sealed" in line for line in p_lines)
-            finished = sum("request finished" in line for line in p_lines)
+            # Decode may answer before prefill's producer hears of the last finish: wait for it.
+            deadline = time.monotonic() + 20
+            while True:
+                p_lines = p.log.read_text(errors="replace").splitlines()
+                sealed = sum("request sealed" in line for line in p_lines)
+                finished = sum("request finished" in line for line in p_lines)
+                if sealed == finished > 0 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
             assert sealed == finished > 0, (sealed, finished)
     except Exception:
         for s in (p, d, proxy):
