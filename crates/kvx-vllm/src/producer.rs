@@ -343,8 +343,8 @@ impl Producer {
     /// The KV of `key` (push) is complete and final in `blocks`, although the engine has not
     /// finished the request yet: it is written, and decode told, as soon as decode has
     /// registered, instead of once the engine hands the blocks over. The blocks stay the
-    /// engine's until [`Producer::request_finished`] for the same key (which must follow, with
-    /// the same blocks, unless the engine aborts the request); only then can
+    /// engine's until [`Producer::request_finished`] for the same key (which must follow, for
+    /// the same request and blocks, unless the engine aborts the request); only then can
     /// [`Producer::take_finished`] report them. Call it when the request will finish with
     /// these tokens (prefill for a remote decode: one output token). Should the engine abort
     /// it after all, hand the blocks over with [`Producer::request_finished`] anyway (its KV is
@@ -910,7 +910,7 @@ impl Driver {
         match command {
             Command::Finished { key, held, pull } => {
                 debug!(%key, tokens = held.num_tokens, pull, "request finished");
-                if !pull && self.finish_sealed(key, &held) {
+                if !pull && self.finish_sealed(key) {
                     return;
                 }
                 if self.holds(key) {
@@ -1046,22 +1046,14 @@ impl Driver {
         }
     }
 
-    /// The engine finished a request it had sealed: its blocks are this side's to give back
-    /// now, at once if its transfer has ended. `false` when `key` was not sealed (or was
-    /// disowned: this finish is a new one).
-    fn finish_sealed(&mut self, key: AttemptKey, held: &Held) -> bool {
+    /// The engine finished a request it had sealed (the same request, with the same blocks):
+    /// its blocks are this side's to give back now, at once if its transfer has ended. `false`
+    /// when `key` was not sealed (or was disowned: this finish is a new one).
+    fn finish_sealed(&mut self, key: AttemptKey) -> bool {
         match self.sealed.remove(&key) {
             None | Some(Sealed::Disowned) => false,
-            Some(Sealed::Pending) => {
-                if let Some(fanout) = self.fanouts.get_mut(&key) {
-                    fanout.held.request = held.request;
-                } else if let Some((mine, _)) = self.unfanned.get_mut(&key) {
-                    mine.request = held.request;
-                }
-                true
-            }
-            Some(Sealed::Ended(mut done, at)) => {
-                done.request = held.request;
+            Some(Sealed::Pending) => true,
+            Some(Sealed::Ended(done, at)) => {
                 self.finished
                     .lock()
                     .unwrap_or_else(PoisonError::into_inner)
@@ -1074,13 +1066,14 @@ impl Driver {
     /// The engine aborted (one attempt of) `transfer` and frees its blocks itself: what it had
     /// sealed is not reported back (what ended is forgotten now, the rest when it ends).
     fn disown(&mut self, transfer: TransferId, attempt: Option<Attempt>) {
-        let matches =
-            |k: &AttemptKey| k.transfer == transfer && attempt.is_none_or(|a| a == k.attempt);
-        self.sealed
-            .retain(|k, s| !(matches(k) && matches!(s, Sealed::Ended(..))));
-        for (_, sealed) in self.sealed.iter_mut().filter(|(k, _)| matches(k)) {
+        self.sealed.retain(|k, sealed| {
+            if k.transfer != transfer || attempt.is_some_and(|a| a != k.attempt) {
+                return true;
+            }
+            let ended = matches!(sealed, Sealed::Ended(..));
             *sealed = Sealed::Disowned;
-        }
+            !ended
+        });
     }
 
     /// The consumer ranks that read `key` from this rank, if one of them registered it (and
