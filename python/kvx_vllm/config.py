@@ -75,6 +75,14 @@ KEYS: dict[str, tuple[Any, str]] = {
         "default): as long as the slowest of those prefill ranks says its writes can run (its "
         "transfer_timeout_s, sent when it connects) plus 2 s.",
     ),
+    "idle_wait_ms": (
+        2.0,
+        "When vLLM runs an engine step with nothing to compute while a transfer of this "
+        "instance can end (decode: requests wait for their KV; prefill: blocks are held for a "
+        "decode), the worker waits up to this long for one to end before the step returns, "
+        "and returns as soon as one does. vLLM otherwise repeats such steps about every "
+        "millisecond, and its engine and worker processes spin through them. 0: return at once.",
+    ),
     "max_entries": (65536, "Most requests held or waited for on one side."),
     "log": (
         "warn",
@@ -97,6 +105,7 @@ class KvxConfig:
     connect_timeout_s: float
     transfer_timeout_s: float
     quiesce_timeout_s: float | None
+    idle_wait_ms: float
     max_entries: int
     log: str
     extra: dict[str, Any] = field(default_factory=dict)
@@ -120,6 +129,11 @@ class KvxConfig:
                 values[key] = type(default)(raw)
         if values["layout"] not in ("auto", "exact", "block"):
             raise ValueError(f"kvx layout must be auto, exact or block, not {values['layout']!r}")
+        if not 0.0 <= values["idle_wait_ms"] <= 100.0:
+            # Such a step also holds back requests that come meanwhile: keep it short.
+            raise ValueError(
+                f"kvx idle_wait_ms must be between 0 and 100, not {values['idle_wait_ms']!r}"
+            )
         host, sep, port = values["listen"].rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ValueError(f"kvx listen must be HOST:PORT, not {values['listen']!r}")

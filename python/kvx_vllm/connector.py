@@ -564,6 +564,10 @@ class _Worker:
         # requests to report layer by layer (empty otherwise).
         self.layer_index: dict[str, int] = {}
         self.layered: list[LayerSpec] = []
+        # This step computes nothing (vLLM runs it for the connector alone); prefill: requests
+        # handed to the producer whose end it has not reported yet.
+        self.no_forward = False
+        self.handed: set[str] = set()
         # The counters last reported to vLLM, and when they may be read next.
         self.stats_reported: dict[str, int] = {}
         self.stats_due = 0.0
@@ -635,7 +639,8 @@ class _Worker:
             self.transport,
         )
 
-    def start_load_kv(self, meta: KvxConnectorMetadata) -> None:
+    def start_load_kv(self, meta: KvxConnectorMetadata, no_forward: bool = False) -> None:
+        self.no_forward = no_forward
         if self.producer is not None:
             self.layered = meta.layered if self.layer_index else []
             for tid in meta.aborts:
@@ -643,6 +648,7 @@ class _Worker:
             for p in meta.progress:
                 self.producer.request_progress(p.transfer_id, p.block_ids, p.computed)
             for s in meta.sends:
+                self.handed.add(s.request_id)
                 if self.pull:
                     self.producer.request_finished_pull(
                         s.transfer_id, s.request_id, s.block_ids, s.num_tokens
@@ -754,12 +760,22 @@ class _Worker:
                     spec.transfer_id, spec.seal_request, spec.block_ids, spec.tokens
                 )
 
+    def _idle_wait(self, awaited: bool) -> float:
+        """How long this step may wait for a transfer to end: ``idle_wait_ms`` in a step vLLM
+        runs only for the connector while ``awaited`` (a transfer can end), otherwise none.
+        vLLM repeats such steps about every millisecond while a request waits for its KV
+        (decode) or its blocks are held for one (prefill), and its engine and worker processes
+        spin through them; a step that waits here returns as soon as a transfer ends."""
+        return self.cfg.idle_wait_ms / 1e3 if self.no_forward and awaited else 0.0
+
     def get_transfer_results(self) -> KVConnectorTransferResults:
         results = KVConnectorTransferResults()
         if self.producer is not None:
-            for rid, sent, reason in self.producer.take_finished():
+            wait = self._idle_wait(bool(self.handed))
+            for rid, sent, reason in self.producer.take_finished(wait_s=wait):
                 if not sent:
                     logger.warning("kvx: KV of %s not delivered (%s); blocks freed", rid, reason)
+                self.handed.discard(rid)
                 results.finished_sending.add(rid)
         if self.consumer is not None:
             if self.resolving:
@@ -774,7 +790,10 @@ class _Worker:
                 logger.warning("kvx: KV of %s cannot be received: %s", rid, error)
                 results.finished_recving.add(rid)
                 results.failed_recving.add(rid)
-            for rid, ok, reason, detail in self.consumer.take_events():
+            wait = self._idle_wait(
+                bool(self.recv_blocks) and not self.resolving and not results.finished_recving
+            )
+            for rid, ok, reason, detail in self.consumer.take_events(wait_s=wait):
                 results.finished_recving.add(rid)
                 with self.lock:
                     tid, blocks = self.recv_blocks.pop(rid, ("", []))
@@ -886,7 +905,10 @@ class _KvxConnector(KVConnectorBase_V1):
         assert self._worker is not None
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvxConnectorMetadata)
-        self._worker.start_load_kv(meta)
+        # vLLM runs a step without a forward pass (attention metadata None) for the connector
+        # alone, e.g. while requests wait for their KV.
+        no_forward = getattr(forward_context, "attn_metadata", ...) is None
+        self._worker.start_load_kv(meta, no_forward)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         # Requests are scheduled only once their whole KV has arrived: nothing to wait for.

@@ -83,7 +83,7 @@ def test_a_failed_load_never_reports_decodes_own_prefix_cache_blocks(pull):
     (bad,) = allocate(s, {**GOOD, "kvx_transfer_id": None}, cached=16)
     assert bad.error is not None and bad.loaded_block_ids == [2, 3]
     # The refusal never reaches the native side: a stand-in with nothing to report.
-    w = decode_worker(consumer=NS(take_events=lambda: []))
+    w = decode_worker(consumer=NS(take_events=lambda wait_s=0.0: []))
     w.start_load_kv(KvxConnectorMetadata(recvs=[bad]))
     assert w.get_transfer_results().failed_recving == {"r"}
     assert w.get_block_ids_with_load_errors() == {2, 3}

@@ -6,6 +6,7 @@ tested in test_native.py and end to end in test_e2e_vllm.py; this pins the rules
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace as NS
 
 import pytest
@@ -297,3 +298,88 @@ def test_a_sealed_request_aborted_before_vllm_finished_it_is_still_sent():
         assert delay is (rid == "a")
     assert s.meta.sends == [SendSpec("a", "t-a", [1, 2], 30)]
     assert s.meta.aborts == ["t-b"]
+
+
+class _Native:
+    """A producer or consumer that records how long each step let it wait for a transfer to
+    end, and hands out what `ended` holds."""
+
+    def __init__(self):
+        self.waits: list[float] = []
+        self.ended: list[tuple] = []
+
+    def request_finished(self, *args):
+        pass
+
+    def _take(self, wait_s: float) -> list[tuple]:
+        self.waits.append(wait_s)
+        ended, self.ended = self.ended, []
+        return ended
+
+    def take_finished(self, wait_s=0.0):
+        return self._take(wait_s)
+
+    def take_events(self, wait_s=0.0):
+        return self._take(wait_s)
+
+
+def idle_worker(extra: dict, producer=None, consumer=None) -> _Worker:
+    w = _Worker.__new__(_Worker)
+    w.cfg = KvxConfig.from_extra(extra)
+    w.pull, w.producer, w.consumer = False, producer, consumer
+    w.layer_index, w.layered, w.handed = {}, [], set()
+    w.lock = threading.Lock()
+    w.recv_blocks, w.recv_transfers, w.cancelled, w.load_errors = {}, {}, set(), set()
+    w.refused, w.resolving, w.dropped = [], [], []
+    return w
+
+
+def test_prefill_waits_in_a_step_without_a_forward_pass_while_a_request_is_handed_over():
+    """vLLM repeats steps without a forward pass while prefill holds blocks for a decode: such
+    a step waits (`idle_wait_ms`, 2 by default) for a handed-over request to end; a step with a
+    forward pass, or one with nothing handed over, never waits."""
+    native = _Native()
+    w = idle_worker({}, producer=native)
+    send = KvxConnectorMetadata(sends=[SendSpec("a", "t-a", [1, 2], 30)])
+    for meta, no_forward, ended in (
+        (KvxConnectorMetadata(), True, []),  # nothing handed over
+        (send, False, []),  # a forward pass
+        (KvxConnectorMetadata(), True, [("a", True, "")]),  # waits; "a" is sent meanwhile
+        (KvxConnectorMetadata(), True, []),  # nothing left
+    ):
+        w.start_load_kv(meta, no_forward)
+        native.ended = ended
+        assert w.get_transfer_results().finished_sending == {r for r, _, _ in ended}
+    assert native.waits == [0.0, 0.0, 0.002, 0.0]
+
+
+def test_decode_waits_in_a_step_without_a_forward_pass_while_a_request_waits_for_its_kv():
+    native = _Native()
+    w = idle_worker({}, consumer=native)
+    w.recv_blocks = {"r": ("t-r", [5])}
+    w.recv_transfers = {"t-r": "r"}
+    w.start_load_kv(KvxConnectorMetadata(), no_forward=False)
+    assert w.get_transfer_results().finished_recving == set()
+    w.start_load_kv(KvxConnectorMetadata(), no_forward=True)
+    native.ended = [("r", True, "", "")]
+    assert w.get_transfer_results().finished_recving == {"r"}
+    # Nothing waits any more; then a refused request to report: no wait either.
+    w.start_load_kv(KvxConnectorMetadata(), no_forward=True)
+    w.get_transfer_results()
+    w.recv_blocks = {"s": ("t-s", [6])}
+    w.refused = [("q", "bad kv_transfer_params")]
+    w.start_load_kv(KvxConnectorMetadata(), no_forward=True)
+    assert w.get_transfer_results().failed_recving == {"q"}
+    assert native.waits == [0.0, 0.002, 0.0, 0.0]
+
+
+def test_idle_wait_ms_zero_never_waits_and_out_of_range_values_are_refused():
+    native = _Native()
+    w = idle_worker({"idle_wait_ms": 0}, consumer=native)
+    w.recv_blocks = {"r": ("t-r", [5])}
+    w.start_load_kv(KvxConnectorMetadata(), no_forward=True)
+    w.get_transfer_results()
+    assert native.waits == [0.0]
+    for bad in (-1, 101, "soon"):
+        with pytest.raises(ValueError):
+            KvxConfig.from_extra({"idle_wait_ms": bad})

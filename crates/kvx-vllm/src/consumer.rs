@@ -19,7 +19,7 @@ use kvx_rendezvous::{AttemptKey, Reason, Timestamp, Waiter, WaiterAction, Waiter
 use tracing::{debug, info, warn};
 
 use crate::board::{self, BoardSlots, Disarmed, PollHints, SharedBoard, BOARD_SLOTS};
-use crate::common::{self, Clock, CommandReceiver, CommandSender, KvCache};
+use crate::common::{self, Clock, CommandReceiver, CommandSender, KvCache, Mailbox};
 use crate::config::{ConnectorConfig, QUIESCE_MARGIN};
 use crate::control::{self, ControlSender, ControlStream};
 use crate::error::{Closed, StartError};
@@ -114,6 +114,10 @@ struct Connecting {
 /// whose confirmation would land there, or (and its transport) while a writer rank's first
 /// contact is due.
 const BOARD_POLL: Duration = Duration::from_millis(2);
+
+/// How often [`Consumer::wait_events`] looks at the notice board, where notices land without
+/// waking anyone.
+pub const BOARD_LOOK: Duration = Duration::from_micros(250);
 
 /// How often, at most, the engine thread reads a transport whose peers' writes need this side's
 /// reads now and then (libfabric `shm`: each write holds a slot of decode's command queue, about
@@ -265,7 +269,7 @@ impl Consumer {
         let (tx, rx) = common::command_queue(transport.waker());
         let events = Arc::new(Outbox {
             hints: Arc::clone(&hints),
-            events: Mutex::default(),
+            events: Mailbox::default(),
         });
         let stats = Arc::new(Stats::default());
         let caps = transport.capabilities();
@@ -414,10 +418,29 @@ impl Consumer {
     /// [`ConnectorConfig::notice_board`]) are found ready.
     #[must_use]
     pub fn take_events(&self) -> Vec<RecvEvent> {
-        self.take_events_timed()
-            .into_iter()
-            .map(|(event, _)| event)
-            .collect()
+        self.wait_events(Duration::ZERO)
+    }
+
+    /// Like [`Consumer::take_events`], but when nothing happened yet waits up to `timeout` for
+    /// the first event, and returns as soon as there is one: for an engine step with nothing
+    /// to compute while requests wait for their KV, instead of a quick return and another
+    /// step. A notice that lands in the notice board is seen within [`BOARD_LOOK`]; what the
+    /// driver thread decides (a failure, a notice sent as a message) at once.
+    #[must_use]
+    pub fn wait_events(&self, timeout: Duration) -> Vec<RecvEvent> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let events = self.take_events_timed();
+            let left = deadline.saturating_duration_since(Instant::now());
+            if !events.is_empty() || left.is_zero() {
+                return events.into_iter().map(|(event, _)| event).collect();
+            }
+            self.events.wait(if self.board.is_some() {
+                left.min(BOARD_LOOK)
+            } else {
+                left
+            });
+        }
     }
 
     /// Like [`Consumer::take_events`], with the time each event was decided (a ready request:
@@ -539,17 +562,18 @@ impl Drop for Consumer {
 /// Where the driver leaves events for the engine thread, raising [`PollHints::news`] after.
 struct Outbox {
     hints: Arc<PollHints>,
-    events: Mutex<Vec<(RecvEvent, SystemTime)>>,
+    events: Mailbox<(RecvEvent, SystemTime)>,
 }
 
 impl Outbox {
     fn push(&self, event: (RecvEvent, SystemTime)) {
-        self.events
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .push(event);
-        // After the event: whoever sees the flag finds it.
+        let mut events = self.events.lock();
+        events.push(event);
+        // After the event and under the lock: whoever sees the flag finds it, and a waiter
+        // that found it unset is waiting before the wake-up below.
         self.hints.news.store(true, Ordering::Release);
+        drop(events);
+        self.events.wake();
     }
 
     /// Everything pushed before the flag was last seen set; an event pushed during the call is
@@ -559,7 +583,16 @@ impl Outbox {
         if !news.load(Ordering::Acquire) || !news.swap(false, Ordering::AcqRel) {
             return Vec::new();
         }
-        std::mem::take(&mut *self.events.lock().unwrap_or_else(PoisonError::into_inner))
+        self.events.take()
+    }
+
+    /// Waits until the driver leaves an event or `timeout` passed.
+    fn wait(&self, timeout: Duration) {
+        let news = &self.hints.news;
+        drop(
+            self.events
+                .wait_until(timeout, |_| news.load(Ordering::Acquire)),
+        );
     }
 }
 
@@ -1995,7 +2028,7 @@ mod tests {
         let hints = Arc::new(PollHints::default());
         let outbox = Arc::new(Outbox {
             hints: Arc::clone(&hints),
-            events: Mutex::default(),
+            events: Mailbox::default(),
         });
         assert!(hints.idle() && outbox.take().is_empty());
         outbox.push(ready(1));

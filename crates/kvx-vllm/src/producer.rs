@@ -7,7 +7,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, SystemTime};
 
@@ -20,7 +20,7 @@ use kvx_rendezvous::{
 };
 use tracing::{debug, info, warn};
 
-use crate::common::{self, Clock, CommandReceiver, CommandSender, KvCache};
+use crate::common::{self, Clock, CommandReceiver, CommandSender, KvCache, Mailbox};
 use crate::config::ConnectorConfig;
 use crate::control::{self, ControlSender, ControlStream};
 use crate::error::{Closed, StartError};
@@ -196,7 +196,7 @@ struct Flight {
 /// ```
 pub struct Producer {
     tx: CommandSender<Command>,
-    finished: Arc<Mutex<Vec<(FinishedSending, SystemTime)>>>,
+    finished: Arc<Mailbox<(FinishedSending, SystemTime)>>,
     stats: Arc<Stats>,
     addr: SocketAddr,
     /// A Unix socket listens beside the TCP listener (`ConnectorConfig::local_sockets`).
@@ -227,7 +227,7 @@ impl Producer {
         let listener = TcpListener::bind(config.listen).map_err(StartError::Listen)?;
         let addr = listener.local_addr().map_err(StartError::Listen)?;
         let (tx, rx) = common::command_queue(transport.waker());
-        let finished = Arc::new(Mutex::new(Vec::new()));
+        let finished = Arc::new(Mailbox::default());
         let stats = Arc::new(Stats::default());
         let stop = Arc::new(AtomicBool::new(false));
         let rank = layout.rank();
@@ -457,7 +457,16 @@ impl Producer {
     /// Requests whose blocks the engine may free now (sent, or given up).
     #[must_use]
     pub fn take_finished(&self) -> Vec<FinishedSending> {
-        self.take_finished_timed()
+        self.wait_finished(Duration::ZERO)
+    }
+
+    /// Like [`Producer::take_finished`], but when nothing is there yet waits up to `timeout`
+    /// for the first request to end, and returns as soon as one has: for an engine step with
+    /// nothing to compute while blocks are held, instead of a quick return and another step.
+    #[must_use]
+    pub fn wait_finished(&self, timeout: Duration) -> Vec<FinishedSending> {
+        self.finished
+            .wait_take(timeout)
             .into_iter()
             .map(|(finished, _)| finished)
             .collect()
@@ -467,7 +476,7 @@ impl Producer {
     /// the last write, and so its notice, had landed), for engines and benchmarks that poll
     /// less often than transfers finish.
     pub fn take_finished_timed(&self) -> Vec<(FinishedSending, SystemTime)> {
-        std::mem::take(&mut *self.finished.lock().unwrap_or_else(PoisonError::into_inner))
+        self.finished.take()
     }
 
     /// Counters, including blocks held now.
@@ -849,7 +858,7 @@ struct Driver {
     expiry: BinaryHeap<Reverse<(Timestamp, AttemptKey, Hold)>>,
     max_consumer_tp: u32,
     producer_lease: Duration,
-    finished: Arc<Mutex<Vec<(FinishedSending, SystemTime)>>>,
+    finished: Arc<Mailbox<(FinishedSending, SystemTime)>>,
     stats: Arc<Stats>,
 }
 
@@ -1054,10 +1063,7 @@ impl Driver {
             None | Some(Sealed::Disowned) => false,
             Some(Sealed::Pending) => true,
             Some(Sealed::Ended(done, at)) => {
-                self.finished
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .push((done, at));
+                self.finished.push((done, at));
                 true
             }
         }
@@ -1960,11 +1966,7 @@ impl Driver {
             Some(Sealed::Disowned) => {
                 self.sealed.remove(&key);
             }
-            None => self
-                .finished
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .push((done, SystemTime::now())),
+            None => self.finished.push((done, SystemTime::now())),
         }
     }
 

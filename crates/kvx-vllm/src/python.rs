@@ -446,9 +446,16 @@ impl PyProducer {
     }
 
     /// Requests whose blocks the engine may free now: `(request_id, sent, reason)`; `reason` is
-    /// empty when sent.
-    fn take_finished(&self) -> PyResult<Vec<(String, bool, String)>> {
-        let done = self.with(Producer::take_finished)?;
+    /// empty when sent. With `wait_s`, when none has ended yet, waits up to that long (without
+    /// the GIL) for the first.
+    #[pyo3(signature = (wait_s = 0.0))]
+    fn take_finished(&self, py: Python<'_>, wait_s: f64) -> PyResult<Vec<(String, bool, String)>> {
+        let wait = secs("wait_s", wait_s)?;
+        let done = if wait.is_zero() {
+            self.with(Producer::take_finished)?
+        } else {
+            py.detach(|| self.with(|p| p.wait_finished(wait)))?
+        };
         Ok(done
             .into_iter()
             .map(|f| {
@@ -662,8 +669,18 @@ impl PyConsumer {
     }
 
     /// What happened since the last call: `(request_id, ok, reason, detail)`.
-    fn take_events(&self) -> PyResult<Vec<(String, bool, String, String)>> {
-        let events = self.with(Consumer::take_events)?;
+    #[pyo3(signature = (wait_s = 0.0))]
+    fn take_events(
+        &self,
+        py: Python<'_>,
+        wait_s: f64,
+    ) -> PyResult<Vec<(String, bool, String, String)>> {
+        let wait = secs("wait_s", wait_s)?;
+        let events = if wait.is_zero() {
+            self.with(Consumer::take_events)?
+        } else {
+            py.detach(|| self.with(|c| c.wait_events(wait)))?
+        };
         Ok(events
             .into_iter()
             .map(|e| match e {

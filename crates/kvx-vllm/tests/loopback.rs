@@ -3137,3 +3137,67 @@ fn control_connections_fall_back_to_tcp() {
         );
     }
 }
+
+/// An engine step with nothing to compute may wait for a transfer to end (`wait_events`,
+/// `wait_finished`): while none can, each wait lasts its whole bound; once prefill finishes,
+/// decode's returns with the request ready and prefill's with its blocks sent, long before
+/// theirs.
+#[test]
+fn idle_steps_wait_for_a_transfer_to_end_and_no_longer() {
+    let fabric = LoopbackFabric::new();
+    let (pre, dec, consumer) = simple_pair(&fabric);
+    let producer = &pre.producers[0];
+    let bound = Duration::from_millis(60);
+    let t = Instant::now();
+    assert!(consumer.wait_events(bound).is_empty());
+    assert!(producer.wait_finished(bound).is_empty());
+    assert!(
+        t.elapsed() >= 2 * bound,
+        "returned early: {:?}",
+        t.elapsed()
+    );
+
+    let (k, tokens) = (key(43, 0), 21);
+    let (p_blocks, c_blocks) = request_blocks(&pre, tokens, 4, 4);
+    register(&consumer, pre.base, k, tokens, c_blocks.clone());
+    // Registered, prefill still computing: nothing to report.
+    let t = Instant::now();
+    assert!(consumer.wait_events(bound).is_empty());
+    assert!(t.elapsed() >= bound, "returned early: {:?}", t.elapsed());
+
+    let long = Duration::from_secs(20);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            std::thread::sleep(Duration::from_millis(30));
+            pre.finish(k, &p_blocks, tokens);
+        });
+        let t = Instant::now();
+        assert_eq!(
+            consumer.wait_events(long),
+            vec![RecvEvent::Ready {
+                key: k,
+                request: RequestId(1)
+            }]
+        );
+        assert!(t.elapsed() < long / 2, "waited {:?}", t.elapsed());
+    });
+    dec.verify(&c_blocks, 0, tokens);
+    let t = Instant::now();
+    let done = producer.wait_finished(long);
+    assert!(t.elapsed() < long / 2, "waited {:?}", t.elapsed());
+    assert_eq!(done.len(), 1, "{done:?}");
+    assert_eq!(done[0].outcome, SendOutcome::Sent);
+
+    // What the driver thread decides (here a cancelled request's failure, once prefill has
+    // confirmed that it writes nothing) ends a wait at once too.
+    let k2 = key(44, 0);
+    register(&consumer, pre.base, k2, tokens, c_blocks);
+    consumer.cancel(k2.transfer, None).unwrap();
+    let t = Instant::now();
+    let events = consumer.wait_events(long);
+    assert!(t.elapsed() < long / 2, "waited {:?}", t.elapsed());
+    assert!(
+        matches!(events[..], [RecvEvent::Failed { key, .. }] if key == k2),
+        "{events:?}"
+    );
+}
