@@ -72,16 +72,30 @@ TURN_WARMUP = 2
 # (name, router, connector, corrected)
 SYSTEMS = [
     ("kvx-push", "kvx-push", "KvxPushConnector", None),
-    # kvx push without the seal (extra-config `seal` off): its KV leaves when vLLM has
-    # finished the request, an engine iteration after its last forward pass (not run unless
-    # named: an A/B of the seal side by side).
+    # Variants of kvx push for A/B runs side by side, run only when named (see KVX_VARIANTS).
     ("kvx-push-noseal", "kvx-push", "KvxPushConnector", None),
+    ("kvx-push-nowait", "kvx-push", "KvxPushConnector", None),
     ("kvx-pull", "kvx-pull", "KvxPullConnector", None),
     ("nixl-pull-shipped", "kvx-pull", "NixlConnector", False),
     ("nixl-pull-corrected", "kvx-pull", "NixlConnector", True),
     ("nixl-push-shipped", "nixl-push", "NixlPushConnector", False),
     ("nixl-push-corrected", "nixl-push", "NixlPushConnector", True),
 ]
+
+
+# The kvx variants' extra-config keys (on both instances), by the end of the system's name.
+KVX_VARIANTS = {
+    # The seal off: the KV leaves when vLLM has finished the request, an engine iteration
+    # after its last forward pass.
+    "-noseal": {"seal": False},
+    # Steps without a forward pass return at once (vLLM's own pace) instead of waiting up to
+    # `idle_wait_ms` for a transfer to end.
+    "-nowait": {"idle_wait_ms": 0},
+}
+
+
+def variant_extra(system: str) -> dict:
+    return next((extra for end, extra in KVX_VARIANTS.items() if system.endswith(end)), {})
 
 
 def log(msg: str) -> None:
@@ -389,11 +403,10 @@ KVX_TRANSPORT: str | None = None
 
 
 def kv_config(connector: str, role: str, engine: str, kvx_listen: str | None,
-              seal: bool = True) -> dict:
+              overrides: dict | None = None) -> dict:
     if connector.startswith("Kvx"):
         extra: dict = {"listen": kvx_listen} if kvx_listen else {}
-        if not seal:
-            extra["seal"] = False
+        extra.update(overrides or {})
         if KVX_TRANSPORT:
             extra["transport"] = KVX_TRANSPORT
         return {"kv_connector": connector, "kv_connector_module_path": "kvx_vllm",
@@ -460,10 +473,11 @@ def start_system(system: tuple, args, model: Path, log_dir: Path, lengths) -> di
     p, p_url = start_instance(f"{name}-prefill", model, log_dir,
                               kv_config(connector, "kv_producer", p_engine,
                                         f"127.0.0.1:{kvx_port}" if kvx_port else None,
-                                        seal=not name.endswith("-noseal")),
+                                        variant_extra(name)),
                               P_CORES, extra_p)
     d, d_url = start_instance(f"{name}-decode", model, log_dir,
-                              kv_config(connector, "kv_consumer", d_engine, None), D_CORES,
+                              kv_config(connector, "kv_consumer", d_engine, None,
+                                        variant_extra(name)), D_CORES,
                               extra_d)
     router_port = free_port()
     router_url = f"http://127.0.0.1:{router_port}"
@@ -811,7 +825,7 @@ def main() -> None:
     args.requests = args.requests or requests
     args.warmup = args.warmup if args.warmup is not None else warmup
     # Every system but the A/B variants, unless named.
-    systems = [s for s in SYSTEMS if not s[0].endswith("-noseal")]
+    systems = [s for s in SYSTEMS if not variant_extra(s[0])]
     if args.systems:
         want = args.systems.split(",")
         systems = [s for s in SYSTEMS if s[0] in want]
