@@ -117,7 +117,7 @@ const BOARD_POLL: Duration = Duration::from_millis(2);
 
 /// How often [`Consumer::wait_events`] looks at the notice board, where notices land without
 /// waking anyone.
-pub const BOARD_LOOK: Duration = Duration::from_micros(250);
+const BOARD_LOOK: Duration = Duration::from_micros(250);
 
 /// How often, at most, the engine thread reads a transport whose peers' writes need this side's
 /// reads now and then (libfabric `shm`: each write holds a slot of decode's command queue, about
@@ -424,7 +424,7 @@ impl Consumer {
     /// Like [`Consumer::take_events`], but when nothing happened yet waits up to `timeout` for
     /// the first event, and returns as soon as there is one: for an engine step with nothing
     /// to compute while requests wait for their KV, instead of a quick return and another
-    /// step. A notice that lands in the notice board is seen within [`BOARD_LOOK`]; what the
+    /// step. A notice that lands in the notice board is seen within 0.25 ms; what the
     /// driver thread decides (a failure, a notice sent as a message) at once.
     #[must_use]
     pub fn wait_events(&self, timeout: Duration) -> Vec<RecvEvent> {
