@@ -428,19 +428,27 @@ impl Consumer {
     /// driver thread decides (a failure, a notice sent as a message) at once.
     #[must_use]
     pub fn wait_events(&self, timeout: Duration) -> Vec<RecvEvent> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let events = self.take_events_timed();
-            let left = deadline.saturating_duration_since(Instant::now());
-            if !events.is_empty() || left.is_zero() {
-                return events.into_iter().map(|(event, _)| event).collect();
+        let mut events = self.take_events_timed();
+        // A plain poll (every engine step) reads no clock.
+        if events.is_empty() && !timeout.is_zero() {
+            let deadline = Instant::now() + timeout;
+            loop {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    break;
+                }
+                self.events.wait(if self.board.is_some() {
+                    left.min(BOARD_LOOK)
+                } else {
+                    left
+                });
+                events = self.take_events_timed();
+                if !events.is_empty() {
+                    break;
+                }
             }
-            self.events.wait(if self.board.is_some() {
-                left.min(BOARD_LOOK)
-            } else {
-                left
-            });
         }
+        events.into_iter().map(|(event, _)| event).collect()
     }
 
     /// Like [`Consumer::take_events`], with the time each event was decided (a ready request:

@@ -85,6 +85,16 @@ fn secs(name: &str, v: f64) -> PyResult<Duration> {
     Duration::try_from_secs_f64(v).map_err(|e| value_err(format!("{name}: {e}")))
 }
 
+/// Runs `f`, which may wait up to `wait`, without the GIL unless `wait` is zero (a plain poll,
+/// cheaper with the GIL kept).
+fn detached_if_waiting<T: Send>(py: Python<'_>, wait: Duration, f: impl FnOnce() -> T + Send) -> T {
+    if wait.is_zero() {
+        f()
+    } else {
+        py.detach(f)
+    }
+}
+
 /// Everything both classes take at start: identity, timings, the cache and the transport.
 struct StartArgs {
     config: ConnectorConfig,
@@ -451,11 +461,7 @@ impl PyProducer {
     #[pyo3(signature = (wait_s = 0.0))]
     fn take_finished(&self, py: Python<'_>, wait_s: f64) -> PyResult<Vec<(String, bool, String)>> {
         let wait = secs("wait_s", wait_s)?;
-        let done = if wait.is_zero() {
-            self.with(Producer::take_finished)?
-        } else {
-            py.detach(|| self.with(|p| p.wait_finished(wait)))?
-        };
+        let done = detached_if_waiting(py, wait, || self.with(|p| p.wait_finished(wait)))?;
         Ok(done
             .into_iter()
             .map(|f| {
@@ -676,11 +682,7 @@ impl PyConsumer {
         wait_s: f64,
     ) -> PyResult<Vec<(String, bool, String, String)>> {
         let wait = secs("wait_s", wait_s)?;
-        let events = if wait.is_zero() {
-            self.with(Consumer::take_events)?
-        } else {
-            py.detach(|| self.with(|c| c.wait_events(wait)))?
-        };
+        let events = detached_if_waiting(py, wait, || self.with(|c| c.wait_events(wait)))?;
         Ok(events
             .into_iter()
             .map(|e| match e {
