@@ -171,6 +171,101 @@ class MachineClock:
 CLOCK: MachineClock | None = None
 
 
+# The parts of a system whose CPU time a turn accounts for: the depth of a process below a vLLM
+# instance's API server names it (its engine core is a child, its workers grandchildren).
+VLLM_DEPTHS = ("api", "engine", "worker")
+TICK_MS = 1000.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 10.0
+
+
+def process_table() -> dict[int, tuple[int, int]]:
+    """Every process of the machine: pid -> (parent pid, CPU time of all its threads in clock
+    ticks), from /proc/<pid>/stat; empty where there is no /proc."""
+    out: dict[int, tuple[int, int]] = {}
+    try:
+        pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]
+    except OSError:
+        return out
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+        except OSError:  # gone since the listing
+            continue
+        # The command name (in parentheses) may hold spaces; the fields after it do not.
+        fields = stat[stat.rfind(")") + 2:].split()
+        out[pid] = (int(fields[1]), int(fields[11]) + int(fields[12]))
+    return out
+
+
+def helper_threads_ticks(pid: int) -> int:
+    """CPU ticks of a process's threads other than its main one: in a vLLM worker, whose main
+    thread runs the model and spins on its message queue between steps, the connector's
+    threads (kvx's driver and transport threads, NIXL's and UCX's) and any others."""
+    total = 0
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task") if t.isdigit() and int(t) != pid]
+    except OSError:
+        return 0
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()
+        total += int(fields[11]) + int(fields[12])
+    return total
+
+
+def cpu_parts(states: list[dict], measured: dict) -> dict[str, int]:
+    """CPU ticks so far of the measured system's parts (`prefill api`, `prefill engine`,
+    `prefill worker`, the same for decode, `router`), of the other systems' processes together
+    (`other systems`) and of this client (`client`). Processes that ended are not counted.
+    `prefill worker threads` and `decode worker threads`: the part of the workers' time spent
+    in threads other than the main one (`helper_threads_ticks`)."""
+    table = process_table()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+
+    def tree(root: int):
+        stack = [(root, 0)]
+        while stack:
+            pid, depth = stack.pop()
+            if pid in table:
+                yield pid, depth
+                stack.extend((c, depth + 1) for c in children.get(pid, ()))
+
+    parts: dict[str, int] = {"other systems": 0,
+                             "client": table.get(os.getpid(), (0, 0))[1]}
+    for st in states:
+        for srv in st.get("servers", []):
+            role = srv.name.rsplit("-", 1)[-1]  # prefill, decode or router
+            for pid, depth in tree(srv.proc.pid):
+                ticks = table[pid][1]
+                if st is not measured:
+                    parts["other systems"] += ticks
+                    continue
+                part = ("router" if role == "router"
+                        else f"{role} {VLLM_DEPTHS[min(depth, len(VLLM_DEPTHS) - 1)]}")
+                parts[part] = parts.get(part, 0) + ticks
+                if part.endswith(" worker"):
+                    parts[f"{part} threads"] = (parts.get(f"{part} threads", 0)
+                                                + helper_threads_ticks(pid))
+    return parts
+
+
+def cpu_turn(before: dict[str, int], after: dict[str, int], machine: dict | None) -> dict:
+    """A turn's CPU time in ms per part (`cpu_parts` after minus before; a process that started
+    or ended in between counts from zero or not at all), and `rest of machine`: the machine's
+    busy time (`MachineClock`) that none of them account for."""
+    out = {k: max(0, after.get(k, 0) - before.get(k, 0)) * TICK_MS for k in after}
+    if machine is not None:
+        out["rest of machine"] = max(0.0, machine["busy_ms"] - sum(
+            v for k, v in out.items() if not k.endswith(" threads")))
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # The router for NixlPushConnector (run as `python -m kvx_bench.vllm_sweep router ...`).
 
@@ -535,6 +630,8 @@ def run_group(states: list[dict], args, lengths, rates) -> None:
             # Decode's TPOT histogram's growth over the point's rounds, per system (None once
             # a scrape failed).
             server: dict[int, tuple[float, float] | None] = {}
+            # Each turn's CPU time by part (`cpu_turn`), per system.
+            cpu_turns: dict[int, list[dict]] = {}
             for r in range(args.rounds):
                 order = [states[(i + r) % len(states)] for i in range(len(states))]
                 for st in order:
@@ -550,15 +647,20 @@ def run_group(states: list[dict], args, lengths, rates) -> None:
                         turn["ok"] += warm["ok"]
                         turn["errors"] = (turn["errors"] + warm["errors"])[:5]
                     before = server_tpot(st["decode_url"])
+                    cpu_before = cpu_parts(states, st)
                     t_turn = time.perf_counter()
                     got, wall = asyncio.run(run_point(st["url"], length, rate, args.requests,
                                                       seed))
+                    cpu = cpu_turn(cpu_before, cpu_parts(states, st),
+                                   CLOCK.between(t_turn, time.perf_counter()) if CLOCK else None)
                     note_machine(got, t_turn, st["result"]["system"], r)
                     # The engine's stats follow its outputs by a moment.
                     time.sleep(0.5)
                     after = server_tpot(st["decode_url"])
                     acc, walls = pooled.get(id(st), ([], 0.0))
                     pooled[id(st)] = (acc + got, walls + wall)
+                    turns = cpu_turns.setdefault(id(st), [])
+                    turns.append(cpu)
                     so_far = server.get(id(st), (0.0, 0.0))
                     server[id(st)] = (
                         None if so_far is None or before is None or after is None
@@ -574,6 +676,8 @@ def run_group(states: list[dict], args, lengths, rates) -> None:
                     continue
                 got, wall = pooled[id(st)]
                 pt = summarize(length, rate, got, wall, args.rounds, server.get(id(st)))
+                pt["cpu_ms_per_request"] = cpu_per_request(cpu_turns.get(id(st), []),
+                                                           pt["requests"])
                 res["points"].append(pt)
                 t, tp = pt["ttft_ms"], pt["tpot_ms"]
                 fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
@@ -583,6 +687,14 @@ def run_group(states: list[dict], args, lengths, rates) -> None:
                     + (f"; errors: {pt['error_samples']}" if pt["errors"] else ""))
                 if pt["errors"] * 2 >= pt["requests"]:
                     res["saturated_at"] = length
+
+
+def cpu_per_request(turns: list[dict], requests: int) -> dict | None:
+    """A point's CPU time per request in ms, by part, over all its turns (`cpu_turn`)."""
+    if not turns or not requests:
+        return None
+    keys = sorted({k for t in turns for k in t})
+    return {k: sum(t.get(k, 0.0) for t in turns) / requests for k in keys}
 
 
 def note_machine(got: list[dict], t_turn: float, system: str, round_: int) -> None:
@@ -753,6 +865,21 @@ def markdown(report: dict) -> str:
                    "`request_time_per_output_token_seconds`, first to last token of each request)",
                    lambda p: "–" if p is None or "skipped" in p
                    else fmt_ms(p.get("server_tpot_ms_mean")))
+    def cpu(p):
+        c = None if p is None or "skipped" in p else p.get("cpu_ms_per_request")
+        if not c:
+            return "–"
+        side = lambda role: ("+".join(f"{c.get(f'{role} {d}', 0.0):.0f}"  # noqa: E731
+                                      for d in VLLM_DEPTHS)
+                             + f" ({c.get(f'{role} worker threads', 0.0):.0f})")
+        return (f"P {side('prefill')} · D {side('decode')} · R {c.get('router', 0.0):.0f} · "
+                f"idle {c.get('other systems', 0.0):.0f} · rest "
+                f"{c.get('client', 0.0) + c.get('rest of machine', 0.0):.0f}")
+    lines += table("CPU time per request during the system's turns (ms; /proc): prefill's API "
+                   "server + engine + worker (P), in parentheses the worker's threads but its main one "
+                   "(the connector's: kvx's, NIXL's and UCX's), the same for decode (D), the "
+                   "router (R), the idle systems beside it, and the rest of the machine with "
+                   "this client", cpu)
     def stolen(p):
         if p is None or "skipped" in p or not p.get("steal"):
             return "–"
