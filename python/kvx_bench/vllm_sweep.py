@@ -69,6 +69,10 @@ TURN_GAP_S = 1.5
 # a system serving steady traffic never does.
 TURN_WARMUP = 2
 
+# A stream whose tokens reached the client in this many server-sent events or fewer was merged
+# by decode's API server (vLLM coalesces a request's outputs when its stream runs behind).
+COALESCED_PIECES = 4
+
 # (name, router, connector, corrected)
 SYSTEMS = [
     ("kvx-push", "kvx-push", "KvxPushConnector", None),
@@ -880,6 +884,15 @@ def markdown(report: dict) -> str:
                    "(the connector's: kvx's, NIXL's and UCX's), the same for decode (D), the "
                    "router (R), the idle systems beside it, and the rest of the machine with "
                    "this client", cpu)
+    def coalesced(p):
+        if p is None or "skipped" in p:
+            return "–"
+        ok = [r for r in p["samples"] if r.get("ok")]
+        few = [r for r in ok if r.get("stream_pieces", OUTPUT_TOKENS) <= COALESCED_PIECES]
+        return f"{len(few)}/{len(ok)}"
+    lines += table(f"Streams that came in {COALESCED_PIECES} events or fewer (of {OUTPUT_TOKENS} "
+                   "tokens): decode's API server ran behind its engine and merged the tokens "
+                   "(requests / all that succeeded)", coalesced)
     def stolen(p):
         if p is None or "skipped" in p or not p.get("steal"):
             return "–"
