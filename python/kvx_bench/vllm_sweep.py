@@ -181,6 +181,18 @@ VLLM_DEPTHS = ("api", "engine", "worker")
 TICK_MS = 1000.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 10.0
 
 
+def stat_fields(path: str) -> list[str] | None:
+    """The fields of a `/proc/.../stat` file after the command name (`state` first, so that
+    `ppid` is [1] and `utime`, `stime` are [11], [12]); None if it is gone."""
+    try:
+        with open(path) as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # The command name (in parentheses) may hold spaces; the fields after it do not.
+    return stat[stat.rfind(")") + 2:].split()
+
+
 def process_table() -> dict[int, tuple[int, int]]:
     """Every process of the machine: pid -> (parent pid, CPU time of all its threads in clock
     ticks), from /proc/<pid>/stat; empty where there is no /proc."""
@@ -190,14 +202,9 @@ def process_table() -> dict[int, tuple[int, int]]:
     except OSError:
         return out
     for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                stat = f.read()
-        except OSError:  # gone since the listing
-            continue
-        # The command name (in parentheses) may hold spaces; the fields after it do not.
-        fields = stat[stat.rfind(")") + 2:].split()
-        out[pid] = (int(fields[1]), int(fields[11]) + int(fields[12]))
+        fields = stat_fields(f"/proc/{pid}/stat")
+        if fields is not None:  # else gone since the listing
+            out[pid] = (int(fields[1]), int(fields[11]) + int(fields[12]))
     return out
 
 
@@ -211,13 +218,9 @@ def helper_threads_ticks(pid: int) -> int:
     except OSError:
         return 0
     for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2:].split()
-        total += int(fields[11]) + int(fields[12])
+        fields = stat_fields(f"/proc/{pid}/task/{tid}/stat")
+        if fields is not None:
+            total += int(fields[11]) + int(fields[12])
     return total
 
 
@@ -663,8 +666,7 @@ def run_group(states: list[dict], args, lengths, rates) -> None:
                     after = server_tpot(st["decode_url"])
                     acc, walls = pooled.get(id(st), ([], 0.0))
                     pooled[id(st)] = (acc + got, walls + wall)
-                    turns = cpu_turns.setdefault(id(st), [])
-                    turns.append(cpu)
+                    cpu_turns.setdefault(id(st), []).append(cpu)
                     so_far = server.get(id(st), (0.0, 0.0))
                     server[id(st)] = (
                         None if so_far is None or before is None or after is None
