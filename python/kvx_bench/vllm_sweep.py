@@ -224,12 +224,28 @@ def helper_threads_ticks(pid: int) -> int:
     return total
 
 
-def cpu_parts(states: list[dict], measured: dict) -> dict[str, int]:
-    """CPU ticks so far of the measured system's parts (`prefill api`, `prefill engine`,
+def runqueue_wait_ms(pid: int) -> float:
+    """How long a process's main thread has waited on a run queue, runnable but not running
+    (`/proc/<pid>/schedstat`, second field, ns), in ms; 0 if unreadable."""
+    try:
+        with open(f"/proc/{pid}/schedstat") as f:
+            return int(f.read().split()[1]) / 1e6
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+# The parts that are not CPU time of their own but measures within others (not summed into the
+# machine's total).
+NOT_CPU = (" threads", " runq")
+
+
+def cpu_parts(states: list[dict], measured: dict) -> dict[str, float]:
+    """CPU time so far, in ms, of the measured system's parts (`prefill api`, `prefill engine`,
     `prefill worker`, the same for decode, `router`), of the other systems' processes together
     (`other systems`) and of this client (`client`). Processes that ended are not counted.
     `prefill worker threads` and `decode worker threads`: the part of the workers' time spent
-    in threads other than the main one (`helper_threads_ticks`)."""
+    in threads other than the main one (`helper_threads_ticks`); `<part> runq`: how long the
+    part's main threads waited, runnable, for a core (`runqueue_wait_ms`)."""
     table = process_table()
     children: dict[int, list[int]] = {}
     for pid, (ppid, _) in table.items():
@@ -243,33 +259,37 @@ def cpu_parts(states: list[dict], measured: dict) -> dict[str, int]:
                 yield pid, depth
                 stack.extend((c, depth + 1) for c in children.get(pid, ()))
 
-    parts: dict[str, int] = {"other systems": 0,
-                             "client": table.get(os.getpid(), (0, 0))[1]}
+    parts: dict[str, float] = {"other systems": 0.0,
+                               "client": table.get(os.getpid(), (0, 0))[1] * TICK_MS}
+
+    def add(part: str, ms: float) -> None:
+        parts[part] = parts.get(part, 0.0) + ms
+
     for st in states:
         for srv in st.get("servers", []):
             role = srv.name.rsplit("-", 1)[-1]  # prefill, decode or router
             for pid, depth in tree(srv.proc.pid):
-                ticks = table[pid][1]
+                ms = table[pid][1] * TICK_MS
                 if st is not measured:
-                    parts["other systems"] += ticks
+                    add("other systems", ms)
                     continue
                 part = ("router" if role == "router"
                         else f"{role} {VLLM_DEPTHS[min(depth, len(VLLM_DEPTHS) - 1)]}")
-                parts[part] = parts.get(part, 0) + ticks
+                add(part, ms)
+                add(f"{part} runq", runqueue_wait_ms(pid))
                 if part.endswith(" worker"):
-                    parts[f"{part} threads"] = (parts.get(f"{part} threads", 0)
-                                                + helper_threads_ticks(pid))
+                    add(f"{part} threads", helper_threads_ticks(pid) * TICK_MS)
     return parts
 
 
-def cpu_turn(before: dict[str, int], after: dict[str, int], machine: dict | None) -> dict:
+def cpu_turn(before: dict[str, float], after: dict[str, float], machine: dict | None) -> dict:
     """A turn's CPU time in ms per part (`cpu_parts` after minus before; a process that started
     or ended in between counts from zero or not at all), and `rest of machine`: the machine's
     busy time (`MachineClock`) that none of them account for."""
-    out = {k: max(0, after.get(k, 0) - before.get(k, 0)) * TICK_MS for k in after}
+    out = {k: max(0.0, after.get(k, 0.0) - before.get(k, 0.0)) for k in after}
     if machine is not None:
         out["rest of machine"] = max(0.0, machine["busy_ms"] - sum(
-            v for k, v in out.items() if not k.endswith(" threads")))
+            v for k, v in out.items() if not k.endswith(NOT_CPU)))
     return out
 
 
@@ -886,6 +906,16 @@ def markdown(report: dict) -> str:
                    "(the connector's: kvx's, NIXL's and UCX's), the same for decode (D), the "
                    "router (R), the idle systems beside it, and the rest of the machine with "
                    "this client", cpu)
+    def runq(p):
+        c = None if p is None or "skipped" in p else p.get("cpu_ms_per_request")
+        if not c or "decode api runq" not in c:
+            return "–"
+        side = lambda role: "+".join(f"{c.get(f'{role} {d} runq', 0.0):.0f}"  # noqa: E731
+                                     for d in VLLM_DEPTHS)
+        return f"P {side('prefill')} · D {side('decode')}"
+    lines += table("Time the main threads waited for a core, runnable, per request (ms; "
+                   "/proc/<pid>/schedstat): prefill's API server + engine + worker (P), the same "
+                   "for decode (D)", runq)
     def coalesced(p):
         if p is None or "skipped" in p:
             return "–"
