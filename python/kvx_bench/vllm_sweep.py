@@ -837,6 +837,12 @@ def check_targets(report: dict) -> list[dict]:
     return checks
 
 
+def by_depth(cpu: dict, role: str, suffix: str = "") -> str:
+    """One instance's API server, engine and worker figures of `cpu_ms_per_request`, as
+    `api+engine+worker` (ms)."""
+    return "+".join(f"{cpu.get(f'{role} {d}{suffix}', 0.0):.0f}" for d in VLLM_DEPTHS)
+
+
 def markdown(report: dict) -> str:
     systems = [s["system"] for s in report["systems"]]
     pts = {(s["system"], p["input_tokens"], p["rate"]): p
@@ -895,8 +901,7 @@ def markdown(report: dict) -> str:
         c = None if p is None or "skipped" in p else p.get("cpu_ms_per_request")
         if not c:
             return "–"
-        side = lambda role: ("+".join(f"{c.get(f'{role} {d}', 0.0):.0f}"  # noqa: E731
-                                      for d in VLLM_DEPTHS)
+        side = lambda role: (by_depth(c, role)  # noqa: E731
                              + f" ({c.get(f'{role} worker threads', 0.0):.0f})")
         return (f"P {side('prefill')} · D {side('decode')} · R {c.get('router', 0.0):.0f} · "
                 f"idle {c.get('other systems', 0.0):.0f} · rest "
@@ -910,9 +915,7 @@ def markdown(report: dict) -> str:
         c = None if p is None or "skipped" in p else p.get("cpu_ms_per_request")
         if not c or "decode api runq" not in c:
             return "–"
-        side = lambda role: "+".join(f"{c.get(f'{role} {d} runq', 0.0):.0f}"  # noqa: E731
-                                     for d in VLLM_DEPTHS)
-        return f"P {side('prefill')} · D {side('decode')}"
+        return f"P {by_depth(c, 'prefill', ' runq')} · D {by_depth(c, 'decode', ' runq')}"
     lines += table("Time the main threads waited for a core, runnable, per request (ms; "
                    "/proc/<pid>/schedstat): prefill's API server + engine + worker (P), the same "
                    "for decode (D)", runq)
