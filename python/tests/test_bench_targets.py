@@ -1,0 +1,94 @@
+"""`bench vllm`'s judgement of #7's targets: pooled over a point's rounds and round by round."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvx_bench import vllm_sweep as vs  # noqa: E402
+
+
+def sample(round_: int, ttft: float, tpot: float) -> dict:
+    return {"ok": True, "round": round_, "ttft_ms": ttft, "tpot_ms": tpot}
+
+
+def point(samples: list[dict], server_by_round: list[float | None]) -> dict:
+    ok = [s for s in samples if s["ok"]]
+    known = [t for t in server_by_round if t is not None]
+    return {"input_tokens": 256, "rate": 4.0, "ok": len(ok),
+            "ttft_ms": vs.quantiles([s["ttft_ms"] for s in ok]),
+            "tpot_ms": vs.quantiles([s["tpot_ms"] for s in ok]),
+            "server_tpot_ms_mean": sum(known) / len(known) if known else None,
+            "server_tpot_ms_by_round": server_by_round, "samples": samples}
+
+
+def report(kvx: dict, push: dict, pull: dict) -> dict:
+    def system(name, p):
+        return {"system": name, "points": [p]}
+
+    return {"lengths": [256], "rates": [4.0],
+            "systems": [system("kvx-push", kvx), system("nixl-push-corrected", push),
+                        system("nixl-pull-corrected", pull)]}
+
+
+def by_what(checks: list[dict]) -> dict[str, dict]:
+    return {c["what"]: c for c in checks}
+
+
+def test_each_check_is_judged_pooled_and_in_each_round_alone():
+    # kvx push: quick in round 0, slow in round 1; NixlPush steady in between; NixlConnector
+    # slow in both rounds.
+    kvx = point([sample(0, 40, 10) for _ in range(10)] + [sample(1, 200, 12) for _ in range(10)],
+                [10.0, 12.0])
+    push = point([sample(r, 100, 11) for r in (0, 1) for _ in range(10)], [11.0, 11.0])
+    pull = point([sample(r, 300, 20) for r in (0, 1) for _ in range(10)], [20.0, None])
+    checks = by_what(vs.check_targets(report(kvx, push, pull)))
+
+    p50 = checks["TTFT p50 kvx push <= 0.8 x corrected NixlPushConnector"]
+    # Pooled, the median falls between the two rounds' (40 and 200): 120 > 0.8 x 100.
+    assert p50["kvx"] == 120 and p50["vllm"] == 100 and p50["met"] is False
+    assert p50["round_ratios"] == [0.4, 2.0]
+    assert (p50["rounds_met"], p50["rounds"]) == (1, 2)
+
+    highest = checks["TTFT p99 kvx push < corrected NixlConnector (highest load)"]
+    assert highest["met"] is True and (highest["rounds_met"], highest["rounds"]) == (2, 2)
+
+    tpot = checks["TPOT p50 kvx push no worse than corrected NixlPushConnector (<= 1.05 x)"]
+    assert tpot["round_ratios"] == [10 / 11, 12 / 11]
+    assert (tpot["rounds_met"], tpot["rounds"]) == (1, 2)
+
+    # Decode's own measure, per round from its histogram; a round without a figure for the
+    # vLLM side is not judged.
+    server = checks["TPOT mean (decode's measure) kvx push no worse than corrected "
+                    "NixlConnector (<= 1.05 x)"]
+    assert server["kvx"] == 11.0 and server["vllm"] == 20.0 and server["met"] is True
+    assert server["round_ratios"] == [0.5, None]
+    assert (server["rounds_met"], server["rounds"]) == (1, 1)
+
+    text = "\n".join(vs.markdown_targets(list(checks.values())))
+    assert "| 1 of 2: 0.40 2.00 |" in text
+    assert "Round by round:" in text
+
+
+def test_a_burst_on_the_vllm_side_is_not_judged_and_old_reports_have_no_rounds():
+    kvx = point([sample(r, 40, 10) for r in (0, 1) for _ in range(4)], [10.0, 10.0])
+    # NixlPush's tokens came in one burst in round 1 (client TPOT near zero).
+    push = point([sample(0, 100, 10) for _ in range(4)] + [sample(1, 100, 0.1) for _ in range(4)],
+                 [10.0, 10.0])
+    pull = point([sample(r, 100, 10) for r in (0, 1) for _ in range(4)], [10.0, 10.0])
+    tpot = by_what(vs.check_targets(report(kvx, push, pull)))[
+        "TPOT p50 kvx push no worse than corrected NixlPushConnector (<= 1.05 x)"]
+    assert tpot["round_ratios"] == [1.0, None]
+    assert (tpot["rounds_met"], tpot["rounds"]) == (1, 1)
+
+    # A report written before samples recorded their round: pooled verdicts only.
+    for p in (kvx, push, pull):
+        for s in p["samples"]:
+            del s["round"]
+        p.pop("server_tpot_ms_by_round")
+    checks = vs.check_targets(report(kvx, push, pull))
+    assert all(c["rounds"] == 0 and c["round_ratios"] == [] for c in checks)
+    assert all(c["met"] is not None for c in checks)
+    assert "Round by round:" not in "\n".join(vs.markdown_targets(checks))
