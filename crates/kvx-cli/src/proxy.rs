@@ -61,6 +61,12 @@ pub(crate) struct ProxyArgs {
     /// seconds.
     #[arg(long, default_value_t = 600.0)]
     pub(crate) request_timeout_s: f64,
+    /// Bound on the silence between two pieces of a streamed answer once its first piece has
+    /// come, in seconds (0: none): a decode instance that stops sending mid-stream (hung, or
+    /// its host stopped) ends the client's stream with an error event then, instead of at
+    /// `--request-timeout-s`, and its request is aborted there.
+    #[arg(long, default_value_t = 120.0)]
+    pub(crate) stream_idle_timeout_s: f64,
     /// Largest request body accepted, in MiB (a request with images inlined can be large).
     #[arg(long, default_value_t = 64)]
     pub(crate) max_request_mib: usize,
@@ -182,6 +188,8 @@ struct Proxy {
     seed: u64,
     /// Bound on one whole client request.
     request_timeout: Duration,
+    /// Bound on the silence between two pieces of a streamed answer (after its first).
+    stream_idle: Option<Duration>,
     /// Largest request body accepted.
     max_request_bytes: usize,
     skip_unreachable: Duration,
@@ -502,7 +510,7 @@ impl Proxy {
             p = p_task.join() => {
                 p.map_err(|e| prefill_failed(&mut unclaimed, e))?;
                 let d = d_leg.await.map_err(|e| (Leg::Decode, e))?;
-                return Ok(forward(d, d_load, Some(unclaimed)));
+                return Ok(forward(d, d_load, Some(unclaimed), self.stream_idle));
             }
             d = &mut d_leg => d.map_err(|e| (Leg::Decode, e))?,
         };
@@ -510,7 +518,7 @@ impl Proxy {
             // Decode refused or failed the request: its answer goes to the client at once, and
             // prefill's leg is dropped (vLLM aborts it there; what it finished meanwhile is
             // given back through `unclaimed`).
-            return Ok(forward(d_resp, d_load, Some(unclaimed)));
+            return Ok(forward(d_resp, d_load, Some(unclaimed), self.stream_idle));
         }
         let status = d_resp.status();
         let content_type = d_resp.headers().get(reqwest::header::CONTENT_TYPE).cloned();
@@ -533,6 +541,7 @@ impl Proxy {
             body,
             d_load,
             Some(unclaimed),
+            self.stream_idle,
         ))
     }
 
@@ -602,7 +611,7 @@ impl Proxy {
                 }
                 answered => {
                     return answered
-                        .map(|r| forward(r, d_load, None))
+                        .map(|r| forward(r, d_load, None, self.stream_idle))
                         .map_err(|e| (Leg::Decode, e));
                 }
             }
@@ -740,7 +749,12 @@ fn error_event(message: &str) -> axum::body::Bytes {
 }
 
 /// Sends decode's answer to the client, streaming it through.
-fn forward(r: reqwest::Response, load: Load, unclaimed: Option<Unclaimed>) -> Response {
+fn forward(
+    r: reqwest::Response,
+    load: Load,
+    unclaimed: Option<Unclaimed>,
+    idle: Option<Duration>,
+) -> Response {
     let status = r.status();
     let content_type = r.headers().get(reqwest::header::CONTENT_TYPE).cloned();
     respond(
@@ -750,12 +764,44 @@ fn forward(r: reqwest::Response, load: Load, unclaimed: Option<Unclaimed>) -> Re
         r.bytes_stream(),
         load,
         unclaimed,
+        idle,
+    )
+}
+
+/// `body`'s pieces, with a piece that does not come within `idle` of the one before (the
+/// first piece is not timed) turned into an error, after which the stream ends: dropping
+/// `body` closes decode's connection, which aborts the request there.
+fn bounded_silence(
+    body: impl futures_util::Stream<Item = Result<axum::body::Bytes, String>> + Send + 'static,
+    idle: Option<Duration>,
+) -> impl futures_util::Stream<Item = Result<axum::body::Bytes, String>> + Send + 'static {
+    futures_util::stream::unfold(
+        (Box::pin(body), false, false),
+        move |(mut body, started, over)| async move {
+            if over {
+                return None;
+            }
+            let piece = match idle.filter(|_| started) {
+                Some(idle) => tokio::time::timeout(idle, body.next())
+                    .await
+                    .unwrap_or_else(|_| {
+                        Some(Err(format!(
+                            "decode sent nothing for {} s",
+                            idle.as_secs_f64()
+                        )))
+                    }),
+                None => body.next().await,
+            }?;
+            let over = piece.is_err();
+            Some((piece, (body, true, over)))
+        },
     )
 }
 
 /// The client's response: `status`, the content type, then `first` (a chunk already read) and
 /// the rest of `body`. The decode instance counts as loaded until the whole body has been sent;
-/// a push dispatch's `unclaimed` is claimed as decode's answer shows it took the request in.
+/// a push dispatch's `unclaimed` is claimed as decode's answer shows it took the request in. An
+/// event stream whose pieces stop coming for `idle` ends there ([`bounded_silence`]).
 fn respond(
     status: reqwest::StatusCode,
     content_type: Option<reqwest::header::HeaderValue>,
@@ -763,6 +809,7 @@ fn respond(
     body: impl futures_util::Stream<Item = Result<axum::body::Bytes, reqwest::Error>> + Send + 'static,
     load: Load,
     mut unclaimed: Option<Unclaimed>,
+    idle: Option<Duration>,
 ) -> Response {
     let status = StatusCode::from_u16(status.as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
     let mut headers = HeaderMap::new();
@@ -780,9 +827,14 @@ fn respond(
     let ended = matches!(first, Some(None));
     let head = futures_util::stream::iter(first.flatten());
     let rest = futures_util::stream::iter((!ended).then_some(body)).flatten();
+    let pieces = head
+        .chain(rest)
+        .map(|piece| piece.map_err(|e| e.to_string()));
+    // A stream's silence is bounded; any other body comes whole at the end.
+    let pieces = bounded_silence(pieces, idle.filter(|_| events));
     // An event stream that breaks off ends with an error event, as vLLM's own errors do, so
     // that the client can tell a failed answer from a finished one; any other body is cut.
-    let body = head.chain(rest).scan(false, move |failed, chunk| {
+    let body = pieces.scan(false, move |failed, chunk| {
         let _ = &load;
         let item = match chunk {
             _ if *failed => None,
@@ -941,6 +993,8 @@ fn build(args: &ProxyArgs) -> anyhow::Result<Arc<Proxy>> {
         Duration::try_from_secs_f64(args.skip_unreachable_s).context("--skip-unreachable-s")?;
     let total =
         Duration::try_from_secs_f64(args.request_timeout_s).context("--request-timeout-s")?;
+    let stream_idle = Duration::try_from_secs_f64(args.stream_idle_timeout_s)
+        .context("--stream-idle-timeout-s")?;
     let client = reqwest::Client::builder()
         .connect_timeout(connect)
         // Below vLLM's keep-alive (uvicorn's, `VLLM_HTTP_TIMEOUT_KEEP_ALIVE`, 5 s): a pooled
@@ -973,6 +1027,7 @@ fn build(args: &ProxyArgs) -> anyhow::Result<Arc<Proxy>> {
         next: AtomicU64::new(0),
         seed: random_seed(),
         request_timeout: total,
+        stream_idle: (!stream_idle.is_zero()).then_some(stream_idle),
         max_request_bytes: args.max_request_mib.saturating_mul(1 << 20),
         skip_unreachable,
         connect_timeout: connect,
@@ -1109,6 +1164,7 @@ mod tests {
             decode: vec!["http://127.0.0.1:9999".into()],
             connect_timeout_s: 1.0,
             request_timeout_s: 5.0,
+            stream_idle_timeout_s: 120.0,
             skip_unreachable_s: 2.0,
             max_request_mib: 1,
         };
@@ -1212,7 +1268,18 @@ mod tests {
         decodes: &[&str],
         skip_unreachable_s: f64,
     ) -> Arc<Proxy> {
-        build(&ProxyArgs {
+        build(&test_args(mode, prefill, kvx, decodes, skip_unreachable_s)).unwrap()
+    }
+
+    /// The arguments of [`proxy_with_control`]'s proxy.
+    fn test_args(
+        mode: Mode,
+        prefill: &str,
+        kvx: &str,
+        decodes: &[&str],
+        skip_unreachable_s: f64,
+    ) -> ProxyArgs {
+        ProxyArgs {
             mode,
             listen: "127.0.0.1:0".parse().unwrap(),
             prefill: vec![Prefill {
@@ -1222,10 +1289,10 @@ mod tests {
             decode: decodes.iter().map(|&d| d.to_owned()).collect(),
             connect_timeout_s: 1.0,
             request_timeout_s: 10.0,
+            stream_idle_timeout_s: 120.0,
             skip_unreachable_s,
             max_request_mib: 1,
-        })
-        .unwrap()
+        }
     }
 
     /// A prefill rank's kvx control port as a router sees it (one rank): it answers a
@@ -1386,6 +1453,150 @@ mod tests {
             let error: serde_json::Value =
                 serde_json::from_str(events[1].strip_prefix("data: ").unwrap()).unwrap();
             assert_eq!(error["error"]["code"], 502, "{body}");
+        });
+    }
+
+    /// A decode instance answering `/v1/completions` with `pieces` (each after its delay) under
+    /// `content_type`, then nothing more while keeping the connection open when `hang`;
+    /// `dropped` is set once its answer's stream is dropped (its connection closed).
+    async fn paced_instance(
+        pieces: Vec<(Duration, &'static str)>,
+        content_type: &'static str,
+        hang: bool,
+    ) -> (String, Arc<std::sync::atomic::AtomicBool>) {
+        struct SetOnDrop(Arc<std::sync::atomic::AtomicBool>);
+        impl Drop for SetOnDrop {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::SeqCst);
+            }
+        }
+        let dropped = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = Arc::clone(&dropped);
+        let app = Router::new().route(
+            "/v1/completions",
+            post(move || {
+                let (pieces, guard) = (pieces.clone(), SetOnDrop(Arc::clone(&flag)));
+                async move {
+                    let paced =
+                        futures_util::stream::iter(pieces).then(|(delay, piece)| async move {
+                            tokio::time::sleep(delay).await;
+                            Ok::<_, std::io::Error>(piece)
+                        });
+                    let tail = futures_util::stream::iter(hang.then(|| {
+                        futures_util::stream::pending::<Result<&'static str, std::io::Error>>()
+                    }))
+                    .flatten();
+                    let body = paced.chain(tail).map(move |piece| {
+                        let _ = &guard;
+                        piece
+                    });
+                    let mut resp = Response::new(Body::from_stream(body));
+                    resp.headers_mut().insert(
+                        axum::http::header::CONTENT_TYPE,
+                        HeaderValue::from_static(content_type),
+                    );
+                    resp
+                }
+            }),
+        );
+        (serve(app).await, dropped)
+    }
+
+    /// A decode that stops sending mid-stream (hung, its host stopped) ends the client's
+    /// stream with an error event at the silence bound, not at the request timeout, and its
+    /// connection is closed (vLLM aborts the request then).
+    #[test]
+    fn a_stream_that_falls_silent_ends_at_the_idle_bound() {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(async {
+            let (p_url, _) = fake_instance(200, "{}", Duration::ZERO).await;
+            let (d_url, dropped) = paced_instance(
+                vec![(Duration::ZERO, "data: {\"text\":\"a\"}\n\n")],
+                "text/event-stream",
+                true,
+            )
+            .await;
+            let proxy = build(&ProxyArgs {
+                stream_idle_timeout_s: 0.3,
+                ..test_args(Mode::Push, &p_url, "127.0.0.1:1", &[&d_url], 2.0)
+            })
+            .unwrap();
+            let t0 = Instant::now();
+            let r = proxy
+                .route("/v1/completions", json!({"prompt": "x", "stream": true}))
+                .await
+                .unwrap();
+            let body = body_of(r).await;
+            let waited = t0.elapsed();
+            assert!(
+                waited < Duration::from_secs(5),
+                "{waited:?} (the request timeout is 10 s)"
+            );
+            assert!(waited >= Duration::from_millis(300), "{waited:?}");
+            let events: Vec<&str> = body.split("\n\n").filter(|e| !e.is_empty()).collect();
+            assert_eq!(events.len(), 2, "{body}");
+            assert_eq!(events[0], r#"data: {"text":"a"}"#);
+            let error: Value =
+                serde_json::from_str(events[1].strip_prefix("data: ").unwrap()).unwrap();
+            assert_eq!(error["error"]["code"], 502, "{body}");
+            let message = error["error"]["message"].as_str().unwrap();
+            assert!(
+                message.contains("decode sent nothing for 0.3 s"),
+                "{message}"
+            );
+            let t1 = Instant::now();
+            while !dropped.load(Ordering::SeqCst) {
+                assert!(
+                    t1.elapsed() < Duration::from_secs(5),
+                    "decode's connection stayed open"
+                );
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        });
+    }
+
+    /// Pauses shorter than the bound, the wait for a stream's first piece, and any wait within a
+    /// body that is not an event stream (it comes whole at the end) are not cut.
+    #[test]
+    fn pauses_within_the_idle_bound_and_whole_bodies_pass() {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(async {
+            let (p_url, _) = fake_instance(200, "{}", Duration::ZERO).await;
+            let ms = Duration::from_millis;
+            let (stream_url, _) = paced_instance(
+                vec![
+                    (ms(700), "data: {\"text\":\"a\"}\n\n"),
+                    (ms(200), "data: {\"text\":\"b\"}\n\n"),
+                    (ms(200), "data: [DONE]\n\n"),
+                ],
+                "text/event-stream",
+                false,
+            )
+            .await;
+            let (json_url, _) = paced_instance(
+                vec![(ms(0), "{\"a\":"), (ms(700), "1}")],
+                "application/json",
+                false,
+            )
+            .await;
+            for (d_url, want) in [
+                (
+                    &stream_url,
+                    "data: {\"text\":\"a\"}\n\ndata: {\"text\":\"b\"}\n\ndata: [DONE]\n\n",
+                ),
+                (&json_url, "{\"a\":1}"),
+            ] {
+                let proxy = build(&ProxyArgs {
+                    stream_idle_timeout_s: 0.4,
+                    ..test_args(Mode::Push, &p_url, "127.0.0.1:1", &[d_url], 2.0)
+                })
+                .unwrap();
+                let r = proxy
+                    .route("/v1/completions", json!({"prompt": "x", "stream": true}))
+                    .await
+                    .unwrap();
+                assert_eq!(body_of(r).await, want);
+            }
         });
     }
 
@@ -1737,17 +1948,8 @@ mod tests {
 
             let (slow, _) = fake_instance(200, "{}", Duration::from_secs(3)).await;
             let proxy = build(&ProxyArgs {
-                mode: Mode::Push,
-                listen: "127.0.0.1:0".parse().unwrap(),
-                prefill: vec![Prefill {
-                    url: slow.clone(),
-                    kvx: "127.0.0.1:1".into(),
-                }],
-                decode: vec![slow],
-                connect_timeout_s: 1.0,
                 request_timeout_s: 0.5,
-                skip_unreachable_s: 0.0,
-                max_request_mib: 1,
+                ..test_args(Mode::Push, &slow, "127.0.0.1:1", &[&slow], 0.0)
             })
             .unwrap();
             let t0 = Instant::now();
