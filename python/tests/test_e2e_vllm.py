@@ -534,7 +534,9 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
        early (its first writes to `w`): `w` hears at once, not at its lease, and recomputes,
        exactly. A request dropped while queued on `w` (never registered) has prefill give its
        KV back at once, not at the lease; so does a request whose only decode does not answer
-       connections (the proxy gives the dispatch up and tells prefill, as a router);
+       connections (the proxy gives the dispatch up and tells prefill, as a router). A
+       decode stopped mid-stream costs a client of the proxy its silence bound, and its blocks
+       come back once it runs again;
     3. prefill is killed while decode `w` waits for a request's KV: `w` fails the load at once
        and recomputes, exactly, instead of hanging; a client of the proxy gets an error naming
        prefill."""
@@ -829,6 +831,48 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
         assert len(freed) == 1 and "not delivered (aborted)" in freed[0], \
             (freed, p.tail(), proxy_g.tail())
         proxy_g.kill()
+
+        # 2h. A decode that stops mid-stream (its processes stopped: a hung host): a proxy
+        # with a 2 s silence bound ends the client's stream with an error event about 2 s
+        # after decode's last piece, instead of at its 600 s request timeout, and closes
+        # decode's connection; once decode runs again, vLLM notices the closed connection and
+        # aborts the request, and decode's blocks come back.
+        port_h = free_port()
+        proxy_h = Server("proxy-h",
+                         [str(KVX_BIN), "proxy", "--mode", "push", "--listen",
+                          f"127.0.0.1:{port_h}", "--prefill", f"{p_url}@127.0.0.1:{kvx_port}",
+                          "--decode", dw_url, "--stream-idle-timeout-s", "2"],
+                         workdir, dict(os.environ), f"http://127.0.0.1:{port_h}/health")
+        servers.append(proxy_h)
+        proxy_h.wait_ready()
+        c = HTTPConnection("127.0.0.1", port_h, timeout=60)
+        c.request("POST", "/v1/completions",
+                  json.dumps({"model": "tiny", "prompt": prompt(20), "max_tokens": 1900,
+                              "temperature": 0, "ignore_eos": True, "stream": True}),
+                  {"content-type": "application/json"})
+        r = c.getresponse()
+        assert r.status == 200, r.read()
+        streamed = 0
+        while streamed < 3:
+            line = r.readline()
+            assert line, "the stream ended before decode was stopped"
+            streamed += line.startswith(b"data: ")
+        os.killpg(dw.proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        try:
+            rest = r.read()
+        finally:
+            os.killpg(dw.proc.pid, signal.SIGCONT)
+        took = time.monotonic() - t0
+        c.close()
+        events = [e.strip() for e in rest.split(b"\n\n") if e.strip().startswith(b"data: ")]
+        assert events and b"decode sent nothing for 2 s" in events[-1], rest[-400:]
+        assert 1.5 < took < 10, f"the stream ended {took:.1f}s after decode stopped"
+        t0 = time.monotonic()
+        while metric(dw_url, "vllm:kv_cache_usage_perc") > 0:
+            assert time.monotonic() - t0 < 30, "decode kept the blocks of the cut stream"
+            time.sleep(0.25)
+        proxy_h.kill()
 
         # 3. Prefill killed while decode w waits: w's load fails at once and it recomputes.
         n = PROMPT_WORDS[1]
