@@ -576,6 +576,18 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
     def usage() -> float:
         return metric(p_url, "vllm:kv_cache_usage_perc")
 
+    def push_proxy(name: str, decode: str, *extra: str) -> tuple[Server, int]:
+        """Another `kvx proxy --mode push` in front of prefill and `decode`, ready; returns it
+        and its port."""
+        port = free_port()
+        server = Server(name,
+                        [str(KVX_BIN), "proxy", "--mode", "push", "--listen", f"127.0.0.1:{port}",
+                         "--prefill", f"{p_url}@127.0.0.1:{kvx_port}", "--decode", decode, *extra],
+                        workdir, dict(os.environ), f"http://127.0.0.1:{port}/health")
+        servers.append(server)
+        server.wait_ready()
+        return server, port
+
     def wait_usage_zero(what: str, limit: float) -> float:
         t0 = time.monotonic()
         while usage() > 0:
@@ -808,15 +820,8 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
         silent.listen(0)
         filler = socket.create_connection(silent.getsockname(), timeout=5)
         silent_url = f"http://127.0.0.1:{silent.getsockname()[1]}"
-        port_g = free_port()
-        proxy_g = Server("proxy-g",
-                         [str(KVX_BIN), "proxy", "--mode", "push", "--listen",
-                          f"127.0.0.1:{port_g}", "--prefill", f"{p_url}@127.0.0.1:{kvx_port}",
-                          "--decode", silent_url, "--connect-timeout-s", "3"],
-                         workdir, dict(os.environ), f"http://127.0.0.1:{port_g}/health")
-        servers.append(proxy_g)
         sockets = [filler, silent]
-        proxy_g.wait_ready()
+        proxy_g, port_g = push_proxy("proxy-g", silent_url, "--connect-timeout-s", "3")
 
         def routed_kv_freed() -> list[str]:
             return [line for line in p.log.read_text(errors="replace").splitlines()
@@ -837,14 +842,7 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
         # after decode's last piece, instead of at its 600 s request timeout, and closes
         # decode's connection; once decode runs again, vLLM notices the closed connection and
         # aborts the request, and decode's blocks come back.
-        port_h = free_port()
-        proxy_h = Server("proxy-h",
-                         [str(KVX_BIN), "proxy", "--mode", "push", "--listen",
-                          f"127.0.0.1:{port_h}", "--prefill", f"{p_url}@127.0.0.1:{kvx_port}",
-                          "--decode", dw_url, "--stream-idle-timeout-s", "2"],
-                         workdir, dict(os.environ), f"http://127.0.0.1:{port_h}/health")
-        servers.append(proxy_h)
-        proxy_h.wait_ready()
+        proxy_h, port_h = push_proxy("proxy-h", dw_url, "--stream-idle-timeout-s", "2")
         c = HTTPConnection("127.0.0.1", port_h, timeout=60)
         c.request("POST", "/v1/completions",
                   json.dumps({"model": "tiny", "prompt": prompt(20), "max_tokens": 1900,
