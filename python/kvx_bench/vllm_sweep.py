@@ -654,13 +654,11 @@ def run_group(states: list[dict], args, lengths, rates) -> None:
     for length in lengths:
         for rate in rates:
             pooled: dict[int, tuple[list, float]] = {}
-            # Decode's TPOT histogram's growth over the point's rounds, per system (None once
-            # a scrape failed).
-            server: dict[int, tuple[float, float] | None] = {}
+            # Decode's TPOT histogram's growth in each round's turn (sum in seconds, requests;
+            # None where a scrape failed), per system.
+            server: dict[int, list[tuple[float, float] | None]] = {}
             # Each turn's CPU time by part (`cpu_turn`), per system.
             cpu_turns: dict[int, list[dict]] = {}
-            # Decode's own TPOT mean (ms) of each round's turn, per system.
-            server_rounds: dict[int, list[float | None]] = {}
             for r in range(args.rounds):
                 order = [states[(i + r) % len(states)] for i in range(len(states))]
                 for st in order:
@@ -691,13 +689,9 @@ def run_group(states: list[dict], args, lengths, rates) -> None:
                     acc, walls = pooled.get(id(st), ([], 0.0))
                     pooled[id(st)] = (acc + got, walls + wall)
                     cpu_turns.setdefault(id(st), []).append(cpu)
-                    server_rounds.setdefault(id(st), []).append(
-                        None if before is None or after is None or after[1] <= before[1]
-                        else (after[0] - before[0]) * 1e3 / (after[1] - before[1]))
-                    so_far = server.get(id(st), (0.0, 0.0))
-                    server[id(st)] = (
-                        None if so_far is None or before is None or after is None
-                        else (so_far[0] + after[0] - before[0], so_far[1] + after[1] - before[1]))
+                    server.setdefault(id(st), []).append(
+                        None if before is None or after is None
+                        else (after[0] - before[0], after[1] - before[1]))
             for st in states:
                 res = st["result"]
                 if res.get("failed"):
@@ -708,10 +702,14 @@ def run_group(states: list[dict], args, lengths, rates) -> None:
                                                      "of its requests"})
                     continue
                 got, wall = pooled[id(st)]
-                pt = summarize(length, rate, got, wall, args.rounds, server.get(id(st)))
+                grown = server.get(id(st), [])
+                pooled_growth = None if None in grown else (sum(g[0] for g in grown),
+                                                            sum(g[1] for g in grown))
+                pt = summarize(length, rate, got, wall, args.rounds, pooled_growth)
                 pt["cpu_ms_per_request"] = cpu_per_request(cpu_turns.get(id(st), []),
                                                            pt["requests"])
-                pt["server_tpot_ms_by_round"] = server_rounds.get(id(st), [])
+                pt["server_tpot_ms_by_round"] = [None if g is None or g[1] <= 0
+                                                 else g[0] * 1e3 / g[1] for g in grown]
                 res["points"].append(pt)
                 t, tp = pt["ttft_ms"], pt["tpot_ms"]
                 fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
@@ -877,8 +875,7 @@ def by_depth(cpu: dict, role: str, suffix: str = "") -> str:
 
 def markdown_targets(checks: list[dict]) -> list[str]:
     """The report's targets section: each check pooled and round by round."""
-    lines: list[str] = []
-    lines += ["## Targets (kvx push against corrected vLLM)", "",
+    lines = ["## Targets (kvx push against corrected vLLM)", "",
               "`rounds`: the same check in each round alone (its requests only: the systems' "
               "turns of a round are minutes apart), the rounds it held in, then each round's "
               "ratio.", "",

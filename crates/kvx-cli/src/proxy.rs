@@ -768,9 +768,9 @@ fn forward(
     )
 }
 
-/// `body`'s pieces, with a piece that does not come within `idle` of the one before (the
-/// first piece is not timed) turned into an error, after which the stream ends: dropping
-/// `body` closes decode's connection, which aborts the request there.
+/// `body`'s pieces up to its first error, with a piece that does not come within `idle` of
+/// the one before (the first piece is not timed) turned into an error; the stream ends after
+/// an error, and dropping `body` closes decode's connection, which aborts the request there.
 fn bounded_silence(
     body: impl futures_util::Stream<Item = Result<axum::body::Bytes, String>> + Send + 'static,
     idle: Option<Duration>,
@@ -832,25 +832,21 @@ fn respond(
         .map(|piece| piece.map_err(|e| e.to_string()));
     // A stream's silence is bounded; any other body comes whole at the end.
     let pieces = bounded_silence(pieces, idle.filter(|_| events));
-    // An event stream that breaks off ends with an error event, as vLLM's own errors do, so
-    // that the client can tell a failed answer from a finished one; any other body is cut.
-    let body = pieces.scan(false, move |failed, chunk| {
+    // An event stream that breaks off (`pieces` ends at its first error) ends with an error
+    // event, as vLLM's own errors do, so that the client can tell a failed answer from a
+    // finished one; any other body is cut.
+    let body = pieces.map(move |piece| {
         let _ = &load;
-        let item = match chunk {
-            _ if *failed => None,
+        match piece {
             Ok(bytes) => {
                 if let Some(u) = unclaimed.as_mut().filter(|_| success) {
                     u.claim();
                 }
-                Some(Ok(bytes))
+                Ok(bytes)
             }
-            Err(e) if events => {
-                *failed = true;
-                Some(Ok(error_event(&format!("decode's answer broke off: {e}"))))
-            }
-            Err(e) => Some(Err(std::io::Error::other(e))),
-        };
-        std::future::ready(item)
+            Err(e) if events => Ok(error_event(&format!("decode's answer broke off: {e}"))),
+            Err(e) => Err(std::io::Error::other(e)),
+        }
     });
     let mut resp = Response::new(Body::from_stream(body));
     *resp.status_mut() = status;
