@@ -16,8 +16,9 @@ output length). The systems that leave an idle machine alone (kvx, the corrected
 side by side: all started at once, and each point is measured in rounds (`--rounds`, default
 3) in which every system gets the same requests in turn, another system first each round, so
 that the machine's slow spells (a shared 2-core VM whose vLLM workers spin in their message
-queues) fall on all of them alike. The "as shipped" vLLM systems, whose progress threads spin
-even when idle, run alone afterwards. TTFT (request sent to first streamed token) and TPOT ((last token - first
+queues) fall on all of them alike; during a system's turn the others are stopped (SIGSTOP,
+`--idle-systems`), so that each is measured alone on the machine. The "as shipped" vLLM
+systems, whose progress threads spin even when idle, run alone afterwards. TTFT (request sent to first streamed token) and TPOT ((last token - first
 token) / (output tokens - 1)) are measured by this client. A request that fails or takes longer
 than the cap counts as an error or a timeout: a result, not a crash.
 
@@ -39,6 +40,7 @@ import asyncio
 import json
 import os
 import random
+import signal
 import statistics
 import sys
 import threading
@@ -637,7 +639,27 @@ def start_system(system: tuple, args, model: Path, log_dir: Path, lengths) -> di
     return state
 
 
+def hold_idle(states: list[dict], running: dict | None) -> None:
+    """Stops (SIGSTOP) every process of every system of `states` but `running`, then continues
+    (SIGCONT) `running`'s; continues every system where `running` is None. Each server is the
+    leader of its own process group (`Server` starts it in a new session), which vLLM's engine
+    and worker processes share, so one signal per server reaches all of its processes. A
+    stopped system holds no core: no idle progress thread, no spin of vLLM's message queues,
+    no timer; the kernel still answers its TCP peers, so no connection of it breaks."""
+    order = sorted(states, key=lambda st: st is running)  # stop the others first
+    for st in order:
+        sig = signal.SIGCONT if running is None or st is running else signal.SIGSTOP
+        for srv in st.get("servers", []):
+            if srv.proc.poll() is None:
+                try:
+                    os.killpg(srv.proc.pid, sig)
+                except ProcessLookupError:  # ended since the poll
+                    pass
+
+
 def stop_system(state: dict) -> None:
+    # A stopped process would hold a SIGTERM until continued.
+    hold_idle([state], None)
     servers = state.pop("servers", [])
     for srv in reversed(servers):
         srv.kill()
@@ -650,7 +672,8 @@ def run_group(states: list[dict], args, lengths, rates) -> None:
     """Every point of every running system of `states`, in `args.rounds` rounds: each round
     sends `args.requests` requests (the same prompts and arrival times for every system) to
     each system in turn, starting with another system each round, so that the systems meet
-    the machine's slow spells alike. A point pools its rounds."""
+    the machine's slow spells alike; with `--idle-systems stopped`, the others are stopped
+    during a turn (`hold_idle`). A point pools its rounds."""
     for length in lengths:
         for rate in rates:
             pooled: dict[int, tuple[list, float]] = {}
@@ -666,6 +689,8 @@ def run_group(states: list[dict], args, lengths, rates) -> None:
                     if res.get("failed") or res.get("saturated_at") == length:
                         continue
                     seed = hash((length, rate, r)) & 0xFFFF
+                    if args.idle_systems == "stopped":
+                        hold_idle(states, st)
                     time.sleep(TURN_GAP_S)
                     if args.turn_warmup:
                         warm = asyncio.run(warm_up(st["url"], [length], args.turn_warmup))
@@ -913,7 +938,11 @@ def markdown(report: dict) -> str:
         f"Tiny float32 Llama (2 layers, 2 KV heads, head dim 32), vLLM {report['vllm']} on CPU, "
         f"prefill on core 0, decode on core 1; {report['requests_per_point']} requests per "
         f"point ({report['rounds']} rounds of {report['requests_per_round']}, the systems "
-        "running side by side and taking turns, another first each round), Poisson "
+        "started side by side and taking turns, another first each round; "
+        + {"stopped": "the others stopped (SIGSTOP) during a system's turn",
+           "running": "the others running idle during a system's turn"}.get(
+               report.get("idle_systems", "running"), "")
+        + "), Poisson "
         f"arrivals, {OUTPUT_TOKENS} output tokens, streamed; warm-up "
         f"{report['warmup_per_length']} requests per input length first, and "
         f"{report.get('turn_warmup', 0)} untimed ones at the start of each turn; requests "
@@ -1034,6 +1063,11 @@ def main() -> None:
     ap.add_argument("--turn-warmup", type=int, default=TURN_WARMUP,
                     help="untimed requests (one at a time, the point's input length) that "
                          "start each system's turn in each round")
+    ap.add_argument("--idle-systems", choices=["stopped", "running"], default="stopped",
+                    help="what the systems side by side do during another's turn: stopped "
+                         "(SIGSTOP, continued for their own turn; each system is measured "
+                         "alone on the machine) or running (idle, their threads and timers "
+                         "competing for the cores)")
     ap.add_argument("--kvx-transport", help="kvx's data transport (default: the connector's, "
                     "libfabric:shm); e.g. cma")
     args = ap.parse_args()
@@ -1093,6 +1127,7 @@ def main() -> None:
         "lengths": lengths, "rates": rates, "requests_per_round": args.requests,
         "rounds": args.rounds, "requests_per_point": args.requests * args.rounds,
         "warmup_per_length": args.warmup, "turn_warmup": args.turn_warmup,
+        "idle_systems": args.idle_systems,
         "output_tokens": OUTPUT_TOKENS,
         "request_cap_s": REQUEST_CAP_S,
         "corrections": "nixl_site/sitecustomize.py: KVX_BENCH_VLLM_CORRECTED=1 skips "
