@@ -452,6 +452,11 @@ async def run_point(url: str, length: int, rate: float, n: int, seed: int) -> tu
 # Decode's own per-request TPOT histogram (vLLM's stats: first to last token of each request,
 # measured in the engine's output path, not at the client).
 SERVER_TPOT = "vllm:request_time_per_output_token_seconds"
+TOKEN_GAPS = "vllm:inter_token_latency_seconds_bucket"
+# Bounds (s) of decode's inter-token latency histogram (vLLM's own start at 10 ms, coarser than
+# a decode step here), given to every instance with `--custom-histogram-buckets`.
+GAP_BOUNDS_S = [0.002, 0.004, 0.006, 0.008, 0.010, 0.015, 0.020, 0.030, 0.050, 0.100, 0.250,
+                1.0]
 
 
 def server_tpot(decode_url: str) -> tuple[float, float] | None:
@@ -462,6 +467,31 @@ def server_tpot(decode_url: str) -> tuple[float, float] | None:
         return metric(decode_url, SERVER_TPOT + "_sum"), metric(decode_url, SERVER_TPOT + "_count")
     except (OSError, AssertionError):  # down, or no such histogram
         return None
+
+
+def token_gaps(decode_url: str) -> dict[str, float] | None:
+    """Decode's inter-token latency histogram so far: cumulative token gaps per upper bound
+    (`le`, s, as vLLM writes it, "+Inf" included); None if unreadable."""
+    from test_e2e_vllm import http
+
+    try:
+        status, body = http("GET", f"{decode_url}/metrics")
+    except OSError:
+        return None
+    if status != 200:
+        return None
+    out: dict[str, float] = {}
+    for line in body.decode(errors="replace").splitlines():
+        if line.startswith(TOKEN_GAPS + "{") and 'le="' in line:
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            out[le] = out.get(le, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out or None
+
+
+def gaps_grown(before: dict | None, after: dict | None) -> dict[str, float] | None:
+    if before is None or after is None:
+        return None
+    return {le: after[le] - before.get(le, 0.0) for le in after}
 
 
 def summarize(length: int, rate: float, results: list, wall: float, rounds: int,
@@ -551,6 +581,7 @@ def start_instance(name: str, model: Path, log_dir: Path, kv: dict, cores: str,
         "--max-model-len", "2048", "--max-num-seqs", "8", "--seed", "0",
         "--host", "127.0.0.1", "--port", str(port), "--no-enable-prefix-caching",
         "--kv-transfer-config", json.dumps(kv),
+        "--custom-histogram-buckets", json.dumps({"inter_token_latency": GAP_BOUNDS_S}),
     ]
     env = vllm_env(cores)
     env.update(extra_env)
@@ -682,6 +713,8 @@ def run_group(states: list[dict], args, lengths, rates) -> None:
             server: dict[int, list[tuple[float, float] | None]] = {}
             # Each turn's CPU time by part (`cpu_turn`), per system.
             cpu_turns: dict[int, list[dict]] = {}
+            # Decode's token gaps of each turn (`token_gaps` growth), per system.
+            gaps: dict[int, list[dict | None]] = {}
             for r in range(args.rounds):
                 order = [states[(i + r) % len(states)] for i in range(len(states))]
                 for st in order:
@@ -699,6 +732,7 @@ def run_group(states: list[dict], args, lengths, rates) -> None:
                         turn["ok"] += warm["ok"]
                         turn["errors"] = (turn["errors"] + warm["errors"])[:5]
                     before = server_tpot(st["decode_url"])
+                    gaps_before = token_gaps(st["decode_url"])
                     cpu_before = cpu_parts(states, st)
                     t_turn = time.perf_counter()
                     got, wall = asyncio.run(run_point(st["url"], length, rate, args.requests,
@@ -711,6 +745,8 @@ def run_group(states: list[dict], args, lengths, rates) -> None:
                     # The engine's stats follow its outputs by a moment.
                     time.sleep(0.5)
                     after = server_tpot(st["decode_url"])
+                    gaps.setdefault(id(st), []).append(
+                        gaps_grown(gaps_before, token_gaps(st["decode_url"])))
                     acc, walls = pooled.get(id(st), ([], 0.0))
                     pooled[id(st)] = (acc + got, walls + wall)
                     cpu_turns.setdefault(id(st), []).append(cpu)
@@ -733,6 +769,7 @@ def run_group(states: list[dict], args, lengths, rates) -> None:
                 pt = summarize(length, rate, got, wall, args.rounds, pooled_growth)
                 pt["cpu_ms_per_request"] = cpu_per_request(cpu_turns.get(id(st), []),
                                                            pt["requests"])
+                pt["decode_token_gaps_by_round"] = gaps.get(id(st), [])
                 pt["server_tpot_ms_by_round"] = [None if g is None or g[1] <= 0
                                                  else g[0] * 1e3 / g[1] for g in grown]
                 res["points"].append(pt)
@@ -928,6 +965,29 @@ def markdown_targets(checks: list[dict]) -> list[str]:
     return lines
 
 
+def pooled_gaps(p: dict | None) -> dict[str, float] | None:
+    """A point's decode token gaps over all its rounds (cumulative per bound); None where a
+    round's scrape failed or the report predates them."""
+    rounds = None if p is None else p.get("decode_token_gaps_by_round")
+    if not rounds or None in rounds:
+        return None
+    out: dict[str, float] = {}
+    for r in rounds:
+        for le, n in r.items():
+            out[le] = out.get(le, 0.0) + n
+    return out
+
+
+def gap_shares(p: dict | None) -> str:
+    g = pooled_gaps(p)
+    if not g or not g.get("+Inf"):
+        return "–"
+    total = g["+Inf"]
+    over = lambda bound: 1 - g.get(bound, total) / total  # noqa: E731
+    return (f"{over('0.01'):.1%} / {over('0.02'):.1%} / {over('0.05'):.1%} "
+            f"of {total:.0f}")
+
+
 def markdown(report: dict) -> str:
     systems = [s["system"] for s in report["systems"]]
     pts = {(s["system"], p["input_tokens"], p["rate"]): p
@@ -986,6 +1046,9 @@ def markdown(report: dict) -> str:
                    "`request_time_per_output_token_seconds`, first to last token of each request)",
                    lambda p: "–" if p is None or "skipped" in p
                    else fmt_ms(p.get("server_tpot_ms_mean")))
+    lines += table("Decode's gaps between a request's tokens (vLLM's inter-token latency "
+                   "histogram, every round): the share over 10 ms / over 20 ms / over 50 ms, and "
+                   "the gaps counted", gap_shares)
     def cpu(p):
         c = None if p is None or "skipped" in p else p.get("cpu_ms_per_request")
         if not c:
