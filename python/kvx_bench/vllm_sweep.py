@@ -46,6 +46,7 @@ import sys
 import threading
 import time
 import uuid
+import zlib
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -872,11 +873,63 @@ def point_rounds(p: dict | None) -> int:
     return 1 + max((r["round"] for r in p.get("samples", []) if "round" in r), default=-1)
 
 
+# Resamples per check for its ratio's interval (`ratio_interval`), and the interval's coverage.
+BOOTSTRAP_RESAMPLES = 400
+INTERVAL = 0.90
+
+
+def ratio_interval(kp: dict, other: dict, metric: str, q: str, clean, seed: int
+                   ) -> tuple[float, float] | None:
+    """A 90 % interval of a check's ratio (kvx push / vLLM) by a two-level bootstrap over the
+    rounds the two points share: rounds drawn with replacement, the same for both systems (their
+    turns of a round met the same spell of the machine), then within each drawn round its
+    requests drawn with replacement (decode's own TPOT is kept per round only: the rounds
+    alone). None where fewer than 2 rounds are shared or a resample has no figure."""
+    rounds = min(point_rounds(kp), point_rounds(other))
+    if rounds < 2:
+        return None
+
+    def by_round(p):
+        if metric == "server_tpot_ms_mean":
+            return [point_value(p, metric, q, r) for r in range(rounds)]
+        out = [[] for _ in range(rounds)]
+        for x in p.get("samples", []):
+            if x.get("ok") and x.get(metric) is not None and x.get("round", rounds) < rounds:
+                out[x["round"]].append(x[metric])
+        return out
+
+    a_rounds, b_rounds = by_round(kp), by_round(other)
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(BOOTSTRAP_RESAMPLES):
+        picked = [rng.randrange(rounds) for _ in range(rounds)]
+        if metric == "server_tpot_ms_mean":
+            a_vals = [a_rounds[r] for r in picked]
+            b_vals = [b_rounds[r] for r in picked]
+            if None in a_vals or None in b_vals:
+                return None
+            a, b = statistics.fmean(a_vals), clean(statistics.fmean(b_vals))
+        else:
+            def draw(per_round):
+                return [rng.choice(per_round[r]) for r in picked for _ in per_round[r]]
+            a, b = quantiles(draw(a_rounds))[q], clean(quantiles(draw(b_rounds))[q])
+        if a is None or not b:
+            return None
+        ratios.append(a / b)
+    ratios.sort()
+    tail = (1 - INTERVAL) / 2
+    return (ratios[int(tail * (len(ratios) - 1))],
+            ratios[int(round((1 - tail) * (len(ratios) - 1)))])
+
+
 def check_targets(report: dict) -> list[dict]:
     """#7's targets, each judged over the pooled rounds of a point (`met`) and, to show how
     much of a verdict the machine's slow spells decide, in each round alone (`round_ratios`,
     `rounds_met` of `rounds`: the systems took their turns of a round minutes apart, so a round
-    that one system wins and the next it loses is noise, not a difference)."""
+    that one system wins and the next it loses is noise, not a difference), and with a 90 %
+    interval of its ratio (`interval`, `ratio_interval`) and what that interval says
+    (`confidence`: "met" or "missed" where the whole interval lies on one side of the check's
+    bound, "undecided" where it straddles it)."""
     pts = {(s["system"], p["input_tokens"], p["rate"]): p
            for s in report["systems"] for p in s["points"] if "skipped" not in p}
     lengths, rates = report["lengths"], report["rates"]
@@ -887,7 +940,11 @@ def check_targets(report: dict) -> list[dict]:
         # (decode's output loop ran behind), the time between them says nothing.
         return None if b is not None and b < BURST_TPOT_MS else b
 
-    def check(what, length, rate, kp, other, metric, q, ok, clean=lambda b: b):
+    def check(what, length, rate, kp, other, metric, q, bound, strict=False,
+              clean=lambda b: b):
+        def ok(a, b):
+            return a < bound * b if strict else a <= bound * b
+
         def judge(a, b):
             # None ("n/a"): the vLLM side has no figure (nothing measurable).
             if a is not None and b is None:
@@ -901,8 +958,19 @@ def check_targets(report: dict) -> list[dict]:
         per_round = [(point_value(kp, metric, q, r), clean(point_value(other, metric, q, r)))
                      for r in range(min(point_rounds(kp), point_rounds(other)))]
         judged = [judge(ar, br) for ar, br in per_round]
+        interval = None
+        if a is not None and b is not None:
+            interval = ratio_interval(kp, other, metric, q, clean,
+                                      seed=zlib.crc32(f"{what} {length} {rate}".encode()))
+        confidence = None
+        if interval is not None:
+            low, high = interval
+            confidence = ("met" if (high < bound if strict else high <= bound)
+                          else "missed" if (low >= bound if strict else low > bound)
+                          else "undecided")
         checks.append({"what": what, "input_tokens": length, "rate": rate, "kvx": a, "vllm": b,
-                       "ratio": ratio(a, b), "met": judge(a, b),
+                       "ratio": ratio(a, b), "met": judge(a, b), "bound": bound,
+                       "interval": interval, "confidence": confidence,
                        "round_ratios": [ratio(ar, br) for ar, br in per_round],
                        "rounds": sum(1 for j in judged if j is not None),
                        "rounds_met": sum(1 for j in judged if j)})
@@ -914,18 +982,18 @@ def check_targets(report: dict) -> list[dict]:
             npull = get(pts, "nixl-pull-corrected", length, rate)
             for q in ("p50", "p99"):
                 check(f"TTFT {q} kvx push <= 0.8 x corrected NixlPushConnector", length, rate,
-                      kp, npush, "ttft_ms", q, lambda a, b: a <= 0.8 * b)
+                      kp, npush, "ttft_ms", q, 0.8)
             if rate == max(rates):
                 for q in ("p50", "p99"):
                     check(f"TTFT {q} kvx push < corrected NixlConnector (highest load)", length,
-                          rate, kp, npull, "ttft_ms", q, lambda a, b: a < b)
+                          rate, kp, npull, "ttft_ms", q, 1.0, strict=True)
             for other, label in ((npush, "NixlPushConnector"), (npull, "NixlConnector")):
                 check(f"TPOT p50 kvx push no worse than corrected {label} (<= 1.05 x)", length,
-                      rate, kp, other, "tpot_ms", "p50", lambda a, b: a <= 1.05 * b, no_burst)
+                      rate, kp, other, "tpot_ms", "p50", 1.05, clean=no_burst)
                 # The same judged by decode's own measure, which client-side bursts do not bend.
                 check(f"TPOT mean (decode's measure) kvx push no worse than corrected {label} "
                       "(<= 1.05 x)", length, rate, kp, other, "server_tpot_ms_mean", "mean",
-                      lambda a, b: a <= 1.05 * b)
+                      1.05)
     return checks
 
 
@@ -940,18 +1008,25 @@ def markdown_targets(checks: list[dict]) -> list[str]:
     lines = ["## Targets (kvx push against corrected vLLM)", "",
               "`rounds`: the same check in each round alone (its requests only: the systems' "
               "turns of a round are minutes apart), the rounds it held in, then each round's "
-              "ratio.", "",
-              "| check | input | req/s | kvx | vLLM | ratio | met | rounds |",
-              "|---|---:|---:|---:|---:|---:|---|---|"]
+              "ratio. `90 % interval`: of the ratio, by a bootstrap over the rounds (drawn alike "
+              "for both systems) and the requests within them; `met` or `missed` with that "
+              "confidence where the whole interval lies on one side of the check's bound, "
+              "`undecided` where it straddles it.", "",
+              "| check | input | req/s | kvx | vLLM | ratio | met | 90 % interval | rounds |",
+              "|---|---:|---:|---:|---:|---:|---|---|---|"]
     for c in checks:
         ratio = "–" if c["ratio"] is None else f"{c['ratio']:.2f}"
         rounds = "–"
         if c.get("rounds"):
             each = " ".join("–" if x is None else f"{x:.2f}" for x in c["round_ratios"])
             rounds = f"{c['rounds_met']} of {c['rounds']}: {each}"
+        interval = "–"
+        if c.get("interval"):
+            interval = f"{c['interval'][0]:.2f}–{c['interval'][1]:.2f}: {c['confidence']}"
         lines.append(f"| {c['what']} | {c['input_tokens']} | {c['rate']:g} | {fmt_ms(c['kvx'])} | "
                      f"{fmt_ms(c['vllm'])} | {ratio} | "
-                     f"{'n/a' if c['met'] is None else 'yes' if c['met'] else 'NO'} | {rounds} |")
+                     f"{'n/a' if c['met'] is None else 'yes' if c['met'] else 'NO'} | "
+                     f"{interval} | {rounds} |")
     met = sum(1 for c in checks if c["met"])
     checked = sum(1 for c in checks if c["met"] is not None)
     lines += ["", f"{met} of {checked} checks met ({len(checks) - checked} n/a).", ""]
@@ -962,6 +1037,11 @@ def markdown_targets(checks: list[dict]) -> list[str]:
         lines += [f"Round by round: {held} of {total} round checks held; checks that held in "
                   f"every round: {sum(1 for c in judged if c['rounds_met'] == c['rounds'])}, "
                   f"in none: {sum(1 for c in judged if c['rounds_met'] == 0)}.", ""]
+    told = [c["confidence"] for c in checks if c.get("confidence")]
+    if told:
+        lines += [f"With 90 % confidence: met {told.count('met')}, missed "
+                  f"{told.count('missed')}, undecided {told.count('undecided')} (of "
+                  f"{len(told)} checks with an interval).", ""]
     return lines
 
 

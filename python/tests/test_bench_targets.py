@@ -92,3 +92,53 @@ def test_a_burst_on_the_vllm_side_is_not_judged_and_old_reports_have_no_rounds()
     assert all(c["rounds"] == 0 and c["round_ratios"] == [] for c in checks)
     assert all(c["met"] is not None for c in checks)
     assert "Round by round:" not in "\n".join(vs.markdown_targets(checks))
+    assert all(c["interval"] is None and c["confidence"] is None for c in checks)
+    assert "With 90 % confidence" not in "\n".join(vs.markdown_targets(checks))
+
+
+def spread(round_: int, centre: float, tpot: float, n: int = 12) -> list[dict]:
+    """`n` requests of a round whose TTFT spreads ±10 % around `centre`."""
+    return [sample(round_, centre * (0.9 + 0.2 * i / (n - 1)), tpot) for i in range(n)]
+
+
+def test_each_check_has_a_bootstrap_interval_and_says_what_it_is_sure_of():
+    rounds = range(4)
+    # kvx push: TTFT 40 % of NixlPush's in every round; TPOT 20 % above NixlPush's in every
+    # round; against NixlConnector, decode's TPOT 15 % better in two rounds and 18 % worse in the
+    # other two (the machine's rounds, not a difference).
+    kvx = point([x for r in rounds for x in spread(r, 40, 12 if r % 2 else 9)],
+                [12.0, 9.0, 12.0, 9.0])
+    push = point([x for r in rounds for x in spread(r, 100, 10 if r % 2 else 7.5)],
+                 [10.0, 7.5, 10.0, 7.5])
+    pull = point([x for r in rounds for x in spread(r, 60, 11 if r % 2 else 10)],
+                 [14.1, 7.6, 10.2, 10.6])
+    checks = by_what(vs.check_targets(report(kvx, push, pull)))
+
+    ttft = checks["TTFT p50 kvx push <= 0.8 x corrected NixlPushConnector"]
+    low, high = ttft["interval"]
+    assert 0.3 < low <= ttft["ratio"] <= high < 0.5, ttft["interval"]
+    assert ttft["confidence"] == "met"
+
+    worse = checks["TPOT p50 kvx push no worse than corrected NixlPushConnector (<= 1.05 x)"]
+    assert worse["met"] is False and worse["confidence"] == "missed"
+    assert worse["interval"][0] > 1.05
+
+    # Decode's own measure against NixlConnector: 0.85, 1.18, 1.18, 0.85 by round.
+    even = checks["TPOT mean (decode's measure) kvx push no worse than corrected "
+                  "NixlConnector (<= 1.05 x)"]
+    low, high = even["interval"]
+    assert low < 1.0 < 1.05 < high and even["confidence"] == "undecided"
+
+    # Strict bound: kvx push below NixlConnector at the highest load, 40 against 60.
+    highest = checks["TTFT p50 kvx push < corrected NixlConnector (highest load)"]
+    assert highest["bound"] == 1.0 and highest["confidence"] == "met"
+
+    # The same report gives the same intervals (seeded by the check, not by the process).
+    again = by_what(vs.check_targets(report(kvx, push, pull)))
+    assert all(again[w]["interval"] == c["interval"] for w, c in checks.items())
+
+    text = "\n".join(vs.markdown_targets(list(checks.values())))
+    assert f"| {ttft['interval'][0]:.2f}–{ttft['interval'][1]:.2f}: met |" in text
+    told = [c["confidence"] for c in checks.values()]
+    assert (f"With 90 % confidence: met {told.count('met')}, missed {told.count('missed')}, "
+            f"undecided {told.count('undecided')}") in text
