@@ -18,8 +18,9 @@ side by side: all started at once, and each point is measured in rounds (`--roun
 that the machine's slow spells (a shared 2-core VM whose vLLM workers spin in their message
 queues) fall on all of them alike; during a system's turn the others are stopped (SIGSTOP,
 `--idle-systems`), so that each is measured alone on the machine. The "as shipped" vLLM
-systems, whose progress threads spin even when idle, run alone afterwards. TTFT (request sent to first streamed token) and TPOT ((last token - first
-token) / (output tokens - 1)) are measured by this client. A request that fails or takes longer
+systems, whose progress threads spin even when idle, run alone afterwards. TTFT (request sent
+to first streamed token) and TPOT ((last token - first token) / (output tokens - 1)) are
+measured by this client. A request that fails or takes longer
 than the cap counts as an error or a timeout: a result, not a crash.
 
 Routers: `kvx proxy --mode push|pull` for kvx and for NixlConnector (its pull protocol is the
