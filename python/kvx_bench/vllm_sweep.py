@@ -212,6 +212,25 @@ def process_table() -> dict[int, tuple[int, int]]:
     return out
 
 
+def process_trees(table: dict[int, tuple[int, int]], roots: list[int]
+                   ) -> dict[int, list[tuple[int, int]]]:
+    """Each root's tree in `table` (`process_table`): the root and its descendants, each as
+    (pid, depth below the root); empty for a root that is gone."""
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    trees = {}
+    for root in roots:
+        found, stack = [], [(root, 0)]
+        while stack:
+            pid, depth = stack.pop()
+            if pid in table:
+                found.append((pid, depth))
+                stack.extend((c, depth + 1) for c in children.get(pid, ()))
+        trees[root] = found
+    return trees
+
+
 def helper_threads_ticks(pid: int) -> int:
     """CPU ticks of a process's threads other than its main one: in a vLLM worker, whose main
     thread runs the model and spins on its message queue between steps, the connector's
@@ -251,18 +270,8 @@ def cpu_parts(states: list[dict], measured: dict) -> dict[str, float]:
     in threads other than the main one (`helper_threads_ticks`); `<part> runq`: how long the
     part's main threads waited, runnable, for a core (`runqueue_wait_ms`)."""
     table = process_table()
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, _) in table.items():
-        children.setdefault(ppid, []).append(pid)
-
-    def tree(root: int):
-        stack = [(root, 0)]
-        while stack:
-            pid, depth = stack.pop()
-            if pid in table:
-                yield pid, depth
-                stack.extend((c, depth + 1) for c in children.get(pid, ()))
-
+    trees = process_trees(table, [srv.proc.pid for st in states
+                                  for srv in st.get("servers", [])])
     parts: dict[str, float] = {"other systems": 0.0,
                                "client": table.get(os.getpid(), (0, 0))[1] * TICK_MS}
 
@@ -272,7 +281,7 @@ def cpu_parts(states: list[dict], measured: dict) -> dict[str, float]:
     for st in states:
         for srv in st.get("servers", []):
             role = srv.name.rsplit("-", 1)[-1]  # prefill, decode or router
-            for pid, depth in tree(srv.proc.pid):
+            for pid, depth in trees[srv.proc.pid]:
                 ms = table[pid][1] * TICK_MS
                 if st is not measured:
                     add("other systems", ms)
@@ -461,19 +470,11 @@ GAP_BOUNDS_S = [0.002, 0.004, 0.006, 0.008, 0.010, 0.015, 0.020, 0.030, 0.050, 0
                 1.0]
 
 
-def server_tpot(decode_url: str) -> tuple[float, float] | None:
-    """Decode's TPOT histogram so far: (sum in seconds, requests); None if unreadable."""
-    from test_e2e_vllm import metric
-
-    try:
-        return metric(decode_url, SERVER_TPOT + "_sum"), metric(decode_url, SERVER_TPOT + "_count")
-    except (OSError, AssertionError):  # down, or no such histogram
-        return None
-
-
-def token_gaps(decode_url: str) -> dict[str, float] | None:
-    """Decode's inter-token latency histogram so far: cumulative token gaps per upper bound
-    (`le`, s, as vLLM writes it, "+Inf" included); None if unreadable."""
+def decode_histograms(decode_url: str) -> dict | None:
+    """Decode's histograms so far, from one read of its `/metrics`: `tpot`, its TPOT
+    histogram's (sum in seconds, requests), None if absent; `gaps`, its inter-token latency
+    histogram's cumulative token gaps per upper bound (`le`, s, as vLLM writes it, "+Inf"
+    included). None if unreadable."""
     from test_e2e_vllm import http
 
     try:
@@ -482,18 +483,31 @@ def token_gaps(decode_url: str) -> dict[str, float] | None:
         return None
     if status != 200:
         return None
-    out: dict[str, float] = {}
+    sums = {SERVER_TPOT + "_sum": 0.0, SERVER_TPOT + "_count": 0.0}
+    seen: set[str] = set()
+    gaps: dict[str, float] = {}
     for line in body.decode(errors="replace").splitlines():
-        if line.startswith(TOKEN_GAPS + "{") and 'le="' in line:
+        name = line.split("{", 1)[0]
+        if name in sums:
+            sums[name] += float(line.rsplit(" ", 1)[1])
+            seen.add(name)
+        elif name == TOKEN_GAPS and 'le="' in line:
             le = line.split('le="', 1)[1].split('"', 1)[0]
-            out[le] = out.get(le, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out or None
+            gaps[le] = gaps.get(le, 0.0) + float(line.rsplit(" ", 1)[1])
+    tpot = (sums[SERVER_TPOT + "_sum"], sums[SERVER_TPOT + "_count"]) if len(seen) == 2 else None
+    return {"tpot": tpot, "gaps": gaps}
 
 
-def gaps_grown(before: dict | None, after: dict | None) -> dict[str, float] | None:
-    if before is None or after is None:
+def grown(before: dict | None, after: dict | None, key: str):
+    """What decode's histogram `key` (`decode_histograms`) grew by between two reads: a
+    (sum, count) pair for `tpot`, counts per bound for `gaps`; None if either read lacks it."""
+    a = None if before is None else before[key]
+    b = None if after is None else after[key]
+    if a is None or b is None:
         return None
-    return {le: after[le] - before.get(le, 0.0) for le in after}
+    if key == "tpot":
+        return b[0] - a[0], b[1] - a[1]
+    return {le: n - a.get(le, 0.0) for le, n in b.items()} or None
 
 
 def summarize(length: int, rate: float, results: list, wall: float, rounds: int,
@@ -691,8 +705,6 @@ def hold_idle(states: list[dict], running: dict | None) -> None:
 
 
 def stop_system(state: dict) -> None:
-    # A stopped process would hold a SIGTERM until continued.
-    hold_idle([state], None)
     servers = state.pop("servers", [])
     for srv in reversed(servers):
         srv.kill()
@@ -711,11 +723,11 @@ def run_group(states: list[dict], args, lengths, rates) -> None:
         for rate in rates:
             pooled: dict[int, tuple[list, float]] = {}
             # Decode's TPOT histogram's growth in each round's turn (sum in seconds, requests;
-            # None where a scrape failed), per system.
+            # None where a read failed), per system.
             server: dict[int, list[tuple[float, float] | None]] = {}
             # Each turn's CPU time by part (`cpu_turn`), per system.
             cpu_turns: dict[int, list[dict]] = {}
-            # Decode's token gaps of each turn (`token_gaps` growth), per system.
+            # Decode's token gaps of each turn (`grown` "gaps"), per system.
             gaps: dict[int, list[dict | None]] = {}
             for r in range(args.rounds):
                 order = [states[(i + r) % len(states)] for i in range(len(states))]
@@ -733,8 +745,7 @@ def run_group(states: list[dict], args, lengths, rates) -> None:
                         turn["sent"] += warm["sent"]
                         turn["ok"] += warm["ok"]
                         turn["errors"] = (turn["errors"] + warm["errors"])[:5]
-                    before = server_tpot(st["decode_url"])
-                    gaps_before = token_gaps(st["decode_url"])
+                    before = decode_histograms(st["decode_url"])
                     cpu_before = cpu_parts(states, st)
                     t_turn = time.perf_counter()
                     got, wall = asyncio.run(run_point(st["url"], length, rate, args.requests,
@@ -746,15 +757,12 @@ def run_group(states: list[dict], args, lengths, rates) -> None:
                         sample["round"] = r
                     # The engine's stats follow its outputs by a moment.
                     time.sleep(0.5)
-                    after = server_tpot(st["decode_url"])
-                    gaps.setdefault(id(st), []).append(
-                        gaps_grown(gaps_before, token_gaps(st["decode_url"])))
+                    after = decode_histograms(st["decode_url"])
+                    gaps.setdefault(id(st), []).append(grown(before, after, "gaps"))
                     acc, walls = pooled.get(id(st), ([], 0.0))
                     pooled[id(st)] = (acc + got, walls + wall)
                     cpu_turns.setdefault(id(st), []).append(cpu)
-                    server.setdefault(id(st), []).append(
-                        None if before is None or after is None
-                        else (after[0] - before[0], after[1] - before[1]))
+                    server.setdefault(id(st), []).append(grown(before, after, "tpot"))
             for st in states:
                 res = st["result"]
                 if res.get("failed"):
@@ -765,15 +773,15 @@ def run_group(states: list[dict], args, lengths, rates) -> None:
                                                      "of its requests"})
                     continue
                 got, wall = pooled[id(st)]
-                grown = server.get(id(st), [])
-                pooled_growth = None if None in grown else (sum(g[0] for g in grown),
-                                                            sum(g[1] for g in grown))
+                by_round = server.get(id(st), [])
+                pooled_growth = None if None in by_round else (sum(g[0] for g in by_round),
+                                                               sum(g[1] for g in by_round))
                 pt = summarize(length, rate, got, wall, args.rounds, pooled_growth)
                 pt["cpu_ms_per_request"] = cpu_per_request(cpu_turns.get(id(st), []),
                                                            pt["requests"])
                 pt["decode_token_gaps_by_round"] = gaps.get(id(st), [])
                 pt["server_tpot_ms_by_round"] = [None if g is None or g[1] <= 0
-                                                 else g[0] * 1e3 / g[1] for g in grown]
+                                                 else g[0] * 1e3 / g[1] for g in by_round]
                 res["points"].append(pt)
                 t, tp = pt["ttft_ms"], pt["tpot_ms"]
                 fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
@@ -862,9 +870,13 @@ def point_value(p: dict | None, metric: str, q: str, round_: int | None = None) 
         return by_round[round_] if round_ < len(by_round) else None
     if round_ is None:
         return p[metric][q]
-    xs = [r[metric] for r in p.get("samples", [])
-          if r.get("ok") and r.get("round") == round_ and r.get(metric) is not None]
-    return quantiles(xs)[q]
+    return quantiles(round_samples(p, metric, round_))[q]
+
+
+def round_samples(p: dict, metric: str, round_: int) -> list[float]:
+    """A point's client-side `metric` of every request of round `round_` that succeeded."""
+    return [r[metric] for r in p.get("samples", [])
+            if r.get("ok") and r.get("round") == round_ and r.get(metric) is not None]
 
 
 def point_rounds(p: dict | None) -> int:
@@ -893,11 +905,7 @@ def ratio_interval(kp: dict, other: dict, metric: str, q: str, clean, seed: int
     def by_round(p):
         if metric == "server_tpot_ms_mean":
             return [point_value(p, metric, q, r) for r in range(rounds)]
-        out = [[] for _ in range(rounds)]
-        for x in p.get("samples", []):
-            if x.get("ok") and x.get(metric) is not None and x.get("round", rounds) < rounds:
-                out[x["round"]].append(x[metric])
-        return out
+        return [round_samples(p, metric, r) for r in range(rounds)]
 
     a_rounds, b_rounds = by_round(kp), by_round(other)
     rng = random.Random(seed)

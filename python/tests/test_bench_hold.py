@@ -1,7 +1,8 @@
 """The vLLM sweep stops the systems side by side during another's turn
 (`kvx_bench.vllm_sweep.hold_idle`): on real process trees started the way the sweep starts vLLM
 (`Server`, a new session per server), every process of a held system is stopped, its CPU time
-stands still, the running system's processes run, and a held system still stops at once."""
+stands still, the running system's processes run, and a held system still stops at once
+(`Server.kill` continues it)."""
 
 from __future__ import annotations
 
@@ -49,12 +50,10 @@ def start_system(tmp_path: Path, name: str) -> dict:
 
 def processes(state: dict) -> dict[int, tuple[str, int]]:
     """Every process of a system's trees: pid -> (state letter, CPU ticks)."""
-    table = vllm_sweep.process_table()
-    pids = [s.proc.pid for s in state["servers"]]
-    for pid in pids:
-        pids.extend(p for p, (ppid, _) in table.items() if ppid == pid)
+    roots = [s.proc.pid for s in state["servers"]]
+    trees = vllm_sweep.process_trees(vllm_sweep.process_table(), roots)
     out = {}
-    for pid in pids:
+    for pid, _ in (node for root in roots for node in trees[root]):
         fields = vllm_sweep.stat_fields(f"/proc/{pid}/stat")
         if fields is not None:
             out[pid] = (fields[0], int(fields[11]) + int(fields[12]))

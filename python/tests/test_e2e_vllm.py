@@ -154,6 +154,11 @@ class Server:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, sig)
             try:
+                # A stopped process (SIGSTOP) gets the signal only once it runs again.
+                os.killpg(self.proc.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+            try:
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
