@@ -32,6 +32,11 @@ here (`nixl_push_router`, aiohttp) sends both legs at once with the same `X-Requ
 Output (--out, default target/kvx-bench): vllm.json (every point, every system, and the
 per-request samples), vllm.md (tables and the target check); logs of every process under
 vllm-logs/. The plots are drawn from vllm.json by xtask.
+
+Several sweeps of the same systems, lengths and rates pool into one report of all their rounds
+(the targets judged anew over them):
+
+    .kvx-cache/venv/bin/python -m kvx_bench.vllm_sweep pool A/vllm.json B/vllm.json --out DIR
 """
 
 from __future__ import annotations
@@ -801,6 +806,71 @@ def cpu_per_request(turns: list[dict], requests: int) -> dict | None:
     return {k: sum(t.get(k, 0.0) for t in turns) / requests for k in keys}
 
 
+def pool_points(points: list[dict]) -> dict:
+    """One point of several sweeps: their rounds one after the other (each sweep's round
+    numbers shifted past the previous sweep's), its figures recomputed from all requests,
+    decode's TPOT weighted by the requests it counted, CPU time per request by requests."""
+    if any("skipped" in p for p in points):
+        return next(p for p in points if "skipped" in p)
+    samples, tpot_by_round, gaps_by_round = [], [], []
+    growth: tuple[float, float] | None = (0.0, 0.0)
+    offset = 0
+    for p in points:
+        rounds = point_rounds(p) or p.get("rounds", 0)
+        samples += [dict(r, round=r.get("round", 0) + offset) for r in p["samples"]]
+        for key, acc in (("server_tpot_ms_by_round", tpot_by_round),
+                         ("decode_token_gaps_by_round", gaps_by_round)):
+            kept = list(p.get(key) or [])[:rounds]
+            acc += kept + [None] * (rounds - len(kept))
+        n = p.get("server_tpot_requests")
+        if growth is None or p.get("server_tpot_ms_mean") is None or not n:
+            growth = None
+        else:
+            growth = (growth[0] + p["server_tpot_ms_mean"] * n / 1e3, growth[1] + n)
+        offset += rounds
+    first = points[0]
+    pooled = summarize(first["input_tokens"], first["rate"], samples,
+                       sum(p["wall_s"] for p in points), offset, growth)
+    pooled["server_tpot_ms_by_round"] = tpot_by_round
+    pooled["decode_token_gaps_by_round"] = gaps_by_round
+    cpus = [(p.get("cpu_ms_per_request"), p["requests"]) for p in points]
+    if all(c for c, _ in cpus):
+        keys = sorted({k for c, _ in cpus for k in c})
+        pooled["cpu_ms_per_request"] = {
+            k: sum(c.get(k, 0.0) * n for c, n in cpus) / sum(n for _, n in cpus) for k in keys}
+    return pooled
+
+
+def pool_reports(reports: list[dict]) -> dict:
+    """Several sweeps of the same systems, input lengths and rates (vllm.json) as one report of
+    all their rounds, with #7's checks judged anew over them: a verdict no single 5-round sweep
+    on this machine can decide may be decided by several."""
+    first = reports[0]
+    names = [s["system"] for s in first["systems"]]
+    for r in reports[1:]:
+        if ([s["system"] for s in r["systems"]], r["lengths"], r["rates"]) != (
+                names, first["lengths"], first["rates"]):
+            raise ValueError(f"the sweep of {r['date']} has other systems, lengths or rates "
+                             f"than that of {first['date']}")
+    out = dict(first)
+    out["date"] = ", ".join(r["date"] for r in reports)
+    out["pooled_from"] = len(reports)
+    for key in ("rounds", "requests_per_point", "sweep_s"):
+        out[key] = sum(r.get(key) or 0 for r in reports)
+    out["systems"] = []
+    for k, name in enumerate(names):
+        runs = [r["systems"][k] for r in reports]
+        failed = next((s for s in runs if s.get("failed")), None)
+        if failed is not None:
+            out["systems"].append(failed)
+            continue
+        system = dict(runs[0])
+        system["points"] = [pool_points(list(ps)) for ps in zip(*(s["points"] for s in runs))]
+        out["systems"].append(system)
+    out["targets"] = check_targets(out)
+    return out
+
+
 def note_machine(got: list[dict], t_turn: float, system: str, round_: int) -> None:
     """Writes into each request's sample the CPU time the hypervisor stole from the machine
     while it waited for its first token, and logs the turn's steal."""
@@ -1096,7 +1166,9 @@ def markdown(report: dict) -> str:
         f"{report['warmup_per_length']} requests per input length first, and "
         f"{report.get('turn_warmup', 0)} untimed ones at the start of each turn; requests "
         f"capped at {REQUEST_CAP_S:.0f} s. TTFT and TPOT in ms (client side); `err` = failed "
-        "or timed-out requests of the point.",
+        "or timed-out requests of the point."
+        + (f" {report['pooled_from']} sweeps pooled (`vllm_sweep pool`): their rounds one "
+           "after the other." if report.get("pooled_from") else ""),
         "",
     ]
     def table(title, cell):
@@ -1189,6 +1261,18 @@ def markdown(report: dict) -> str:
 
 
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "pool":
+        ap = argparse.ArgumentParser(description="several sweeps' vllm.json as one report")
+        ap.add_argument("pool")
+        ap.add_argument("reports", nargs="+", type=Path)
+        ap.add_argument("--out", type=Path, required=True)
+        a = ap.parse_args()
+        report = pool_reports([json.loads(f.read_text()) for f in a.reports])
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / "vllm.json").write_text(json.dumps(report, indent=1))
+        (a.out / "vllm.md").write_text(markdown(report))
+        log(f"{len(a.reports)} sweeps pooled: {a.out / 'vllm.json'}, {a.out / 'vllm.md'}")
+        return
     if len(sys.argv) > 1 and sys.argv[1] == "router":
         ap = argparse.ArgumentParser()
         ap.add_argument("router")

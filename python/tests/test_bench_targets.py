@@ -11,7 +11,8 @@ from kvx_bench import vllm_sweep as vs  # noqa: E402
 
 
 def sample(round_: int, ttft: float, tpot: float) -> dict:
-    return {"ok": True, "round": round_, "ttft_ms": ttft, "tpot_ms": tpot}
+    return {"ok": True, "round": round_, "ttft_ms": ttft, "tpot_ms": tpot,
+            "e2e_ms": ttft + 15 * tpot}
 
 
 def point(samples: list[dict], server_by_round: list[float | None]) -> dict:
@@ -142,3 +143,60 @@ def test_each_check_has_a_bootstrap_interval_and_says_what_it_is_sure_of():
     told = [c["confidence"] for c in checks.values()]
     assert (f"With 90 % confidence: met {told.count('met')}, missed {told.count('missed')}, "
             f"undecided {told.count('undecided')}") in text
+
+
+def sweep(kvx_ttft: float, kvx_tpot_server: float, requests: int, date: str) -> dict:
+    """A sweep of 2 rounds: kvx push at `kvx_ttft` in both, NixlPush and NixlConnector at 100
+    and 300 ms; decode's TPOT counted over `requests` requests per point."""
+    def full(p: dict, cpu_ms: float) -> dict:
+        return dict(p, requests=len(p["samples"]), rounds=2, wall_s=10.0,
+                    server_tpot_requests=requests,
+                    cpu_ms_per_request={"decode engine": cpu_ms})
+
+    kvx = full(point([sample(r, kvx_ttft, 10) for r in (0, 1) for _ in range(10)],
+                     [kvx_tpot_server] * 2), kvx_tpot_server)
+    push = full(point([sample(r, 100, 11) for r in (0, 1) for _ in range(10)], [11.0] * 2), 1)
+    pull = full(point([sample(r, 300, 20) for r in (0, 1) for _ in range(10)], [20.0] * 2), 1)
+    return dict(report(kvx, push, pull), date=date, rounds=2, requests_per_point=20,
+                sweep_s=60.0, machine="2 cores", vllm="0.32.0", requests_per_round=10,
+                warmup_per_length=4, turn_warmup=2, idle_systems="stopped")
+
+
+def test_sweeps_pool_into_one_report_of_all_their_rounds():
+    quick, slow = sweep(40, 10.0, 20, "day 1"), sweep(200, 14.0, 60, "day 2")
+    p50 = "TTFT p50 kvx push <= 0.8 x corrected NixlPushConnector"
+    # Alone, each sweep decides the check its own way.
+    assert by_what(vs.check_targets(quick))[p50]["met"] is True
+    assert by_what(vs.check_targets(slow))[p50]["met"] is False
+
+    pooled = vs.pool_reports([quick, slow])
+    assert pooled["rounds"] == 4 and pooled["requests_per_point"] == 40
+    assert pooled["date"] == "day 1, day 2" and pooled["pooled_from"] == 2
+    kvx = pooled["systems"][0]["points"][0]
+    # The second sweep's rounds come after the first's.
+    assert sorted({s["round"] for s in kvx["samples"]}) == [0, 1, 2, 3]
+    assert [s["round"] for s in slow["systems"][0]["points"][0]["samples"]][:1] == [0]
+    assert kvx["requests"] == 40 and kvx["ok"] == 40 and kvx["rounds"] == 4
+    assert kvx["ttft_ms"]["p50"] == 120
+    # Decode's own TPOT weighted by the requests each sweep counted; per round, in order.
+    assert kvx["server_tpot_ms_mean"] == (10.0 * 20 + 14.0 * 60) / 80
+    assert kvx["server_tpot_ms_by_round"] == [10.0, 10.0, 14.0, 14.0]
+    assert kvx["cpu_ms_per_request"]["decode engine"] == (10.0 * 20 + 14.0 * 20) / 40
+
+    check = by_what(pooled["targets"])[p50]
+    assert check["met"] is False and check["round_ratios"] == [0.4, 0.4, 2.0, 2.0]
+    assert (check["rounds_met"], check["rounds"]) == (2, 4)
+    assert check["confidence"] == "undecided"
+    text = vs.markdown(pooled)
+    assert "2 of 4: 0.40 0.40 2.00 2.00" in text and "2 sweeps pooled" in text
+
+
+def test_only_sweeps_of_the_same_points_pool():
+    other = sweep(40, 10.0, 20, "day 2")
+    other["rates"] = [2.0]
+    try:
+        vs.pool_reports([sweep(40, 10.0, 20, "day 1"), other])
+    except ValueError as e:
+        assert "day 2" in str(e) and "day 1" in str(e)
+    else:
+        raise AssertionError("sweeps of other rates were pooled")
