@@ -924,8 +924,8 @@ def get(points: dict, system: str, length: int, rate: float):
 
 
 # A TPOT below this is no decode step of this machine: the tokens were released together
-# (a process on their way, decode's API server or the router, ran behind and passed several at
-# once). Such a request says how its tokens were delivered, not how fast decode made them.
+# (a process on their way ran behind and passed several on at once: for NixlPush, its decode's
+# API server). Such a request says how its tokens were delivered, not how fast decode made them.
 BURST_TPOT_MS = 0.5
 
 
