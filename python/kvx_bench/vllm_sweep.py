@@ -1270,8 +1270,8 @@ def markdown(report: dict) -> str:
                    "(requests / all that succeeded)", coalesced)
     lines += table(f"Streams whose tokens reached the client together (client TPOT under "
                    f"{BURST_TPOT_MS} ms, however many events: a process on their way ran "
-                   "behind; left out of the TPOT checks, on both sides) / all with a TPOT",
-                   bunched)
+                   "behind; left out of the client-side TPOT checks, on both sides) / all "
+                   "with a TPOT", bunched)
     def stolen(p):
         if p is None or "skipped" in p or not p.get("steal"):
             return "–"
