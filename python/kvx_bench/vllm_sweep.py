@@ -809,7 +809,8 @@ def cpu_per_request(turns: list[dict], requests: int) -> dict | None:
 def pool_points(points: list[dict]) -> dict:
     """One point of several sweeps: their rounds one after the other (each sweep's round
     numbers shifted past the previous sweep's), its figures recomputed from all requests,
-    decode's TPOT weighted by the requests it counted, CPU time per request by requests."""
+    decode's TPOT weighted by the requests it counted, CPU time per request by requests. A
+    point one of the sweeps skipped stays skipped."""
     if any("skipped" in p for p in points):
         return next(p for p in points if "skipped" in p)
     samples, tpot_by_round, gaps_by_round = [], [], []
