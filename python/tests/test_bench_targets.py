@@ -101,8 +101,8 @@ def test_a_burst_on_the_vllm_side_is_not_judged_and_old_reports_have_no_rounds()
 
 
 def test_streams_whose_tokens_came_together_are_left_out_of_the_tpot_checks():
-    # NixlPush's router ran behind: 6 of every 10 of its streams reached the client at once
-    # (TPOT 0.02 ms), the others paced at 10 ms; kvx push paced at 9.5 ms throughout.
+    # NixlPush's decode API server ran behind: 6 of every 10 of its streams reached the client
+    # at once (TPOT 0.02 ms), the others paced at 10 ms; kvx push paced at 9.5 ms throughout.
     kvx = point([sample(r, 40, 9.5) for r in (0, 1) for _ in range(10)], [9.5, 9.5])
     push = point([sample(r, 100, 0.02 if i < 6 else 10) for r in (0, 1) for i in range(10)],
                  [9.0, 9.0])
