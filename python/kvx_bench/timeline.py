@@ -12,7 +12,7 @@ events (from the instances' logs) against the client's clock:
     .kvx-cache/venv/bin/python -m kvx_bench.timeline --kvx-bin target/debug/kvx \\
         [--mode push|pull] [--transport cma] [--input-tokens 256] [--requests 12]
         [--max-tokens 8] [--rate R (Poisson arrivals, overlapping, instead of sequential)]
-        [--no-seal]
+        [--no-seal] [--executor uni] [--extra JSON]
         (from python/, or with python/ on PYTHONPATH; `maturin develop` first)
 
 It prints one line per request and the medians of the phases: how long the connector's own part
@@ -94,6 +94,11 @@ def main() -> None:
     ap.add_argument("--no-seal", action="store_true",
                     help="prefill's extra-config seal off: the KV leaves when vLLM has finished "
                          "the request, not when the forward pass that computed it ended")
+    ap.add_argument("--extra", type=json.loads, default={},
+                    help="more extra-config keys for both instances, as JSON "
+                         "(e.g. '{\"idle_wait_ms\": 0}')")
+    ap.add_argument("--executor", choices=("mp", "uni"), default="mp",
+                    help="vLLM's executor on both instances (docs/vllm.md)")
     args = ap.parse_args()
     os.environ["KVX_BIN"] = str(Path(args.kvx_bin).resolve())
     os.environ["KVX_LOG"] = "kvx_vllm=debug"
@@ -102,11 +107,11 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="kvx-timeline-"))
     model = build(work / "model", kv_heads=2)
-    extra = {"transport": args.transport}
+    extra = {"transport": args.transport, **args.extra}
     if args.no_seal:
         extra["seal"] = False
     p, _, d, _, proxy, url = e2e.run_pair(args.mode, model, work, {}, p_extra=dict(extra),
-                                          d_extra=dict(extra))
+                                          d_extra=dict(extra), executor=args.executor)
     rng = random.Random(1)
     sends = []
     try:

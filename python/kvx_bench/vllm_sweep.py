@@ -88,6 +88,7 @@ SYSTEMS = [
     # Variants of kvx push for A/B runs side by side, run only when named (see KVX_VARIANTS).
     ("kvx-push-noseal", "kvx-push", "KvxPushConnector", None),
     ("kvx-push-nowait", "kvx-push", "KvxPushConnector", None),
+    ("kvx-push-uni", "kvx-push", "KvxPushConnector", None),
     ("kvx-pull", "kvx-pull", "KvxPullConnector", None),
     ("nixl-pull-shipped", "kvx-pull", "NixlConnector", False),
     ("nixl-pull-corrected", "kvx-pull", "NixlConnector", True),
@@ -109,6 +110,19 @@ KVX_VARIANTS = {
 
 def variant_extra(system: str) -> dict:
     return next((extra for end, extra in KVX_VARIANTS.items() if system.endswith(end)), {})
+
+
+# A variant whose instances run vLLM's uni executor whatever `--executor` says (an A/B of the
+# executor side by side).
+UNI_VARIANT = "-uni"
+
+
+def is_variant(system: str) -> bool:
+    return bool(variant_extra(system)) or system.endswith(UNI_VARIANT)
+
+
+def executor_of(system: str) -> str:
+    return "uni" if system.endswith(UNI_VARIANT) else EXECUTOR
 
 
 def log(msg: str) -> None:
@@ -291,8 +305,12 @@ def cpu_parts(states: list[dict], measured: dict) -> dict[str, float]:
                 if st is not measured:
                     add("other systems", ms)
                     continue
+                # With the uni executor the engine core's process runs the worker too: it is
+                # counted as the worker, which does the model's and the connector's work.
+                depths = (VLLM_DEPTHS if executor_of(st["result"]["system"]) == "mp"
+                          else ("api", "worker"))
                 part = ("router" if role == "router"
-                        else f"{role} {VLLM_DEPTHS[min(depth, len(VLLM_DEPTHS) - 1)]}")
+                        else f"{role} {depths[min(depth, len(depths) - 1)]}")
                 add(part, ms)
                 add(f"{part} runq", runqueue_wait_ms(pid))
                 if part.endswith(" worker"):
@@ -575,6 +593,10 @@ async def warm_up(url: str, lengths: list[int], per_length: int) -> dict:
 
 # The kvx data transport (`--kvx-transport`); the connector's default when None.
 KVX_TRANSPORT: str | None = None
+# vLLM's executor on every instance (`--executor`): "mp" (vLLM's default on CPU: the engine core
+# and its worker are separate processes that talk through a spinning shared-memory queue) or
+# "uni" (the worker runs in the engine core's process; no queue between them).
+EXECUTOR = "mp"
 
 
 def kv_config(connector: str, role: str, engine: str, kvx_listen: str | None,
@@ -591,8 +613,8 @@ def kv_config(connector: str, role: str, engine: str, kvx_listen: str | None,
 
 
 def start_instance(name: str, model: Path, log_dir: Path, kv: dict, cores: str,
-                   extra_env: dict[str, str]):
-    from test_e2e_vllm import Server, free_port, vllm_env
+                   extra_env: dict[str, str], executor: str):
+    from test_e2e_vllm import Server, free_port, use_uni_executor, vllm_env
 
     port = free_port()
     args = [
@@ -606,6 +628,8 @@ def start_instance(name: str, model: Path, log_dir: Path, kv: dict, cores: str,
     ]
     env = vllm_env(cores)
     env.update(extra_env)
+    if executor == "uni":
+        use_uni_executor(args, env)
     url = f"http://127.0.0.1:{port}"
     return Server(name, args, log_dir, env, f"{url}/health"), url
 
@@ -650,11 +674,11 @@ def start_system(system: tuple, args, model: Path, log_dir: Path, lengths) -> di
                               kv_config(connector, "kv_producer", p_engine,
                                         f"127.0.0.1:{kvx_port}" if kvx_port else None,
                                         variant_extra(name)),
-                              P_CORES, extra_p)
+                              P_CORES, extra_p, executor_of(name))
     d, d_url = start_instance(f"{name}-decode", model, log_dir,
                               kv_config(connector, "kv_consumer", d_engine, None,
                                         variant_extra(name)), D_CORES,
-                              extra_d)
+                              extra_d, executor_of(name))
     router_port = free_port()
     router_url = f"http://127.0.0.1:{router_port}"
     if router == "nixl-push":
@@ -844,23 +868,27 @@ def pool_points(points: list[dict]) -> dict:
 
 
 def pool_reports(reports: list[dict]) -> dict:
-    """Several sweeps of the same systems, input lengths and rates (vllm.json) as one report of
-    all their rounds, with #7's checks judged anew over them: a verdict no single 5-round sweep
-    on this machine can decide may be decided by several."""
+    """Several sweeps of the same systems, input lengths, rates and vLLM executor (vllm.json)
+    as one report of all their rounds, with #7's checks judged anew over them: a verdict no
+    single 5-round sweep on this machine can decide may be decided by several."""
     first = reports[0]
-    names = [s["system"] for s in first["systems"]]
+
+    def points(r: dict) -> tuple:
+        # A sweep from before `--executor` ran vLLM's default, mp.
+        return ([s["system"] for s in r["systems"]], r["lengths"], r["rates"],
+                r.get("executor", "mp"))
+
     for r in reports[1:]:
-        if ([s["system"] for s in r["systems"]], r["lengths"], r["rates"]) != (
-                names, first["lengths"], first["rates"]):
-            raise ValueError(f"the sweep of {r['date']} has other systems, lengths or rates "
-                             f"than that of {first['date']}")
+        if points(r) != points(first):
+            raise ValueError(f"the sweep of {r['date']} has other systems, lengths, rates or "
+                             f"executor than that of {first['date']}")
     out = dict(first)
     out["date"] = ", ".join(r["date"] for r in reports)
     out["pooled_from"] = len(reports)
     for key in ("rounds", "requests_per_point", "sweep_s"):
         out[key] = sum(r.get(key) or 0 for r in reports)
     out["systems"] = []
-    for k, name in enumerate(names):
+    for k in range(len(first["systems"])):
         runs = [r["systems"][k] for r in reports]
         failed = next((s for s in runs if s.get("failed")), None)
         if failed is not None:
@@ -1188,7 +1216,10 @@ def markdown(report: dict) -> str:
         f"capped at {REQUEST_CAP_S:.0f} s. TTFT and TPOT in ms (client side); `err` = failed "
         "or timed-out requests of the point."
         + (f" {report['pooled_from']} sweeps pooled (`vllm_sweep pool`): their rounds one "
-           "after the other." if report.get("pooled_from") else ""),
+           "after the other." if report.get("pooled_from") else "")
+        + (" vLLM's `uni` executor on every instance (`--executor uni`): the worker runs in "
+           "the engine core's process, counted as the worker in the CPU tables (engine 0)."
+           if report.get("executor") == "uni" else ""),
         "",
     ]
     def table(title, cell):
@@ -1330,9 +1361,13 @@ def main() -> None:
                          "competing for the cores)")
     ap.add_argument("--kvx-transport", help="kvx's data transport (default: the connector's, "
                     "libfabric:shm); e.g. cma")
+    ap.add_argument("--executor", choices=["mp", "uni"], default="mp",
+                    help="vLLM's executor on every instance: mp (vLLM's default on CPU) or uni "
+                         "(the worker in the engine core's process)")
     args = ap.parse_args()
-    global KVX_TRANSPORT
+    global KVX_TRANSPORT, EXECUTOR
     KVX_TRANSPORT = args.kvx_transport
+    EXECUTOR = args.executor
     if args.quick:
         lengths, rates, requests, warmup = [256, 1024], [1.0, 4.0], 12, 4
     else:
@@ -1345,7 +1380,7 @@ def main() -> None:
     args.requests = args.requests or requests
     args.warmup = args.warmup if args.warmup is not None else warmup
     # Every system but the A/B variants, unless named.
-    systems = [s for s in SYSTEMS if not variant_extra(s[0])]
+    systems = [s for s in SYSTEMS if not is_variant(s[0])]
     if args.systems:
         want = args.systems.split(",")
         systems = [s for s in SYSTEMS if s[0] in want]
@@ -1388,6 +1423,7 @@ def main() -> None:
         "rounds": args.rounds, "requests_per_point": args.requests * args.rounds,
         "warmup_per_length": args.warmup, "turn_warmup": args.turn_warmup,
         "idle_systems": args.idle_systems,
+        "executor": args.executor,
         "output_tokens": OUTPUT_TOKENS,
         "request_cap_s": REQUEST_CAP_S,
         "corrections": "nixl_site/sitecustomize.py: KVX_BENCH_VLLM_CORRECTED=1 skips "

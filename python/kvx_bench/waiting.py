@@ -3,9 +3,12 @@
     .kvx-cache/venv/bin/python -m kvx_bench.waiting [--rounds 2] [--requests 4]
         (from python/, or with python/ on PYTHONPATH)
 
-Starts one kvx push prefill (core 0) and two kvx push decodes (core 1), one with the
-connector's `idle_wait_ms` at its default and one with 0 (vLLM's own pace: a step without a
-forward pass returns at once, and vLLM runs the next about a millisecond later). In turns, each
+Starts one kvx push prefill (core 0) and three kvx push decodes (core 1): one with the
+connector's `idle_wait_ms` at its default, one with 0 (vLLM's own pace: a step without a
+forward pass returns at once, and vLLM runs the next about a millisecond later), both under
+vLLM's default executor on CPU (`mp`: engine core and worker in two processes, which spin on
+the message queue between them), and one at the default under the `uni` executor (the worker in
+the engine core's process: nothing spins). In turns, each
 decode is sent `--requests` push requests whose prefill never computes them (they fail at a short
 registration lease afterwards), and while they wait this measures for 5 s the CPU time of the
 decode's processes (/proc), then the time a CPU-bound probe pinned to decode's core takes to
@@ -95,11 +98,13 @@ def main() -> None:
                             kv=kv_config("KvxPushConnector", "kv_producer", "p",
                                          listen=f"127.0.0.1:{kvx_port}"))
     variants = {}
-    for label, extra in (("idle_wait_ms default", {}), ("idle_wait_ms 0", {"idle_wait_ms": 0})):
+    for label, extra, executor in (("idle_wait_ms default", {}, "mp"),
+                                   ("idle_wait_ms 0", {"idle_wait_ms": 0}, "mp"),
+                                   ("uni executor", {}, "uni")):
         variants[label] = start_vllm(
             f"waiting-decode-{len(variants)}", model, log_dir, cores="1", prefix_caching=False,
             kv=kv_config("KvxPushConnector", "kv_consumer", f"d{len(variants)}",
-                         registration_lease_s=LEASE_S, **extra))
+                         registration_lease_s=LEASE_S, **extra), executor=executor)
     servers = [prefill] + [s for s, _ in variants.values()]
     results: dict[str, list[dict]] = {label: [] for label in variants}
     try:

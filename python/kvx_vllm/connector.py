@@ -638,6 +638,15 @@ class _Worker:
             where,
             self.transport,
         )
+        executor = getattr(self.vllm_config.parallel_config, "distributed_executor_backend", None)
+        if (self.consumer is not None and not self.pull and not on_gpu and executor == "mp"
+                and tp_size == 1):
+            logger.info(
+                "kvx: vLLM's mp executor on CPU spins on its engine-worker message queue while "
+                "requests wait for their KV (about a core); VLLM_ENABLE_V1_MULTIPROCESSING=0 "
+                "and --distributed-executor-backend uni run the worker in the engine core's "
+                "process and spare that (kvx docs/vllm.md)"
+            )
 
     def start_load_kv(self, meta: KvxConnectorMetadata, no_forward: bool = False) -> None:
         self.no_forward = no_forward

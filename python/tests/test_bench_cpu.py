@@ -72,8 +72,10 @@ def test_cpu_parts_names_each_process_by_its_depth_and_pools_the_other_systems()
     other_tree = start_tree(engine_ms=200, worker_ms=0)
     try:
         server = lambda name, proc: SimpleNamespace(name=name, proc=proc)  # noqa: E731
-        measured = {"servers": [server("kvx-push-prefill", measured_tree)]}
-        other = {"servers": [server("nixl-push-corrected-decode", other_tree)]}
+        measured = {"servers": [server("kvx-push-prefill", measured_tree)],
+                    "result": {"system": "kvx-push"}}
+        other = {"servers": [server("nixl-push-corrected-decode", other_tree)],
+                 "result": {"system": "nixl-push-corrected"}}
         parts = vllm_sweep.cpu_parts([measured, other], measured)
         ms = parts
         # Each process burnt at least its share before it said it was ready; the ticks are
@@ -97,6 +99,12 @@ def test_cpu_parts_names_each_process_by_its_depth_and_pools_the_other_systems()
         assert turn["rest of machine"] == pytest.approx(10_000.0 - 30.0)
         per = vllm_sweep.cpu_per_request([turn, turn], requests=4)
         assert per["prefill worker"] == pytest.approx(2 * turn["prefill worker"] / 4)
+        # Under vLLM's uni executor the engine core's process runs the worker: all that lies
+        # below the API server is the worker.
+        uni = {**measured, "result": {"system": "kvx-push-uni"}}
+        uni_parts = vllm_sweep.cpu_parts([uni, other], uni)
+        assert "prefill engine" not in uni_parts, uni_parts
+        assert uni_parts["prefill worker"] >= ms["prefill engine"] + ms["prefill worker"] - 1
     finally:
         kill_tree(measured_tree)
         kill_tree(other_tree)

@@ -213,11 +213,18 @@ def test_sweeps_pool_into_one_report_of_all_their_rounds():
 
 
 def test_only_sweeps_of_the_same_points_pool():
-    other = sweep(40, 10.0, 20, "day 2")
-    other["rates"] = [2.0]
-    try:
-        vs.pool_reports([sweep(40, 10.0, 20, "day 1"), other])
-    except ValueError as e:
-        assert "day 2" in str(e) and "day 1" in str(e)
-    else:
-        raise AssertionError("sweeps of other rates were pooled")
+    other_rates = sweep(40, 10.0, 20, "day 2")
+    other_rates["rates"] = [2.0]
+    # A sweep from before `--executor` ran vLLM's default executor, mp.
+    other_executor = sweep(40, 10.0, 20, "day 2")
+    other_executor["executor"] = "uni"
+    for other in (other_rates, other_executor):
+        try:
+            vs.pool_reports([sweep(40, 10.0, 20, "day 1"), other])
+        except ValueError as e:
+            assert "day 2" in str(e) and "day 1" in str(e)
+        else:
+            raise AssertionError(f"sweeps of other points were pooled: {other}")
+    same = sweep(40, 10.0, 20, "day 2")
+    same["executor"] = "mp"
+    assert vs.pool_reports([sweep(40, 10.0, 20, "day 1"), same])["pooled_from"] == 2

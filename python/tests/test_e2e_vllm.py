@@ -183,10 +183,36 @@ def vllm_env(cores: str | None = None, kvx_log: str | None = None) -> dict[str, 
     return env
 
 
+def use_uni_executor(args: list[str], env: dict[str, str]) -> None:
+    """Makes an instance run its worker in its engine core's process (vLLM's `uni` executor):
+    vLLM on CPU turns a `uni` executor into `mp` unless the engine's own multiprocessing is off;
+    the API server still starts its engine core as a process of its own."""
+    args += ["--distributed-executor-backend", "uni"]
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+
+# What a push decode on CPU logs at start under vLLM's mp executor.
+UNI_HINT = "vLLM's mp executor on CPU spins"
+
+
+def process_names(pid: int) -> list[str]:
+    """The names (`comm`) of `pid` and of its descendants that are alive."""
+    names, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            names.append(Path(f"/proc/{p}/comm").read_text().strip())
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:  # ended meanwhile
+            pass
+    return names
+
+
 def start_vllm(name: str, model: Path, log_dir: Path, *, kv: dict | None = None,
                block_size: int = BLOCK, prefix_caching: bool = True,
                cores: str | None = None, args_extra: tuple[str, ...] = (),
-               kvx_log: str | None = None) -> tuple[Server, str]:
+               kvx_log: str | None = None, executor: str = "mp") -> tuple[Server, str]:
     port = free_port()
     args = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -200,8 +226,11 @@ def start_vllm(name: str, model: Path, log_dir: Path, *, kv: dict | None = None,
     args += list(args_extra)
     if kv is not None:
         args += ["--kv-transfer-config", json.dumps(kv)]
+    env = vllm_env(cores, kvx_log)
+    if executor == "uni":
+        use_uni_executor(args, env)
     url = f"http://127.0.0.1:{port}"
-    return Server(name, args, log_dir, vllm_env(cores, kvx_log), f"{url}/health"), url
+    return Server(name, args, log_dir, env, f"{url}/health"), url
 
 
 def kv_config(connector: str, role: str, engine: str, **extra) -> dict:
@@ -314,16 +343,18 @@ def reference(model, workdir) -> dict:
 
 def run_pair(mode: str, model: Path, workdir: Path, reference: dict, *, p_extra=None,
              d_extra=None, d_block=BLOCK, d_policy="fail", p_args=(), p_log=None, d_log=None,
-             kvx_host="127.0.0.1", p_cores=P_CORES, p_tp=1, d_args=(), d_cores=D_CORES):
+             kvx_host="127.0.0.1", p_cores=P_CORES, p_tp=1, d_args=(), d_cores=D_CORES,
+             executor="mp"):
     connector = "KvxPushConnector" if mode == "push" else "KvxPullConnector"
     kvx_port = free_port(p_tp)  # rank r of prefill listens on kvx_port + r
     p_cfg = kv_config(connector, "kv_producer", f"p-{mode}", listen=f"127.0.0.1:{kvx_port}",
                       **(p_extra or {}))
     d_cfg = kv_config(connector, "kv_consumer", f"d-{mode}", _policy=d_policy, **(d_extra or {}))
     p, p_url = start_vllm(f"prefill-{mode}", model, workdir, kv=p_cfg, cores=p_cores,
-                          args_extra=p_args, kvx_log=p_log)
+                          args_extra=p_args, kvx_log=p_log, executor=executor)
     d, d_url = start_vllm(f"decode-{mode}", model, workdir, kv=d_cfg, prefix_caching=False,
-                          block_size=d_block, cores=d_cores, args_extra=d_args, kvx_log=d_log)
+                          block_size=d_block, cores=d_cores, args_extra=d_args, kvx_log=d_log,
+                          executor=executor)
     proxy_port = free_port()
     proxy_url = f"http://127.0.0.1:{proxy_port}"
     proxy = Server(
@@ -337,13 +368,14 @@ def run_pair(mode: str, model: Path, workdir: Path, reference: dict, *, p_extra=
 
 def check_pair_matches_reference(mode, model, workdir, reference, transport=None, d_block=BLOCK,
                                  chunk=None, d_log_expect=None, kvx_host="127.0.0.1", p_tp=1,
-                                 d_tp=1, d_log_absent=None):
+                                 d_tp=1, d_log_absent=None, executor="mp"):
     """With `chunk`, prefill computes prompts in steps of that many tokens (chunked prefill),
     and push writes each step's finished blocks while the next step computes. With
     `d_log_expect`, decode logs kvx at debug level and that text must appear in its log (and
     `d_log_absent` must not).
     `kvx_host` names prefill's kvx address to the proxy (which hands it to decode in push).
-    `p_tp`, `d_tp`: each side's tensor-parallel size."""
+    `p_tp`, `d_tp`: each side's tensor-parallel size. `executor`: vLLM's on both sides (`mp`,
+    vLLM's default, or `uni`)."""
     extra = {"transport": transport} if transport else None
     p_args = ("--max-num-batched-tokens", str(chunk)) if chunk else ()
     p_cores = P_CORES
@@ -366,7 +398,8 @@ def check_pair_matches_reference(mode, model, workdir, reference, transport=None
                                                     d_block=d_block, p_args=p_args, p_log=p_log,
                                                     d_log="kvx_vllm=debug" if d_log_expect else None,
                                                     kvx_host=kvx_host, p_cores=p_cores, p_tp=p_tp,
-                                                    d_args=d_args, d_cores=d_cores)
+                                                    d_args=d_args, d_cores=d_cores,
+                                                    executor=executor)
     try:
         for s in (p, d, proxy):
             s.wait_ready()
@@ -397,6 +430,14 @@ def check_pair_matches_reference(mode, model, workdir, reference, transport=None
         assert chat_tokens > 0, delta
         for s in (p, d):
             assert "Traceback" not in s.log.read_text(errors="replace"), s.tail()
+            names = process_names(s.proc.pid)
+            assert "VLLM::EngineCor" in names, names
+            workers = [n for n in names if n.startswith("VLLM::Worker")]
+            assert bool(workers) == (executor == "mp"), names
+        # A push decode on CPU with vLLM's mp executor names the executor that spares a core
+        # while requests wait; with uni, or with several ranks (uni runs one), it says nothing.
+        hinted = UNI_HINT in d.log.read_text(errors="replace")
+        assert hinted == (mode == "push" and executor == "mp" and d_tp == 1), d.tail()
         if d_log_expect:
             d_text = d.log.read_text(errors="replace")
             assert d_log_expect in d_text, d.tail()
@@ -447,6 +488,14 @@ def test_push_matches_a_single_instance(model, workdir, reference):
     board = "ready (notice board)" if _native.shm_uses_cma() else None
     check_pair_matches_reference("push", model, workdir, reference, d_block=2 * BLOCK, chunk=32,
                                  d_log_expect=board)
+
+
+def test_push_with_vllms_uni_executor_matches_a_single_instance(model, workdir, reference):
+    """Push between instances whose worker runs in the engine core's process (vLLM's `uni`
+    executor, docs/vllm.md): the connector's scheduler and worker sides share one process, and
+    still the same tokens and logprobs as one instance, every prompt token over kvx; the engine
+    core runs no worker process of its own."""
+    check_pair_matches_reference("push", model, workdir, reference, executor="uni")
 
 
 def test_pull_matches_a_single_instance(model, workdir, reference):
