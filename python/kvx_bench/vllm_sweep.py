@@ -1195,6 +1195,20 @@ def gap_shares(p: dict | None) -> str:
             f"of {total:.0f}")
 
 
+def uni_note(report: dict) -> str:
+    """What vllm.md's header says of instances under vLLM's uni executor, if any."""
+    if report.get("executor") == "uni":
+        who = "every instance (`--executor uni`)"
+    else:
+        uni = [s["system"] for s in report["systems"] if s["system"].endswith(UNI_VARIANT)]
+        if not uni:
+            return ""
+        who = f"the instances of {', '.join(uni)}"
+    return (f" vLLM's `uni` executor on {who}: the worker runs in the engine core's process, "
+            "counted as the worker in the CPU tables (engine 0), its threads but the main one "
+            "then vLLM's engine-core threads as well as the connector's.")
+
+
 def markdown(report: dict) -> str:
     systems = [s["system"] for s in report["systems"]]
     pts = {(s["system"], p["input_tokens"], p["rate"]): p
@@ -1217,9 +1231,7 @@ def markdown(report: dict) -> str:
         "or timed-out requests of the point."
         + (f" {report['pooled_from']} sweeps pooled (`vllm_sweep pool`): their rounds one "
            "after the other." if report.get("pooled_from") else "")
-        + (" vLLM's `uni` executor on every instance (`--executor uni`): the worker runs in "
-           "the engine core's process, counted as the worker in the CPU tables (engine 0)."
-           if report.get("executor") == "uni" else ""),
+        + uni_note(report),
         "",
     ]
     def table(title, cell):

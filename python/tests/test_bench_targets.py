@@ -228,3 +228,12 @@ def test_only_sweeps_of_the_same_points_pool():
     same = sweep(40, 10.0, 20, "day 2")
     same["executor"] = "mp"
     assert vs.pool_reports([sweep(40, 10.0, 20, "day 1"), same])["pooled_from"] == 2
+
+
+def test_the_report_says_which_instances_ran_vllms_uni_executor():
+    mp = sweep(40, 10.0, 20, "day 1")
+    assert vs.uni_note(mp) == "" and vs.uni_note(dict(mp, executor="mp")) == ""
+    every = vs.uni_note(dict(mp, executor="uni"))
+    assert "on every instance (`--executor uni`)" in every and "engine 0" in every
+    variant = dict(mp, systems=mp["systems"] + [dict(mp["systems"][0], system="kvx-push-uni")])
+    assert "on the instances of kvx-push-uni:" in vs.uni_note(variant)
