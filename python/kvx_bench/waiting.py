@@ -41,20 +41,6 @@ for i in range(6_000_000):
 print(time.perf_counter() - t)"""
 
 
-def processes(pid: int) -> list[int]:
-    """`pid` and its descendants."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        for task in Path(f"/proc/{p}/task").glob("*"):
-            try:
-                todo += [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                pass
-    return out
-
-
 def cpu_seconds(pids: list[int]) -> dict[int, float]:
     tick = os.sysconf("SC_CLK_TCK")
     out = {}
@@ -81,7 +67,7 @@ def probe(core: str) -> float:
 
 
 def main() -> None:
-    from test_e2e_vllm import free_port, http, kv_config, start_vllm
+    from test_e2e_vllm import descendants, free_port, http, kv_config, start_vllm
     from tiny_model import build
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -130,7 +116,7 @@ def main() -> None:
                 for t in senders:
                     t.start()
                 time.sleep(1.0)
-                pids = processes(server.proc.pid)
+                pids = descendants(server.proc.pid)
                 before, t0 = cpu_seconds(pids), time.monotonic()
                 time.sleep(MEASURE_S)
                 after, elapsed = cpu_seconds(pids), time.monotonic() - t0

@@ -195,15 +195,26 @@ def use_uni_executor(args: list[str], env: dict[str, str]) -> None:
 UNI_HINT = "vLLM's mp executor on CPU spins"
 
 
-def process_names(pid: int) -> list[str]:
-    """The names (`comm`) of `pid` and of its descendants that are alive."""
-    names, todo = [], [pid]
+def descendants(pid: int) -> list[int]:
+    """`pid` and its descendants (those alive when read)."""
+    out, todo = [], [pid]
     while todo:
         p = todo.pop()
+        out.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                todo += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:  # ended meanwhile
+                pass
+    return out
+
+
+def process_names(pid: int) -> list[str]:
+    """The names (`comm`) of `pid` and of its descendants that are alive."""
+    names = []
+    for p in descendants(pid):
         try:
             names.append(Path(f"/proc/{p}/comm").read_text().strip())
-            for task in Path(f"/proc/{p}/task").iterdir():
-                todo += [int(c) for c in (task / "children").read_text().split()]
         except OSError:  # ended meanwhile
             pass
     return names
