@@ -873,13 +873,13 @@ def pool_reports(reports: list[dict]) -> dict:
     single 5-round sweep on this machine can decide may be decided by several."""
     first = reports[0]
 
-    def points(r: dict) -> tuple:
+    def swept(r: dict) -> tuple:
         # A sweep from before `--executor` ran vLLM's default, mp.
         return ([s["system"] for s in r["systems"]], r["lengths"], r["rates"],
                 r.get("executor", "mp"))
 
     for r in reports[1:]:
-        if points(r) != points(first):
+        if swept(r) != swept(first):
             raise ValueError(f"the sweep of {r['date']} has other systems, lengths, rates or "
                              f"executor than that of {first['date']}")
     out = dict(first)

@@ -445,12 +445,12 @@ def check_pair_matches_reference(mode, model, workdir, reference, transport=None
             assert "VLLM::EngineCor" in names, names
             workers = [n for n in names if n.startswith("VLLM::Worker")]
             assert bool(workers) == (executor == "mp"), names
+        d_text = d.log.read_text(errors="replace")
         # A push decode on CPU with vLLM's mp executor names the executor that spares a core
         # while requests wait; with uni, or with several ranks (uni runs one), it says nothing.
-        hinted = UNI_HINT in d.log.read_text(errors="replace")
+        hinted = UNI_HINT in d_text
         assert hinted == (mode == "push" and executor == "mp" and d_tp == 1), d.tail()
         if d_log_expect:
-            d_text = d.log.read_text(errors="replace")
             assert d_log_expect in d_text, d.tail()
             assert not d_log_absent or d_log_absent not in d_text, d.tail()
         if chunk:
