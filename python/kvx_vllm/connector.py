@@ -17,8 +17,10 @@ Protocol with the router (``kvx proxy``), through ``kv_transfer_params``:
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -638,15 +640,14 @@ class _Worker:
             where,
             self.transport,
         )
-        executor = getattr(self.vllm_config.parallel_config, "distributed_executor_backend", None)
-        if (self.consumer is not None and not self.pull and not on_gpu and executor == "mp"
-                and tp_size == 1):
-            logger.info(
-                "kvx: vLLM's mp executor on CPU spins on its engine-worker message queue while "
-                "requests wait for their KV (about a core); VLLM_ENABLE_V1_MULTIPROCESSING=0 "
-                "and --distributed-executor-backend uni run the worker in the engine core's "
-                "process and spare that (kvx docs/vllm.md)"
+        if not on_gpu:
+            executor = getattr(
+                self.vllm_config.parallel_config, "distributed_executor_backend", None
             )
+            push_consumer = self.consumer is not None and not self.pull
+            for level, advice in cpu_executor_advice(executor, push_consumer, tp_size,
+                                                     os.environ):
+                logger.log(level, "kvx: %s", advice)
 
     def start_load_kv(self, meta: KvxConnectorMetadata, no_forward: bool = False) -> None:
         self.no_forward = no_forward
@@ -976,6 +977,40 @@ class _KvxConnector(KVConnectorBase_V1):
         if model is not None and getattr(model, "use_mla", False):
             return None
         return "HND"
+
+
+# Variables that bind an OpenMP runtime's threads (GNU, Intel/LLVM, and the standard ones).
+OMP_BINDING_VARS = ("OMP_PLACES", "OMP_PROC_BIND", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
+
+
+def cpu_executor_advice(executor: str | None, push_consumer: bool, tp_size: int,
+                        environ: Mapping[str, str]) -> list[tuple[int, str]]:
+    """What a rank on CPU logs at start about vLLM's executor, as (log level, message).
+
+    Under `mp` a one-rank push decode is told that vLLM's engine-worker queue spins while
+    requests wait for their KV, and that `uni` spares it. Under `uni` every rank is warned when
+    nothing binds its OpenMP threads: vLLM 0.32 applies ``VLLM_CPU_OMP_THREADS_BIND`` only to
+    the worker processes its `mp` executor starts, so under `uni` torch runs one unbound
+    OpenMP thread per core of the machine, and instances sharing a machine slow each other
+    down several times over whenever both compute."""
+    advice = []
+    if executor == "mp" and push_consumer and tp_size == 1:
+        advice.append((logging.INFO, (
+            "vLLM's mp executor on CPU spins on its engine-worker message queue while "
+            "requests wait for their KV (about a core); VLLM_ENABLE_V1_MULTIPROCESSING=0 "
+            "and --distributed-executor-backend uni run the worker in the engine core's "
+            "process and spare that; bind its OpenMP threads then (kvx docs/vllm.md)"
+        )))
+    bind = environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    if (executor == "uni" and bind != "nobind"
+            and not any(environ.get(v) for v in OMP_BINDING_VARS)):
+        advice.append((logging.WARNING, (
+            f"vLLM's uni executor on CPU does not apply VLLM_CPU_OMP_THREADS_BIND={bind}: "
+            "its OpenMP threads, one per core, run unbound; set OMP_NUM_THREADS, OMP_PLACES "
+            "and OMP_PROC_BIND=true for the engine as vLLM's mp executor does for its "
+            "workers (kvx docs/vllm.md)"
+        )))
+    return advice
 
 
 def _check_parallelism(vllm_config: VllmConfig) -> None:

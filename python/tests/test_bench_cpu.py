@@ -108,3 +108,23 @@ def test_cpu_parts_names_each_process_by_its_depth_and_pools_the_other_systems()
     finally:
         kill_tree(measured_tree)
         kill_tree(other_tree)
+
+
+def test_uni_instances_bind_their_openmp_threads_as_vllms_mp_executor_does():
+    """vLLM 0.32 applies `VLLM_CPU_OMP_THREADS_BIND` only to the workers of its mp executor;
+    the harness sets the same OpenMP variables for an instance under uni (the end-to-end tests
+    check the engine core's affinity)."""
+    from test_e2e_vllm import core_ids, omp_binding, use_uni_executor
+
+    args: list[str] = []
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "1"}
+    use_uni_executor(args, env)
+    assert args == ["--distributed-executor-backend", "uni"]
+    assert env == {"VLLM_CPU_OMP_THREADS_BIND": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                   "OMP_NUM_THREADS": "1", "OMP_PLACES": "{1}", "OMP_PROC_BIND": "true"}
+    assert omp_binding("0-2,5") == {"OMP_NUM_THREADS": "4", "OMP_PLACES": "{0,1,2,5}",
+                                    "OMP_PROC_BIND": "true"}
+    # No list to bind to: vLLM's own choice (auto), none (nobind), several ranks' lists.
+    assert omp_binding(None) == omp_binding("auto") == omp_binding("nobind") == {}
+    assert omp_binding("0|1") == {}
+    assert core_ids("0|1") == {0, 1} and core_ids("2-3") == {2, 3}

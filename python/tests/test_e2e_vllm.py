@@ -186,13 +186,35 @@ def vllm_env(cores: str | None = None, kvx_log: str | None = None) -> dict[str, 
 def use_uni_executor(args: list[str], env: dict[str, str]) -> None:
     """Makes an instance run its worker in its engine core's process (vLLM's `uni` executor):
     vLLM on CPU turns a `uni` executor into `mp` unless the engine's own multiprocessing is off;
-    the API server still starts its engine core as a process of its own."""
+    the API server still starts its engine core as a process of its own.
+
+    vLLM 0.32 binds its OpenMP threads to ``VLLM_CPU_OMP_THREADS_BIND`` only in the worker
+    process its `mp` executor starts (through ``OMP_*`` variables set for that process); under
+    `uni` nothing binds them, and torch's OpenMP pool then has a thread per core of the machine,
+    unbound. The same variables are set here, for the engine core's process."""
     args += ["--distributed-executor-backend", "uni"]
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    env.update(omp_binding(env.get("VLLM_CPU_OMP_THREADS_BIND")))
+
+
+def omp_binding(cores: str | None) -> dict[str, str]:
+    """The OpenMP variables vLLM's `mp` executor sets for a CPU worker bound to ``cores`` (a
+    one-rank ``VLLM_CPU_OMP_THREADS_BIND`` list such as ``"1"`` or ``"0-3"``); none without a
+    list (``auto``, ``nobind`` or unset)."""
+    if cores is None or cores in ("auto", "nobind") or "|" in cores:
+        return {}
+    ids = sorted(core_ids(cores))
+    return {
+        "OMP_NUM_THREADS": str(len(ids)),
+        "OMP_PLACES": "{" + ",".join(map(str, ids)) + "}",
+        "OMP_PROC_BIND": "true",
+    }
 
 
 # What a push decode on CPU logs at start under vLLM's mp executor.
 UNI_HINT = "vLLM's mp executor on CPU spins"
+# What a rank logs at start under vLLM's uni executor when nothing binds its OpenMP threads.
+UNBOUND_WARNING = "uni executor on CPU does not apply VLLM_CPU_OMP_THREADS_BIND"
 
 
 def descendants(pid: int) -> list[int]:
@@ -209,15 +231,35 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def core_ids(cores: str) -> set[int]:
+    """The cores a ``VLLM_CPU_OMP_THREADS_BIND`` value names (``"1"``, ``"0-3"``, ``"0|1"``)."""
+    ids: set[int] = set()
+    for part in cores.replace("|", ",").split(","):
+        first, _, last = part.partition("-")
+        ids.update(range(int(first), int(last or first) + 1))
+    return ids
+
+
+def forward_affinity(pid: int) -> set[int]:
+    """The cores that the main threads of the processes running an instance's forward pass
+    (its `VLLM::Worker` processes; under `uni`, its engine core) may run on, together."""
+    names = {p: n for p in descendants(pid) if (n := _comm(p)) is not None}
+    runners = [p for p, n in names.items() if n.startswith("VLLM::Worker")]
+    runners = runners or [p for p, n in names.items() if n == "VLLM::EngineCor"]
+    assert runners, names
+    return set().union(*(os.sched_getaffinity(p) for p in runners))
+
+
+def _comm(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:  # ended meanwhile
+        return None
+
+
 def process_names(pid: int) -> list[str]:
     """The names (`comm`) of `pid` and of its descendants that are alive."""
-    names = []
-    for p in descendants(pid):
-        try:
-            names.append(Path(f"/proc/{p}/comm").read_text().strip())
-        except OSError:  # ended meanwhile
-            pass
-    return names
+    return [n for p in descendants(pid) if (n := _comm(p)) is not None]
 
 
 def start_vllm(name: str, model: Path, log_dir: Path, *, kv: dict | None = None,
@@ -439,17 +481,25 @@ def check_pair_matches_reference(mode, model, workdir, reference, transport=None
         assert delta["local_compute"] == 0, delta
         assert delta["local_cache_hit"] == 0, delta
         assert chat_tokens > 0, delta
-        for s in (p, d):
+        for s, cores in ((p, p_cores), (d, d_cores)):
             assert "Traceback" not in s.log.read_text(errors="replace"), s.tail()
             names = process_names(s.proc.pid)
             assert "VLLM::EngineCor" in names, names
             workers = [n for n in names if n.startswith("VLLM::Worker")]
             assert bool(workers) == (executor == "mp"), names
+            if cores is not None:
+                # The processes that run the forward pass (the workers under mp, the engine
+                # core under uni) are bound to the instance's cores, under either executor.
+                bound = forward_affinity(s.proc.pid)
+                assert bound == core_ids(cores), (executor, cores, bound)
         d_text = d.log.read_text(errors="replace")
         # A push decode on CPU with vLLM's mp executor names the executor that spares a core
         # while requests wait; with uni, or with several ranks (uni runs one), it says nothing.
         hinted = UNI_HINT in d_text
         assert hinted == (mode == "push" and executor == "mp" and d_tp == 1), d.tail()
+        # Both instances' OpenMP threads are bound (use_uni_executor): no warning.
+        for s in (p, d):
+            assert UNBOUND_WARNING not in s.log.read_text(errors="replace"), s.tail()
         if d_log_expect:
             assert d_log_expect in d_text, d.tail()
             assert not d_log_absent or d_log_absent not in d_text, d.tail()
