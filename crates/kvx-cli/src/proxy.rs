@@ -34,6 +34,7 @@ use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::serve::ListenerExt as _;
 use axum::{Json, Router};
 use futures_util::StreamExt as _;
 use serde_json::{json, Map, Value};
@@ -1065,10 +1066,28 @@ pub(crate) fn run(args: &ProxyArgs) -> anyhow::Result<()> {
                 .collect::<Vec<_>>(),
             args.decode
         );
-        axum::serve(listener, app(proxy))
+        axum::serve(without_nagle(listener), app(proxy))
             .with_graceful_shutdown(shutdown_signal())
             .await
             .context("server failed")
+    })
+}
+
+/// The proxy's listener, every accepted connection with Nagle's algorithm off (`TCP_NODELAY`).
+///
+/// A streamed completion is a run of small writes: the headers, then an event per token. With
+/// Nagle's algorithm on, a small write waits while the one before it is unacknowledged, and
+/// the client acknowledges late (Linux delays an acknowledgement up to 40 ms): a first token
+/// waited behind the headers, and tokens behind each other (`axum::serve` leaves the option
+/// as the kernel sets it, on).
+fn without_nagle(
+    listener: tokio::net::TcpListener,
+) -> impl axum::serve::Listener<Io = tokio::net::TcpStream, Addr = SocketAddr> {
+    listener.tap_io(|stream| {
+        if let Err(e) = stream.set_nodelay(true) {
+            // The connection still works, only its small writes may wait.
+            eprintln!("kvx proxy: cannot turn Nagle's algorithm off on a connection: {e}");
+        }
     })
 }
 
@@ -1373,6 +1392,28 @@ mod tests {
     async fn body_of(r: Response) -> String {
         let bytes = axum::body::to_bytes(r.into_body(), 1 << 20).await.unwrap();
         String::from_utf8(bytes.to_vec()).unwrap()
+    }
+
+    /// The proxy's listener turns Nagle's algorithm off on every connection it accepts; the
+    /// kernel's default, which a plain listener keeps, is on.
+    #[test]
+    fn client_connections_have_nagles_algorithm_off() {
+        use axum::serve::Listener as _;
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(async {
+            let plain = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = plain.local_addr().unwrap();
+            let (accepted, _client) =
+                tokio::join!(plain.accept(), tokio::net::TcpStream::connect(addr));
+            assert!(!accepted.unwrap().0.nodelay().unwrap());
+
+            let mut listener =
+                without_nagle(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap());
+            let addr = listener.local_addr().unwrap();
+            let ((accepted, _), _client) =
+                tokio::join!(listener.accept(), tokio::net::TcpStream::connect(addr));
+            assert!(accepted.nodelay().unwrap());
+        });
     }
 
     /// Decode's answer goes to the client as soon as it comes, not after prefill's HTTP answer
