@@ -9,7 +9,8 @@ standalone:
 For each system — kvx push, kvx pull (the kvx_vllm connectors behind `kvx proxy`), vLLM's
 NixlConnector (pull) and NixlPushConnector, each of the vLLM ones "as shipped" and "corrected"
 (see nixl_site/sitecustomize.py) — it starts a prefill instance on core 0 and a decode instance
-on core 1 (the tiny float32 model of python/tests/tiny_model.py, prefix caching off on both),
+on core 1 (the tiny float32 model of python/tests/tiny_model.py, prefix caching off on both;
+vLLM's `uni` executor with the OpenMP threads bound, or `--executor mp`, vLLM's own default),
 the router, sends warm-up requests, then for every input length and request rate a Poisson
 stream of streamed completions (random token ids, so nothing is cached; `ignore_eos`, fixed
 output length). The systems that leave an idle machine alone (kvx, the corrected vLLM ones) run
@@ -593,10 +594,12 @@ async def warm_up(url: str, lengths: list[int], per_length: int) -> dict:
 
 # The kvx data transport (`--kvx-transport`); the connector's default when None.
 KVX_TRANSPORT: str | None = None
-# vLLM's executor on every instance (`--executor`): "mp" (vLLM's default on CPU: the engine core
-# and its worker are separate processes that talk through a spinning shared-memory queue) or
-# "uni" (the worker runs in the engine core's process; no queue between them).
-EXECUTOR = "mp"
+# vLLM's executor on every instance (`--executor`): "uni" (the default here: the worker runs in
+# the engine core's process; no queue between them) or "mp" (vLLM's own default on CPU: the
+# engine core and its worker are separate processes that talk through a shared-memory queue,
+# which each reads spinning for a second after every message; four such processes on two
+# cores kept the machine busy and made every system's TTFT p99 one of its scheduler's spells).
+EXECUTOR = "uni"
 
 
 def kv_config(connector: str, role: str, engine: str, kvx_listen: str | None,
@@ -1328,6 +1331,7 @@ def markdown(report: dict) -> str:
 
 
 def main() -> None:
+    global KVX_TRANSPORT, EXECUTOR
     if len(sys.argv) > 1 and sys.argv[1] == "pool":
         ap = argparse.ArgumentParser(description="several sweeps' vllm.json as one report")
         ap.add_argument("pool")
@@ -1373,11 +1377,11 @@ def main() -> None:
                          "competing for the cores)")
     ap.add_argument("--kvx-transport", help="kvx's data transport (default: the connector's, "
                     "libfabric:shm); e.g. cma")
-    ap.add_argument("--executor", choices=["mp", "uni"], default="mp",
-                    help="vLLM's executor on every instance: mp (vLLM's default on CPU) or uni "
-                         "(the worker in the engine core's process)")
+    ap.add_argument("--executor", choices=["mp", "uni"], default=EXECUTOR,
+                    help="vLLM's executor on every instance: uni (the default: the worker in "
+                         "the engine core's process, its OpenMP threads bound) or mp (vLLM's "
+                         "default on CPU, whose processes spin on their message queue)")
     args = ap.parse_args()
-    global KVX_TRANSPORT, EXECUTOR
     KVX_TRANSPORT = args.kvx_transport
     EXECUTOR = args.executor
     if args.quick:
