@@ -67,7 +67,9 @@ def kill_tree(proc: subprocess.Popen) -> None:
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
-def test_cpu_parts_names_each_process_by_its_depth_and_pools_the_other_systems():
+def test_cpu_parts_names_each_process_by_its_depth_and_pools_the_other_systems(monkeypatch):
+    # An `mp` sweep (`--executor mp`): API server, engine core and worker, three processes deep.
+    monkeypatch.setattr(vllm_sweep, "EXECUTOR", "mp")
     measured_tree = start_tree(engine_ms=300, worker_ms=500)
     other_tree = start_tree(engine_ms=200, worker_ms=0)
     try:
@@ -105,6 +107,11 @@ def test_cpu_parts_names_each_process_by_its_depth_and_pools_the_other_systems()
         uni_parts = vllm_sweep.cpu_parts([uni, other], uni)
         assert "prefill engine" not in uni_parts, uni_parts
         assert uni_parts["prefill worker"] >= ms["prefill engine"] + ms["prefill worker"] - 1
+        # A `uni` sweep (the default) counts every system so.
+        monkeypatch.setattr(vllm_sweep, "EXECUTOR", "uni")
+        default_parts = vllm_sweep.cpu_parts([measured, other], measured)
+        assert "prefill engine" not in default_parts, default_parts
+        assert default_parts["prefill worker"] >= uni_parts["prefill worker"], default_parts
     finally:
         kill_tree(measured_tree)
         kill_tree(other_tree)
