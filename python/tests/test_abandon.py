@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace as NS
 
-from kvx_vllm.connector import KvxConnectorMetadata
+from kvx_vllm.metadata import KvxConnectorMetadata
 from test_bad_params import GOOD, allocate, decode_scheduler, decode_worker
 from test_native import cpu_caches, start_pair, wait_events
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from kvx_vllm.connector import cpu_executor_advice
+from kvx_vllm.cpu_advice import cpu_executor_advice
 
 BOUND = {"VLLM_CPU_OMP_THREADS_BIND": "1", "OMP_NUM_THREADS": "1", "OMP_PLACES": "{1}",
          "OMP_PROC_BIND": "true"}

@@ -12,8 +12,10 @@ from types import SimpleNamespace as NS
 import pytest
 
 from kvx_vllm.config import KvxConfig
-from kvx_vllm.connector import KvxConnectorMetadata, RecvSpec, _Scheduler, _Worker
+from kvx_vllm.metadata import KvxConnectorMetadata, RecvSpec
 from kvx_vllm.resolve import Resolver
+from kvx_vllm.scheduler import _Scheduler
+from kvx_vllm.worker import _Worker
 from test_native import cpu_caches, start_pair, wait_events
 from test_resolve import Lookups
 

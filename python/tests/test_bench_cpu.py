@@ -15,7 +15,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvx_bench import vllm_sweep  # noqa: E402
+from kvx_bench import systems, vllm_sweep  # noqa: E402
 
 # Three generations of processes, like a vLLM instance's API server, engine and worker: the
 # child burns `engine_ms` of its own CPU time, the grandchild `worker_ms` (half of it in a helper
@@ -69,7 +69,7 @@ def kill_tree(proc: subprocess.Popen) -> None:
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
 def test_cpu_parts_names_each_process_by_its_depth_and_pools_the_other_systems(monkeypatch):
     # An `mp` sweep (`--executor mp`): API server, engine core and worker, three processes deep.
-    monkeypatch.setattr(vllm_sweep, "EXECUTOR", "mp")
+    monkeypatch.setattr(systems, "EXECUTOR", "mp")
     measured_tree = start_tree(engine_ms=300, worker_ms=500)
     other_tree = start_tree(engine_ms=200, worker_ms=0)
     try:
@@ -108,7 +108,7 @@ def test_cpu_parts_names_each_process_by_its_depth_and_pools_the_other_systems(m
         assert "prefill engine" not in uni_parts, uni_parts
         assert uni_parts["prefill worker"] >= ms["prefill engine"] + ms["prefill worker"] - 1
         # A `uni` sweep (the default) counts every system so.
-        monkeypatch.setattr(vllm_sweep, "EXECUTOR", "uni")
+        monkeypatch.setattr(systems, "EXECUTOR", "uni")
         default_parts = vllm_sweep.cpu_parts([measured, other], measured)
         assert "prefill engine" not in default_parts, default_parts
         assert default_parts["prefill worker"] >= uni_parts["prefill worker"], default_parts

@@ -12,15 +12,9 @@ from types import SimpleNamespace as NS
 import pytest
 
 from kvx_vllm.config import KvxConfig
-from kvx_vllm.connector import (
-    KvxConnectorMetadata,
-    LayerSpec,
-    ProgressSpec,
-    SendSpec,
-    _Computing,
-    _Scheduler,
-    _Worker,
-)
+from kvx_vllm.metadata import KvxConnectorMetadata, LayerSpec, ProgressSpec, SendSpec
+from kvx_vllm.scheduler import _Computing, _Scheduler
+from kvx_vllm.worker import _Worker
 
 BLOCK = 16
 

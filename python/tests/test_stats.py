@@ -4,7 +4,9 @@ pair here is the real one (loopback transport)."""
 
 from __future__ import annotations
 
-from kvx_vllm.connector import KvxConnectorStats, KvxPushConnector, RecvSpec, KvxConnectorMetadata
+from kvx_vllm.connector import KvxPushConnector
+from kvx_vllm.metadata import KvxConnectorMetadata, RecvSpec
+from kvx_vllm.stats import KvxConnectorStats
 from test_bad_params import decode_worker
 from test_native import cpu_caches, start_pair, wait_events
 

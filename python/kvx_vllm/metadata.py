@@ -1,0 +1,93 @@
+"""What the scheduler-role connector tells the workers each step (``KvxConnectorMetadata``),
+and the per-request specs it carries."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass
+class SendSpec:
+    """Prefill: a finished request whose blocks the producer takes over."""
+
+    request_id: str
+    transfer_id: str
+    block_ids: list[int]
+    num_tokens: int
+
+
+@dataclass
+class ProgressSpec:
+    """Prefill, push: a request still computing whose first ``computed`` tokens are final."""
+
+    transfer_id: str
+    block_ids: list[int]
+    computed: int
+
+
+@dataclass
+class LayerSpec:
+    """Prefill, push: a request computed in this step, up to ``tokens``. On a host cache (whose
+    forward pass runs synchronously) each layer's KV of those tokens is final once vLLM calls
+    ``save_kv_layer`` for it, and the workers report it then."""
+
+    transfer_id: str
+    block_ids: list[int]
+    tokens: int
+    # Set when this step computes the request's last prompt token and vLLM will finish the
+    # request in it (its one output token): at the end of the forward pass its KV is complete,
+    # and the workers seal it then, a whole engine iteration before `request_finished`.
+    seal_request: str | None = None
+
+
+@dataclass
+class RecvSpec:
+    """Decode: a request whose KV is to arrive (push) or be read (pull) into ``block_ids``."""
+
+    request_id: str
+    transfer_id: str
+    prefill: str
+    num_tokens: int
+    skip_tokens: int
+    block_ids: list[int]
+    producer_block_ids: list[int] | None = None
+    # Set when the request's kv_transfer_params were unusable: its load fails at once.
+    error: str | None = None
+    # Index in ``block_ids`` of the first block the load writes: those before it hold decode's
+    # own prefix-cache hit, which other requests may share.
+    loads_from: int = 0
+
+    @property
+    def loaded_block_ids(self) -> list[int]:
+        """The blocks this load writes: what a failed load reports to vLLM as load errors.
+        Never the prefix-cache hit before them: vLLM would cut back, or fail under the `fail`
+        policy, every other request sharing those blocks."""
+        return self.block_ids[self.loads_from:]
+
+
+@dataclass
+class KvxConnectorMetadata(KVConnectorMetadata):
+    """What the scheduler tells the workers each step."""
+
+    sends: list[SendSpec] = field(default_factory=list)
+    # Prefill, push: requests still computing, with what of them is final.
+    progress: list[ProgressSpec] = field(default_factory=list)
+    # Prefill, push: requests computed in this step, reported layer by layer as they compute.
+    layered: list[LayerSpec] = field(default_factory=list)
+    recvs: list[RecvSpec] = field(default_factory=list)
+    # Prefill: transfers to abort (the request was aborted before it finished).
+    aborts: list[str] = field(default_factory=list)
+    # Decode: transfers to give up (the request was aborted while waiting for its KV).
+    cancels: list[str] = field(default_factory=list)
+    # Decode, push: (transfer id, prefill address) of requests that will never register
+    # (aborted while queued, or nothing to load): prefill gives their KV back now instead of
+    # at its lease.
+    abandons: list[tuple[str, str]] = field(default_factory=list)
+
+    def has_work(self) -> bool:
+        return any(
+            (self.sends, self.progress, self.layered, self.recvs, self.aborts, self.cancels,
+             self.abandons)
+        )
