@@ -292,7 +292,9 @@ fn backends() -> Vec<(&'static str, Factory)> {
     #[cfg(feature = "libfabric")]
     {
         use kvx_rdma::libfabric::{LibfabricConfig, LibfabricTransport, Rails};
-        fn open(config: LibfabricConfig) -> Option<(Box<dyn Transport>, Box<dyn Transport>)> {
+        fn open(mut config: LibfabricConfig) -> Option<(Box<dyn Transport>, Box<dyn Transport>)> {
+            config.sweep_stale_shm =
+                std::env::var_os(kvx_rdma::libfabric::SHM_SWEEP_ENV).is_some_and(|v| v == "1");
             let a = LibfabricTransport::open(&config)
                 .map_err(|e| eprintln!("{e}"))
                 .ok()?;
@@ -325,7 +327,10 @@ fn backends() -> Vec<(&'static str, Factory)> {
         out.push((
             "nixl-ucx-tcp",
             Box::new(|| {
-                let config = NixlConfig::ucx_tcp(Some("lo"));
+                let config = NixlConfig {
+                    library: std::env::var_os(kvx_rdma::nixl::LIB_DIR_ENV).map(Into::into),
+                    ..NixlConfig::ucx_tcp(Some("lo"))
+                };
                 let open = || {
                     NixlTransport::open(&config)
                         .map_err(|e| match std::error::Error::source(&e) {

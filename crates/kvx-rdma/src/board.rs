@@ -28,7 +28,8 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::desc::BoardPlace;
-use crate::transport::Notice;
+pub use crate::error::SlotOutOfRange;
+use crate::ids::Notice;
 
 /// Marks a [`Notice`] that is to be written into the peer's notice board.
 pub const BOARD_NOTICE: u64 = 1 << 63;
@@ -47,18 +48,6 @@ pub fn board_notice(slot: u32, seq: u32) -> Option<Notice> {
 #[must_use]
 pub fn board_slot(notice: Notice) -> Option<u32> {
     (notice.0 & BOARD_NOTICE != 0).then_some(((notice.0 >> 32) & 0x7fff_ffff) as u32)
-}
-
-/// A board notice names a slot the board does not have.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
-#[error("notice {notice:#x} names slot {slot} of a board of {slots} slots")]
-pub struct SlotOutOfRange {
-    /// The notice.
-    pub notice: u64,
-    /// Its slot.
-    pub slot: u32,
-    /// The board's slots.
-    pub slots: usize,
 }
 
 /// Slots that peers write notices into, owned by one endpoint (shared with the threads that read

@@ -29,8 +29,8 @@ use kvx_layout::CopyOp;
 use crate::board::{self, NoticeBoard};
 use crate::desc::{BoardPlace, EndpointDesc};
 use crate::error::{
-    ConnectError, DeregisterError, OpError, PollError, ReadError, RegisterError, SendError,
-    WriteError,
+    AddressError, ConnectError, DeregisterError, OpError, PollError, ReadError, RegisterError,
+    SendError, WriteError,
 };
 use crate::local::{self, peer_gone, Completions, Control, Identity, Ledger, Link, NoticeSender};
 use crate::local::{Reader, SameHost};
@@ -84,7 +84,7 @@ pub enum CmaError {
     },
     /// The peer's address blob is malformed.
     #[error("malformed cma address: {0}")]
-    Address(String),
+    Address(#[from] AddressError),
     /// The peer is another host's or this machine cannot reach it with CMA.
     #[error("the peer is not on this host")]
     OtherHost,
@@ -361,13 +361,10 @@ impl CmaTransport {
     }
 
     fn decode(bytes: &[u8]) -> Result<Identity, CmaError> {
-        let parse = || -> Result<Identity, String> {
-            let mut reader = Reader::open(bytes, ADDRESS_MAGIC, ADDRESS_VERSION)?;
-            let who = Identity::decode(&mut reader)?;
-            reader.finish()?;
-            Ok(who)
-        };
-        parse().map_err(CmaError::Address)
+        let mut reader = Reader::open(bytes, ADDRESS_MAGIC, ADDRESS_VERSION)?;
+        let who = Identity::decode(&mut reader)?;
+        reader.finish()?;
+        Ok(who)
     }
 
     /// Checks `ops`, resolves them to (local, remote, len) pieces, and hands them to the worker.

@@ -10,7 +10,7 @@ use std::time::Duration;
 use kvx_core::MemoryKind;
 
 use crate::desc::DescError;
-use crate::transport::PeerId;
+use crate::ids::PeerId;
 
 /// A backend's own error (for libfabric: which `fi_*` call failed, with its error text).
 pub type BackendError = Box<dyn std::error::Error + Send + Sync + 'static>;
@@ -185,7 +185,7 @@ pub enum WriteError {
     },
     /// A board notice names no slot of the peer's notice board.
     #[error("the peer's notice board cannot take this notice")]
-    NoBoardSlot(#[from] crate::board::SlotOutOfRange),
+    NoBoardSlot(#[from] SlotOutOfRange),
     /// The backend failed while posting.
     #[error("posting the write failed")]
     Backend(#[source] BackendError),
@@ -271,4 +271,47 @@ pub enum OpError {
         #[source]
         source: BackendError,
     },
+}
+
+/// A board notice names a slot the board does not have.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("notice {notice:#x} names slot {slot} of a board of {slots} slots")]
+pub struct SlotOutOfRange {
+    /// The notice.
+    pub notice: u64,
+    /// Its slot.
+    pub slot: u32,
+    /// The board's slots.
+    pub slots: usize,
+}
+
+/// A peer's backend address (the opaque part of its [`EndpointDesc`](crate::EndpointDesc)) is
+/// malformed.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum AddressError {
+    /// The address ends inside a field.
+    #[error("truncated at {0}")]
+    Truncated(&'static str),
+    /// The address does not start with this backend's magic.
+    #[error("bad magic")]
+    BadMagic,
+    /// The address's format version is not one this build reads.
+    #[error("unsupported version {0}")]
+    Version(u8),
+    /// Bytes are left after the last field.
+    #[error("{0} trailing bytes")]
+    Trailing(usize),
+    /// A text field is not UTF-8 (or holds a NUL byte).
+    #[error("{0} is not UTF-8 text without NUL bytes")]
+    Text(&'static str),
+    /// More regions than the address holds or a description allows.
+    #[error("{0} regions")]
+    RegionCount(usize),
+    /// A region of the description has no entry in the address.
+    #[error("region {0} has no IPC handle")]
+    MissingRegion(u32),
+    /// The address's checksum does not match its contents.
+    #[error("corrupted (checksum mismatch)")]
+    Checksum,
 }

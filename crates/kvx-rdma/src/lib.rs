@@ -74,6 +74,7 @@ pub mod cpu_time;
 pub mod cuda;
 pub mod desc;
 pub mod error;
+mod ids;
 #[cfg(feature = "libfabric")]
 pub mod libfabric;
 #[cfg(any(feature = "cuda", feature = "cma"))]
@@ -98,8 +99,8 @@ mod wake;
 
 pub use desc::{BoardPlace, DescError, EndpointDesc, NoticeSlot};
 pub use error::{
-    BackendError, ConnectError, DeregisterError, OpError, PlanError, PollError, ReadError,
-    RegisterError, SendError, Side, WriteError,
+    AddressError, BackendError, ConnectError, DeregisterError, OpError, PlanError, PollError,
+    ReadError, RegisterError, SendError, Side, WriteError,
 };
 pub use region::{BufferError, HostBuffer, LocalRegion};
 pub use transport::{Capabilities, Event, Notice, OpId, OpKind, PeerId, Transport, Waker};

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use crate::error::{OpError, PollError, SendError};
+use crate::error::{AddressError, OpError, PollError, SendError};
 use crate::transport::{Event, Notice, OpId, OpKind, PeerId, Waker};
 use crate::wake::WakeSignal;
 
@@ -39,12 +39,12 @@ impl Identity {
         out.extend_from_slice(self.socket.as_bytes());
     }
 
-    pub(crate) fn decode(reader: &mut Reader<'_>) -> Result<Self, String> {
+    pub(crate) fn decode(reader: &mut Reader<'_>) -> Result<Self, AddressError> {
         let pid = reader.u32("pid")?;
         let incarnation = reader.u64("incarnation")?;
         let len = reader.take(1, "socket length")?[0] as usize;
         let socket = String::from_utf8(reader.take(len, "socket")?.to_vec())
-            .map_err(|_| "socket name is not UTF-8".to_owned())?;
+            .map_err(|_| AddressError::Text("socket name"))?;
         Ok(Self {
             pid,
             incarnation,
@@ -68,34 +68,34 @@ pub(crate) struct Reader<'a> {
 
 impl<'a> Reader<'a> {
     /// Starts at the beginning of `bytes`, after checking its magic and version.
-    pub(crate) fn open(bytes: &'a [u8], magic: [u8; 4], version: u8) -> Result<Self, String> {
+    pub(crate) fn open(bytes: &'a [u8], magic: [u8; 4], version: u8) -> Result<Self, AddressError> {
         let mut reader = Self { bytes, at: 0 };
         if reader.take(4, "magic")? != magic {
-            return Err("bad magic".into());
+            return Err(AddressError::BadMagic);
         }
         let found = reader.take(1, "version")?[0];
         if found != version {
-            return Err(format!("unsupported version {found}"));
+            return Err(AddressError::Version(found));
         }
         Ok(reader)
     }
 
-    pub(crate) fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8], String> {
+    pub(crate) fn take(&mut self, n: usize, what: &'static str) -> Result<&'a [u8], AddressError> {
         let piece = self
             .bytes
             .get(self.at..self.at + n)
-            .ok_or_else(|| format!("truncated at {what}"))?;
+            .ok_or(AddressError::Truncated(what))?;
         self.at += n;
         Ok(piece)
     }
 
-    pub(crate) fn u32(&mut self, what: &str) -> Result<u32, String> {
+    pub(crate) fn u32(&mut self, what: &'static str) -> Result<u32, AddressError> {
         Ok(u32::from_le_bytes(
             self.take(4, what)?.try_into().unwrap_or_default(),
         ))
     }
 
-    pub(crate) fn u64(&mut self, what: &str) -> Result<u64, String> {
+    pub(crate) fn u64(&mut self, what: &'static str) -> Result<u64, AddressError> {
         Ok(u64::from_le_bytes(
             self.take(8, what)?.try_into().unwrap_or_default(),
         ))
@@ -107,10 +107,10 @@ impl<'a> Reader<'a> {
     }
 
     /// Fails if bytes are left over.
-    pub(crate) fn finish(self) -> Result<(), String> {
+    pub(crate) fn finish(self) -> Result<(), AddressError> {
         match self.remaining() {
             0 => Ok(()),
-            n => Err(format!("{n} trailing bytes")),
+            n => Err(AddressError::Trailing(n)),
         }
     }
 }

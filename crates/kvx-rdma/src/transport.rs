@@ -6,6 +6,7 @@ use std::time::Duration;
 use kvx_core::{MemoryKind, RegionDesc};
 use kvx_layout::CopyOp;
 
+use crate::board::NoticeBoard;
 use crate::desc::EndpointDesc;
 use crate::error::{
     ConnectError, DeregisterError, OpError, PollError, ReadError, RegisterError, SendError,
@@ -13,30 +14,7 @@ use crate::error::{
 };
 use crate::region::LocalRegion;
 
-/// A connected peer, as numbered by one endpoint.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct PeerId(pub u32);
-
-/// One accepted operation (a write, read or send), as numbered by one endpoint.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct OpId(pub u64);
-
-/// The completion notice a write carries: a value the *consumer* chose (typically a token it put
-/// in its registration), delivered to the consumer only after every byte of the write is visible
-/// in its memory. Backends carry at most [`Capabilities::notice_bits`] bits of it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct Notice(pub u64);
-
-/// What kind of operation an [`OpId`] names.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum OpKind {
-    /// A [`Transport::write`].
-    Write,
-    /// A [`Transport::read`].
-    Read,
-    /// A [`Transport::send`].
-    Send,
-}
+pub use crate::ids::{Notice, OpId, OpKind, PeerId};
 
 /// Something that happened on an endpoint, returned by [`Transport::poll`] and
 /// [`Transport::wait`].
@@ -227,7 +205,7 @@ pub trait Transport: Send {
     /// board, after the data, instead of delivering it as an [`Event::Notice`]. Its place is in
     /// [`Transport::local_desc`] (`notice_slot`), so peers must connect (or refresh) after this.
     /// `None` where the backend has none; asking again returns the same board.
-    fn notice_board(&mut self, slots: usize) -> Option<Arc<crate::board::NoticeBoard>> {
+    fn notice_board(&mut self, slots: usize) -> Option<Arc<NoticeBoard>> {
         let _ = slots;
         None
     }

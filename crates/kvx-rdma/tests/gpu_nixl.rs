@@ -73,6 +73,7 @@ fn producer_memory() -> Vec<Vec<u8>> {
 
 fn config() -> NixlConfig {
     let mut config = NixlConfig::ucx().with_device_memory();
+    config.library = lib_dir();
     config.op_timeout = Duration::from_secs(20);
     config
 }
@@ -80,7 +81,7 @@ fn config() -> NixlConfig {
 /// The number of GPUs, or `None` after saying why the test is skipped.
 fn ready(test: &str) -> Option<u32> {
     let gpus = gpus(test, 1)?;
-    if runtime::locate(None).is_none() {
+    if runtime::locate(lib_dir().as_deref()).is_none() {
         eprintln!(
             "SKIPPED {test}: no NIXL runtime: {LIB_DIR_ENV} is unset or does not hold \
              libnixl_capi.so"
@@ -351,4 +352,12 @@ fn a_transfer_mixing_host_and_gpu_memory_on_one_side_is_refused() {
             );
         }
     }
+}
+
+/// The NIXL runtime's directory, from [`LIB_DIR_ENV`] (which `cargo xtask test` sets): tests read
+/// the environment, the crate does not.
+fn lib_dir() -> Option<std::path::PathBuf> {
+    std::env::var_os(LIB_DIR_ENV)
+        .filter(|v| !v.is_empty())
+        .map(std::path::PathBuf::from)
 }

@@ -41,13 +41,14 @@ const READ_OFFSET: u64 = 12_345;
 fn config() -> NixlConfig {
     let mut config = NixlConfig::ucx_tcp(Some("lo"));
     config.op_timeout = Duration::from_secs(5);
+    config.library = lib_dir();
     config
 }
 
 /// Says plainly (on the real stderr, which the test harness does not capture) that a test was
 /// skipped and why, when no NIXL runtime is configured.
 fn runtime_or_skip(test: &str) -> bool {
-    if runtime::locate(None).is_some() {
+    if runtime::locate(lib_dir().as_deref()).is_some() {
         return true;
     }
     let _ = writeln!(
@@ -166,7 +167,11 @@ fn child_role() {
         return;
     };
     if role == "missing-runtime" {
-        match NixlTransport::open(&NixlConfig::ucx_tcp(Some("lo"))) {
+        let config = NixlConfig {
+            library: lib_dir(),
+            ..NixlConfig::ucx_tcp(Some("lo"))
+        };
+        match NixlTransport::open(&config) {
             Err(OpenError::Runtime(RuntimeError::Load { library, reason })) => {
                 println!("KVX:RUNTIME-ERROR {library}: {reason}");
             }
@@ -630,4 +635,12 @@ fn missing_runtime_is_a_typed_error() {
     let line = child.line();
     assert!(line.starts_with("RUNTIME-ERROR "), "child: {line}");
     assert!(line.contains("no-such-dir"), "child: {line}");
+}
+
+/// The NIXL runtime's directory, from [`LIB_DIR_ENV`] (which `cargo xtask test` sets): tests read
+/// the environment, the crate does not.
+fn lib_dir() -> Option<std::path::PathBuf> {
+    std::env::var_os(LIB_DIR_ENV)
+        .filter(|v| !v.is_empty())
+        .map(std::path::PathBuf::from)
 }

@@ -73,4 +73,4 @@ pub use error::{Closed, StartError};
 pub use producer::{FinishedSending, Producer, SendOutcome};
 pub use router::RouterError;
 pub use stats::StatsSnapshot;
-pub use transport::{TransportError, TransportSpec};
+pub use transport::{OpenOptions, TransportError, TransportSpec};

@@ -27,8 +27,8 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::{
-    ConnectorConfig, Consumer, KvCache, Producer, PullRequest, PushRequest, RecvEvent, SendOutcome,
-    StatsSnapshot, TransportSpec,
+    ConnectorConfig, Consumer, KvCache, OpenOptions, Producer, PullRequest, PushRequest, RecvEvent,
+    SendOutcome, StatsSnapshot, TransportSpec,
 };
 
 fn value_err(e: impl std::fmt::Display) -> PyErr {
@@ -335,7 +335,9 @@ impl PyProducer {
             token_unit,
         } = args;
         let producer = py.detach(move || -> Result<Producer, String> {
-            let t = transport.open().map_err(|e| e.to_string())?;
+            let t = transport
+                .open_with(&plugin_open_options())
+                .map_err(|e| e.to_string())?;
             Producer::start(config, cache, t).map_err(|e| e.to_string())
         });
         let producer = producer.map_err(PyRuntimeError::new_err)?;
@@ -587,7 +589,9 @@ impl PyConsumer {
             max_entries,
         )?;
         let consumer = py.detach(move || -> Result<Consumer, String> {
-            let t = transport.open().map_err(|e| e.to_string())?;
+            let t = transport
+                .open_with(&plugin_open_options())
+                .map_err(|e| e.to_string())?;
             Consumer::start(config, cache, t).map_err(|e| e.to_string())
         });
         Ok(Self {
@@ -768,4 +772,10 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(shm_uses_cma, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
+}
+
+/// The transport options the plugin's operator asks for in the environment (the plugin, not
+/// the library, reads it): `KVX_SHM_SWEEP=1` sweeps stale `shm` regions.
+fn plugin_open_options() -> OpenOptions {
+    OpenOptions::from_env_values(std::env::var_os(crate::transport::SHM_SWEEP_ENV).as_deref())
 }

@@ -162,12 +162,46 @@ pub fn loopback_fabric() -> &'static LoopbackFabric {
     FABRIC.get_or_init(LoopbackFabric::new)
 }
 
+/// How to open a [`TransportSpec`], beyond its name: settings that a binary takes from its
+/// operator (the `kvx` binary and the vLLM plugin from the environment; this crate reads none).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct OpenOptions {
+    /// libfabric `shm`: remove the regions that killed processes of this user left in
+    /// `/dev/shm` before opening (`LibfabricConfig::sweep_stale_shm`; off by default).
+    pub sweep_stale_shm: bool,
+}
+
+impl OpenOptions {
+    /// The options an operator asks for with the value of `KVX_SHM_SWEEP` (`1`: sweep), which
+    /// the caller took from its environment.
+    #[must_use]
+    pub fn from_env_values(shm_sweep: Option<&std::ffi::OsStr>) -> Self {
+        Self {
+            sweep_stale_shm: shm_sweep.is_some_and(|v| v == "1"),
+        }
+    }
+}
+
+/// The environment variable whose value `1` turns on [`OpenOptions::sweep_stale_shm`] in the
+/// `kvx` binary and the vLLM plugin.
+pub const SHM_SWEEP_ENV: &str = "KVX_SHM_SWEEP";
+
 impl TransportSpec {
-    /// Opens an endpoint.
+    /// Opens an endpoint with the default [`OpenOptions`].
     ///
     /// # Errors
     /// [`TransportError`] when the backend is missing or the endpoint cannot be opened.
     pub fn open(&self) -> Result<Box<dyn Transport>, TransportError> {
+        self.open_with(&OpenOptions::default())
+    }
+
+    /// Opens an endpoint.
+    ///
+    /// # Errors
+    /// [`TransportError`] when the backend is missing or the endpoint cannot be opened.
+    #[cfg_attr(not(feature = "libfabric"), allow(unused_variables))]
+    pub fn open_with(&self, options: &OpenOptions) -> Result<Box<dyn Transport>, TransportError> {
         match self {
             Self::Loopback => Ok(Box::new(loopback_fabric().endpoint())),
             #[cfg(feature = "libfabric")]
@@ -188,6 +222,7 @@ impl TransportSpec {
                 if *rails > 1 {
                     config = config.with_rails(Rails::Count(*rails));
                 }
+                config.sweep_stale_shm = options.sweep_stale_shm;
                 LibfabricTransport::open(&config)
                     .map(|t| Box::new(t) as Box<dyn Transport>)
                     .map_err(|e| TransportError::Open {

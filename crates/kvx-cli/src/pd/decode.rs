@@ -153,7 +153,8 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
             _ => None,
         };
         consumers.push(
-            Consumer::start(config, cache, spec.open()?).context("cannot start the consumer")?,
+            Consumer::start(config, cache, super::open_transport(&spec)?)
+                .context("cannot start the consumer")?,
         );
         memories.push(memory);
     }

@@ -16,6 +16,15 @@ pub(crate) mod decode;
 pub(crate) mod prefill;
 pub(crate) mod raw;
 
+/// Opens `spec` with what the operator asks for in the environment (`KVX_SHM_SWEEP=1`: sweep
+/// stale `shm` regions first); the binary reads the environment, the library does not.
+pub(crate) fn open_transport(
+    spec: &kvx_vllm::TransportSpec,
+) -> Result<Box<dyn kvx_rdma::Transport>, kvx_vllm::TransportError> {
+    let sweep = std::env::var_os(kvx_vllm::transport::SHM_SWEEP_ENV);
+    spec.open_with(&kvx_vllm::OpenOptions::from_env_values(sweep.as_deref()))
+}
+
 /// Arguments of `kvx pd`.
 #[derive(clap::Args, Debug)]
 pub(crate) struct PdArgs {

@@ -30,8 +30,8 @@ use super::driver::{check, CudaError, Gpu, Stream};
 use super::kernels::LayoutKernels;
 use crate::desc::EndpointDesc;
 use crate::error::{
-    BackendError, ConnectError, DeregisterError, OpError, PollError, ReadError, RegisterError,
-    SendError, WriteError,
+    AddressError, BackendError, ConnectError, DeregisterError, OpError, PollError, ReadError,
+    RegisterError, SendError, WriteError,
 };
 use crate::local::{
     self, peer_gone, Completions, Control, Identity, Ledger, Link, NoticeSender, Reader, SameHost,
@@ -75,19 +75,33 @@ pub struct CudaIpcConfig {
 }
 
 impl CudaIpcConfig {
-    /// Defaults for device `device`; `KVX_CUDA_IPC_COPY=engine|kernel|auto` overrides the copy
-    /// method (for operators and benchmarks).
+    /// Defaults for device `device`: the copy method [`CopyMethod::Auto`], operations time out
+    /// after 30 s.
     #[must_use]
     pub fn new(device: u32) -> Self {
-        let copy = match std::env::var("KVX_CUDA_IPC_COPY").as_deref() {
-            Ok("engine") => CopyMethod::CopyEngine,
-            Ok("kernel") => CopyMethod::Kernel,
-            _ => CopyMethod::Auto,
-        };
         Self {
             device,
-            copy,
+            copy: CopyMethod::Auto,
             op_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// A copy-method name that is not `auto`, `engine` or `kernel`.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("unknown CUDA IPC copy method `{0}` (auto, engine, kernel)")]
+pub struct UnknownCopyMethod(pub String);
+
+impl std::str::FromStr for CopyMethod {
+    type Err = UnknownCopyMethod;
+
+    /// `auto`, `engine` (the copy engines) or `kernel` (the batched-copy kernel).
+    fn from_str(s: &str) -> Result<Self, UnknownCopyMethod> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "engine" => Ok(Self::CopyEngine),
+            "kernel" => Ok(Self::Kernel),
+            other => Err(UnknownCopyMethod(other.to_owned())),
         }
     }
 }
@@ -110,7 +124,7 @@ pub enum IpcError {
     },
     /// The peer's address blob is malformed.
     #[error("malformed cuda-ipc address: {0}")]
-    Address(String),
+    Address(#[from] AddressError),
     /// The peer closed its socket (it exited or dropped its endpoint).
     #[error("the peer closed its connection")]
     PeerClosed,
@@ -164,13 +178,13 @@ impl Address {
     }
 
     fn decode(bytes: &[u8]) -> Result<Self, IpcError> {
-        let parse = || -> Result<Self, String> {
+        let parse = || -> Result<Self, AddressError> {
             let mut reader = Reader::open(bytes, ADDRESS_MAGIC, ADDRESS_VERSION)?;
             let who = Identity::decode(&mut reader)?;
             let device = reader.u32("device")?;
             let count = reader.u32("region count")? as usize;
             if count > crate::desc::MAX_REGIONS || count * 76 > reader.remaining() {
-                return Err(format!("{count} regions"));
+                return Err(AddressError::RegionCount(count));
             }
             let mut regions = Vec::with_capacity(count);
             for _ in 0..count {
@@ -592,9 +606,7 @@ type RegionFn<'a> = &'a dyn Fn(u32) -> Option<(u64, u64)>;
 
 /// Note for a fallback that changes nothing the caller must act on.
 fn note_fallback(error: &CudaError) {
-    if std::env::var_os("KVX_DEBUG").is_some() {
-        eprintln!("kvx cuda-ipc: batched-copy kernel unavailable, using the copy engines: {error}");
-    }
+    tracing::debug!(%error, "kvx cuda-ipc: batched-copy kernel unavailable, using the copy engines");
 }
 
 /// Makes `later` wait for everything queued on `earlier` so far.
@@ -854,10 +866,7 @@ impl Transport for CudaIpcTransport {
                 region.addr
             } else {
                 let exported = handles.get(&region.index).ok_or_else(|| {
-                    bad(IpcError::Address(format!(
-                        "region {} has no IPC handle",
-                        region.index
-                    )))
+                    bad(IpcError::Address(AddressError::MissingRegion(region.index)))
                 })?;
                 let base = match peer.mappings.entry(exported.handle) {
                     std::collections::hash_map::Entry::Occupied(m) => m.get().base,

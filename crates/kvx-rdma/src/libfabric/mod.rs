@@ -103,6 +103,9 @@ pub const BACKEND: &str = "libfabric";
 pub const PROVIDER_TCP: &str = "tcp;ofi_rxm";
 /// The `shm` provider: within one host.
 pub const PROVIDER_SHM: &str = "shm";
+/// The environment variable (`1`: on) from which the `kvx` binary, the vLLM plugin and the
+/// tests set [`LibfabricConfig::sweep_stale_shm`]; this crate never reads it.
+pub const SHM_SWEEP_ENV: &str = "KVX_SHM_SWEEP";
 
 /// How often operations towards a disconnected `shm` peer look whether its process exited.
 const EXIT_CHECK: Duration = Duration::from_millis(50);
@@ -198,7 +201,8 @@ pub struct LibfabricConfig {
     /// Completion-queue entries (per rail).
     pub cq_size: usize,
     /// `shm` only: before opening, remove the regions that killed processes of this user left in
-    /// `/dev/shm` (see the module `shm_sweep`; also turned on by `KVX_SHM_SWEEP=1`). Off by default: it
+    /// `/dev/shm` (see the module `shm_sweep`; the `kvx` binary and the vLLM plugin turn it on
+    /// where [`SHM_SWEEP_ENV`] is `1`). Off by default: it
     /// judges liveness in this pid namespace, which is wrong where containers share `/dev/shm`.
     pub sweep_stale_shm: bool,
 }
@@ -684,8 +688,9 @@ pub enum OpenError {
     /// process with the same pid left in `/dev/shm`.
     #[error(
         "the shm region name of this process is taken (/dev/shm/{pid}:*), most likely left by a \
-         killed process with the same pid: remove those files, or set KVX_SHM_SWEEP=1 where no \
-         other pid namespace shares /dev/shm"
+         killed process with the same pid: remove those files, or turn the sweep on \
+         (LibfabricConfig::sweep_stale_shm; KVX_SHM_SWEEP=1 for kvx and the vLLM plugin) where \
+         no other pid namespace shares /dev/shm"
     )]
     ShmNameTaken {
         /// This process's id.
@@ -884,8 +889,7 @@ impl LibfabricTransport {
         }
         // `shm`, when asked: clear the regions killed processes left (see [`shm_sweep`]), and
         // keep this process's other `shm` opens out until the rails exist.
-        let sweep = config.provider == PROVIDER_SHM
-            && (config.sweep_stale_shm || shm_sweep::asked_by_env());
+        let sweep = config.provider == PROVIDER_SHM && config.sweep_stale_shm;
         let _opening = sweep.then(|| {
             let mut first = shm_sweep::OPENING
                 .lock()

@@ -7,8 +7,8 @@
 //! and — once the pid is reused — a process that cannot open its own endpoint (`fi_enable`
 //! fails with `EBUSY`, because its region's name is taken).
 //!
-//! When asked to ([`LibfabricConfig::sweep_stale_shm`](super::LibfabricConfig), or
-//! `KVX_SHM_SWEEP=1`), kvx removes, before an `shm` endpoint opens, this user's regions whose
+//! When asked to ([`LibfabricConfig::sweep_stale_shm`](super::LibfabricConfig), which the `kvx`
+//! binary and the vLLM plugin set from `KVX_SHM_SWEEP=1`), kvx removes, before an `shm` endpoint opens, this user's regions whose
 //! process no longer exists, and, the first time in a process, the regions named after this
 //! process's own pid, which only a dead predecessor with the same pid can have left.
 //!
@@ -25,14 +25,6 @@ use std::sync::Mutex;
 
 /// Where the provider keeps its regions.
 pub(super) const SHM_DIR: &str = "/dev/shm";
-
-/// The environment variable that turns the sweep on (`1`).
-pub(super) const SWEEP_ENV: &str = "KVX_SHM_SWEEP";
-
-/// Whether the environment asks for the sweep.
-pub(super) fn asked_by_env() -> bool {
-    std::env::var_os(SWEEP_ENV).is_some_and(|v| v == "1")
-}
 
 /// Serialises sweeping with opening `shm` endpoints in this process, so a sweep never removes a
 /// region this process is creating; holds whether the own-pid sweep is still to be done.

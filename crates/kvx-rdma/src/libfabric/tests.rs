@@ -10,6 +10,14 @@ use kvx_layout::CopyOp;
 use super::*;
 use crate::region::HostBuffer;
 
+/// `shm` with the stale-region sweep on where the test run asks for it ([`SHM_SWEEP_ENV`]):
+/// tests read the environment, the crate does not.
+fn shm_config() -> LibfabricConfig {
+    let mut config = LibfabricConfig::shm();
+    config.sweep_stale_shm = std::env::var_os(SHM_SWEEP_ENV).is_some_and(|v| v == "1");
+    config
+}
+
 fn pair(config: &LibfabricConfig) -> (LibfabricTransport, LibfabricTransport) {
     let a = LibfabricTransport::open(config).expect("open endpoint a");
     let b = LibfabricTransport::open(config).expect("open endpoint b");
@@ -91,7 +99,7 @@ fn write_and_verify(config: &LibfabricConfig) {
 
 #[test]
 fn shm_write_delivers_bytes_then_notice() {
-    write_and_verify(&LibfabricConfig::shm());
+    write_and_verify(&shm_config());
 }
 
 #[test]
@@ -101,7 +109,7 @@ fn tcp_write_delivers_bytes_then_notice() {
 
 #[test]
 fn modes_follow_the_provider() {
-    let shm = LibfabricTransport::open(&LibfabricConfig::shm()).unwrap();
+    let shm = LibfabricTransport::open(&shm_config()).unwrap();
     assert!(shm.uses_virtual_addresses());
     // shm 1.17 has no wait object; its writes land by cross-memory attach where that works.
     let caps = shm.capabilities();
@@ -130,7 +138,7 @@ fn modes_follow_the_provider() {
 
 #[test]
 fn read_send_and_errors() {
-    let (mut a, mut b) = pair(&LibfabricConfig::shm());
+    let (mut a, mut b) = pair(&shm_config());
     let remote = Arc::new(HostBuffer::new(65536).unwrap());
     remote.fill_with(|i| (i % 253) as u8);
     let local = Arc::new(HostBuffer::new(65536).unwrap());
@@ -201,7 +209,7 @@ fn read_send_and_errors() {
 
 #[test]
 fn connect_refuses_other_providers_and_broken_descriptions() {
-    let mut shm = LibfabricTransport::open(&LibfabricConfig::shm()).unwrap();
+    let mut shm = LibfabricTransport::open(&shm_config()).unwrap();
     let tcp = LibfabricTransport::open(&LibfabricConfig::tcp(Some("lo"))).unwrap();
     assert!(matches!(
         shm.connect(&tcp.local_desc()),
@@ -225,7 +233,7 @@ fn connect_refuses_other_providers_and_broken_descriptions() {
 /// only then); the old id is refused, and a new connection works, over both providers.
 #[test]
 fn a_disconnected_peer_is_refused_and_a_new_connection_works() {
-    for config in [LibfabricConfig::shm(), LibfabricConfig::tcp(Some("lo"))] {
+    for config in [shm_config(), LibfabricConfig::tcp(Some("lo"))] {
         let (mut a, mut b) = pair(&config);
         let len = 4 << 20;
         let region = || LocalRegion::host(0, Arc::new(HostBuffer::new(len).unwrap()));
@@ -239,7 +247,7 @@ fn a_disconnected_peer_is_refused_and_a_new_connection_works() {
 fn wakers_interrupt_waits_on_every_kind_of_queue() {
     // shm: no wait object (reads with sleeps); tcp: one wait descriptor; two tcp rails: two.
     for config in [
-        LibfabricConfig::shm(),
+        shm_config(),
         LibfabricConfig::tcp(Some("lo")),
         two_rails(LibfabricConfig::tcp(Some("lo"))),
     ] {
@@ -543,7 +551,7 @@ fn a_config_links(a: &LibfabricTransport, b: &LibfabricTransport) -> usize {
 
 #[test]
 fn shm_two_rails_stripe_writes_and_reads() {
-    let config = two_rails(LibfabricConfig::shm());
+    let config = two_rails(shm_config());
     let a = LibfabricTransport::open(&config).unwrap();
     assert_eq!(a.rail_count(), 2);
     assert_eq!(a.rail_domains().len(), 2);
@@ -560,8 +568,8 @@ fn tcp_two_rails_stripe_writes_and_reads() {
 
 #[test]
 fn two_rails_talk_to_one_rail_over_one_link() {
-    let one = LibfabricConfig::shm();
-    let two = two_rails(LibfabricConfig::shm());
+    let one = shm_config();
+    let two = two_rails(shm_config());
     multi_rail_write_and_read(&two, &one);
     multi_rail_write_and_read(&one, &two);
 }
@@ -571,7 +579,7 @@ fn multi_rail_endpoints_report_their_rails_and_completion_semantics() {
     // Both providers here report delivery-complete completions; striped writes flush the other
     // rails before the notice anyway (tcp;ofi_rxm completes RMA writes early, see the module
     // documentation).
-    let shm = LibfabricTransport::open(&two_rails(LibfabricConfig::shm())).unwrap();
+    let shm = LibfabricTransport::open(&two_rails(shm_config())).unwrap();
     let tcp = LibfabricTransport::open(&two_rails(LibfabricConfig::tcp(Some("lo")))).unwrap();
     assert_eq!(tcp.rail_domains(), ["lo", "lo"]);
     assert_eq!(shm.rail_count(), 2);
@@ -580,12 +588,12 @@ fn multi_rail_endpoints_report_their_rails_and_completion_semantics() {
 
 #[test]
 fn rail_configurations_that_cannot_work_are_refused() {
-    let none = LibfabricConfig::shm().with_rails(Rails::Count(0));
+    let none = shm_config().with_rails(Rails::Count(0));
     assert!(matches!(
         LibfabricTransport::open(&none),
         Err(OpenError::RailCount { rails: 0, .. })
     ));
-    let none = LibfabricConfig::shm().with_rails(Rails::Domains(Vec::new()));
+    let none = shm_config().with_rails(Rails::Domains(Vec::new()));
     assert!(matches!(
         LibfabricTransport::open(&none),
         Err(OpenError::RailCount { rails: 0, .. })
@@ -599,8 +607,8 @@ fn rail_configurations_that_cannot_work_are_refused() {
         Err(OpenError::Fabric { .. })
     ));
     // A damaged rail table is a bad description, never a panic.
-    let mut shm = LibfabricTransport::open(&LibfabricConfig::shm()).unwrap();
-    let two = LibfabricTransport::open(&two_rails(LibfabricConfig::shm())).unwrap();
+    let mut shm = LibfabricTransport::open(&shm_config()).unwrap();
+    let two = LibfabricTransport::open(&two_rails(shm_config())).unwrap();
     let mut desc = two.local_desc();
     desc.address.truncate(desc.address.len() - 3);
     assert!(matches!(
@@ -810,7 +818,7 @@ mod selection {
     #[test]
     fn this_hosts_providers_and_a_fallback_config_open() {
         // No RDMA NIC here: the selection falls back to one rail, which opens.
-        let (config, selection) = LibfabricConfig::shm().with_topology(&host(), None);
+        let (config, selection) = shm_config().with_topology(&host(), None);
         assert_eq!(selection.fallback, Some(RailFallback::HostMemory));
         assert_eq!(config.rails, Rails::One);
         LibfabricTransport::open(&config).unwrap();
@@ -829,7 +837,7 @@ fn shm_silent_child_role() {
     if std::env::var_os("KVX_SHM_SILENT_CHILD").is_none() {
         return;
     }
-    let mut t = LibfabricTransport::open(&LibfabricConfig::shm()).expect("child endpoint");
+    let mut t = LibfabricTransport::open(&shm_config()).expect("child endpoint");
     let buf = Arc::new(HostBuffer::new(1 << 20).unwrap());
     t.register(LocalRegion::host(0, buf)).unwrap();
     println!("DESC {}", t.local_desc().to_hex());
@@ -867,7 +875,7 @@ fn a_write_to_an_exited_shm_peer_fails_soon_after_disconnect() {
             break EndpointDesc::from_hex(hex.trim()).unwrap();
         }
     };
-    let mut config = LibfabricConfig::shm();
+    let mut config = shm_config();
     config.op_timeout = Duration::from_secs(120);
     let mut t = LibfabricTransport::open(&config).unwrap();
     let src = Arc::new(HostBuffer::new(1 << 16).unwrap());
@@ -929,7 +937,7 @@ fn shm_board_notices_land_in_the_peers_memory_after_the_data() {
     let mut tcp = LibfabricTransport::open(&LibfabricConfig::tcp(Some("lo"))).unwrap();
     assert!(tcp.notice_board(4).is_none(), "tcp data needs the target");
     // Two rails: the notice goes once both rails' data is in.
-    for config in [LibfabricConfig::shm(), two_rails(LibfabricConfig::shm())] {
+    for config in [shm_config(), two_rails(shm_config())] {
         let Some((mut a, mut b)) = shm_board_pair(&config) else {
             return;
         };
@@ -951,7 +959,7 @@ fn shm_board_notices_land_in_the_peers_memory_after_the_data() {
 /// has slots lands with the peer reading its queue only now and then.
 #[test]
 fn shm_board_writes_need_the_peer_only_for_first_contact_and_now_and_then() {
-    let Some((mut a, mut b)) = shm_board_pair(&LibfabricConfig::shm()) else {
+    let Some((mut a, mut b)) = shm_board_pair(&shm_config()) else {
         return;
     };
     assert!(b.capabilities().peer_rma_occasional_reads);
@@ -1021,7 +1029,7 @@ fn shm_board_writes_need_the_peer_only_for_first_contact_and_now_and_then() {
 /// process went, a new peer's first write still lands, with the new peer reading its queue.
 #[test]
 fn shm_a_new_peer_after_a_disconnected_one_is_reached() {
-    let config = LibfabricConfig::shm();
+    let config = shm_config();
     let mut a = LibfabricTransport::open(&config).unwrap();
     let len = 1 << 16;
     let src = Arc::new(HostBuffer::new(len).unwrap());
@@ -1050,7 +1058,7 @@ fn shm_a_new_peer_after_a_disconnected_one_is_reached() {
 /// peer's write lands once it reads.
 #[test]
 fn shm_a_peer_that_takes_no_writes_holds_up_no_other() {
-    let config = LibfabricConfig::shm();
+    let config = shm_config();
     let (mut a, mut silent) = pair(&config);
     let mut other = LibfabricTransport::open(&config).unwrap();
     let len = 1 << 16;

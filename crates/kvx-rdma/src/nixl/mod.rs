@@ -78,7 +78,7 @@
 pub mod runtime;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::ffi::{OsStr, OsString};
+use std::ffi::OsStr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -91,8 +91,8 @@ use nixl_sys as sys;
 use crate::cpu_time::thread_cpu_time;
 use crate::desc::{EndpointDesc, MAX_ADDRESS_LEN};
 use crate::error::{
-    BackendError, ConnectError, DeregisterError, OpError, PollError, ReadError, RegisterError,
-    SendError, WriteError,
+    AddressError, BackendError, ConnectError, DeregisterError, OpError, PollError, ReadError,
+    RegisterError, SendError, WriteError,
 };
 use crate::peers::PeerTable;
 use crate::region::LocalRegion;
@@ -108,7 +108,7 @@ pub const BACKEND: &str = "nixl";
 /// NIXL's UCX plugin.
 pub const PLUGIN_UCX: &str = "UCX";
 /// Environment variable naming the directory that holds `libnixl_capi.so` (what
-/// `cargo xtask test` sets), used when [`NixlConfig::library`] is `None`.
+/// `cargo xtask test` sets), from which binaries and tests fill [`NixlConfig::library`].
 pub const LIB_DIR_ENV: &str = "KVX_NIXL_LIB_DIR";
 
 /// Longest control message.
@@ -137,9 +137,10 @@ const DROP_GRACE: Duration = Duration::from_secs(2);
 /// How to open a NIXL endpoint.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NixlConfig {
-    /// `libnixl_capi.so`, or the directory holding it; `None`: the directory in
-    /// `$KVX_NIXL_LIB_DIR`, else the dynamic loader's search path. The first endpoint of a
-    /// process loads the runtime; later ones use the same.
+    /// `libnixl_capi.so`, or the directory holding it; `None`: the dynamic loader's search path
+    /// (`LD_LIBRARY_PATH`, the cache). Binaries and tests take it from [`LIB_DIR_ENV`]; this
+    /// crate reads no environment. The first endpoint of a process loads the runtime; later
+    /// ones use the same.
     pub library: Option<PathBuf>,
     /// The agent's name, unique among the agents that talk to each other; `None`: made from the
     /// process id, a counter and the clock.
@@ -158,8 +159,9 @@ pub struct NixlConfig {
     /// spell, traded against the CPU an idle waiting thread costs.
     pub max_idle_sleep: Duration,
     /// UCX's network devices (`rdmap79s0:1,rdmap80s0:1`) for the memory's accelerator, from
-    /// [`NixlConfig::with_rails_of`]: set as `UCX_NET_DEVICES` when the endpoint opens, unless
-    /// the user set that variable (theirs wins). `None`: UCX's own choice.
+    /// [`NixlConfig::with_rails_of`]: given to UCX as `NET_DEVICES` in `engine_config` when the
+    /// endpoint opens, unless `engine_config` names devices itself; a `UCX_NET_DEVICES` the
+    /// user set wins. `None`: UCX's own choice.
     pub net_devices: Option<String>,
 }
 
@@ -216,24 +218,29 @@ impl NixlConfig {
     /// host" (seen on the H200). Without the cache UCX asks the driver about each buffer.
     #[must_use]
     pub fn with_device_memory(self) -> Self {
+        self.with_engine_setting("MEMTYPE_CACHE", "n")
+    }
+
+    /// Adds the UCX setting `key=value` (without the `UCX_` prefix) to `engine_config`, unless
+    /// `engine_config` already sets `key` (that choice stays).
+    #[must_use]
+    pub fn with_engine_setting(self, key: &str, value: &str) -> Self {
         let engine = self
             .backend_params
             .iter()
             .find(|(k, _)| k == "engine_config")
             .map(|(_, v)| v.clone())
             .filter(|v| !v.is_empty());
+        let prefix = format!("{key}=");
         let value = match engine {
             Some(v)
-                if v.split(',').any(|kv| {
-                    kv.trim()
-                        .trim_start_matches("UCX_")
-                        .starts_with("MEMTYPE_CACHE=")
-                }) =>
+                if v.split(',')
+                    .any(|kv| kv.trim().trim_start_matches("UCX_").starts_with(&prefix)) =>
             {
                 v
             }
-            Some(v) => format!("{v},MEMTYPE_CACHE=n"),
-            None => "MEMTYPE_CACHE=n".to_owned(),
+            Some(v) => format!("{v},{key}={value}"),
+            None => format!("{key}={value}"),
         };
         self.with_param("engine_config", &value)
     }
@@ -266,27 +273,6 @@ pub fn ucx_net_devices_for(
     topology
         .ucx_net_devices(accelerator)
         .filter(|devices| !devices.is_empty())
-}
-
-/// The `UCX_NET_DEVICES` value this process set (so that a later endpoint may replace it, but
-/// never a value the user set).
-static NET_DEVICES_SET: std::sync::Mutex<Option<OsString>> = std::sync::Mutex::new(None);
-
-/// Sets `UCX_NET_DEVICES` to `devices` unless the user set it; returns whether it did. UCX reads
-/// the variable when the backend is created.
-fn apply_net_devices(devices: &str) -> bool {
-    let mut ours = NET_DEVICES_SET
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    let current = std::env::var_os(UCX_NET_DEVICES);
-    let users = current.is_some() && current != *ours;
-    if users {
-        return false;
-    }
-    // The variable is process-wide; UCX reads it when a backend is created, right after this.
-    std::env::set_var(UCX_NET_DEVICES, devices);
-    *ours = Some(OsString::from(devices));
-    true
 }
 
 /// Opening a NIXL endpoint failed.
@@ -492,34 +478,30 @@ fn encode_address(name: &str, metadata: &[u8]) -> Vec<u8> {
 }
 
 /// Decodes an address into the agent name and the metadata blob.
-fn decode_address(address: &[u8]) -> Result<(&str, &[u8]), String> {
+fn decode_address(address: &[u8]) -> Result<(&str, &[u8]), AddressError> {
     if address.len() < ADDRESS_HEADER {
-        return Err(format!(
-            "NIXL address of {} bytes is too short",
-            address.len()
-        ));
+        return Err(AddressError::Truncated("header"));
     }
     if &address[..4] != ADDRESS_MAGIC {
-        return Err("not a kvx NIXL address (bad magic)".into());
+        return Err(AddressError::BadMagic);
     }
     if address[4] != ADDRESS_VERSION {
-        return Err(format!("unsupported NIXL address version {}", address[4]));
+        return Err(AddressError::Version(address[4]));
     }
     let len = usize::from(u16::from_le_bytes([address[5], address[6]]));
     let mut sum = [0; 8];
     sum.copy_from_slice(&address[7..15]);
     let rest = &address[ADDRESS_HEADER..];
     if len == 0 || rest.len() <= len {
-        return Err("NIXL address truncated (agent name or metadata missing)".into());
+        return Err(AddressError::Truncated("agent name or metadata"));
     }
-    let name = std::str::from_utf8(&rest[..len])
-        .map_err(|_| "the agent name in the NIXL address is not UTF-8".to_owned())?;
+    let name = std::str::from_utf8(&rest[..len]).map_err(|_| AddressError::Text("agent name"))?;
     if name.contains('\0') {
-        return Err("the agent name in the NIXL address contains a NUL byte".into());
+        return Err(AddressError::Text("agent name"));
     }
     let metadata = &rest[len..];
     if checksum(name, metadata) != u64::from_le_bytes(sum) {
-        return Err("NIXL address corrupted (checksum mismatch)".into());
+        return Err(AddressError::Checksum);
     }
     Ok((name, metadata))
 }
@@ -602,6 +584,12 @@ impl NixlTransport {
             plugin: config.plugin.clone(),
             source,
         };
+        // The rails' devices go to UCX as `NET_DEVICES` in `engine_config` (never through the
+        // process environment); a `UCX_NET_DEVICES` the user set wins, as every `UCX_*` does.
+        let config = match &config.net_devices {
+            Some(devices) => &config.clone().with_engine_setting("NET_DEVICES", devices),
+            None => config,
+        };
         let params = sys::Params::from(
             config
                 .backend_params
@@ -609,9 +597,6 @@ impl NixlTransport {
                 .map(|(k, v)| (k.as_str(), v.as_str())),
         )
         .map_err(backend_error)?;
-        if let Some(devices) = &config.net_devices {
-            apply_net_devices(devices);
-        }
         agent
             .create_backend(&config.plugin, &params)
             .map_err(backend_error)?;

@@ -94,16 +94,12 @@ pub enum RuntimeError {
 /// Where the runtime was loaded from, once it was.
 static LOADED: Mutex<Option<String>> = Mutex::new(None);
 
-/// The library to load for `configured` (a file or the directory holding it); `None`: the
-/// directory in `$KVX_NIXL_LIB_DIR`, else the bare name (the dynamic loader's search path:
-/// `LD_LIBRARY_PATH`, the cache).
+/// The library to load for `configured` (a file or the directory holding it); `None`: the bare
+/// name (the dynamic loader's search path: `LD_LIBRARY_PATH`, the cache).
 fn candidate(configured: Option<&Path>) -> PathBuf {
-    let from_env = std::env::var_os(super::LIB_DIR_ENV)
-        .filter(|v| !v.is_empty())
-        .map(PathBuf::from);
-    match configured.map(Path::to_path_buf).or(from_env) {
+    match configured {
         Some(path) if path.is_dir() => path.join(CAPI_LIBRARY),
-        Some(path) => path,
+        Some(path) => path.to_path_buf(),
         None => PathBuf::from(CAPI_LIBRARY),
     }
 }
@@ -179,7 +175,7 @@ pub fn loaded_from() -> Option<String> {
 }
 
 /// Whether a NIXL runtime can be found for `configured` (see [`ensure_loaded`]) without loading
-/// it: a configured or `$KVX_NIXL_LIB_DIR` path that exists, or one already loaded. Tests use it
+/// it: a configured path that exists, or one already loaded. Tests use it
 /// to say plainly why they skip.
 #[must_use]
 pub fn locate(configured: Option<&Path>) -> Option<PathBuf> {

@@ -140,7 +140,7 @@ proptest! {
 
 /// An endpoint over UCX, or `None` (printed: why) when the runtime is not available.
 fn open_or_skip(test: &str) -> Option<NixlTransport> {
-    if runtime::locate(None).is_none() {
+    if runtime::locate(lib_dir().as_deref()).is_none() {
         // On the real stderr: the test harness captures `println!`.
         let _ = writeln!(
             std::io::stderr(),
@@ -151,6 +151,7 @@ fn open_or_skip(test: &str) -> Option<NixlTransport> {
     }
     let mut config = NixlConfig::ucx_tcp(Some("lo"));
     config.op_timeout = Duration::from_secs(20);
+    config.library = lib_dir();
     Some(NixlTransport::open(&config).expect("open a NIXL endpoint"))
 }
 
@@ -451,4 +452,12 @@ fn metadata_past_the_address_limit_is_a_typed_error_and_rolled_back() {
     endpoint.deregister(0).unwrap();
     let region = LocalRegion::host(registered, Arc::new(HostBuffer::new(4096).unwrap()));
     endpoint.register(region).unwrap();
+}
+
+/// The NIXL runtime's directory, from [`LIB_DIR_ENV`] (which `cargo xtask test` sets): tests read
+/// the environment, the crate does not.
+fn lib_dir() -> Option<std::path::PathBuf> {
+    std::env::var_os(LIB_DIR_ENV)
+        .filter(|v| !v.is_empty())
+        .map(std::path::PathBuf::from)
 }

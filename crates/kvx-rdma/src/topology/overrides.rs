@@ -30,7 +30,8 @@ pub struct RailOverrides {
 }
 
 impl RailOverrides {
-    /// The environment variable read by [`RailOverrides::from_env`].
+    /// The environment variable that binaries read a mapping from (this crate reads none; see
+    /// [`RailOverrides::from_env_value`]).
     pub const ENV_VAR: &'static str = "KVX_RAILS";
 
     /// An empty mapping: the rule applies everywhere.
@@ -86,17 +87,9 @@ impl RailOverrides {
         Ok(Self { map })
     }
 
-    /// Reads the mapping from [`RailOverrides::ENV_VAR`] (`KVX_RAILS`); unset or empty is an empty
-    /// mapping.
-    ///
-    /// # Errors
-    /// [`RailSpecError`] when the variable is not UTF-8 or malformed.
-    pub fn from_env() -> Result<Self, RailSpecError> {
-        Self::from_env_value(std::env::var_os(Self::ENV_VAR))
-    }
-
-    /// Like [`RailOverrides::from_env`], for a value already taken from the environment (so that
-    /// callers and tests need not mutate the process environment).
+    /// The mapping in a value of [`RailOverrides::ENV_VAR`] that the caller (a binary: `kvx`,
+    /// the vLLM plugin) took from its environment; this crate reads no environment. Unset or
+    /// empty is an empty mapping.
     ///
     /// # Errors
     /// [`RailSpecError`] when the value is not UTF-8 or malformed.
