@@ -4,6 +4,8 @@
 //! - `cargo xtask test`: set up, then format check, clippy, every test in the workspace, the
 //!   Python and real-vLLM end-to-end tests (in a cached venv), and a build of the fuzz targets;
 //! - `cargo xtask bench [NAME…]`: run benchmarks; results as JSON under `target/kvx-bench/`;
+//!   `--against REV` runs the criterion micro benchmarks of this checkout and of `REV` in turn
+//!   and prints the ratios;
 //! - `cargo xtask fuzz TARGET [SECONDS]`: run a fuzz target with cargo-fuzz.
 
 use std::path::{Path, PathBuf};
@@ -12,6 +14,7 @@ use std::process::Command;
 use anyhow::{bail, Context as _};
 use clap::{Parser, Subcommand};
 
+mod against;
 mod bench;
 mod nixl;
 mod pd;
@@ -45,6 +48,14 @@ enum Task {
         /// Shorter measurement (for a quick look; figures are noisier).
         #[arg(long)]
         quick: bool,
+        /// Compare the criterion micro benchmarks (plan, codec, rendezvous) with those of this
+        /// revision, measured in turn in one run (the revision builds in a worktree under
+        /// target/kvx-against/).
+        #[arg(long, value_name = "REV")]
+        against: Option<String>,
+        /// With --against: how many times to run both sides (alternating which goes first).
+        #[arg(long, default_value_t = 2, requires = "against")]
+        rounds: usize,
     },
     /// Run a fuzz target with cargo-fuzz (installed on first use).
     Fuzz {
@@ -208,7 +219,21 @@ fn main() -> anyhow::Result<()> {
     match Cli::parse().task {
         Task::Setup => setup::ensure_packages(),
         Task::Test { no_lint } => test(no_lint),
-        Task::Bench { names, quick } => {
+        Task::Bench {
+            names,
+            quick,
+            against: Some(rev),
+            rounds,
+        } => {
+            crate::setup::ensure_packages()?;
+            against::run(&rev, &names, rounds.max(1), quick)
+        }
+        Task::Bench {
+            names,
+            quick,
+            against: None,
+            ..
+        } => {
             // The benchmarks stop (kill) their processes too: let libfabric `shm` sweep what
             // killed ones left in /dev/shm, as `test` does (one machine, one pid namespace).
             // Set before any thread or child starts.
