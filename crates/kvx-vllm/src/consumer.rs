@@ -6,7 +6,7 @@ use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -19,9 +19,10 @@ use kvx_rendezvous::{AttemptKey, Reason, Timestamp, Waiter, WaiterAction, Waiter
 use tracing::{debug, info, warn};
 
 use crate::board::{self, BoardSlots, Disarmed, PollHints, SharedBoard, BOARD_SLOTS};
-use crate::common::{self, Clock, CommandReceiver, CommandSender, KvCache, Mailbox};
+use crate::cache::{register_cache, KvCache};
 use crate::config::{ConnectorConfig, QUIESCE_MARGIN};
 use crate::control::{self, ControlSender, ControlStream};
+use crate::driver::{self, Clock, CommandSender, Mailbox};
 use crate::error::{Closed, StartError};
 use crate::stats::{Stats, StatsSnapshot};
 
@@ -254,7 +255,7 @@ impl Consumer {
         mut transport: Box<dyn Transport>,
     ) -> Result<Self, StartError> {
         config.validate()?;
-        let (layout, regions) = common::register_cache(transport.as_mut(), cache)?;
+        let (layout, regions) = register_cache(transport.as_mut(), cache)?;
         // Before the hello: the board's place is part of this endpoint's description.
         let hints = Arc::new(PollHints::default());
         let board = config
@@ -266,7 +267,7 @@ impl Consumer {
         waiter_config.max_waiting = config.max_entries;
         waiter_config.max_lease = config.registration_lease;
         let waiter = Waiter::new(waiter_config)?;
-        let (tx, rx) = common::command_queue(transport.waker());
+        let (tx, rx) = driver::command_queue(transport.waker());
         let events = Arc::new(Outbox {
             hints: Arc::clone(&hints),
             events: Mailbox::default(),
@@ -280,7 +281,7 @@ impl Consumer {
         // libfabric `shm`: the board spares this side the notices, not the reads of its queue
         // that peers' writes need now and then (and for a new writer's first contact).
         let occasional_reads = board.is_some() && caps.peer_rma_occasional_reads;
-        let hello = common::hello(
+        let hello = control::hello(
             &config,
             Role::Consumer,
             &layout,
@@ -327,7 +328,7 @@ impl Consumer {
         let shared = Arc::clone(&driver);
         let thread = thread::Builder::new()
             .name(format!("kvx-decode-{}", rank.0))
-            .spawn(move || Driver::run(&shared, &rx))
+            .spawn(move || driver::drive(&shared, &rx))
             .map_err(StartError::Thread)?;
         info!(%rank, "kvx consumer started");
         Ok(Self {
@@ -669,7 +670,21 @@ struct Parked {
     busy: bool,
 }
 
-impl Driver {
+impl driver::Driven for Driver {
+    type Command = Command;
+
+    fn clock(&self) -> Clock {
+        self.clock
+    }
+
+    fn wake_at(&mut self) -> Option<Timestamp> {
+        // At least every heartbeat interval, even with nothing to do: a request the engine
+        // thread registers then needs no wake-up to have its heartbeats (or its lease) looked
+        // after in time.
+        let idle_tick = self.clock.now() + self.config.heartbeat_interval;
+        Some(self.deadline().map_or(idle_tick, |d| d.min(idle_tick)))
+    }
+
     /// Whether the driver must read its transport while it waits: a notice, a finishing hint or
     /// a read is due there (a notice due in the board is not).
     fn busy(&self) -> bool {
@@ -684,23 +699,38 @@ impl Driver {
         }
     }
 
-    fn deadline(&mut self) -> Option<Timestamp> {
-        let mut quiesce = self.quiescing.values().map(|q| q.deadline).min();
-        if self.quiescing_on_board() {
-            // Their writers confirm by writing the board, which wakes no one.
-            let poll = self.clock.now() + BOARD_POLL;
-            quiesce = Some(quiesce.map_or(poll, |q| q.min(poll)));
-        }
-        if !self.awaiting_contact.is_empty() {
-            // A writer's first contact needs this side's transport read: each turn reads it
-            // once (see `first_contacts`).
-            let at = self.contact.1;
-            quiesce = Some(quiesce.map_or(at, |q| q.min(at)));
-        }
-        [self.waiter.poll_timeout(), self.next_heartbeat, quiesce]
-            .into_iter()
-            .flatten()
-            .min()
+    fn parking(&mut self, until: Option<Timestamp>, busy: bool) {
+        self.transport_wanted = false;
+        self.parked = Some(Parked { until, busy });
+    }
+
+    fn woke(&mut self) {
+        self.parked = None;
+        self.stats.driver_turns.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn lend_transport(&mut self) -> Option<Box<dyn Transport>> {
+        self.transport.take()
+    }
+
+    fn return_transport(&mut self, transport: Box<dyn Transport>) {
+        self.transport = Some(transport);
+    }
+
+    fn transport(&mut self) -> Option<&mut (dyn Transport + 'static)> {
+        self.transport.as_deref_mut()
+    }
+
+    fn is_shutdown(command: &Command) -> bool {
+        matches!(command, Command::Shutdown)
+    }
+
+    fn command(&mut self, command: Command) {
+        self.handle(command);
+    }
+
+    fn transport_event(&mut self, event: Event) {
+        self.on_event(event);
     }
 
     fn tick(&mut self, now: Timestamp) {
@@ -725,94 +755,33 @@ impl Driver {
         // Last: what this turn (or the engine thread) queued on a full connection.
         self.flush_backlogs();
     }
+
+    fn stopped(&mut self, left: Vec<Command>) {
+        self.finish_run();
+        // What the engine queued behind the shutdown fails too, never silently.
+        self.refuse_all(left);
+    }
 }
 
 impl Driver {
-    /// The driver thread: waits for commands, transport events or its next deadline (never
-    /// spinning) with the state unlocked, so that the engine thread can register requests
-    /// meanwhile; handles what came with the state locked; until shutdown.
-    fn run(state: &Mutex<Driver>, rx: &CommandReceiver<Command>) {
-        let lock = || state.lock().unwrap_or_else(PoisonError::into_inner);
-        let clock = lock().clock;
-        let (mut events, mut commands) = (Vec::new(), Vec::new());
-        loop {
-            let (taken, deadline) = {
-                let mut driver = lock();
-                // At least every heartbeat interval, even with nothing to do: a request the
-                // engine thread registers then needs no wake-up to have its heartbeats (or its
-                // lease) looked after in time.
-                let idle_tick = clock.now() + driver.config.heartbeat_interval;
-                let deadline = Some(driver.deadline().map_or(idle_tick, |d| d.min(idle_tick)));
-                let busy = driver.busy();
-                driver.transport_wanted = false;
-                driver.parked = Some(Parked {
-                    until: deadline,
-                    busy,
-                });
-                if driver.transport.is_none() {
-                    warn!("the consumer's transport is gone");
-                    driver.finish_run();
-                    return;
-                }
-                // Waiting on the transport, the driver takes it along; otherwise it stays here,
-                // where the engine thread can read it (`Consumer::take_events`).
-                let taken = if busy { driver.transport.take() } else { None };
-                (taken, deadline)
-            };
-            let (turn, mut driver) = if let Some(mut transport) = taken {
-                let turn = common::wait_turn(
-                    rx,
-                    transport.as_mut(),
-                    true,
-                    clock,
-                    deadline,
-                    &mut events,
-                    &mut commands,
-                );
-                let mut driver = lock();
-                driver.transport = Some(transport);
-                (turn, driver)
-            } else {
-                let open = common::wait_commands(rx, clock, deadline, &mut commands);
-                let mut driver = lock();
-                // Notices may arrive while nothing is in flight on this side. Only this thread
-                // takes the transport out, so it is still here.
-                let turn = driver
-                    .transport
-                    .as_deref_mut()
-                    .map_or(Ok(open), |t| t.poll(&mut events).map(|_| open));
-                (turn, driver)
-            };
-            driver.parked = None;
-            driver.stats.driver_turns.fetch_add(1, Ordering::Relaxed);
-            let open = turn.unwrap_or_else(|e| {
-                warn!(error = %e, "transport poll failed");
-                true
-            });
-            let mut stop = !open;
-            let mut left = Vec::new();
-            for command in commands.drain(..) {
-                if stop {
-                    left.push(command);
-                } else if matches!(command, Command::Shutdown) {
-                    stop = true;
-                } else {
-                    driver.handle(command);
-                }
-            }
-            if stop {
-                events.clear();
-                driver.finish_run();
-                // What the engine queued behind the shutdown fails too, never silently.
-                left.extend(rx.take_queued());
-                driver.refuse_all(left);
-                return;
-            }
-            for event in events.drain(..) {
-                driver.on_event(event);
-            }
-            driver.tick(clock.now());
+    /// When the state machines next need the time.
+    fn deadline(&mut self) -> Option<Timestamp> {
+        let mut quiesce = self.quiescing.values().map(|q| q.deadline).min();
+        if self.quiescing_on_board() {
+            // Their writers confirm by writing the board, which wakes no one.
+            let poll = self.clock.now() + BOARD_POLL;
+            quiesce = Some(quiesce.map_or(poll, |q| q.min(poll)));
         }
+        if !self.awaiting_contact.is_empty() {
+            // A writer's first contact needs this side's transport read: each turn reads it
+            // once (see `first_contacts`).
+            let at = self.contact.1;
+            quiesce = Some(quiesce.map_or(at, |q| q.min(at)));
+        }
+        [self.waiter.poll_timeout(), self.next_heartbeat, quiesce]
+            .into_iter()
+            .flatten()
+            .min()
     }
 
     /// Whether the engine thread may register a push request for `instance` itself: every
@@ -949,7 +918,7 @@ impl Driver {
         stream: ControlStream,
         hello: Hello,
     ) -> Result<(), String> {
-        let addr = common::rank_addr(instance, rank);
+        let addr = control::rank_addr(instance, rank);
         if hello.role != Role::Producer {
             return Err(format!("{addr} is not a producer"));
         }
@@ -1037,7 +1006,7 @@ impl Driver {
         if !connecting.ranks.insert(rank) {
             return;
         }
-        let addr = common::rank_addr(instance, rank);
+        let addr = control::rank_addr(instance, rank);
         let hello = Message::Hello(self.hello.clone());
         let timeout = self.config.connect_timeout;
         let local = self.config.local_sockets;
@@ -1397,7 +1366,7 @@ impl Driver {
                 .ok_or("not connected")?;
             if conn.peer.is_none() {
                 let desc =
-                    common::peer_desc(&conn.hello).ok_or("unreadable endpoint description")?;
+                    control::peer_desc(&conn.hello).ok_or("unreadable endpoint description")?;
                 conn.peer = Some(transport.connect(&desc).map_err(|e| e.to_string())?);
             }
             layouts.push(conn.layout.clone());

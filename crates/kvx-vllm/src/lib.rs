@@ -53,10 +53,11 @@
 //! ```
 
 mod board;
-mod common;
+mod cache;
 pub mod config;
 pub mod consumer;
 mod control;
+mod driver;
 pub mod error;
 pub mod producer;
 #[cfg(feature = "python")]
@@ -65,9 +66,10 @@ pub mod router;
 mod stats;
 pub mod transport;
 
-pub use common::{rank_addr, KvCache};
+pub use cache::KvCache;
 pub use config::{ConnectorConfig, QUIESCE_MARGIN};
 pub use consumer::{Consumer, PullRequest, PushRequest, RecvEvent};
+pub use control::rank_addr;
 pub use control::ControlError;
 pub use error::{Closed, StartError};
 pub use producer::{FinishedSending, Producer, SendOutcome};

@@ -20,9 +20,10 @@ use kvx_rendezvous::{
 };
 use tracing::{debug, info, warn};
 
-use crate::common::{self, Clock, CommandReceiver, CommandSender, KvCache, Mailbox};
+use crate::cache::{register_cache, KvCache};
 use crate::config::ConnectorConfig;
 use crate::control::{self, ControlSender, ControlStream};
+use crate::driver::{self, Clock, CommandReceiver, CommandSender, Mailbox};
 use crate::error::{Closed, StartError};
 use crate::stats::{Stats, StatsSnapshot};
 
@@ -218,7 +219,7 @@ impl Producer {
         mut transport: Box<dyn Transport>,
     ) -> Result<Self, StartError> {
         config.validate()?;
-        let (layout, _regions) = common::register_cache(transport.as_mut(), cache)?;
+        let (layout, _regions) = register_cache(transport.as_mut(), cache)?;
         let mut matcher_config = Config::default();
         matcher_config.max_entries = config.max_entries;
         matcher_config.producer_lease = config.producer_lease;
@@ -226,12 +227,12 @@ impl Producer {
         let matcher = Matcher::new(matcher_config)?;
         let listener = TcpListener::bind(config.listen).map_err(StartError::Listen)?;
         let addr = listener.local_addr().map_err(StartError::Listen)?;
-        let (tx, rx) = common::command_queue(transport.waker());
+        let (tx, rx) = driver::command_queue(transport.waker());
         let finished = Arc::new(Mailbox::default());
         let stats = Arc::new(Stats::default());
         let stop = Arc::new(AtomicBool::new(false));
         let rank = layout.rank();
-        let hello = common::hello(
+        let hello = control::hello(
             &config,
             Role::Producer,
             &layout,
@@ -862,11 +863,22 @@ struct Driver {
     stats: Arc<Stats>,
 }
 
-impl common::Driven for Driver {
+impl driver::Driven for Driver {
     type Command = Command;
 
-    fn transport(&mut self) -> (&mut dyn Transport, Clock) {
-        (self.transport.as_deref_mut().expect(OPEN), self.clock)
+    fn clock(&self) -> Clock {
+        self.clock
+    }
+
+    fn wake_at(&mut self) -> Option<Timestamp> {
+        [
+            self.matcher.poll_timeout(),
+            self.expiry.peek().map(|Reverse((at, ..))| *at),
+            self.next_nudge(),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
     }
 
     fn busy(&self) -> bool {
@@ -877,15 +889,16 @@ impl common::Driven for Driver {
             || (!self.pull_held.is_empty() && !self.peer_rma_unassisted)
     }
 
-    fn deadline(&mut self) -> Option<Timestamp> {
-        [
-            self.matcher.poll_timeout(),
-            self.expiry.peek().map(|Reverse((at, ..))| *at),
-            self.next_nudge(),
-        ]
-        .into_iter()
-        .flatten()
-        .min()
+    fn lend_transport(&mut self) -> Option<Box<dyn Transport>> {
+        self.transport.take()
+    }
+
+    fn return_transport(&mut self, transport: Box<dyn Transport>) {
+        self.transport = Some(transport);
+    }
+
+    fn transport(&mut self) -> Option<&mut (dyn Transport + 'static)> {
+        self.transport.as_deref_mut()
     }
 
     fn is_shutdown(command: &Command) -> bool {
@@ -906,12 +919,30 @@ impl common::Driven for Driver {
         self.actions();
         self.nudge(now);
     }
+
+    fn stopped(&mut self, left: Vec<Command>) {
+        // Blocks the engine handed over behind the shutdown go back with the rest (a sealed
+        // request's blocks go back when its finish comes).
+        for command in left {
+            if let Command::Finished { key, held, .. } = command {
+                self.finished.push((
+                    FinishedSending {
+                        request: held.request,
+                        key,
+                        outcome: SendOutcome::NotSent(Reason::Shutdown),
+                    },
+                    SystemTime::now(),
+                ));
+            }
+        }
+        self.shutdown();
+    }
 }
 
 impl Driver {
-    fn run(mut self, rx: CommandReceiver<Command>) {
-        common::drive(&mut self, &rx);
-        self.shutdown();
+    /// The driver thread.
+    fn run(self, rx: CommandReceiver<Command>) {
+        driver::drive(&std::sync::Mutex::new(self), &rx);
     }
 
     fn handle(&mut self, command: Command) {
@@ -2008,7 +2039,7 @@ impl Driver {
         }
     }
 
-    fn shutdown(mut self) {
+    fn shutdown(&mut self) {
         let now = self.clock.now();
         self.matcher.shutdown(now);
         self.actions();
@@ -2156,7 +2187,7 @@ fn accept_consumer(
         ));
     }
     let layout = Layout::new(hello.layout.clone()).map_err(|e| e.to_string())?;
-    let desc = common::peer_desc(hello).ok_or("unreadable endpoint description")?;
+    let desc = control::peer_desc(hello).ok_or("unreadable endpoint description")?;
     let peer = transport.connect(&desc).map_err(|e| e.to_string())?;
     Ok(Consumer {
         id: ConsumerId {

@@ -14,8 +14,8 @@ use std::time::Duration;
 use kvx_core::wire::{Abort, Hello, Message, Role};
 use kvx_core::{EngineId, Incarnation, Rank, TransferId};
 
-use crate::common::rank_addr;
 use crate::control;
+use crate::control::rank_addr;
 
 /// Why a router could not tell a prefill instance to abandon a transfer.
 #[derive(Debug, thiserror::Error)]

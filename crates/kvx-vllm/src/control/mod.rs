@@ -10,15 +10,25 @@
 //! the sender's system call.
 
 use std::io::{self, Read, Write};
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpStream, UdpSocket};
+use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::os::fd::{AsFd, BorrowedFd};
-use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::Duration;
 
+use kvx_core::wire::Role;
 use kvx_core::wire::{DecodeError, EncodeError, FrameHeader, Hello, Message, HEADER_LEN};
+use kvx_core::Rank;
+use kvx_layout::Layout;
+use kvx_rdma::desc::EndpointDesc;
 use socket2::Socket;
+
+use crate::config::ConnectorConfig;
+
+mod local;
+
+pub(crate) use local::{connect_local, listen_local};
 
 /// Why a control connection failed.
 #[derive(Debug, thiserror::Error)]
@@ -120,62 +130,6 @@ impl AsFd for ControlStream {
     fn as_fd(&self) -> BorrowedFd<'_> {
         self.socket.as_fd()
     }
-}
-
-/// The name of the Unix socket beside a control listener bound at `bound` (its real address:
-/// a wildcard one stays a wildcard).
-pub(crate) fn local_name(bound: SocketAddr) -> String {
-    format!("kvx-control/{bound}")
-}
-
-/// A Unix listener beside the TCP listener bound at `bound`, in the abstract namespace (nothing
-/// in the file system to clean up: the name goes when the socket closes).
-///
-/// # Errors
-/// The name is taken, or this system has no abstract Unix sockets.
-pub(crate) fn listen_local(bound: SocketAddr) -> io::Result<UnixListener> {
-    UnixListener::bind_addr(&abstract_addr(&local_name(bound))?)
-}
-
-#[cfg(target_os = "linux")]
-fn abstract_addr(name: &str) -> io::Result<std::os::unix::net::SocketAddr> {
-    use std::os::linux::net::SocketAddrExt;
-    std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())
-}
-
-#[cfg(not(target_os = "linux"))]
-fn abstract_addr(_name: &str) -> io::Result<std::os::unix::net::SocketAddr> {
-    Err(io::Error::new(
-        io::ErrorKind::Unsupported,
-        "abstract Unix sockets are Linux's",
-    ))
-}
-
-/// Whether `ip` is one of this host's addresses (in this network namespace).
-fn is_this_host(ip: IpAddr) -> bool {
-    ip.is_loopback() || ip.is_unspecified() || UdpSocket::bind((ip, 0)).is_ok()
-}
-
-/// The Unix socket of a producer on this host that a TCP connection to `addr` would reach: the
-/// one beside a listener bound at `addr` itself, or at a wildcard address of its port (an IPv6
-/// one takes IPv4 connections too). `None` where `addr` is another host's, or no such socket
-/// exists.
-pub(crate) fn connect_local(addr: SocketAddr) -> Option<UnixStream> {
-    if !is_this_host(addr.ip()) {
-        return None;
-    }
-    let port = addr.port();
-    let v4 = SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), port);
-    let v6 = SocketAddr::new(Ipv6Addr::UNSPECIFIED.into(), port);
-    let candidates: &[SocketAddr] = if addr.is_ipv4() {
-        &[addr, v4, v6]
-    } else {
-        &[addr, v6]
-    };
-    candidates.iter().find_map(|&bound| {
-        let name = abstract_addr(&local_name(bound)).ok()?;
-        UnixStream::connect_addr(&name).ok()
-    })
 }
 
 /// Reads one frame (blocking).
@@ -383,6 +337,46 @@ pub(crate) fn handshake(
     Ok((stream, theirs))
 }
 
+/// The hello this side sends; `finishing_hints` as in [`Hello::finishing_hints`].
+pub(crate) fn hello(
+    config: &ConnectorConfig,
+    role: Role,
+    layout: &Layout,
+    desc: &EndpointDesc,
+    finishing_hints: bool,
+) -> Hello {
+    Hello {
+        compat_hash: layout.spec().compat_hash(),
+        engine: config.engine,
+        incarnation: config.incarnation,
+        role,
+        layout: layout.spec().clone(),
+        regions: desc.regions.clone(),
+        transport: desc.backend.clone(),
+        transport_addr: desc.to_bytes(),
+        finishing_hints,
+        write_timeout_ms: match role {
+            Role::Producer => {
+                u32::try_from(config.transfer_timeout.as_millis()).unwrap_or(u32::MAX)
+            }
+            _ => 0,
+        },
+    }
+}
+
+/// The peer's endpoint description from its hello.
+pub(crate) fn peer_desc(hello: &Hello) -> Option<EndpointDesc> {
+    EndpointDesc::from_bytes(&hello.transport_addr).ok()
+}
+
+/// The control address of rank `rank` of an instance whose rank 0 listens at `base`.
+#[must_use]
+pub fn rank_addr(base: std::net::SocketAddr, rank: Rank) -> std::net::SocketAddr {
+    let mut addr = base;
+    addr.set_port(base.port().wrapping_add(rank.0 as u16));
+    addr
+}
+
 #[cfg(test)]
 mod tests {
     use std::net::TcpListener;
@@ -511,19 +505,6 @@ mod tests {
             let mut accepted = ControlStream::tcp(listener.accept().unwrap().0);
             talk(&mut tcp, &mut accepted);
         }
-    }
-
-    /// Another host's address is never looked up among this host's Unix sockets, even where
-    /// one is named after it.
-    #[test]
-    fn another_hosts_address_goes_over_tcp() {
-        assert!(is_this_host(IpAddr::from([127, 0, 0, 1])));
-        assert!(is_this_host(IpAddr::from([0, 0, 0, 0])));
-        // TEST-NET-1 (RFC 5737): never a local address.
-        let far = SocketAddr::from(([192, 0, 2, 1], 7100));
-        assert!(!is_this_host(far.ip()));
-        let _decoy = listen_local(far).unwrap();
-        assert!(connect_local(far).is_none());
     }
 
     /// Over a Unix socket, the reader of a connection whose peer is gone ends at once.

@@ -1,0 +1,158 @@
+//! The driver thread both sides share: a side's state machine plugs into [`drive`], the one loop
+//! that waits (on the command queue, the transport or the next deadline, never spinning),
+//! hands the state machine what came and lets its time pass. Only the driver does I/O on the
+//! side's behalf.
+
+use std::sync::{Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use kvx_rdma::transport::{Event, Transport};
+use kvx_rendezvous::Timestamp;
+use tracing::warn;
+
+mod mailbox;
+mod queue;
+
+pub(crate) use mailbox::Mailbox;
+pub(crate) use queue::{command_queue, wait_commands, wait_turn, CommandReceiver, CommandSender};
+
+/// Monotonic time since the side started, as the state machines want it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Clock(Instant);
+
+impl Clock {
+    pub(crate) fn new() -> Self {
+        Self(Instant::now())
+    }
+
+    pub(crate) fn now(self) -> Timestamp {
+        Timestamp::from_nanos(u64::try_from(self.0.elapsed().as_nanos()).unwrap_or(u64::MAX))
+    }
+
+    /// How long from now until `at` (zero if past).
+    pub(crate) fn until(self, at: Timestamp) -> Duration {
+        at.saturating_duration_since(self.now())
+    }
+}
+
+/// How long a driver waits on a transport without a [`Waker`] when operations are in flight,
+/// before it looks at its command queue again. The wait blocks on the transport's wait object
+/// (a completion-queue wait), so such a driver with work in flight wakes at most this often;
+/// without work in flight it blocks on its queue alone. A driver whose transport has a waker
+/// blocks on the transport until an event, a command or its next deadline.
+pub(crate) const TRANSPORT_SLICE: Duration = Duration::from_millis(1);
+
+/// What a side's driver thread plugs into [`drive`]: its state machine, and how it waits.
+///
+/// The state sits behind a mutex that [`drive`] holds while it handles what came, and releases
+/// while it waits, so that an engine thread may take an explicit fast path into the same state
+/// meanwhile (the consumer's registration and notice-board reads; see `consumer`).
+pub(crate) trait Driven {
+    /// Commands from the engine and the connection threads.
+    type Command;
+    /// The side's clock.
+    fn clock(&self) -> Clock;
+    /// When the loop must look again at the latest, even with nothing to do.
+    fn wake_at(&mut self) -> Option<Timestamp>;
+    /// Whether the driver must read its transport while it waits (operations this side waits
+    /// for are in flight, or notices are due there).
+    fn busy(&self) -> bool;
+    /// The loop is about to wait until `until`, on the transport or not (`busy`).
+    fn parking(&mut self, _until: Option<Timestamp>, _busy: bool) {}
+    /// The loop woke.
+    fn woke(&mut self) {}
+    /// Takes the transport out for a wait on it (given back with [`Driven::return_transport`]); `None`:
+    /// the transport is gone, and the loop stops.
+    fn lend_transport(&mut self) -> Option<Box<dyn Transport>>;
+    /// Gives back the transport lent for a wait.
+    fn return_transport(&mut self, transport: Box<dyn Transport>);
+    /// The transport, to read after a wait on the command queue alone; `None`: gone.
+    fn transport(&mut self) -> Option<&mut (dyn Transport + 'static)>;
+    /// Whether `command` asks the driver to stop.
+    fn is_shutdown(command: &Self::Command) -> bool;
+    /// Handles one command.
+    fn command(&mut self, command: Self::Command);
+    /// Handles one transport event.
+    fn transport_event(&mut self, event: Event);
+    /// Lets time pass in the state machines and carries out their actions.
+    fn tick(&mut self, now: Timestamp);
+    /// The loop ends: a shutdown command, the engine's side of the queue gone, or the transport
+    /// gone. `left`: the commands queued behind the shutdown.
+    fn stopped(&mut self, left: Vec<Self::Command>);
+}
+
+/// The driver thread's loop, the one both sides run: wait for commands, transport events or
+/// the next deadline (never spinning) with the state unlocked; handle what came with it locked;
+/// let time pass; until a shutdown command, the engine's side of the queue or the transport is
+/// gone.
+pub(crate) fn drive<D: Driven>(state: &Mutex<D>, rx: &CommandReceiver<D::Command>) {
+    let lock = || state.lock().unwrap_or_else(PoisonError::into_inner);
+    let clock = lock().clock();
+    let (mut events, mut commands) = (Vec::new(), Vec::new());
+    loop {
+        let (lent, deadline) = {
+            let mut driver = lock();
+            let deadline = driver.wake_at();
+            let busy = driver.busy();
+            driver.parking(deadline, busy);
+            if driver.transport().is_none() {
+                warn!("the driver's transport is gone");
+                driver.stopped(Vec::new());
+                return;
+            }
+            // Waiting on the transport, the loop takes it along; otherwise it stays in the
+            // state, where an engine thread's fast path can read it.
+            let lent = if busy { driver.lend_transport() } else { None };
+            (lent, deadline)
+        };
+        let (turn, mut driver) = if let Some(mut transport) = lent {
+            let turn = wait_turn(
+                rx,
+                transport.as_mut(),
+                true,
+                clock,
+                deadline,
+                &mut events,
+                &mut commands,
+            );
+            let mut driver = lock();
+            driver.return_transport(transport);
+            (turn, driver)
+        } else {
+            let open = wait_commands(rx, clock, deadline, &mut commands);
+            let mut driver = lock();
+            // Notices may arrive while nothing is in flight on this side.
+            let turn = driver
+                .transport()
+                .map_or(Ok(open), |t| t.poll(&mut events).map(|_| open));
+            (turn, driver)
+        };
+        driver.woke();
+        let open = turn.unwrap_or_else(|e| {
+            warn!(error = %e, "transport poll failed");
+            true
+        });
+        let mut stop = !open;
+        let mut left = Vec::new();
+        for command in commands.drain(..) {
+            if stop {
+                left.push(command);
+            } else if D::is_shutdown(&command) {
+                stop = true;
+            } else {
+                driver.command(command);
+            }
+        }
+        if stop {
+            events.clear();
+            // What the engine queued behind the shutdown goes to `stopped` too.
+            left.extend(rx.take_queued());
+            driver.stopped(left);
+            return;
+        }
+        for event in events.drain(..) {
+            driver.transport_event(event);
+        }
+        driver.tick(clock.now());
+    }
+}
