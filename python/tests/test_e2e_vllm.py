@@ -813,8 +813,8 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
         # `w` once those writes have ended, `w` fails the load at once (not at its 120 s
         # lease) and recomputes every prompt token, exactly: nothing decoded on a half-written
         # cache. These are prefill's first writes to `w`, after its writes to the killed `k`
-        # failed (2c): over `shm` both once waited for `transfer_timeout` (30 s), until the
-        # transport stopped losing the contexts of writes to a dead peer. The whole prompt
+        # failed (2c): over `shm` the transport keeps the contexts of writes to a dead peer, so
+        # neither those nor these wait for `transfer_timeout` (30 s). The whole prompt
         # computes in about 200 ms here, and the abort goes through prefill's API server: when
         # it comes too late (prefill finished, the KV went to `w`, whose answer is just as
         # exact), the step is run again, up to three times.

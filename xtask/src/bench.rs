@@ -27,7 +27,7 @@ const BENCHES: &[(&str, &str, &str, &str)] = &[
 ];
 
 /// Runs the named benchmarks (all when `names` is empty, except `vllm`, which runs only when
-/// named: it needs the vLLM venv and takes about twenty minutes).
+/// named: it needs the vLLM venv and takes about 35 minutes).
 pub(crate) fn run(names: &[String], quick: bool) -> anyhow::Result<()> {
     crate::setup::ensure_packages()?;
     for name in names {

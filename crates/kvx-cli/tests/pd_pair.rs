@@ -301,8 +301,8 @@ fn pull_over_tcp_verifies_every_byte() {
     assert_eq!(report["summary"]["warmup_failed"], 0);
     assert_eq!(report["summary"]["ttft_ms"]["n"], 4);
     assert_eq!(report["per_request"].as_array().map(Vec::len), Some(4));
-    // Before, a read left waiting was answered when decode's next heartbeat (every 5 s) woke
-    // prefill; a healthy read takes milliseconds.
+    // A read left waiting would be answered only when decode's next heartbeat (every 5 s)
+    // wakes prefill; a healthy read takes milliseconds, so 2 s tells the two apart.
     let critical = report["summary"]["critical_path_ms"]["max"]
         .as_f64()
         .unwrap();

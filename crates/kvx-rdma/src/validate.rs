@@ -74,8 +74,9 @@ pub fn check_ops(
     Ok(total)
 }
 
-/// The checks every backend makes before registering `region`: a new index, a non-empty host
-/// region (device memory comes with the device-memory support), a length that fits the address
+/// The checks libfabric and `cma` make before registering `region`: a new index, a non-empty host
+/// region (the only kind they register; NIXL, which also takes CUDA memory, calls
+/// [`check_registration_of`] with the kinds it accepts), a length that fits the address
 /// space. Returns the length in bytes.
 ///
 /// # Errors

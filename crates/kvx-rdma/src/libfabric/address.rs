@@ -1,8 +1,9 @@
 //! The endpoint address of a multi-rail libfabric endpoint.
 //!
 //! A single-rail endpoint's [`EndpointDesc::address`](crate::EndpointDesc::address) is the
-//! provider's own address, unchanged (what every earlier version exported). A multi-rail
-//! endpoint's address is a table, little-endian:
+//! provider's own address, unchanged: an address that does not begin with the table's magic is
+//! one rail, so single-rail endpoints need no table. A multi-rail endpoint's address is a table,
+//! little-endian:
 //!
 //! ```text
 //! magic "KVXRAILS" | version u8 (1) | rails u8 (2..=255)
