@@ -52,7 +52,6 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
-mod board;
 mod cache;
 pub mod config;
 pub mod consumer;

@@ -21,7 +21,7 @@ use kvx_rdma::transport::Notice;
 use kvx_rendezvous::{AttemptKey, Timestamp};
 use tracing::debug;
 
-use crate::consumer::RecvEvent;
+use super::RecvEvent;
 use crate::stats::Stats;
 
 /// Slots of a consumer rank's board: 64 Ki (512 KiB). A request takes one per producer rank

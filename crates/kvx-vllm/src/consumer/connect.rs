@@ -1,0 +1,351 @@
+//! Connections to prefill instances: handshakes (on helper threads), adopting each rank's
+//! connection, the messages that come over it, heartbeats, losing an instance, and the first
+//! contact of a writer's transport.
+
+use super::*;
+
+impl Driver {
+    /// Whether `conn` is the live control connection to `rank` of `instance`.
+    pub(super) fn is_current(&self, instance: SocketAddr, rank: Rank, conn: ConnId) -> bool {
+        self.instances
+            .get(&instance)
+            .and_then(|i| i.ranks.get(&rank))
+            .is_some_and(|c| c.id == conn)
+    }
+
+    /// Takes over a control connection whose handshake a helper thread finished: checks the
+    /// producer's hello and starts the connection's reader.
+    pub(super) fn adopt(
+        &mut self,
+        instance: SocketAddr,
+        rank: Rank,
+        stream: ControlStream,
+        hello: Hello,
+    ) -> Result<(), String> {
+        let addr = control::rank_addr(instance, rank);
+        if hello.role != Role::Producer {
+            return Err(format!("{addr} is not a producer"));
+        }
+        if hello.compat_hash != self.layout.spec().compat_hash() {
+            return Err(format!(
+                "{addr} serves an incompatible model: {:?} vs {:?}",
+                hello.layout,
+                self.layout.spec()
+            ));
+        }
+        if hello.layout.tp_rank != rank.0 {
+            return Err(format!(
+                "{addr} says it is rank {}, expected {rank}",
+                hello.layout.tp_rank
+            ));
+        }
+        let layout = Layout::new(hello.layout.clone()).map_err(|e| e.to_string())?;
+        // A restarted rank closes its connection (the instance is then dropped and reconnected
+        // with the new incarnation's hello), so a live connection's metadata is current.
+        let tx = self.tx.clone();
+        let id = self.next_conn;
+        self.next_conn += 1;
+        debug!(%addr, local = stream.is_local(), "connected to a producer rank");
+        if stream.is_local() {
+            self.stats.local_connections.fetch_add(1, Ordering::Relaxed);
+        }
+        let sender = control::start(stream, format!("kvx-ctl-{addr}"), move |result| {
+            let command = match result {
+                Ok(m) => Command::Peer(instance, rank, id, m),
+                Err(e) => Command::PeerClosed(instance, rank, id, e.to_string()),
+            };
+            tx.send(command).is_ok()
+        })
+        .map_err(|e| e.to_string())?;
+        // The instance is known once a rank of it is connected: a prefill that cannot be
+        // reached leaves nothing behind.
+        let entry = self.instances.entry(instance).or_insert_with(|| Instance {
+            ranks: HashMap::new(),
+            waiting: HashSet::new(),
+        });
+        entry.ranks.insert(
+            rank,
+            RankConn {
+                id,
+                sender,
+                hello,
+                layout,
+                peer: None,
+                in_contact: false,
+            },
+        );
+        Ok(())
+    }
+
+    /// The ranks of `instance` still to connect before a request can be registered with it:
+    /// rank 0 first (its hello says the instance's TP size), then every writer.
+    pub(super) fn missing_ranks(&self, instance: SocketAddr) -> Result<Vec<Rank>, String> {
+        let Some(known) = self.instances.get(&instance) else {
+            return Ok(vec![Rank(0)]);
+        };
+        let Some(first) = known.ranks.get(&Rank(0)) else {
+            return Ok(vec![Rank(0)]);
+        };
+        let writers =
+            writers_for(&self.layout, first.layout.spec().tp_size).map_err(|e| e.to_string())?;
+        Ok(writers
+            .into_iter()
+            .filter(|r| !known.ranks.contains_key(r))
+            .collect())
+    }
+
+    /// The producer ranks that write to this rank (every one connected).
+    pub(super) fn writers(&self, instance: SocketAddr) -> Result<Vec<Rank>, String> {
+        let tp = self.instances[&instance].ranks[&Rank(0)]
+            .layout
+            .spec()
+            .tp_size;
+        writers_for(&self.layout, tp).map_err(|e| e.to_string())
+    }
+
+    /// Handshakes with `rank` of `instance` on a helper thread (once at a time per rank); the
+    /// result comes back as [`Command::Handshaken`].
+    pub(super) fn handshake_in_background(&mut self, instance: SocketAddr, rank: Rank) {
+        let connecting = self.connecting.entry(instance).or_default();
+        if !connecting.ranks.insert(rank) {
+            return;
+        }
+        let addr = control::rank_addr(instance, rank);
+        let hello = Message::Hello(self.hello.clone());
+        let timeout = self.config.connect_timeout;
+        let local = self.config.local_sockets;
+        let tx = self.tx.clone();
+        let spawned = thread::Builder::new()
+            .name(format!("kvx-hs-{addr}"))
+            .spawn(move || {
+                let result = control::handshake(addr, &hello, timeout, local);
+                let _ = tx.send(Command::Handshaken(instance, rank, result));
+            });
+        if let Err(e) = spawned {
+            self.handshaken(
+                instance,
+                rank,
+                Err(format!("cannot start a handshake with {addr}: {e}")),
+            );
+        }
+    }
+
+    /// A handshake ended: the connection is adopted, and once every writer of the instance is
+    /// connected, the requests queued for it start; on failure they fail, and the instance is
+    /// not tried again for [`RETRY_UNREACHABLE`].
+    pub(super) fn handshaken(
+        &mut self,
+        instance: SocketAddr,
+        rank: Rank,
+        result: Result<(ControlStream, Hello), String>,
+    ) {
+        let Some(connecting) = self.connecting.get_mut(&instance) else {
+            // The instance failed meanwhile: this connection is not wanted (it closes).
+            return;
+        };
+        connecting.ranks.remove(&rank);
+        let next = result
+            .and_then(|(stream, hello)| self.adopt(instance, rank, stream, hello))
+            .and_then(|()| self.missing_ranks(instance));
+        match next {
+            Ok(missing) if missing.is_empty() => {
+                let connecting = self.connecting.remove(&instance).unwrap_or_default();
+                self.tell_abandoned(instance, &connecting.abandons);
+                for (request, producer_blocks) in connecting.queued {
+                    self.begin(request, producer_blocks);
+                }
+            }
+            Ok(missing) => {
+                for rank in missing {
+                    self.handshake_in_background(instance, rank);
+                }
+            }
+            Err(detail) => {
+                let now = self.clock.now();
+                self.unreachable.insert(instance, (now, detail.clone()));
+                let connecting = self.connecting.remove(&instance).unwrap_or_default();
+                if !connecting.abandons.is_empty() {
+                    debug!(%instance, detail, dropped = connecting.abandons.len(), "cannot tell an unreachable prefill about dropped transfers; its lease frees them");
+                }
+                for (request, _) in connecting.queued {
+                    self.refuse(&request, Reason::PeerFailed, detail.clone());
+                }
+            }
+        }
+    }
+
+    /// Connects the `missing` ranks of `instance` (a handshake already running is not started
+    /// again) and returns what waits for them; `Err` with the reason while the instance counts
+    /// as unreachable (for [`RETRY_UNREACHABLE`] after a failed connection).
+    pub(super) fn connect_ranks(
+        &mut self,
+        instance: SocketAddr,
+        missing: Vec<Rank>,
+    ) -> Result<&mut Connecting, String> {
+        if !self.connecting.contains_key(&instance) {
+            if let Some((at, why)) = self.unreachable.get(&instance) {
+                if self.clock.now() < *at + RETRY_UNREACHABLE {
+                    return Err(why.clone());
+                }
+            }
+            self.unreachable.remove(&instance);
+        }
+        for rank in missing {
+            self.handshake_in_background(instance, rank);
+        }
+        Ok(self.connecting.entry(instance).or_default())
+    }
+
+    /// Takes the requests queued for a connection that `pick` selects out of their queues.
+    pub(super) fn take_queued(
+        &mut self,
+        pick: impl Fn(&PushRequest) -> bool,
+    ) -> Vec<(PushRequest, Option<Vec<BlockId>>)> {
+        let mut taken = Vec::new();
+        for connecting in self.connecting.values_mut() {
+            let (out, kept) = std::mem::take(&mut connecting.queued)
+                .into_iter()
+                .partition(|(r, _)| pick(r));
+            connecting.queued = kept;
+            taken.extend(out);
+        }
+        taken
+    }
+
+    pub(super) fn peer_message(&mut self, instance: SocketAddr, rank: Rank, message: Message) {
+        let now = self.clock.now();
+        match message {
+            Message::Finishing(f) if f.producer_rank == rank => {
+                self.stats.finishing_hints.fetch_add(1, Ordering::Relaxed);
+                let key = AttemptKey::new(f.transfer, f.attempt);
+                let due: Vec<u64> = self
+                    .notices
+                    .iter()
+                    .filter(|(_, (k, r))| *k == key && *r == rank)
+                    .map(|(n, _)| *n)
+                    .collect();
+                debug!(%key, %rank, due = due.len(), "finishing");
+                self.hinted.extend(due);
+            }
+            // Each producer rank speaks for itself only, on its own connection.
+            Message::Failure(f) if f.rank == rank => {
+                let key = AttemptKey::new(f.transfer, f.attempt);
+                debug!(%key, reason = ?f.reason, detail = f.detail, "producer reported failure");
+                if let Some(q) = self.quiescing.get_mut(&key) {
+                    q.ranks.remove(&f.rank);
+                    if q.quiet() {
+                        self.quiesced(key);
+                    }
+                    return;
+                }
+                // That rank is quiet: it sends a failure only once its writes have ended, and
+                // its notice will not come.
+                self.notices
+                    .retain(|_, (k, rank)| !(*k == key && *rank == f.rank));
+                self.waiter.failure(now, key, Reason::from_peer(f.reason));
+            }
+            Message::Hello(_) | Message::Heartbeat(_) => {}
+            _ => warn!(%instance, "unexpected message from a producer"),
+        }
+    }
+
+    pub(super) fn instance_lost(&mut self, instance: &SocketAddr, why: &str) {
+        let Some(lost) = self.instances.remove(instance) else {
+            return;
+        };
+        warn!(%instance, why, "prefill instance lost");
+        // Its writers are gone: none of their writes can land any more (a connection is
+        // declared dead only after 25 s of silence, longer than any write takes). This side's
+        // own reads from it are still waited for: they land until they end or fail.
+        let gone: Vec<AttemptKey> = self
+            .quiescing
+            .iter_mut()
+            .filter(|(_, q)| q.instance == *instance)
+            .map(|(k, q)| {
+                q.ranks.clear();
+                *k
+            })
+            .collect();
+        for key in gone {
+            if self.quiescing.get(&key).is_some_and(Quiescing::quiet) {
+                self.quiesced(key);
+            }
+        }
+        let now = self.clock.now();
+        for key in lost.waiting {
+            self.waiter.failure(now, key, Reason::PeerFailed);
+        }
+        for conn in lost.ranks.values() {
+            conn.sender.close();
+            // Its endpoint (connected for pull) is forgotten once its reads in flight end.
+            if let Some(peer) = conn.peer {
+                let shared = self
+                    .instances
+                    .values()
+                    .any(|i| i.ranks.values().any(|r| r.peer == Some(peer)));
+                if let Some(transport) = self.transport.as_deref_mut().filter(|_| !shared) {
+                    transport.disconnect(peer);
+                }
+            }
+        }
+    }
+
+    pub(super) fn heartbeats(&mut self, now: Timestamp) {
+        let Some(at) = self.next_heartbeat else {
+            return;
+        };
+        if now < at {
+            return;
+        }
+        for instance in self.instances.values() {
+            if instance.waiting.is_empty() {
+                continue;
+            }
+            let message = Message::Heartbeat(Heartbeat {
+                engine: self.config.engine,
+                incarnation: self.config.incarnation,
+                transfers: instance.waiting.iter().map(|k| k.transfer).collect(),
+            });
+            for conn in instance.ranks.values() {
+                let _ = conn.sender.send(&message);
+            }
+        }
+        self.next_heartbeat =
+            (!self.waiter.is_empty()).then(|| now + self.config.heartbeat_interval);
+    }
+
+    /// Writer ranks whose first board notice has landed are in contact: their later writes need
+    /// nothing from this side. Notices of requests that ended otherwise stop counting.
+    pub(super) fn first_contacts(&mut self) {
+        let Some(slots) = &self.board else {
+            return;
+        };
+        if self.awaiting_contact.is_empty() {
+            return;
+        }
+        let now = self.clock.now();
+        if now >= self.contact.1 {
+            let every = (self.contact.0 * 2).min(MAX_CONTACT_POLL);
+            self.contact = (every, now + every);
+        }
+        let landed: Vec<(SocketAddr, Rank)> = self
+            .awaiting_contact
+            .iter()
+            .filter(|(n, _)| slots.shared.arrived(**n))
+            .map(|(_, who)| *who)
+            .collect();
+        for (instance, rank) in &landed {
+            if let Some(conn) = self
+                .instances
+                .get_mut(instance)
+                .and_then(|i| i.ranks.get_mut(rank))
+            {
+                debug!(%instance, %rank, "writer rank in contact");
+                conn.in_contact = true;
+            }
+        }
+        let notices = &self.notices;
+        self.awaiting_contact
+            .retain(|n, who| notices.contains_key(n) && !landed.contains(who));
+    }
+}

@@ -1,0 +1,444 @@
+//! Starting a request's transfer: refusals, registering destinations with every writer rank (push)
+//! or reading the blocks (pull), the transport's events, and the re-layout after the last notice.
+
+use super::*;
+
+impl Driver {
+    pub(super) fn start(&mut self, request: PushRequest, producer_blocks: Option<Vec<BlockId>>) {
+        if let Some((reason, detail)) = self.refusal(request.key) {
+            self.refuse(&request, reason, detail);
+            return;
+        }
+        // An older attempt of the transfer still queued is superseded, as a waited one is.
+        let key = request.key;
+        let older = self.take_queued(|r| r.key.transfer == key.transfer);
+        for (old, _) in older {
+            self.refuse(
+                &old,
+                Reason::Superseded,
+                format!("attempt {} replaces it", key.attempt.0),
+            );
+        }
+        let instance = request.prefill;
+        let missing = match self.missing_ranks(instance) {
+            Ok(missing) if missing.is_empty() => {
+                self.begin(request, producer_blocks);
+                return;
+            }
+            Ok(missing) => missing,
+            Err(detail) => {
+                self.refuse(&request, Reason::PeerFailed, detail);
+                return;
+            }
+        };
+        match self.connect_ranks(instance, missing) {
+            Ok(connecting) => connecting.queued.push((request, producer_blocks)),
+            Err(detail) => self.refuse(&request, Reason::PeerFailed, detail),
+        }
+    }
+
+    /// Registers (push) or reads (pull) a request whose prefill instance is connected.
+    pub(super) fn begin(&mut self, request: PushRequest, producer_blocks: Option<Vec<BlockId>>) {
+        if let Err(detail) = self.try_start(&request, producer_blocks) {
+            self.refuse(&request, Reason::PeerFailed, detail);
+        }
+    }
+
+    /// The request fails before anything was registered for it.
+    pub(super) fn refuse(&self, request: &PushRequest, reason: Reason, detail: String) {
+        warn!(key = %request.key, detail, "request cannot be served");
+        self.push_event(RecvEvent::Failed {
+            key: request.key,
+            request: request.request,
+            reason,
+            detail,
+        });
+    }
+
+    /// Why `key` cannot be waited for, if it cannot: checked before anything is sent, since a
+    /// second wait for an attempt would share the first one's notices and release.
+    pub(super) fn refusal(&self, key: AttemptKey) -> Option<(Reason, String)> {
+        if let Some(waited) = self.waiter.attempt_of(key.transfer) {
+            if key.attempt == waited {
+                return Some((
+                    Reason::Duplicate,
+                    "this attempt is already waited for".into(),
+                ));
+            }
+            if key.attempt < waited {
+                return Some((
+                    Reason::Stale,
+                    format!("attempt {} of this transfer is waited for", waited.0),
+                ));
+            }
+        }
+        // A queued request counts as waited for; a newer attempt replaces it (see `start`).
+        let queued = self
+            .connecting
+            .values()
+            .flat_map(|c| &c.queued)
+            .find(|(r, _)| r.key.transfer == key.transfer && r.key.attempt >= key.attempt);
+        if let Some((r, _)) = queued {
+            return Some(if r.key.attempt == key.attempt {
+                (
+                    Reason::Duplicate,
+                    "this attempt is already waited for".into(),
+                )
+            } else {
+                (
+                    Reason::Stale,
+                    format!(
+                        "attempt {} of this transfer waits for its prefill's connection",
+                        r.key.attempt.0
+                    ),
+                )
+            });
+        }
+        self.quiescing.contains_key(&key).then(|| {
+            (
+                Reason::Duplicate,
+                "this attempt failed and its blocks are still being released".into(),
+            )
+        })
+    }
+
+    pub(super) fn try_start(
+        &mut self,
+        request: &PushRequest,
+        producer_blocks: Option<Vec<BlockId>>,
+    ) -> Result<(), String> {
+        let now = self.clock.now();
+        let key = request.key;
+        let instance = request.prefill;
+        let num_tokens = u32::try_from(request.num_tokens).map_err(|_| "too many tokens")?;
+        let skip_tokens = u32::try_from(request.skip_tokens).map_err(|_| "too many tokens")?;
+        let writers = self.writers(instance)?;
+        let any_producer = self.instances[&instance].ranks[&writers[0]].layout.clone();
+        let permute = permute_for(
+            &any_producer,
+            &self.layout,
+            request.num_tokens,
+            request.skip_tokens,
+            &request.blocks,
+        )
+        .map_err(|e| e.to_string())?;
+        if permute.is_some() && !self.can_permute() {
+            return Err(
+                "a memory-order re-layout is needed but this build cannot re-lay-out the cache's \
+                 memory (host memory, or CUDA memory with the `cuda` feature)"
+                    .into(),
+            );
+        }
+        let pull = producer_blocks.is_some();
+        let mut waiting = Waiting {
+            request: request.request,
+            instance,
+            writers: writers.clone(),
+            notices: Vec::new(),
+            permute,
+            pull,
+        };
+        let lease = self.config.registration_lease;
+        // Prefill keeps a registration for a few heartbeats at a time: one whose decode went
+        // silent (a driver stuck, a peer that answers TCP but no longer this protocol) goes
+        // long before decode's own lease would end.
+        let producer_lease = lease.min(self.config.heartbeat_interval * HEARTBEATS_PER_LEASE);
+        if let Some(producer_blocks) = producer_blocks {
+            if let Err(detail) = self.post_reads(request, &producer_blocks, &writers) {
+                if !self.reads.values().any(|(k, _)| *k == key) {
+                    return Err(detail);
+                }
+                // Reads from other ranks are in flight into the request's blocks: the failure
+                // waits for them like any other, so that the engine cannot reuse the blocks
+                // under them.
+                warn!(%key, detail, "request cannot be served");
+                self.give_up(key, waiting, Reason::PeerFailed);
+                return Ok(());
+            }
+        } else {
+            // Board notices where the request needs nothing done once its KV is in (no
+            // re-layout) and the board has room; message notices otherwise.
+            let on_board = match (&mut self.board, &waiting.permute) {
+                (Some(slots), None) => slots.take(now, writers.len()),
+                _ => None,
+            };
+            if let (Some(notices), Some(slots)) = (&on_board, &self.board) {
+                slots
+                    .shared
+                    .arm(key, request.request, writers.clone(), notices);
+            }
+            for (index, &rank) in writers.iter().enumerate() {
+                let notice = if let Some(notices) = &on_board {
+                    notices[index]
+                } else {
+                    let n = self.next_notice;
+                    self.next_notice = self.next_notice % u64::from(u32::MAX) + 1;
+                    n
+                };
+                self.notices.insert(notice, (key, rank));
+                let conn = &self.instances[&instance].ranks[&rank];
+                if on_board.is_none() {
+                    self.transport_wanted = true;
+                } else if self.occasional_reads && !conn.in_contact {
+                    if self.awaiting_contact.is_empty() {
+                        self.contact = (BOARD_POLL, now + BOARD_POLL);
+                    }
+                    self.awaiting_contact.insert(notice, (instance, rank));
+                }
+                waiting.notices.push(notice);
+                let registration = Message::Registration(Registration {
+                    transfer: key.transfer,
+                    attempt: key.attempt,
+                    request: request.request,
+                    consumer: self.config.engine,
+                    consumer_incarnation: self.config.incarnation,
+                    consumer_rank: self.layout.rank(),
+                    num_tokens,
+                    skip_tokens,
+                    lease_ms: u32::try_from(producer_lease.as_millis()).unwrap_or(u32::MAX),
+                    notice,
+                    blocks: request.blocks.clone(),
+                });
+                // Never blocks (the engine thread may be the caller): a full send buffer
+                // leaves the registration for the driver to flush.
+                let sent = conn.sender.send_or_queue(&registration).map(|queued| {
+                    self.backlogged |= queued;
+                });
+                if let Err(e) = sent {
+                    let detail = format!("cannot register with {rank}: {e}");
+                    self.notices.remove(&notice);
+                    waiting.notices.pop();
+                    // The notices of the ranks not registered with are never written.
+                    if let (Some(notices), Some(slots)) = (&on_board, &mut self.board) {
+                        slots.give_back(now, &notices[index..], |_| true);
+                    }
+                    if index == 0 {
+                        if let Some(slots) = &self.board {
+                            let _ = slots.shared.disarm(key);
+                        }
+                        return Err(detail);
+                    }
+                    // The ranks registered already may write (early): they are told to stop,
+                    // and the failure waits for them like any other.
+                    warn!(%key, detail, "request cannot be served");
+                    waiting.writers.truncate(index);
+                    self.claim(key, &waiting);
+                    self.give_up(key, waiting, Reason::PeerFailed);
+                    return Ok(());
+                }
+            }
+        }
+        self.instances
+            .get_mut(&instance)
+            .expect("connected")
+            .waiting
+            .insert(key);
+        self.stats.held.fetch_add(1, Ordering::Relaxed);
+        debug!(%key, writers = writers.len(), pull, "registered");
+        self.waiter.expect(now, key, writers, lease, waiting);
+        if self.next_heartbeat.is_none() {
+            self.next_heartbeat = Some(now + self.config.heartbeat_interval);
+        }
+        Ok(())
+    }
+
+    pub(super) fn post_reads(
+        &mut self,
+        request: &PushRequest,
+        producer_blocks: &[BlockId],
+        writers: &[Rank],
+    ) -> Result<(), String> {
+        let instance = request.prefill;
+        let mut layouts = Vec::new();
+        for &rank in writers {
+            let transport = self
+                .transport
+                .as_deref_mut()
+                .ok_or("the transport is in use (reads are posted by the driver thread)")?;
+            let conn = self
+                .instances
+                .get_mut(&instance)
+                .and_then(|i| i.ranks.get_mut(&rank))
+                .ok_or("not connected")?;
+            if conn.peer.is_none() {
+                let desc =
+                    control::peer_desc(&conn.hello).ok_or("unreadable endpoint description")?;
+                conn.peer = Some(transport.connect(&desc).map_err(|e| e.to_string())?);
+            }
+            layouts.push(conn.layout.clone());
+        }
+        let planned = plan(&PlanRequest {
+            producers: &layouts,
+            consumer: &self.layout,
+            num_tokens: request.num_tokens,
+            skip_tokens: request.skip_tokens,
+            producer_blocks,
+            consumer_blocks: &request.blocks,
+            only_producer: None,
+        })
+        .map_err(|e| e.to_string())?;
+        for &rank in writers {
+            let peer = self.instances[&instance].ranks[&rank]
+                .peer
+                .expect("connected above");
+            let op = self
+                .transport
+                .as_deref_mut()
+                .ok_or("the transport is in use")?
+                .read(peer, planned.ops_for(rank))
+                .map_err(|e| format!("cannot post reads from {rank}: {e}"))?;
+            self.reads.insert(op, (request.key, rank));
+            self.stats.bytes_written.fetch_add(
+                planned
+                    .ops_for(rank)
+                    .iter()
+                    .map(kvx_layout::CopyOp::bytes)
+                    .sum(),
+                Ordering::Relaxed,
+            );
+        }
+        Ok(())
+    }
+
+    pub(super) fn on_event(&mut self, event: Event) {
+        let now = self.clock.now();
+        match event {
+            Event::Notice(notice) => {
+                let armed = self.notices.get(&notice.0).is_some_and(|(key, _)| {
+                    self.board
+                        .as_ref()
+                        .is_some_and(|b| b.shared.seen_elsewhere(*key, notice.0))
+                });
+                if armed {
+                    // The engine thread reports it with the request's other notices.
+                    self.board_notices_as_messages = true;
+                    return;
+                }
+                if let Some((key, rank)) = self.notices.remove(&notice.0) {
+                    if let Some(q) = self.quiescing.get_mut(&key) {
+                        q.ranks.remove(&rank);
+                        if q.quiet() {
+                            self.quiesced(key);
+                        }
+                        return;
+                    }
+                    debug!(%key, %rank, "notice");
+                    self.waiter.completion(now, key, rank);
+                } else {
+                    debug!(
+                        notice = notice.0,
+                        "notice for nothing waited (late or stale)"
+                    );
+                }
+            }
+            Event::ReadDone { op, .. } | Event::Failed { op, .. }
+                if self
+                    .reads
+                    .get(&op)
+                    .is_some_and(|(k, _)| self.quiescing.contains_key(k)) =>
+            {
+                let (key, _) = self.reads.remove(&op).expect("checked");
+                if let Some(q) = self.quiescing.get_mut(&key) {
+                    q.reads -= 1;
+                    if q.quiet() {
+                        self.quiesced(key);
+                    }
+                }
+            }
+            Event::ReadDone { op, .. } => {
+                if let Some((key, rank)) = self.reads.remove(&op) {
+                    self.waiter.completion(now, key, rank);
+                }
+            }
+            Event::Failed { op, error, .. } => {
+                if let Some((key, _)) = self.reads.remove(&op) {
+                    warn!(%key, %error, "read failed");
+                    self.waiter.failure(now, key, Reason::TransferFailed);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// Takes over what the engine thread found ready in the board: the waiter hears of every
+    /// writer's notice, and the request's end is then not reported again.
+    pub(super) fn absorb_engine_ready(&mut self) {
+        let Some(slots) = &self.board else {
+            return;
+        };
+        let ready = slots.shared.take_ready();
+        if ready.is_empty() {
+            return;
+        }
+        let now = self.clock.now();
+        for (key, ranks) in ready {
+            self.engine_ready.insert(key);
+            for rank in ranks {
+                self.waiter.completion(now, key, rank);
+            }
+        }
+    }
+
+    /// Whether the cache's memory can be re-laid-out here: host memory on the CPU, CUDA memory
+    /// with the layout kernels.
+    pub(super) fn can_permute(&self) -> bool {
+        self.regions.iter().all(|r| {
+            r.kind() == kvx_core::MemoryKind::Host
+                || (cfg!(feature = "cuda") && matches!(r.kind(), kvx_core::MemoryKind::Cuda { .. }))
+        })
+    }
+
+    /// Re-lays-out a finished request's chunks in place: with the GPU kernels for a CUDA cache
+    /// (waiting until they ran), with [`Permute::apply`](kvx_layout::Permute::apply) for host
+    /// memory.
+    pub(super) fn apply_permute(&mut self, permute: &PermutePlan) -> Result<(), String> {
+        #[cfg(feature = "cuda")]
+        if let Some(kvx_core::MemoryKind::Cuda { device }) = self.regions.first().map(|r| r.kind())
+        {
+            if self.kernels.is_none() {
+                let gpu = kvx_rdma::cuda::Gpu::open(device).map_err(|e| e.to_string())?;
+                self.kernels = Some(
+                    kvx_rdma::cuda::kernels::LayoutKernels::new(&gpu).map_err(|e| e.to_string())?,
+                );
+            }
+            let regions = &self.regions;
+            let lookup = |i: u32| regions.get(i as usize).map(|r| (r.addr() as u64, r.len()));
+            let Some(kernels) = self.kernels.as_mut() else {
+                return Err("no layout kernels".into());
+            };
+            // SAFETY: the regions are the engine's CUDA KV cache, registered as valid device
+            // memory for the connector's life (`LocalRegion`'s contract); every writer of these
+            // chunks has finished and the engine does not touch them before the request is
+            // reported ready, after the kernels have run (synchronised below).
+            unsafe { kernels.permute(&permute.chunks, &lookup) }.map_err(|e| e.to_string())?;
+            return kernels.synchronize().map_err(|e| e.to_string());
+        }
+        let mut scratch = Vec::new();
+        for p in &permute.chunks {
+            let Some(region) = self.regions.get(p.region as usize) else {
+                continue;
+            };
+            let len = p.chunk_bytes();
+            if p.offset + len > region.len() {
+                continue;
+            }
+            // SAFETY: the region was registered from memory valid for reads and writes while the
+            // connector runs (`LocalRegion`'s contract), it is host memory (checked when the
+            // request started), and this chunk belongs to a request whose every writer has
+            // finished: no transport writes it and the engine does not read it until the request
+            // is reported ready, after this returns. The slice covers only this chunk.
+            let chunk = unsafe {
+                std::slice::from_raw_parts_mut(
+                    (region.addr() + p.offset as usize) as *mut u8,
+                    len as usize,
+                )
+            };
+            p.apply(chunk, &mut scratch);
+        }
+        Ok(())
+    }
+
+    pub(super) fn push_event(&self, event: RecvEvent) {
+        self.events.push((event, SystemTime::now()));
+    }
+}

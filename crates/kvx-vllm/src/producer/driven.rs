@@ -1,0 +1,328 @@
+//! The producer's state machine as the driver loop sees it ([`driver::Driven`]): when it wakes, the
+//! commands it handles, expiry of what it holds, giving blocks back to the engine, and shutdown.
+
+use super::*;
+
+impl driver::Driven for Driver {
+    type Command = Command;
+
+    fn clock(&self) -> Clock {
+        self.clock
+    }
+
+    fn wake_at(&mut self) -> Option<Timestamp> {
+        [
+            self.matcher.poll_timeout(),
+            self.expiry.peek().map(|Reverse((at, ..))| *at),
+            self.next_nudge(),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
+    }
+
+    fn busy(&self) -> bool {
+        // Blocks held for pull are read by the consumer; where that needs this side's progress
+        // (`tcp`: the reads are messages this side answers), keep reading the transport.
+        !self.flights.is_empty()
+            || !self.partials.is_empty()
+            || (!self.pull_held.is_empty() && !self.peer_rma_unassisted)
+    }
+
+    fn lend_transport(&mut self) -> Option<Box<dyn Transport>> {
+        self.transport.take()
+    }
+
+    fn return_transport(&mut self, transport: Box<dyn Transport>) {
+        self.transport = Some(transport);
+    }
+
+    fn transport(&mut self) -> Option<&mut (dyn Transport + 'static)> {
+        self.transport.as_deref_mut()
+    }
+
+    fn is_shutdown(command: &Command) -> bool {
+        matches!(command, Command::Shutdown)
+    }
+
+    fn command(&mut self, command: Command) {
+        self.handle(command);
+    }
+
+    fn transport_event(&mut self, event: Event) {
+        self.on_event(event);
+    }
+
+    fn tick(&mut self, now: Timestamp) {
+        self.matcher.handle_timeout(now);
+        self.expire(now);
+        self.actions();
+        self.nudge(now);
+    }
+
+    fn stopped(&mut self, left: Vec<Command>) {
+        // Blocks the engine handed over behind the shutdown go back with the rest (a sealed
+        // request's blocks go back when its finish comes).
+        for command in left {
+            if let Command::Finished { key, held, .. } = command {
+                self.finished.push((
+                    FinishedSending {
+                        request: held.request,
+                        key,
+                        outcome: SendOutcome::NotSent(Reason::Shutdown),
+                    },
+                    SystemTime::now(),
+                ));
+            }
+        }
+        self.shutdown();
+    }
+}
+
+impl Driver {
+    /// The driver thread.
+    pub(super) fn run(self, rx: CommandReceiver<Command>) {
+        driver::drive(&std::sync::Mutex::new(self), &rx);
+    }
+
+    pub(super) fn handle(&mut self, command: Command) {
+        let now = self.clock.now();
+        match command {
+            Command::Finished { key, held, pull } => {
+                debug!(%key, tokens = held.num_tokens, pull, "request finished");
+                if !pull && self.finish_sealed(key) {
+                    return;
+                }
+                if self.holds(key) {
+                    warn!(%key, "request finished twice; the second copy is ignored");
+                    return;
+                }
+                self.take_over(now, key, held, pull);
+            }
+            Command::Sealed { key, held } => {
+                debug!(%key, tokens = held.num_tokens, "request sealed");
+                if self.sealed.contains_key(&key) || self.holds(key) {
+                    warn!(%key, "request sealed twice, or after it finished; ignored");
+                    return;
+                }
+                self.sealed.insert(key, Sealed::Pending);
+                self.take_over(now, key, held, false);
+            }
+            Command::Progress {
+                key,
+                blocks,
+                tokens,
+                layers,
+            } => self.progress(now, key, blocks, tokens, layers),
+            Command::Abort { transfer, attempt } => {
+                debug!(%transfer, ?attempt, "the engine aborted the request");
+                self.disown(transfer, attempt);
+                self.abort(now, transfer, attempt, Reason::Aborted);
+            }
+            Command::Preempted(key) => {
+                self.streams.remove(&key);
+                for rank in self.ranks_of(key) {
+                    self.matcher.preempt(now, rank_key(key, rank));
+                }
+                if let Some((held, _)) = self.unfanned.remove(&key) {
+                    self.give_back(key, held, SendOutcome::NotSent(Reason::Preempted));
+                }
+            }
+            Command::Accepted(conn, sender, hello) if hello.role == Role::Router => {
+                debug!(conn, engine = hello.engine.0, "router connected");
+                self.conns.insert(conn, Conn::router(sender));
+            }
+            Command::Accepted(conn, sender, hello) => {
+                let consumer = match accept_consumer(
+                    &self.layout,
+                    &hello,
+                    self.transport.as_deref_mut().expect(OPEN),
+                ) {
+                    Ok(consumer) => {
+                        self.max_consumer_tp =
+                            self.max_consumer_tp.max(consumer.layout.spec().tp_size);
+                        Some(consumer)
+                    }
+                    Err(why) => {
+                        warn!(why, "refusing consumer");
+                        sender.close();
+                        None
+                    }
+                };
+                self.conns.insert(conn, Conn::new(sender, consumer));
+            }
+            Command::Peer(conn, message) => self.peer_message(conn, message),
+            Command::PeerClosed(conn, why) => {
+                if let Some(c) = self.conns.remove(&conn) {
+                    debug!(conn, why, "control connection closed");
+                    // The transport forgets the consumer's endpoint (once its writes in flight
+                    // end) unless another connection of the same endpoint still uses it.
+                    if let Some(gone) = &c.consumer {
+                        let shared = self
+                            .conns
+                            .values()
+                            .any(|o| o.consumer.as_ref().is_some_and(|x| x.peer == gone.peer));
+                        if !shared {
+                            self.transport
+                                .as_deref_mut()
+                                .expect(OPEN)
+                                .disconnect(gone.peer);
+                        }
+                    }
+                    // The consumer is gone: its registrations will never be served.
+                    self.stats
+                        .remembered_registrations
+                        .fetch_sub(c.keys.len() as u64, Ordering::Relaxed);
+                    for key in c.keys {
+                        self.matcher
+                            .abort(now, key.transfer, Some(key.attempt), Reason::Aborted);
+                    }
+                }
+            }
+            Command::Shutdown => {}
+        }
+    }
+
+    /// A ticket came back; the blocks go back to the engine with the last one.
+    pub(super) fn ticket_back(&mut self, ticket: Ticket, outcome: SendOutcome) {
+        let Some(fanout) = self.fanouts.get_mut(&ticket.key) else {
+            return;
+        };
+        fanout.pending -= 1;
+        if let SendOutcome::NotSent(_) = outcome {
+            if fanout.outcome == SendOutcome::Sent {
+                fanout.outcome = outcome;
+            }
+        }
+        if fanout.pending == 0 {
+            let fanout = self.fanouts.remove(&ticket.key).expect("present");
+            self.give_back(ticket.key, fanout.held, fanout.outcome);
+        }
+    }
+
+    /// The blocks of `key` are done with: reported to the engine, unless it sealed the request
+    /// and has not finished it (then reported when it does) or aborted it since (never).
+    pub(super) fn give_back(
+        &mut self,
+        key: AttemptKey,
+        held: FinishedBlocks,
+        outcome: SendOutcome,
+    ) {
+        self.stats.held.fetch_sub(1, Ordering::Relaxed);
+        let done = FinishedSending {
+            request: held.request,
+            key,
+            outcome,
+        };
+        match self.sealed.get_mut(&key) {
+            Some(sealed @ (Sealed::Pending | Sealed::Ended(..))) => {
+                *sealed = Sealed::Ended(done, SystemTime::now());
+            }
+            Some(Sealed::Disowned) => {
+                self.sealed.remove(&key);
+            }
+            None => self.finished.push((done, SystemTime::now())),
+        }
+    }
+
+    /// Expiry of what is held outside the matcher; work proportional to what expires.
+    pub(super) fn expire(&mut self, now: Timestamp) {
+        while let Some(Reverse((at, key, hold))) = self.expiry.peek().copied() {
+            if at > now {
+                break;
+            }
+            self.expiry.pop();
+            match hold {
+                ExpiryKind::Unfanned => {
+                    if self.unfanned.get(&key).is_some_and(|(_, d)| *d == at) {
+                        let (held, _) = self.unfanned.remove(&key).expect("present");
+                        self.give_back(key, held, SendOutcome::NotSent(Reason::LeaseExpired));
+                    }
+                }
+                ExpiryKind::Dead => {
+                    if self.dead.get(&key.transfer).is_some_and(|(_, d)| *d == at) {
+                        self.dead.remove(&key.transfer);
+                    }
+                }
+                ExpiryKind::Stream => {
+                    if let Some(deadline) = self.streams.get(&key).map(|s| s.deadline) {
+                        if deadline <= now {
+                            self.streams.remove(&key);
+                        } else {
+                            self.expiry
+                                .push(Reverse((deadline, key, ExpiryKind::Stream)));
+                        }
+                    }
+                }
+                ExpiryKind::Pull => {
+                    if self.pull_held.get(&key).is_some_and(|h| h.deadline == at) {
+                        let hold = self.pull_held.remove(&key).expect("present");
+                        self.give_back(key, hold.held, SendOutcome::NotSent(Reason::LeaseExpired));
+                    }
+                }
+            }
+        }
+    }
+
+    pub(super) fn shutdown(&mut self) {
+        let now = self.clock.now();
+        self.matcher.shutdown(now);
+        self.actions();
+        // Writes in flight end as they would (their notices reach decode), for a while.
+        let deadline = now + SHUTDOWN_DRAIN;
+        let mut events = Vec::new();
+        while !(self.flights.is_empty() && self.partials.is_empty()) {
+            let left = self.clock.until(deadline);
+            if left.is_zero() {
+                break;
+            }
+            let transport = self.transport.as_deref_mut().expect(OPEN);
+            if let Err(e) = transport.wait(&mut events, left) {
+                warn!(error = %e, "transport wait failed while draining writes");
+                break;
+            }
+            for event in events.drain(..) {
+                self.on_event(event);
+            }
+        }
+        // Close the transport before decode hears that the rest failed: once a consumer is
+        // told, it gives the blocks back to its engine, and nothing of ours may land in them
+        // after that (closing waits for or cancels what is still in flight).
+        if !(self.flights.is_empty() && self.partials.is_empty()) {
+            warn!(
+                writes = self.flights.len() + self.partials.len(),
+                "closing the transport with writes in flight"
+            );
+        }
+        drop(self.transport.take());
+        for (_, flight) in std::mem::take(&mut self.flights) {
+            self.tell_consumer(flight.conn, flight.original, Reason::Shutdown, "");
+            self.ticket_back(flight.ticket, SendOutcome::NotSent(Reason::Shutdown));
+        }
+        for (_, early) in std::mem::take(&mut self.early) {
+            for d in early.deferred {
+                match d {
+                    Deferred::Start { ticket, dest, .. } => {
+                        self.tell_consumer(dest.conn, dest.key, Reason::Shutdown, "");
+                        self.ticket_back(ticket, SendOutcome::NotSent(Reason::Shutdown));
+                    }
+                    Deferred::Tell { conn, key, .. } => {
+                        self.tell_consumer(conn, key, Reason::Shutdown, "");
+                    }
+                }
+            }
+        }
+        for (key, fanout) in std::mem::take(&mut self.fanouts) {
+            self.give_back(key, fanout.held, SendOutcome::NotSent(Reason::Shutdown));
+        }
+        for (key, (held, _)) in std::mem::take(&mut self.unfanned) {
+            self.give_back(key, held, SendOutcome::NotSent(Reason::Shutdown));
+        }
+        for (key, hold) in std::mem::take(&mut self.pull_held) {
+            self.give_back(key, hold.held, SendOutcome::NotSent(Reason::Shutdown));
+        }
+        for c in self.conns.values() {
+            c.sender.close();
+        }
+    }
+}

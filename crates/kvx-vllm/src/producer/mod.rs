@@ -1,0 +1,742 @@
+//! The prefill side: a control listener for registrations, the rendezvous matcher, and a driver
+//! thread that plans and posts the writes off the engine loop.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, HashSet};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::ops::Range;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+
+use std::sync::Arc;
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, SystemTime};
+
+use kvx_core::wire::{FailureNotice, Finishing, Heartbeat, Hello, Message, Registration, Role};
+use kvx_core::{Attempt, BlockId, EngineId, Incarnation, Rank, RequestId, TransferId};
+use kvx_layout::{plan_layers, CopyOp, Layout, PlanError, PlanRequest};
+use kvx_rdma::transport::{Event, Notice, OpId, PeerId, Transport};
+use kvx_rendezvous::{
+    Action, AttemptKey, Config, ConsumerId, Matcher, Reason, Timestamp, TransferOutcome,
+};
+use tracing::{debug, info, warn};
+
+use crate::cache::{register_cache, KvCache};
+use crate::config::ConnectorConfig;
+use crate::control::{self, ControlSender, ControlStream};
+use crate::driver::{self, Clock, CommandReceiver, CommandSender, Mailbox};
+use crate::error::{Closed, StartError};
+use crate::stats::{Stats, StatsSnapshot};
+
+mod accept;
+mod driven;
+mod matching;
+mod peers;
+mod streaming;
+
+use accept::{accept_consumer, Acceptor};
+use streaming::plan_by_layer;
+
+/// What became of a finished request's blocks: the engine may free them now.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FinishedSending {
+    /// The engine's request.
+    pub request: RequestId,
+    /// The attempt.
+    pub key: AttemptKey,
+    /// Whether the KV was delivered.
+    pub outcome: SendOutcome,
+}
+
+/// Whether a request's KV reached its consumer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SendOutcome {
+    /// Written, and the completion notice delivered (push), or read by the consumer (pull).
+    Sent,
+    /// Not delivered, and why (the consumer has been told where it needs to be).
+    NotSent(Reason),
+}
+
+type ConnId = u64;
+
+enum Command {
+    Finished {
+        key: AttemptKey,
+        held: FinishedBlocks,
+        pull: bool,
+    },
+    /// The KV of `key` is final (push), but the engine keeps its blocks until it finishes.
+    Sealed {
+        key: AttemptKey,
+        held: FinishedBlocks,
+    },
+    Progress {
+        key: AttemptKey,
+        blocks: Vec<BlockId>,
+        tokens: u64,
+        /// The layers `tokens` are final in; `None`: all of them.
+        layers: Option<u32>,
+    },
+    Abort {
+        transfer: TransferId,
+        attempt: Option<Attempt>,
+    },
+    Preempted(AttemptKey),
+    Accepted(ConnId, ControlSender, Box<Hello>),
+    Peer(ConnId, Message),
+    PeerClosed(ConnId, String),
+    Shutdown,
+}
+
+/// A finished request's blocks, which this side holds until its consumers have them.
+#[derive(Debug)]
+struct FinishedBlocks {
+    request: RequestId,
+    blocks: Vec<BlockId>,
+    num_tokens: u64,
+}
+
+impl FinishedBlocks {
+    fn new(request: RequestId, blocks: Vec<BlockId>, num_tokens: u64) -> Self {
+        Self {
+            request,
+            blocks,
+            num_tokens,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Dest {
+    conn: ConnId,
+    /// The transfer as the consumer knows it.
+    key: AttemptKey,
+    blocks: Vec<BlockId>,
+    num_tokens: u64,
+    skip_tokens: u64,
+    notice: u64,
+}
+
+/// A consumer rank connected to this producer rank: what its hello said.
+struct ConsumerRank {
+    id: ConsumerId,
+    layout: Layout,
+    peer: PeerId,
+    /// It asked for a `Finishing` message before each transfer's final writes.
+    finishing_hints: bool,
+}
+
+struct Conn {
+    sender: ControlSender,
+    consumer: Option<ConsumerRank>,
+    /// A router (`kvx proxy`): it may only abort transfers no consumer registered.
+    router: bool,
+    /// The matcher keys of the registrations that came over this connection, to abort if it
+    /// closes. Those that ended are forgotten in batches (see [`Conn::remember`]).
+    keys: HashSet<AttemptKey>,
+    /// The size at which [`Conn::remember`] next forgets the keys that ended.
+    forget_at: usize,
+}
+
+/// The fewest remembered keys at which a connection forgets those that ended.
+const FORGET_AT_LEAST: usize = 64;
+
+impl Conn {
+    fn new(sender: ControlSender, consumer: Option<ConsumerRank>) -> Self {
+        Self {
+            sender,
+            consumer,
+            router: false,
+            keys: HashSet::new(),
+            forget_at: FORGET_AT_LEAST,
+        }
+    }
+
+    fn router(sender: ControlSender) -> Self {
+        Self {
+            router: true,
+            ..Self::new(sender, None)
+        }
+    }
+
+    /// Remembers `key`, first forgetting the keys the matcher no longer has once the set has
+    /// doubled since the last time: amortised O(1), and the set stays within twice this
+    /// connection's live registrations (or [`FORGET_AT_LEAST`]) however long it lives.
+    fn remember<P, R>(&mut self, key: AttemptKey, matcher: &Matcher<P, R>, stats: &Stats) {
+        if self.keys.len() >= self.forget_at {
+            let before = self.keys.len();
+            self.keys.retain(|k| matcher.is_live(*k));
+            stats
+                .remembered_registrations
+                .fetch_sub((before - self.keys.len()) as u64, Ordering::Relaxed);
+            self.forget_at = (2 * self.keys.len()).max(FORGET_AT_LEAST);
+        }
+        if self.keys.insert(key) {
+            stats
+                .remembered_registrations
+                .fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+struct Flight {
+    started: std::time::Instant,
+    bytes: u64,
+    /// The matcher's key (per consumer rank).
+    key: AttemptKey,
+    ticket: Ticket,
+    conn: ConnId,
+    /// The transfer as the consumer knows it.
+    original: AttemptKey,
+    cancelled: Option<Reason>,
+}
+
+/// The prefill side of the connector for one engine rank.
+///
+/// Engine-facing calls never block on the network: they queue a command for the driver thread.
+/// ```no_run
+/// # fn demo(producer: &kvx_vllm::Producer) -> Result<(), kvx_vllm::Closed> {
+/// use kvx_core::{Attempt, BlockId, RequestId, TransferId};
+/// use kvx_rendezvous::AttemptKey;
+///
+/// let key = AttemptKey::new(TransferId(7), Attempt::FIRST);
+/// producer.request_finished(key, RequestId(1), vec![BlockId(3), BlockId(4)], 20)?;
+/// // Later, each engine step: free what is done.
+/// for done in producer.take_finished() {
+///     println!("free the blocks of {} ({:?})", done.request, done.outcome);
+/// }
+/// # Ok(()) }
+/// ```
+pub struct Producer {
+    tx: CommandSender<Command>,
+    finished: Arc<Mailbox<(FinishedSending, SystemTime)>>,
+    stats: Arc<Stats>,
+    addr: SocketAddr,
+    /// A Unix socket listens beside the TCP listener (`ConnectorConfig::local_sockets`).
+    local_listening: bool,
+    stop: Arc<AtomicBool>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl Producer {
+    /// Registers the cache with the transport, listens on `config.listen` and starts the
+    /// acceptor and driver threads.
+    ///
+    /// # Errors
+    /// [`StartError`] when a setting is zero that must not be, the cache is invalid,
+    /// registration fails or the address is taken.
+    pub fn start(
+        config: ConnectorConfig,
+        cache: KvCache,
+        mut transport: Box<dyn Transport>,
+    ) -> Result<Self, StartError> {
+        config.validate()?;
+        let (layout, _regions) = register_cache(transport.as_mut(), cache)?;
+        let mut matcher_config = Config::default();
+        matcher_config.max_entries = config.max_entries;
+        matcher_config.producer_lease = config.producer_lease;
+        matcher_config.transfer_timeout = config.transfer_timeout;
+        let matcher = Matcher::new(matcher_config)?;
+        let listener = TcpListener::bind(config.listen).map_err(StartError::Listen)?;
+        let addr = listener.local_addr().map_err(StartError::Listen)?;
+        let (tx, rx) = driver::command_queue(transport.waker());
+        let finished = Arc::new(Mailbox::default());
+        let stats = Arc::new(Stats::default());
+        let stop = Arc::new(AtomicBool::new(false));
+        let rank = layout.rank();
+        let hello = control::hello(
+            &config,
+            Role::Producer,
+            &layout,
+            &transport.local_desc(),
+            false,
+        );
+        let connect_timeout = config.connect_timeout;
+        let peer_rma_unassisted = transport.capabilities().peer_rma_unassisted;
+        let driver = Driver {
+            clock: Clock::new(),
+            rank,
+            layout,
+            transport: Some(transport),
+            matcher,
+            conns: HashMap::new(),
+            flights: HashMap::new(),
+            fanouts: HashMap::new(),
+            unfanned: HashMap::new(),
+            pull_held: HashMap::new(),
+            peer_rma_unassisted,
+            dead: HashMap::new(),
+            max_dead: config.max_entries,
+            streams: HashMap::new(),
+            sealed: HashMap::new(),
+            early: HashMap::new(),
+            partials: HashMap::new(),
+            nudged: HashMap::new(),
+            engine: config.engine,
+            incarnation: config.incarnation,
+            expiry: BinaryHeap::new(),
+            max_consumer_tp: 1,
+            producer_lease: config.producer_lease,
+            finished: Arc::clone(&finished),
+            stats: Arc::clone(&stats),
+        };
+        let mut threads = Vec::new();
+        threads.push(
+            thread::Builder::new()
+                .name(format!("kvx-prefill-{}", rank.0))
+                .spawn(move || driver.run(rx))
+                .map_err(StartError::Thread)?,
+        );
+        // Consumers on this host connect here (control.rs); without it, over TCP.
+        let local = if config.local_sockets {
+            control::listen_local(addr)
+                .map_err(|e| debug!(%addr, error = %e, "no local control socket"))
+                .ok()
+        } else {
+            None
+        };
+        let acceptor = Acceptor {
+            tx: tx.clone(),
+            stop: Arc::clone(&stop),
+            hello: Message::Hello(hello),
+            handshake_timeout: connect_timeout,
+            next: Arc::new(AtomicU64::new(1)),
+            open: Arc::new(AtomicUsize::new(0)),
+        };
+        let local_listening = local.is_some();
+        if let Some(local) = local {
+            threads.push(acceptor.clone().spawn(
+                format!("kvx-accept-local-{}", rank.0),
+                local,
+                |a, l| a.run(l.incoming().map(|s| s.map(ControlStream::local))),
+            )?);
+        }
+        threads.push(
+            acceptor.spawn(format!("kvx-accept-{}", rank.0), listener, |a, l| {
+                a.run(l.incoming().map(|s| s.map(ControlStream::tcp)))
+            })?,
+        );
+        info!(%addr, %rank, local = local_listening, "kvx producer listening");
+        Ok(Self {
+            tx,
+            finished,
+            stats,
+            addr,
+            local_listening,
+            stop,
+            threads,
+        })
+    }
+
+    /// This rank's control address (what decode connects to).
+    #[must_use]
+    pub fn control_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Prefill finished `key` (push): hold `blocks` until the registration arrives (or has
+    /// arrived), then write them. The blocks come back through [`Producer::take_finished`].
+    ///
+    /// # Errors
+    /// [`Closed`] after shutdown.
+    pub fn request_finished(
+        &self,
+        key: AttemptKey,
+        request: RequestId,
+        blocks: Vec<BlockId>,
+        num_tokens: u64,
+    ) -> Result<(), Closed> {
+        self.send(Command::Finished {
+            key,
+            held: FinishedBlocks::new(request, blocks, num_tokens),
+            pull: false,
+        })
+    }
+
+    /// The KV of `key` (push) is complete and final in `blocks`, although the engine has not
+    /// finished the request yet: it is written, and decode told, as soon as decode has
+    /// registered, instead of once the engine hands the blocks over. The blocks stay the
+    /// engine's until [`Producer::request_finished`] for the same key (which must follow, for
+    /// the same request and blocks, unless the engine aborts the request); only then can
+    /// [`Producer::take_finished`] report them. Call it when the request will finish with
+    /// these tokens (prefill for a remote decode: one output token). Should the engine abort
+    /// it after all, hand the blocks over with [`Producer::request_finished`] anyway (its KV is
+    /// complete and may be on its way): after [`Producer::abort`] the blocks are not reported
+    /// back, and blocks the engine frees at once may still be being read.
+    ///
+    /// On a GPU, call this only once the request's kernels have completed (an event).
+    ///
+    /// # Errors
+    /// [`Closed`] after shutdown.
+    pub fn request_sealed(
+        &self,
+        key: AttemptKey,
+        request: RequestId,
+        blocks: Vec<BlockId>,
+        num_tokens: u64,
+    ) -> Result<(), Closed> {
+        self.send(Command::Sealed {
+            key,
+            held: FinishedBlocks::new(request, blocks, num_tokens),
+        })
+    }
+
+    /// Prefill of `key` (push) is still computing, and the KV of its first `computed_tokens`
+    /// tokens is final in `blocks` (the request's blocks so far, in token order; the blocks
+    /// handed to [`Producer::request_finished`] later must start with them). Once the consumer
+    /// has registered, those tokens are written at once, while the rest is computed, so that
+    /// only the tail is left when the request finishes. Optional: without progress reports the
+    /// whole request is written at the end. The engine keeps the blocks until the request
+    /// finishes or is aborted, as it does anyway for a running request.
+    ///
+    /// # Errors
+    /// [`Closed`] after shutdown.
+    pub fn request_progress(
+        &self,
+        key: AttemptKey,
+        blocks: Vec<BlockId>,
+        computed_tokens: u64,
+    ) -> Result<(), Closed> {
+        self.send(Command::Progress {
+            key,
+            blocks,
+            tokens: computed_tokens,
+            layers: None,
+        })
+    }
+
+    /// Layer-wise progress of `key` (push): the engine is computing its tokens `..tokens`
+    /// layer by layer, and layers `..layers` of them are final in `blocks`. Those layers are
+    /// written at once, while the next layers compute, so that a request computed in one step
+    /// leaves only its last layer for the finish. Tokens of an earlier
+    /// [`Producer::request_progress`] stay final in every layer, and so do those of an earlier
+    /// layer-wise report for fewer tokens (chunks compute in token order).
+    ///
+    /// On a GPU, call this only once the layers' kernels have completed (an event), as for
+    /// [`Producer::request_progress`].
+    ///
+    /// # Errors
+    /// [`Closed`] after shutdown.
+    pub fn request_layer_progress(
+        &self,
+        key: AttemptKey,
+        blocks: Vec<BlockId>,
+        tokens: u64,
+        layers: u32,
+    ) -> Result<(), Closed> {
+        self.send(Command::Progress {
+            key,
+            blocks,
+            tokens,
+            layers: Some(layers),
+        })
+    }
+
+    /// Prefill finished `key` in pull mode: hold `blocks` until the consumer has read them and
+    /// says so, or the producer lease runs out.
+    ///
+    /// # Errors
+    /// [`Closed`] after shutdown.
+    pub fn request_finished_pull(
+        &self,
+        key: AttemptKey,
+        request: RequestId,
+        blocks: Vec<BlockId>,
+        num_tokens: u64,
+    ) -> Result<(), Closed> {
+        self.send(Command::Finished {
+            key,
+            held: FinishedBlocks::new(request, blocks, num_tokens),
+            pull: true,
+        })
+    }
+
+    /// Aborts one attempt, or every attempt, of a transfer.
+    ///
+    /// # Errors
+    /// [`Closed`] after shutdown.
+    pub fn abort(&self, transfer: TransferId, attempt: Option<Attempt>) -> Result<(), Closed> {
+        self.send(Command::Abort { transfer, attempt })
+    }
+
+    /// The engine preempted the request at this attempt.
+    ///
+    /// # Errors
+    /// [`Closed`] after shutdown.
+    pub fn preempted(&self, key: AttemptKey) -> Result<(), Closed> {
+        self.send(Command::Preempted(key))
+    }
+
+    /// Requests whose blocks the engine may free now (sent, or given up).
+    #[must_use]
+    pub fn take_finished(&self) -> Vec<FinishedSending> {
+        self.wait_finished(Duration::ZERO)
+    }
+
+    /// Like [`Producer::take_finished`], but when nothing is there yet waits up to `timeout`
+    /// for the first request to end, and returns as soon as one has: for an engine step with
+    /// nothing to compute while blocks are held, instead of a quick return and another step.
+    #[must_use]
+    pub fn wait_finished(&self, timeout: Duration) -> Vec<FinishedSending> {
+        self.finished
+            .wait_take(timeout)
+            .into_iter()
+            .map(|(finished, _)| finished)
+            .collect()
+    }
+
+    /// Like [`Producer::take_finished`], with the time each outcome was decided (sent: when
+    /// the last write, and so its notice, had landed), for engines and benchmarks that poll
+    /// less often than transfers finish.
+    pub fn take_finished_timed(&self) -> Vec<(FinishedSending, SystemTime)> {
+        self.finished.take()
+    }
+
+    /// Counters, including blocks held now.
+    #[must_use]
+    pub fn stats(&self) -> StatsSnapshot {
+        self.stats.snapshot()
+    }
+
+    fn send(&self, command: Command) -> Result<(), Closed> {
+        self.tx.send(command).map_err(|_| Closed)
+    }
+
+    /// Stops the threads; every held block is reported through [`Producer::take_finished`].
+    pub fn shutdown(&mut self) {
+        if self.stop.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let _ = self.tx.send(Command::Shutdown);
+        // Wake the acceptors.
+        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(200));
+        if self.local_listening {
+            let _ = control::connect_local(self.addr);
+        }
+        for handle in self.threads.drain(..) {
+            let _ = handle.join();
+        }
+    }
+}
+
+impl Drop for Producer {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// The matcher's handle on a finished request's blocks: one per consumer rank the request
+/// serves; the blocks go back to the engine when every ticket has come back.
+#[derive(Debug)]
+struct Ticket {
+    key: AttemptKey,
+}
+
+/// A finished request fanned out to the consumer ranks this producer rank writes to.
+struct Fanout {
+    held: FinishedBlocks,
+    pending: usize,
+    outcome: SendOutcome,
+}
+
+/// What an expiry entry is about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum ExpiryKind {
+    /// Finished blocks whose consumer ranks are not known yet (no registration so far).
+    Unfanned,
+    /// Pull-mode blocks waiting to be read.
+    Pull,
+    /// An aborted transfer remembered, so that its late prefill is released at once.
+    Dead,
+    /// A request still computing whose progress was reported (push).
+    Stream,
+}
+
+/// A sealed request's blocks, which the engine has not handed over yet
+/// ([`Producer::request_sealed`]).
+#[derive(Debug)]
+enum Sealed {
+    /// Its transfer has not ended.
+    Pending,
+    /// Its transfer ended: reported once the engine finishes the request.
+    Ended(FinishedSending, SystemTime),
+    /// The engine aborted the request and frees the blocks itself: nothing is reported.
+    Disowned,
+}
+
+/// How long an aborted transfer is remembered.
+const DEAD_TTL: Duration = Duration::from_secs(300);
+
+/// A request still computing (push): the blocks and tokens of its KV that are final.
+struct Streaming {
+    blocks: Vec<BlockId>,
+    done: Final,
+    deadline: Timestamp,
+}
+
+/// Which tokens of a computing request are final, per layer.
+#[derive(Clone, Copy, Default)]
+struct Final {
+    /// Tokens `..computed` are final in every layer.
+    computed: u64,
+    /// Tokens `..tokens` are final in layers `..layers` (a step computing layer by layer).
+    layered: Option<(u64, u32)>,
+}
+
+impl Final {
+    /// Tokens final in `layer`.
+    fn final_in(&self, layer: u32) -> u64 {
+        match self.layered {
+            Some((tokens, layers)) if layer < layers => tokens.max(self.computed),
+            _ => self.computed,
+        }
+    }
+
+    /// The state after a report that tokens `..tokens` are final in layers `..layers` (all of
+    /// them for `None`, or `layers` at least `num_layers`).
+    fn advanced(self, tokens: u64, layers: Option<u32>, num_layers: u32) -> Self {
+        let (computed, layered) = match layers {
+            Some(layers) if layers < num_layers => {
+                // Layers only grow within a step, so a report for more tokens, or for as many
+                // but fewer layers (in block units two steps can end in the same block), is a
+                // new step: the last one ended. (A recomputation is reported first, as
+                // progress that loses its blocks.)
+                let computed = match self.layered {
+                    Some((before, before_layers))
+                        if tokens > before || (tokens == before && layers < before_layers) =>
+                    {
+                        self.computed.max(before)
+                    }
+                    _ => self.computed,
+                };
+                (computed, Some((tokens, layers)))
+            }
+            _ => (tokens, self.layered.filter(|&(t, _)| t > tokens)),
+        };
+        Self { computed, layered }
+    }
+}
+
+/// Writes made to one consumer rank's registration before its request finished.
+struct Early {
+    /// Per layer `l`: tokens `..written[l]` are written or being written.
+    written: Vec<u64>,
+    /// The request's blocks changed under the early writes (the engine recomputed it elsewhere,
+    /// e.g. after a preemption): no more early writes, and the final write rewrites everything.
+    /// Early writes still in flight may carry stale bytes; the final write waits for them.
+    reset: bool,
+    /// Early writes not yet completed.
+    in_flight: usize,
+    /// Why an early write failed.
+    failed: Option<String>,
+    /// What must wait until the early writes have ended: the consumer may reuse its blocks
+    /// once it hears of the outcome, so neither the final write (whose notice says that
+    /// everything has landed) nor a failure notice may overtake them.
+    deferred: Vec<Deferred>,
+}
+
+impl Early {
+    fn new(num_layers: u32) -> Self {
+        Self {
+            written: vec![0; num_layers as usize],
+            reset: false,
+            in_flight: 0,
+            failed: None,
+            deferred: Vec::new(),
+        }
+    }
+}
+
+enum Deferred {
+    /// The request finished and was matched: write the tail.
+    Start {
+        ticket: Ticket,
+        dest: Dest,
+        cancelled: Option<Reason>,
+    },
+    /// A registration will not be served: tell the consumer.
+    Tell {
+        conn: ConnId,
+        key: AttemptKey,
+        reason: Reason,
+        /// The held registration itself was dropped (not a refused second one): the early
+        /// writes' bookkeeping ends with it.
+        ends: bool,
+    },
+}
+
+/// Pull: finished blocks waiting for their consumer ranks to read them.
+struct AwaitingRead {
+    held: FinishedBlocks,
+    deadline: Timestamp,
+    readers: Option<Vec<Rank>>,
+    done: Vec<Rank>,
+}
+
+/// The matcher key of `key` for consumer rank `rank`: each consumer rank this producer rank
+/// serves registers on its own, so each is its own rendezvous.
+/// An early write in flight.
+struct Partial {
+    /// Its matcher key.
+    rkey: AttemptKey,
+    /// The consumer's connection.
+    conn: ConnId,
+    /// When it was posted.
+    posted: Timestamp,
+}
+
+/// How long an early write may wait before its consumer, if it asked for finishing hints (and
+/// so reads its transport only when woken), is nudged to read it: on `shm` a write holds a slot
+/// of the consumer's command queue until the consumer reads, and a full queue stops the writes.
+const NUDGE_AFTER: Duration = Duration::from_millis(2);
+
+/// The transport is open from start until shutdown.
+const OPEN: &str = "the transport is open until shutdown";
+
+/// How long a shutting-down producer lets its writes in flight end before it closes the
+/// transport and tells their consumers that they failed.
+const SHUTDOWN_DRAIN: Duration = Duration::from_secs(2);
+
+fn rank_key(key: AttemptKey, rank: Rank) -> AttemptKey {
+    let mixed = key.transfer.0
+        ^ (u128::from(kvx_core::ids::fnv1a_64(&rank.0.to_le_bytes())) << 64)
+        ^ u128::from(rank.0);
+    AttemptKey::new(TransferId(mixed), key.attempt)
+}
+
+struct Driver {
+    clock: Clock,
+    rank: Rank,
+    layout: Layout,
+    /// Open until [`Driver::shutdown`] closes it.
+    transport: Option<Box<dyn Transport>>,
+    matcher: Matcher<Ticket, Dest>,
+    conns: HashMap<ConnId, Conn>,
+    flights: HashMap<OpId, Flight>,
+    fanouts: HashMap<AttemptKey, Fanout>,
+    unfanned: HashMap<AttemptKey, (FinishedBlocks, Timestamp)>,
+    pull_held: HashMap<AttemptKey, AwaitingRead>,
+    /// [`Capabilities::peer_rma_unassisted`](kvx_rdma::Capabilities::peer_rma_unassisted) of
+    /// the transport: consumers' reads need no progress of this side.
+    peer_rma_unassisted: bool,
+    dead: HashMap<TransferId, (Option<Attempt>, Timestamp)>,
+    /// Bound on `dead` (`max_entries`): aborts of transfers unknown here (a peer that sends
+    /// many) cannot grow it without end; past it, a late finish waits for its lease instead.
+    max_dead: usize,
+    streams: HashMap<AttemptKey, Streaming>,
+    /// Sealed requests the engine has not finished yet.
+    sealed: HashMap<AttemptKey, Sealed>,
+    /// Early writes, by matcher key (per consumer rank).
+    early: HashMap<AttemptKey, Early>,
+    /// Early writes in flight.
+    partials: HashMap<OpId, Partial>,
+    /// When each consumer connection that asked for finishing hints was last nudged.
+    nudged: HashMap<ConnId, Timestamp>,
+    /// This engine and incarnation (for nudges, which are empty heartbeats).
+    engine: EngineId,
+    incarnation: Incarnation,
+    expiry: BinaryHeap<Reverse<(Timestamp, AttemptKey, ExpiryKind)>>,
+    max_consumer_tp: u32,
+    producer_lease: Duration,
+    finished: Arc<Mailbox<(FinishedSending, SystemTime)>>,
+    stats: Arc<Stats>,
+}

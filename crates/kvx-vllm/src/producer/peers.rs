@@ -1,0 +1,363 @@
+//! What consumers and routers say over their control connections (registrations, pull reads done,
+//! aborts, heartbeats), and what this side tells them (failures, finishing hints, nudges).
+
+use super::*;
+
+fn failure(key: AttemptKey, rank: Rank, reason: Reason, detail: &str) -> Message {
+    Message::Failure(FailureNotice {
+        transfer: key.transfer,
+        attempt: key.attempt,
+        rank,
+        reason: reason.into(),
+        detail: detail.chars().take(1024).collect(),
+    })
+}
+
+/// Checks a registration's destination against the consumer's layout before holding it.
+fn check_destination(layout: &Layout, reg: &Registration) -> Result<(), String> {
+    if reg.consumer_rank != layout.rank() {
+        return Err(format!(
+            "registration for {} on the connection of {}",
+            reg.consumer_rank,
+            layout.rank()
+        ));
+    }
+    let needed = u64::from(reg.num_tokens).div_ceil(u64::from(layout.spec().block_tokens));
+    if (reg.blocks.len() as u64) < needed {
+        return Err(format!(
+            "{} blocks cannot hold {} tokens",
+            reg.blocks.len(),
+            reg.num_tokens
+        ));
+    }
+    if let Some(bad) = reg.blocks.iter().find(|b| b.0 >= layout.spec().num_blocks) {
+        return Err(format!(
+            "block {bad} is outside the consumer's {} blocks",
+            layout.spec().num_blocks
+        ));
+    }
+    Ok(())
+}
+
+impl Driver {
+    /// Whether the consumer or router on `conn` may abort `transfer`: unless registrations of
+    /// it came from other consumers only. A transfer nobody registered (prefill finished first,
+    /// or pull) may be aborted by any consumer or router: its owner is not known.
+    pub(super) fn may_abort(&self, conn: ConnId, transfer: TransferId) -> bool {
+        let Some(c) = self.conns.get(&conn) else {
+            return false;
+        };
+        // A router is no registrant: it may abort only what nobody registered.
+        let me = match (&c.consumer, c.router) {
+            (Some(consumer), _) => Some(consumer.id),
+            (None, true) => None,
+            (None, false) => return false,
+        };
+        let mixed: Vec<TransferId> = self
+            .rank_keys(AttemptKey::new(transfer, Attempt(0)))
+            .map(|k| k.transfer)
+            .collect();
+        let registrants: HashSet<ConsumerId> = self
+            .conns
+            .values()
+            .filter_map(|c| c.consumer.as_ref().map(|consumer| (c, consumer.id)))
+            .filter(|(c, _)| c.keys.iter().any(|k| mixed.contains(&k.transfer)))
+            .map(|(_, id)| id)
+            .collect();
+        if registrants.is_empty() || me.is_some_and(|me| registrants.contains(&me)) {
+            return true;
+        }
+        if me.is_some() {
+            warn!(
+                conn,
+                %transfer,
+                "abort ignored: another decode instance registered this transfer"
+            );
+        } else {
+            // A router abandons what it cannot tell a decode took in (a client that left):
+            // a decode that registered keeps the transfer, as it should.
+            debug!(conn, %transfer, "a router's abort ignored: a decode instance registered this transfer");
+        }
+        false
+    }
+
+    /// Whether a decode rank has finished reading `transfer` (pull) while others may still
+    /// read it: a router's abort is refused then. (A read in progress before any rank finished
+    /// is invisible here: a router must only abandon ids it never handed to a decode.)
+    pub(super) fn being_read(&self, transfer: TransferId) -> bool {
+        let read = self
+            .pull_held
+            .iter()
+            .any(|(k, hold)| k.transfer == transfer && hold.readers.is_some());
+        if read {
+            warn!(%transfer, "abort from a router ignored: a decode instance reads this transfer");
+        }
+        read
+    }
+
+    /// Whether nothing of `transfer` at `attempt` from the consumer rank on `conn` is
+    /// registered or being written here: no live registration, no transfer in flight, no early
+    /// write in flight.
+    pub(super) fn writes_nothing_for(
+        &self,
+        conn: ConnId,
+        transfer: TransferId,
+        attempt: Attempt,
+    ) -> bool {
+        let Some(c) = self.conns.get(&conn) else {
+            return false;
+        };
+        let mixed: Vec<AttemptKey> = self.rank_keys(AttemptKey::new(transfer, attempt)).collect();
+        let registered = c
+            .keys
+            .iter()
+            .any(|k| mixed.contains(k) && self.matcher.is_live(*k));
+        let flying = self
+            .flights
+            .values()
+            .any(|f| f.conn == conn && f.original == AttemptKey::new(transfer, attempt));
+        let early = mixed
+            .iter()
+            .any(|k| self.early.get(k).is_some_and(|e| e.in_flight > 0));
+        !(registered || flying || early)
+    }
+
+    pub(super) fn peer_message(&mut self, conn: ConnId, message: Message) {
+        let now = self.clock.now();
+        let Some(c) = self.conns.get_mut(&conn) else {
+            return;
+        };
+        if c.router {
+            match message {
+                Message::Abort(abort) => {
+                    if self.may_abort(conn, abort.transfer) && !self.being_read(abort.transfer) {
+                        debug!(conn, transfer = %abort.transfer, reason = abort.reason, "a router abandons a transfer");
+                        self.abort(now, abort.transfer, abort.attempt, Reason::Aborted);
+                    }
+                    self.stats.router_aborts.fetch_add(1, Ordering::Relaxed);
+                }
+                _ => warn!(conn, "a router may only send aborts: message ignored"),
+            }
+            return;
+        }
+        match message {
+            Message::Hello(_) => warn!(conn, "second hello on a control connection ignored"),
+            Message::Registration(reg) => self.registration(conn, now, reg),
+            Message::Heartbeat(hb) => {
+                if let Some(consumer) = &c.consumer {
+                    let rank = consumer.layout.rank();
+                    let id = consumer.id;
+                    let transfers: Vec<TransferId> = hb
+                        .transfers
+                        .iter()
+                        .map(|t| rank_key(AttemptKey::new(*t, Attempt(0)), rank).transfer)
+                        .collect();
+                    self.matcher.heartbeat(now, id, transfers);
+                }
+            }
+            Message::Abort(abort) => {
+                if self.may_abort(conn, abort.transfer) {
+                    // Nothing of that attempt registered or in flight from this connection (a
+                    // transfer that ended, a notice lost on the way): the consumer rank hears
+                    // at once that nothing more will be written, instead of waiting for its
+                    // bound. Decided before the abort: messages on a connection keep their
+                    // order, so every registration sent before the abort is known here.
+                    let quiet = abort
+                        .attempt
+                        .filter(|&attempt| self.writes_nothing_for(conn, abort.transfer, attempt));
+                    self.abort(now, abort.transfer, abort.attempt, Reason::Aborted);
+                    if let Some(attempt) = quiet {
+                        self.tell_consumer(
+                            conn,
+                            AttemptKey::new(abort.transfer, attempt),
+                            Reason::Aborted,
+                            "nothing of it is registered or being written here",
+                        );
+                    }
+                }
+            }
+            Message::Failure(f) => {
+                if self.may_abort(conn, f.transfer) {
+                    self.abort(now, f.transfer, Some(f.attempt), Reason::PeerFailed);
+                }
+            }
+            Message::Completion(done) => {
+                self.pull_done(conn, AttemptKey::new(done.transfer, done.attempt))
+            }
+            _ => warn!(conn, "unexpected message from a consumer"),
+        }
+    }
+
+    /// Pull mode: a consumer rank has read the blocks; they go back once every reader has.
+    pub(super) fn pull_done(&mut self, conn: ConnId, key: AttemptKey) {
+        let Some(consumer) = self.conns.get(&conn).and_then(|c| c.consumer.as_ref()) else {
+            return;
+        };
+        let reader = consumer.layout.rank();
+        let readers =
+            kvx_layout::readers_for(self.rank, self.layout.spec().tp_size, &consumer.layout)
+                .unwrap_or_else(|_| vec![reader]);
+        let Some(hold) = self.pull_held.get_mut(&key) else {
+            return;
+        };
+        let expected = hold.readers.get_or_insert(readers).clone();
+        if !hold.done.contains(&reader) {
+            hold.done.push(reader);
+        }
+        if expected.iter().all(|r| hold.done.contains(r)) {
+            let hold = self.pull_held.remove(&key).expect("present");
+            self.stats.transfers_ok.fetch_add(1, Ordering::Relaxed);
+            self.give_back(key, hold.held, SendOutcome::Sent);
+        }
+    }
+
+    pub(super) fn registration(&mut self, conn: ConnId, now: Timestamp, reg: Registration) {
+        let producer_tp = self.layout.spec().tp_size;
+        let Some(c) = self.conns.get_mut(&conn) else {
+            return;
+        };
+        let key = AttemptKey::new(reg.transfer, reg.attempt);
+        let Some(consumer) = &c.consumer else {
+            let _ = c.sender.send(&failure(
+                key,
+                self.rank,
+                Reason::Conflict,
+                "registration before hello",
+            ));
+            return;
+        };
+        if let Err(why) = check_destination(&consumer.layout, &reg) {
+            let _ = c
+                .sender
+                .send(&failure(key, self.rank, Reason::Conflict, &why));
+            return;
+        }
+        let readers = match kvx_layout::readers_for(self.rank, producer_tp, &consumer.layout) {
+            Ok(r) if r.contains(&reg.consumer_rank) => r,
+            Ok(_) | Err(_) => {
+                let why = format!(
+                    "{} does not write to consumer {}",
+                    self.rank, reg.consumer_rank
+                );
+                let _ = c
+                    .sender
+                    .send(&failure(key, self.rank, Reason::Conflict, &why));
+                return;
+            }
+        };
+        let id = consumer.id;
+        c.remember(rank_key(key, reg.consumer_rank), &self.matcher, &self.stats);
+        let lease = Duration::from_millis(u64::from(reg.lease_ms));
+        self.matcher.register(
+            now,
+            rank_key(key, reg.consumer_rank),
+            id,
+            lease,
+            Dest {
+                conn,
+                key,
+                blocks: reg.blocks,
+                num_tokens: u64::from(reg.num_tokens),
+                skip_tokens: u64::from(reg.skip_tokens),
+                notice: reg.notice,
+            },
+        );
+        if let Some((held, _)) = self.unfanned.remove(&key) {
+            self.fan_out(now, key, held, &readers);
+        } else if !self.fanouts.contains_key(&key) && self.streams.contains_key(&key) {
+            self.stream(key, rank_key(key, reg.consumer_rank));
+        }
+    }
+
+    /// When a consumer that asked for finishing hints is next due a nudge: an early write to it
+    /// has waited [`NUDGE_AFTER`], and it was not nudged for as long.
+    pub(super) fn next_nudge(&self) -> Option<Timestamp> {
+        self.partials
+            .values()
+            .filter_map(|p| self.nudge_due(p))
+            .min()
+    }
+
+    /// When the consumer of early write `p` is due a nudge for it, if it asked for hints.
+    pub(super) fn nudge_due(&self, p: &Partial) -> Option<Timestamp> {
+        self.wants_hints(p.conn).then(|| {
+            let last = self
+                .nudged
+                .get(&p.conn)
+                .map_or(p.posted, |&at| at.max(p.posted));
+            last + NUDGE_AFTER
+        })
+    }
+
+    /// Nudges every consumer that is due (see [`Self::next_nudge`]) with an empty heartbeat:
+    /// a consumer reads its transport once for every message it gets.
+    pub(super) fn nudge(&mut self, now: Timestamp) {
+        let due: HashSet<ConnId> = self
+            .partials
+            .values()
+            .filter(|p| self.nudge_due(p).is_some_and(|at| at <= now))
+            .map(|p| p.conn)
+            .collect();
+        let message = Message::Heartbeat(Heartbeat {
+            engine: self.engine,
+            incarnation: self.incarnation,
+            transfers: Vec::new(),
+        });
+        for conn in due {
+            self.nudged.insert(conn, now);
+            self.send_counted(conn, &message, &self.stats.nudges);
+        }
+        let partials = &self.partials;
+        self.nudged
+            .retain(|conn, _| partials.values().any(|p| p.conn == *conn));
+    }
+
+    /// Whether the consumer on `conn` asked for finishing hints.
+    pub(super) fn wants_hints(&self, conn: ConnId) -> bool {
+        self.conns
+            .get(&conn)
+            .and_then(|c| c.consumer.as_ref())
+            .is_some_and(|c| c.finishing_hints)
+    }
+
+    /// Tells a consumer rank that asked for it that the final writes of `dest` begin (before
+    /// any wait for early writes), so that it reads its transport until the notice.
+    pub(super) fn hint_finishing(&self, dest: &Dest) {
+        if self.wants_hints(dest.conn) {
+            let message = Message::Finishing(Finishing {
+                transfer: dest.key.transfer,
+                attempt: dest.key.attempt,
+                producer_rank: self.rank,
+            });
+            self.send_counted(dest.conn, &message, &self.stats.finishing_hints);
+        }
+    }
+
+    /// Sends `message` on `conn` (if it is still open) and counts it in `sent`; a hint or a
+    /// nudge that cannot be sent needs no more: the closed connection fails what it served.
+    pub(super) fn send_counted(&self, conn: ConnId, message: &Message, sent: &AtomicU64) {
+        let Some(c) = self.conns.get(&conn) else {
+            return;
+        };
+        match c.sender.send(message) {
+            Ok(()) => {
+                sent.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(e) => debug!(conn, kind = ?message.kind(), error = %e, "cannot send"),
+        }
+    }
+
+    pub(super) fn tell_consumer(
+        &self,
+        conn: ConnId,
+        key: AttemptKey,
+        reason: Reason,
+        detail: &str,
+    ) {
+        if let Some(c) = self.conns.get(&conn) {
+            if let Err(e) = c.sender.send(&failure(key, self.rank, reason, detail)) {
+                debug!(%key, error = %e, "cannot send failure notice");
+            }
+        }
+    }
+}
