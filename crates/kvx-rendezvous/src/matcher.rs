@@ -1150,7 +1150,7 @@ impl<P, R> Matcher<P, R> {
     }
 
     /// Checks the internal bookkeeping against the tables (O(n)); for the simulator.
-    pub(crate) fn check_consistency(&self) -> Result<(), String> {
+    pub(crate) fn check_consistency(&self) -> Result<(), Inconsistency> {
         let mut counts = Counts::default();
         for (transfer, record) in &self.records {
             match &record.state {
@@ -1159,28 +1159,26 @@ impl<P, R> Matcher<P, R> {
                 State::InFlight { .. } => counts.in_flight += 1,
             }
             if self.tombs.get(transfer).is_some() {
-                return Err(format!("{transfer} is both live and a tombstone"));
+                return Err(Inconsistency::LiveAndTombstone(*transfer));
             }
         }
         if counts != self.counts {
-            return Err(format!(
-                "counters {:?} disagree with the table {counts:?}",
-                self.counts
-            ));
+            return Err(Inconsistency::Counters {
+                kept: format!("{:?}", self.counts),
+                table: format!("{counts:?}"),
+            });
         }
         if counts.live() > self.config.max_entries {
-            return Err(format!(
-                "{} live entries exceed max_entries {}",
-                counts.live(),
-                self.config.max_entries
-            ));
+            return Err(Inconsistency::TooManyEntries {
+                live: counts.live(),
+                max: self.config.max_entries,
+            });
         }
         if self.tombs.len() > self.config.max_tombstones {
-            return Err(format!(
-                "{} tombstones exceed max_tombstones {}",
-                self.tombs.len(),
-                self.config.max_tombstones
-            ));
+            return Err(Inconsistency::TooManyTombstones {
+                tombstones: self.tombs.len(),
+                max: self.config.max_tombstones,
+            });
         }
         if let Some(t) = self
             .tombs
@@ -1188,21 +1186,19 @@ impl<P, R> Matcher<P, R> {
             .keys()
             .find(|t| self.tombs.previous.contains_key(t))
         {
-            return Err(format!("{t} has a tombstone in both generations"));
+            return Err(Inconsistency::TombstoneInBothGenerations(*t));
         }
         if self.timers.in_use() != counts.live() {
-            return Err(format!(
-                "{} timer slots in use for {} live entries",
-                self.timers.in_use(),
-                counts.live()
-            ));
+            return Err(Inconsistency::TimerSlots {
+                in_use: self.timers.in_use(),
+                live: counts.live(),
+            });
         }
         if self.timers.len() > 2 * counts.live() + 1024 + 1 {
-            return Err(format!(
-                "timer queue of {} for {} live entries",
-                self.timers.len(),
-                counts.live()
-            ));
+            return Err(Inconsistency::TimerQueue {
+                queued: self.timers.len(),
+                live: counts.live(),
+            });
         }
         Ok(())
     }
@@ -1536,4 +1532,24 @@ mod tests {
             Some(Reason::CounterpartRejected)
         );
     }
+}
+
+/// A disagreement between the matcher's bookkeeping and its tables
+/// ([`Matcher::check_consistency`], which the simulator runs after every event).
+#[derive(Debug, Error, PartialEq, Eq)]
+pub(crate) enum Inconsistency {
+    #[error("{0} is both live and a tombstone")]
+    LiveAndTombstone(TransferId),
+    #[error("counters {kept} disagree with the table {table}")]
+    Counters { kept: String, table: String },
+    #[error("{live} live entries exceed max_entries {max}")]
+    TooManyEntries { live: usize, max: usize },
+    #[error("{tombstones} tombstones exceed max_tombstones {max}")]
+    TooManyTombstones { tombstones: usize, max: usize },
+    #[error("{0} has a tombstone in both generations")]
+    TombstoneInBothGenerations(TransferId),
+    #[error("{in_use} timer slots in use for {live} live entries")]
+    TimerSlots { in_use: usize, live: usize },
+    #[error("timer queue of {queued} for {live} live entries")]
+    TimerQueue { queued: usize, live: usize },
 }

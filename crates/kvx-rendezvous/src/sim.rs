@@ -585,7 +585,7 @@ impl Sim {
     fn check(&mut self) -> Result<(), Violation> {
         self.matcher
             .check_consistency()
-            .map_err(Violation::Inconsistent)?;
+            .map_err(|e| Violation::Inconsistent(e.to_string()))?;
         let now = self.matcher.now();
         let mut earliest: Option<Timestamp> = None;
         for entry in self.matcher.entries() {

@@ -1,10 +1,14 @@
 //! Errors of the connector's engine-facing API.
 
 use std::io;
+use std::net::SocketAddr;
 
-use kvx_layout::LayoutError;
-use kvx_rdma::error::RegisterError;
-use kvx_rendezvous::{ConfigError, WaiterConfigError};
+use kvx_core::{BlockId, LayoutSpec, Rank};
+use kvx_layout::{LayoutError, PlanError};
+use kvx_rdma::error::{ConnectError, ReadError, RegisterError, WriteError};
+use kvx_rendezvous::{AttemptKey, ConfigError, WaiterConfigError};
+
+use crate::control::ControlError;
 
 /// Why a connector side could not start.
 #[derive(Debug, thiserror::Error)]
@@ -64,3 +68,175 @@ pub enum StartError {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("the connector has shut down")]
 pub struct Closed;
+
+/// Why a control connection to a peer failed or was refused. Its text is the detail that the
+/// requests waiting on that peer fail with.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub(crate) enum LinkError {
+    /// Connecting, reading, writing or encoding failed.
+    #[error(transparent)]
+    Control(#[from] ControlError),
+    /// The socket's timeouts could not be set.
+    #[error("cannot set the control socket's timeouts: {0}")]
+    Timeouts(#[source] io::Error),
+    /// The hello could not be sent.
+    #[error("cannot send hello to {addr}: {source}")]
+    SendHello {
+        addr: SocketAddr,
+        #[source]
+        source: io::Error,
+    },
+    /// The peer answered with something else than a hello.
+    #[error("{addr} did not answer with a hello")]
+    NotAHello { addr: SocketAddr },
+    /// The peer's hello never came.
+    #[error("no hello from {addr}: {source}")]
+    NoHello {
+        addr: SocketAddr,
+        #[source]
+        source: ControlError,
+    },
+    /// A connecting peer's first message is not a hello.
+    #[error("the first message was not a hello")]
+    FirstNotHello,
+    /// The handshake's helper thread could not be started.
+    #[error("cannot start a handshake with {addr}: {source}")]
+    HandshakeThread {
+        addr: SocketAddr,
+        #[source]
+        source: io::Error,
+    },
+    /// The connection's reader thread could not be started.
+    #[error("cannot start the control reader of {addr}: {source}")]
+    Reader {
+        addr: SocketAddr,
+        #[source]
+        source: io::Error,
+    },
+    /// A producer's peer says it is not a consumer.
+    #[error("peer is not a consumer")]
+    NotAConsumer,
+    /// A consumer's peer says it is not a producer.
+    #[error("{addr} is not a producer")]
+    NotAProducer { addr: SocketAddr },
+    /// A consumer's model differs from this producer's.
+    #[error("incompatible model: consumer layout {consumer:?}, producer layout {producer:?}")]
+    IncompatibleConsumer {
+        consumer: Box<LayoutSpec>,
+        producer: Box<LayoutSpec>,
+    },
+    /// A producer's model differs from this consumer's.
+    #[error("{addr} serves an incompatible model: {theirs:?} vs {ours:?}")]
+    IncompatibleProducer {
+        addr: SocketAddr,
+        theirs: Box<LayoutSpec>,
+        ours: Box<LayoutSpec>,
+    },
+    /// A producer rank answered for another rank.
+    #[error("{addr} says it is rank {said}, expected {expected}")]
+    WrongRank {
+        addr: SocketAddr,
+        said: u32,
+        expected: Rank,
+    },
+    /// The peer's layout is invalid.
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    /// The peer's endpoint description cannot be read.
+    #[error("unreadable endpoint description")]
+    EndpointDesc,
+    /// The transport cannot reach the peer.
+    #[error(transparent)]
+    Connect(#[from] ConnectError),
+    /// The peer's TP size cannot serve this side's heads.
+    #[error(transparent)]
+    Writers(#[from] PlanError),
+}
+
+/// Why a request's transfer could not start or be posted. Its text is the request's failure
+/// detail.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub(crate) enum TransferError {
+    /// A token count does not fit the wire's 32 bits.
+    #[error("too many tokens")]
+    TooManyTokens,
+    /// Planning failed.
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    /// The peer connection failed.
+    #[error(transparent)]
+    Link(#[from] LinkError),
+    /// The two sides' memory orders differ and this build cannot re-lay-out this memory.
+    #[error(
+        "a memory-order re-layout is needed but this build cannot re-lay-out the cache's \
+         memory (host memory, or CUDA memory with the `cuda` feature)"
+    )]
+    CannotReLayout,
+    /// The registration could not be sent to a producer rank.
+    #[error("cannot register with {rank}: {source}")]
+    Register {
+        rank: Rank,
+        #[source]
+        source: ControlError,
+    },
+    /// The engine thread holds no transport here (the driver posts reads).
+    #[error("the transport is in use (reads are posted by the driver thread)")]
+    TransportInUse,
+    /// A producer rank is not connected.
+    #[error("not connected")]
+    NotConnected,
+    /// Posting the reads from a producer rank failed.
+    #[error("cannot post reads from {rank}: {source}")]
+    Read {
+        rank: Rank,
+        #[source]
+        source: ReadError,
+    },
+    /// The blocks of a request to write are no longer held.
+    #[error("the request's blocks are gone")]
+    BlocksGone,
+    /// The consumer's control connection is gone.
+    #[error("the consumer's connection is gone")]
+    ConnectionGone,
+    /// The consumer never said hello.
+    #[error("no hello from the consumer")]
+    NoConsumerHello,
+    /// The writes of a transfer could not be planned.
+    #[error("cannot plan {key}: {source}")]
+    PlanOf {
+        key: AttemptKey,
+        #[source]
+        source: PlanError,
+    },
+    /// The writes of a transfer could not be posted.
+    #[error("cannot post the writes of {key}: {source}")]
+    Write {
+        key: AttemptKey,
+        #[source]
+        source: WriteError,
+    },
+    /// The CUDA re-layout kernels failed.
+    #[cfg(feature = "cuda")]
+    #[error(transparent)]
+    Cuda(#[from] kvx_rdma::cuda::CudaError),
+    /// No re-layout kernels.
+    #[error("no layout kernels")]
+    NoKernels,
+}
+
+/// A registration whose destination does not fit the consumer's layout.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub(crate) enum BadDestination {
+    /// It names another consumer rank than the connection's.
+    #[error("registration for {registered} on the connection of {connection}")]
+    WrongRank { registered: Rank, connection: Rank },
+    /// Its blocks cannot hold its tokens.
+    #[error("{blocks} blocks cannot hold {tokens} tokens")]
+    TooFewBlocks { blocks: usize, tokens: u32 },
+    /// A block is outside the consumer's cache.
+    #[error("block {block} is outside the consumer's {num_blocks} blocks")]
+    BlockOutOfRange { block: BlockId, num_blocks: u32 },
+}

@@ -334,13 +334,11 @@ impl PyProducer {
             transport,
             token_unit,
         } = args;
-        let producer = py.detach(move || -> Result<Producer, String> {
-            let t = transport
-                .open_with(&plugin_open_options())
-                .map_err(|e| e.to_string())?;
-            Producer::start(config, cache, t).map_err(|e| e.to_string())
+        let producer = py.detach(move || -> Result<Producer, PluginStartError> {
+            let t = transport.open_with(&plugin_open_options())?;
+            Ok(Producer::start(config, cache, t)?)
         });
-        let producer = producer.map_err(PyRuntimeError::new_err)?;
+        let producer = producer.map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
         let addr = producer.control_addr();
         Ok(Self {
             inner: Mutex::new(Some(producer)),
@@ -588,14 +586,14 @@ impl PyConsumer {
             timings.unwrap_or(&empty),
             max_entries,
         )?;
-        let consumer = py.detach(move || -> Result<Consumer, String> {
-            let t = transport
-                .open_with(&plugin_open_options())
-                .map_err(|e| e.to_string())?;
-            Consumer::start(config, cache, t).map_err(|e| e.to_string())
+        let consumer = py.detach(move || -> Result<Consumer, PluginStartError> {
+            let t = transport.open_with(&plugin_open_options())?;
+            Ok(Consumer::start(config, cache, t)?)
         });
         Ok(Self {
-            inner: Mutex::new(Some(consumer.map_err(PyRuntimeError::new_err)?)),
+            inner: Mutex::new(Some(
+                consumer.map_err(|e| PyRuntimeError::new_err(e.to_string()))?,
+            )),
             names: Names::default(),
             token_unit,
         })
@@ -772,6 +770,15 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(shm_uses_cma, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
+}
+
+/// Why the plugin could not start a side: its transport or the side itself.
+#[derive(Debug, thiserror::Error)]
+enum PluginStartError {
+    #[error(transparent)]
+    Transport(#[from] crate::TransportError),
+    #[error(transparent)]
+    Start(#[from] crate::StartError),
 }
 
 /// The transport options the plugin's operator asks for in the environment (the plugin, not

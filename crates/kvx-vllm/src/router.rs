@@ -85,8 +85,12 @@ fn tell(
     timeout: Duration,
 ) -> Result<u32, RouterError> {
     let addr = rank_addr(instance, rank);
-    let (mut stream, theirs) = control::handshake(addr, hello, timeout, true)
-        .map_err(|detail| RouterError::Control { rank, addr, detail })?;
+    let (mut stream, theirs) =
+        control::handshake(addr, hello, timeout, true).map_err(|e| RouterError::Control {
+            rank,
+            addr,
+            detail: e.to_string(),
+        })?;
     if theirs.role != Role::Producer || theirs.layout.tp_rank != rank.0 {
         return Err(RouterError::NotAProducer {
             addr,

@@ -21,25 +21,26 @@ impl Driver {
         rank: Rank,
         stream: ControlStream,
         hello: Hello,
-    ) -> Result<(), String> {
+    ) -> Result<(), LinkError> {
         let addr = control::rank_addr(instance, rank);
         if hello.role != Role::Producer {
-            return Err(format!("{addr} is not a producer"));
+            return Err(LinkError::NotAProducer { addr });
         }
         if hello.compat_hash != self.layout.spec().compat_hash() {
-            return Err(format!(
-                "{addr} serves an incompatible model: {:?} vs {:?}",
-                hello.layout,
-                self.layout.spec()
-            ));
+            return Err(LinkError::IncompatibleProducer {
+                addr,
+                theirs: Box::new(hello.layout.clone()),
+                ours: Box::new(self.layout.spec().clone()),
+            });
         }
         if hello.layout.tp_rank != rank.0 {
-            return Err(format!(
-                "{addr} says it is rank {}, expected {rank}",
-                hello.layout.tp_rank
-            ));
+            return Err(LinkError::WrongRank {
+                addr,
+                said: hello.layout.tp_rank,
+                expected: rank,
+            });
         }
-        let layout = Layout::new(hello.layout.clone()).map_err(|e| e.to_string())?;
+        let layout = Layout::new(hello.layout.clone())?;
         // A restarted rank closes its connection (the instance is then dropped and reconnected
         // with the new incarnation's hello), so a live connection's metadata is current.
         let tx = self.tx.clone();
@@ -56,7 +57,7 @@ impl Driver {
             };
             tx.send(command).is_ok()
         })
-        .map_err(|e| e.to_string())?;
+        .map_err(|source| LinkError::Reader { addr, source })?;
         // The instance is known once a rank of it is connected: a prefill that cannot be
         // reached leaves nothing behind.
         let entry = self.instances.entry(instance).or_insert_with(|| Instance {
@@ -79,15 +80,14 @@ impl Driver {
 
     /// The ranks of `instance` still to connect before a request can be registered with it:
     /// rank 0 first (its hello says the instance's TP size), then every writer.
-    pub(super) fn missing_ranks(&self, instance: SocketAddr) -> Result<Vec<Rank>, String> {
+    pub(super) fn missing_ranks(&self, instance: SocketAddr) -> Result<Vec<Rank>, PlanError> {
         let Some(known) = self.instances.get(&instance) else {
             return Ok(vec![Rank(0)]);
         };
         let Some(first) = known.ranks.get(&Rank(0)) else {
             return Ok(vec![Rank(0)]);
         };
-        let writers =
-            writers_for(&self.layout, first.layout.spec().tp_size).map_err(|e| e.to_string())?;
+        let writers = writers_for(&self.layout, first.layout.spec().tp_size)?;
         Ok(writers
             .into_iter()
             .filter(|r| !known.ranks.contains_key(r))
@@ -95,12 +95,12 @@ impl Driver {
     }
 
     /// The producer ranks that write to this rank (every one connected).
-    pub(super) fn writers(&self, instance: SocketAddr) -> Result<Vec<Rank>, String> {
+    pub(super) fn writers(&self, instance: SocketAddr) -> Result<Vec<Rank>, PlanError> {
         let tp = self.instances[&instance].ranks[&Rank(0)]
             .layout
             .spec()
             .tp_size;
-        writers_for(&self.layout, tp).map_err(|e| e.to_string())
+        writers_for(&self.layout, tp)
     }
 
     /// Handshakes with `rank` of `instance` on a helper thread (once at a time per rank); the
@@ -125,7 +125,7 @@ impl Driver {
             self.handshaken(
                 instance,
                 rank,
-                Err(format!("cannot start a handshake with {addr}: {e}")),
+                Err(LinkError::HandshakeThread { addr, source: e }),
             );
         }
     }
@@ -137,7 +137,7 @@ impl Driver {
         &mut self,
         instance: SocketAddr,
         rank: Rank,
-        result: Result<(ControlStream, Hello), String>,
+        result: Result<(ControlStream, Hello), LinkError>,
     ) {
         let Some(connecting) = self.connecting.get_mut(&instance) else {
             // The instance failed meanwhile: this connection is not wanted (it closes).
@@ -146,7 +146,7 @@ impl Driver {
         connecting.ranks.remove(&rank);
         let next = result
             .and_then(|(stream, hello)| self.adopt(instance, rank, stream, hello))
-            .and_then(|()| self.missing_ranks(instance));
+            .and_then(|()| self.missing_ranks(instance).map_err(LinkError::from));
         match next {
             Ok(missing) if missing.is_empty() => {
                 let connecting = self.connecting.remove(&instance).unwrap_or_default();
@@ -160,15 +160,16 @@ impl Driver {
                     self.handshake_in_background(instance, rank);
                 }
             }
-            Err(detail) => {
+            Err(why) => {
                 let now = self.clock.now();
-                self.unreachable.insert(instance, (now, detail.clone()));
+                let why = Arc::new(why);
+                self.unreachable.insert(instance, (now, Arc::clone(&why)));
                 let connecting = self.connecting.remove(&instance).unwrap_or_default();
                 if !connecting.abandons.is_empty() {
-                    debug!(%instance, detail, dropped = connecting.abandons.len(), "cannot tell an unreachable prefill about dropped transfers; its lease frees them");
+                    debug!(%instance, %why, dropped = connecting.abandons.len(), "cannot tell an unreachable prefill about dropped transfers; its lease frees them");
                 }
                 for (request, _) in connecting.queued {
-                    self.refuse(&request, Reason::PeerFailed, detail.clone());
+                    self.refuse(&request, Reason::PeerFailed, why.to_string());
                 }
             }
         }
@@ -181,11 +182,11 @@ impl Driver {
         &mut self,
         instance: SocketAddr,
         missing: Vec<Rank>,
-    ) -> Result<&mut Connecting, String> {
+    ) -> Result<&mut Connecting, Arc<LinkError>> {
         if !self.connecting.contains_key(&instance) {
             if let Some((at, why)) = self.unreachable.get(&instance) {
                 if self.clock.now() < *at + RETRY_UNREACHABLE {
-                    return Err(why.clone());
+                    return Err(Arc::clone(why));
                 }
             }
             self.unreachable.remove(&instance);

@@ -75,7 +75,7 @@ impl Driver {
                     if let Err(detail) = relaid {
                         // Never report garbage as ready: the request fails (the engine
                         // recomputes or errors per its policy).
-                        warn!(%key, detail, "re-layout failed");
+                        warn!(%key, %detail, "re-layout failed");
                         if payload.pull {
                             self.tell_producers(key, &payload, true);
                         }
@@ -84,7 +84,7 @@ impl Driver {
                             key,
                             request: payload.request,
                             reason: Reason::TransferFailed,
-                            detail,
+                            detail: detail.to_string(),
                         });
                         continue;
                     }
@@ -244,7 +244,7 @@ impl Driver {
             }
             Ok(missing) => missing,
             Err(detail) => {
-                debug!(%prefill, %transfer, detail, "dropped before registration; its prefill cannot serve here");
+                debug!(%prefill, %transfer, %detail, "dropped before registration; its prefill cannot serve here");
                 return;
             }
         };
@@ -254,7 +254,7 @@ impl Driver {
                 debug!(%prefill, %transfer, "dropped before registration; connecting to its prefill to say so");
             }
             Err(why) => {
-                debug!(%prefill, %transfer, why, "dropped before registration; its prefill is unreachable");
+                debug!(%prefill, %transfer, %why, "dropped before registration; its prefill is unreachable");
             }
         }
     }

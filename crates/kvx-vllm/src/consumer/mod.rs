@@ -12,7 +12,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use kvx_core::wire::{Abort, Completion, Heartbeat, Hello, Message, Registration, Role};
 use kvx_core::{Attempt, BlockId, Rank, RequestId, TransferId};
-use kvx_layout::{permute_for, plan, writers_for, Layout, PermutePlan, PlanRequest};
+use kvx_layout::{permute_for, plan, writers_for, Layout, PermutePlan, PlanError, PlanRequest};
 use kvx_rdma::region::LocalRegion;
 use kvx_rdma::transport::{Event, OpId, PeerId, Transport};
 use kvx_rendezvous::{AttemptKey, Reason, Timestamp, Waiter, WaiterAction, WaiterConfig};
@@ -22,7 +22,7 @@ use crate::cache::{register_cache, KvCache};
 use crate::config::{ConnectorConfig, QUIESCE_MARGIN};
 use crate::control::{self, ControlSender, ControlStream};
 use crate::driver::{self, Clock, CommandSender, Mailbox};
-use crate::error::{Closed, StartError};
+use crate::error::{Closed, LinkError, StartError, TransferError};
 use crate::stats::{Stats, StatsSnapshot};
 use board::{BoardSlots, Disarmed, PollHints, SharedBoard, BOARD_SLOTS};
 
@@ -98,7 +98,7 @@ enum Command {
     /// That connection closed.
     PeerClosed(SocketAddr, Rank, ConnId, String),
     /// A helper thread's handshake with one rank of a prefill instance ended.
-    Handshaken(SocketAddr, Rank, Result<(ControlStream, Hello), String>),
+    Handshaken(SocketAddr, Rank, Result<(ControlStream, Hello), LinkError>),
     /// The engine thread registered a request itself and the driver must look again (a
     /// deadline moved closer, the transport needs reading, an action or a message waits).
     Wake,
@@ -634,7 +634,7 @@ struct Driver {
     instances: HashMap<SocketAddr, Instance>,
     connecting: HashMap<SocketAddr, Connecting>,
     /// Instances whose connection failed recently, when and why.
-    unreachable: HashMap<SocketAddr, (Timestamp, String)>,
+    unreachable: HashMap<SocketAddr, (Timestamp, Arc<LinkError>)>,
     notices: HashMap<u64, (AttemptKey, Rank)>,
     /// This side asked the producers for `Finishing` hints (its transport polls to wait).
     finishing_hints: bool,

@@ -27,20 +27,20 @@ impl Driver {
             }
             Ok(missing) => missing,
             Err(detail) => {
-                self.refuse(&request, Reason::PeerFailed, detail);
+                self.refuse(&request, Reason::PeerFailed, detail.to_string());
                 return;
             }
         };
         match self.connect_ranks(instance, missing) {
             Ok(connecting) => connecting.queued.push((request, producer_blocks)),
-            Err(detail) => self.refuse(&request, Reason::PeerFailed, detail),
+            Err(detail) => self.refuse(&request, Reason::PeerFailed, detail.to_string()),
         }
     }
 
     /// Registers (push) or reads (pull) a request whose prefill instance is connected.
     pub(super) fn begin(&mut self, request: PushRequest, producer_blocks: Option<Vec<BlockId>>) {
         if let Err(detail) = self.try_start(&request, producer_blocks) {
-            self.refuse(&request, Reason::PeerFailed, detail);
+            self.refuse(&request, Reason::PeerFailed, detail.to_string());
         }
     }
 
@@ -106,12 +106,14 @@ impl Driver {
         &mut self,
         request: &PushRequest,
         producer_blocks: Option<Vec<BlockId>>,
-    ) -> Result<(), String> {
+    ) -> Result<(), TransferError> {
         let now = self.clock.now();
         let key = request.key;
         let instance = request.prefill;
-        let num_tokens = u32::try_from(request.num_tokens).map_err(|_| "too many tokens")?;
-        let skip_tokens = u32::try_from(request.skip_tokens).map_err(|_| "too many tokens")?;
+        let num_tokens =
+            u32::try_from(request.num_tokens).map_err(|_| TransferError::TooManyTokens)?;
+        let skip_tokens =
+            u32::try_from(request.skip_tokens).map_err(|_| TransferError::TooManyTokens)?;
         let writers = self.writers(instance)?;
         let any_producer = self.instances[&instance].ranks[&writers[0]].layout.clone();
         let permute = permute_for(
@@ -120,14 +122,9 @@ impl Driver {
             request.num_tokens,
             request.skip_tokens,
             &request.blocks,
-        )
-        .map_err(|e| e.to_string())?;
+        )?;
         if permute.is_some() && !self.can_permute() {
-            return Err(
-                "a memory-order re-layout is needed but this build cannot re-lay-out the cache's \
-                 memory (host memory, or CUDA memory with the `cuda` feature)"
-                    .into(),
-            );
+            return Err(TransferError::CannotReLayout);
         }
         let pull = producer_blocks.is_some();
         let mut waiting = Waiting {
@@ -151,7 +148,7 @@ impl Driver {
                 // Reads from other ranks are in flight into the request's blocks: the failure
                 // waits for them like any other, so that the engine cannot reuse the blocks
                 // under them.
-                warn!(%key, detail, "request cannot be served");
+                warn!(%key, %detail, "request cannot be served");
                 self.give_up(key, waiting, Reason::PeerFailed);
                 return Ok(());
             }
@@ -204,8 +201,8 @@ impl Driver {
                 let sent = conn.sender.send_or_queue(&registration).map(|queued| {
                     self.backlogged |= queued;
                 });
-                if let Err(e) = sent {
-                    let detail = format!("cannot register with {rank}: {e}");
+                if let Err(source) = sent {
+                    let detail = TransferError::Register { rank, source };
                     self.notices.remove(&notice);
                     waiting.notices.pop();
                     // The notices of the ranks not registered with are never written.
@@ -220,7 +217,7 @@ impl Driver {
                     }
                     // The ranks registered already may write (early): they are told to stop,
                     // and the failure waits for them like any other.
-                    warn!(%key, detail, "request cannot be served");
+                    warn!(%key, %detail, "request cannot be served");
                     waiting.writers.truncate(index);
                     self.claim(key, &waiting);
                     self.give_up(key, waiting, Reason::PeerFailed);
@@ -247,23 +244,22 @@ impl Driver {
         request: &PushRequest,
         producer_blocks: &[BlockId],
         writers: &[Rank],
-    ) -> Result<(), String> {
+    ) -> Result<(), TransferError> {
         let instance = request.prefill;
         let mut layouts = Vec::new();
         for &rank in writers {
             let transport = self
                 .transport
                 .as_deref_mut()
-                .ok_or("the transport is in use (reads are posted by the driver thread)")?;
+                .ok_or(TransferError::TransportInUse)?;
             let conn = self
                 .instances
                 .get_mut(&instance)
                 .and_then(|i| i.ranks.get_mut(&rank))
-                .ok_or("not connected")?;
+                .ok_or(TransferError::NotConnected)?;
             if conn.peer.is_none() {
-                let desc =
-                    control::peer_desc(&conn.hello).ok_or("unreadable endpoint description")?;
-                conn.peer = Some(transport.connect(&desc).map_err(|e| e.to_string())?);
+                let desc = control::peer_desc(&conn.hello).ok_or(LinkError::EndpointDesc)?;
+                conn.peer = Some(transport.connect(&desc).map_err(LinkError::from)?);
             }
             layouts.push(conn.layout.clone());
         }
@@ -275,8 +271,7 @@ impl Driver {
             producer_blocks,
             consumer_blocks: &request.blocks,
             only_producer: None,
-        })
-        .map_err(|e| e.to_string())?;
+        })?;
         for &rank in writers {
             let peer = self.instances[&instance].ranks[&rank]
                 .peer
@@ -284,9 +279,9 @@ impl Driver {
             let op = self
                 .transport
                 .as_deref_mut()
-                .ok_or("the transport is in use")?
+                .ok_or(TransferError::TransportInUse)?
                 .read(peer, planned.ops_for(rank))
-                .map_err(|e| format!("cannot post reads from {rank}: {e}"))?;
+                .map_err(|source| TransferError::Read { rank, source })?;
             self.reads.insert(op, (request.key, rank));
             self.stats.bytes_written.fetch_add(
                 planned
@@ -391,27 +386,25 @@ impl Driver {
     /// Re-lays-out a finished request's chunks in place: with the GPU kernels for a CUDA cache
     /// (waiting until they ran), with [`Permute::apply`](kvx_layout::Permute::apply) for host
     /// memory.
-    pub(super) fn apply_permute(&mut self, permute: &PermutePlan) -> Result<(), String> {
+    pub(super) fn apply_permute(&mut self, permute: &PermutePlan) -> Result<(), TransferError> {
         #[cfg(feature = "cuda")]
         if let Some(kvx_core::MemoryKind::Cuda { device }) = self.regions.first().map(|r| r.kind())
         {
             if self.kernels.is_none() {
-                let gpu = kvx_rdma::cuda::Gpu::open(device).map_err(|e| e.to_string())?;
-                self.kernels = Some(
-                    kvx_rdma::cuda::kernels::LayoutKernels::new(&gpu).map_err(|e| e.to_string())?,
-                );
+                let gpu = kvx_rdma::cuda::Gpu::open(device)?;
+                self.kernels = Some(kvx_rdma::cuda::kernels::LayoutKernels::new(&gpu)?);
             }
             let regions = &self.regions;
             let lookup = |i: u32| regions.get(i as usize).map(|r| (r.addr() as u64, r.len()));
             let Some(kernels) = self.kernels.as_mut() else {
-                return Err("no layout kernels".into());
+                return Err(TransferError::NoKernels);
             };
             // SAFETY: the regions are the engine's CUDA KV cache, registered as valid device
             // memory for the connector's life (`LocalRegion`'s contract); every writer of these
             // chunks has finished and the engine does not touch them before the request is
             // reported ready, after the kernels have run (synchronised below).
-            unsafe { kernels.permute(&permute.chunks, &lookup) }.map_err(|e| e.to_string())?;
-            return kernels.synchronize().map_err(|e| e.to_string());
+            unsafe { kernels.permute(&permute.chunks, &lookup) }?;
+            return Ok(kernels.synchronize()?);
         }
         let mut scratch = Vec::new();
         for p in &permute.chunks {

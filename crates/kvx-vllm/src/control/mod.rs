@@ -25,6 +25,7 @@ use kvx_rdma::desc::EndpointDesc;
 use socket2::Socket;
 
 use crate::config::ConnectorConfig;
+use crate::error::LinkError;
 
 mod local;
 
@@ -314,26 +315,26 @@ pub(crate) fn handshake(
     hello: &Message,
     timeout: Duration,
     local: bool,
-) -> Result<(ControlStream, Hello), String> {
+) -> Result<(ControlStream, Hello), LinkError> {
     use std::io::Write as _;
-    let mut stream = connect(addr, timeout, local).map_err(|e| e.to_string())?;
+    let mut stream = connect(addr, timeout, local)?;
     stream
         .set_read_timeout(Some(timeout))
         .and_then(|()| stream.set_write_timeout(Some(timeout)))
-        .map_err(|e| e.to_string())?;
-    let bytes = hello.to_bytes().map_err(|e| e.to_string())?;
+        .map_err(LinkError::Timeouts)?;
+    let bytes = hello.to_bytes().map_err(ControlError::Encode)?;
     stream
         .write_all(&bytes)
-        .map_err(|e| format!("cannot send hello to {addr}: {e}"))?;
+        .map_err(|source| LinkError::SendHello { addr, source })?;
     let theirs = match read_message(&mut stream) {
         Ok(Message::Hello(h)) => h,
-        Ok(_) => return Err(format!("{addr} did not answer with a hello")),
-        Err(e) => return Err(format!("no hello from {addr}: {e}")),
+        Ok(_) => return Err(LinkError::NotAHello { addr }),
+        Err(source) => return Err(LinkError::NoHello { addr, source }),
     };
     stream
         .set_read_timeout(None)
         .and_then(|()| stream.set_write_timeout(None))
-        .map_err(|e| e.to_string())?;
+        .map_err(LinkError::Timeouts)?;
     Ok((stream, theirs))
 }
 

@@ -100,24 +100,23 @@ fn serve_connection(
     hello: &Message,
     handshake_timeout: Duration,
 ) {
-    let handshake = (|| -> Result<(ControlSender, Hello), String> {
+    let handshake = (|| -> Result<(ControlSender, Hello), LinkError> {
         stream
             .set_read_timeout(Some(handshake_timeout))
-            .map_err(|e| e.to_string())?;
-        let theirs = match control::read_message(&mut stream) {
-            Ok(Message::Hello(h)) => h,
-            Ok(_) => return Err("the first message was not a hello".into()),
-            Err(e) => return Err(e.to_string()),
+            .map_err(LinkError::Timeouts)?;
+        let theirs = match control::read_message(&mut stream)? {
+            Message::Hello(h) => h,
+            _ => return Err(LinkError::FirstNotHello),
         };
-        let sender = control::sender(&stream).map_err(|e| e.to_string())?;
-        sender.send(hello).map_err(|e| e.to_string())?;
-        stream.set_read_timeout(None).map_err(|e| e.to_string())?;
+        let sender = control::sender(&stream).map_err(LinkError::Timeouts)?;
+        sender.send(hello)?;
+        stream.set_read_timeout(None).map_err(LinkError::Timeouts)?;
         Ok((sender, theirs))
     })();
     let (sender, theirs) = match handshake {
         Ok(h) => h,
         Err(why) => {
-            debug!(conn, why, "handshake failed");
+            debug!(conn, %why, "handshake failed");
             let _ = stream.shutdown(std::net::Shutdown::Both);
             return;
         }
@@ -141,20 +140,19 @@ pub(super) fn accept_consumer(
     own: &Layout,
     hello: &Hello,
     transport: &mut dyn Transport,
-) -> Result<ConsumerRank, String> {
+) -> Result<ConsumerRank, LinkError> {
     if hello.role != Role::Consumer {
-        return Err("peer is not a consumer".into());
+        return Err(LinkError::NotAConsumer);
     }
     if hello.compat_hash != own.spec().compat_hash() {
-        return Err(format!(
-            "incompatible model: consumer layout {:?}, producer layout {:?}",
-            hello.layout,
-            own.spec()
-        ));
+        return Err(LinkError::IncompatibleConsumer {
+            consumer: Box::new(hello.layout.clone()),
+            producer: Box::new(own.spec().clone()),
+        });
     }
-    let layout = Layout::new(hello.layout.clone()).map_err(|e| e.to_string())?;
-    let desc = control::peer_desc(hello).ok_or("unreadable endpoint description")?;
-    let peer = transport.connect(&desc).map_err(|e| e.to_string())?;
+    let layout = Layout::new(hello.layout.clone())?;
+    let desc = control::peer_desc(hello).ok_or(LinkError::EndpointDesc)?;
+    let peer = transport.connect(&desc)?;
     Ok(ConsumerRank {
         id: ConsumerId {
             engine: hello.engine,

@@ -144,7 +144,7 @@ impl Driver {
                         Some(consumer)
                     }
                     Err(why) => {
-                        warn!(why, "refusing consumer");
+                        warn!(%why, "refusing consumer");
                         sender.close();
                         None
                     }

@@ -281,8 +281,10 @@ impl Driver {
             Some(Early {
                 failed: Some(why), ..
             }) => Err(why),
-            Some(early) => self.post(&ticket, &dest, &early.written),
-            None => self.post(&ticket, &dest, &[]),
+            Some(early) => self
+                .post(&ticket, &dest, &early.written)
+                .map_err(|e| e.to_string()),
+            None => self.post(&ticket, &dest, &[]).map_err(|e| e.to_string()),
         };
         match result {
             Ok((op, bytes)) => {
@@ -322,18 +324,18 @@ impl Driver {
         ticket: &Ticket,
         dest: &Dest,
         written: &[u64],
-    ) -> Result<(OpId, u64), String> {
+    ) -> Result<(OpId, u64), TransferError> {
         let key = ticket.key;
         let held = &self
             .fanouts
             .get(&key)
-            .ok_or("the request's blocks are gone")?
+            .ok_or(TransferError::BlocksGone)?
             .held;
         let c = self
             .conns
             .get(&dest.conn)
-            .ok_or("the consumer's connection is gone")?;
-        let consumer = c.consumer.as_ref().ok_or("no hello from the consumer")?;
+            .ok_or(TransferError::ConnectionGone)?;
+        let consumer = c.consumer.as_ref().ok_or(TransferError::NoConsumerHello)?;
         let tokens = held.num_tokens.min(dest.num_tokens);
         let ranges: Vec<Range<u64>> = (0..self.layout.spec().num_layers as usize)
             .map(|layer| {
@@ -348,14 +350,14 @@ impl Driver {
             &dest.blocks,
             &ranges,
         )
-        .map_err(|e| format!("cannot plan {key}: {e}"))?;
+        .map_err(|source| TransferError::PlanOf { key, source })?;
         self.stats.bytes_written.fetch_add(bytes, Ordering::Relaxed);
         self.transport
             .as_deref_mut()
             .expect(OPEN)
             .write(consumer.peer, &ops, Some(Notice(dest.notice)))
             .map(|op| (op, bytes))
-            .map_err(|e| format!("cannot post the writes of {key}: {e}"))
+            .map_err(|source| TransferError::Write { key, source })
     }
 
     pub(super) fn on_event(&mut self, event: Event) {

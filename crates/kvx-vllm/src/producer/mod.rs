@@ -24,7 +24,7 @@ use crate::cache::{register_cache, KvCache};
 use crate::config::ConnectorConfig;
 use crate::control::{self, ControlSender, ControlStream};
 use crate::driver::{self, Clock, CommandReceiver, CommandSender, Mailbox};
-use crate::error::{Closed, StartError};
+use crate::error::{BadDestination, Closed, LinkError, StartError, TransferError};
 use crate::stats::{Stats, StatsSnapshot};
 
 mod accept;

@@ -14,27 +14,25 @@ fn failure(key: AttemptKey, rank: Rank, reason: Reason, detail: &str) -> Message
 }
 
 /// Checks a registration's destination against the consumer's layout before holding it.
-fn check_destination(layout: &Layout, reg: &Registration) -> Result<(), String> {
+fn check_destination(layout: &Layout, reg: &Registration) -> Result<(), BadDestination> {
     if reg.consumer_rank != layout.rank() {
-        return Err(format!(
-            "registration for {} on the connection of {}",
-            reg.consumer_rank,
-            layout.rank()
-        ));
+        return Err(BadDestination::WrongRank {
+            registered: reg.consumer_rank,
+            connection: layout.rank(),
+        });
     }
     let needed = u64::from(reg.num_tokens).div_ceil(u64::from(layout.spec().block_tokens));
     if (reg.blocks.len() as u64) < needed {
-        return Err(format!(
-            "{} blocks cannot hold {} tokens",
-            reg.blocks.len(),
-            reg.num_tokens
-        ));
+        return Err(BadDestination::TooFewBlocks {
+            blocks: reg.blocks.len(),
+            tokens: reg.num_tokens,
+        });
     }
-    if let Some(bad) = reg.blocks.iter().find(|b| b.0 >= layout.spec().num_blocks) {
-        return Err(format!(
-            "block {bad} is outside the consumer's {} blocks",
-            layout.spec().num_blocks
-        ));
+    if let Some(&block) = reg.blocks.iter().find(|b| b.0 >= layout.spec().num_blocks) {
+        return Err(BadDestination::BlockOutOfRange {
+            block,
+            num_blocks: layout.spec().num_blocks,
+        });
     }
     Ok(())
 }
@@ -229,7 +227,7 @@ impl Driver {
         if let Err(why) = check_destination(&consumer.layout, &reg) {
             let _ = c
                 .sender
-                .send(&failure(key, self.rank, Reason::Conflict, &why));
+                .send(&failure(key, self.rank, Reason::Conflict, &why.to_string()));
             return;
         }
         let readers = match kvx_layout::readers_for(self.rank, producer_tp, &consumer.layout) {
@@ -241,7 +239,7 @@ impl Driver {
                 );
                 let _ = c
                     .sender
-                    .send(&failure(key, self.rank, Reason::Conflict, &why));
+                    .send(&failure(key, self.rank, Reason::Conflict, &why.to_string()));
                 return;
             }
         };
