@@ -36,3 +36,25 @@ def test_a_transport_that_cannot_move_the_cache_is_refused(setting, device, says
     with pytest.raises(ValueError, match=says) as err:
         resolve_transport(setting, device)
     assert "'transport'" in str(err.value)
+
+
+def test_the_documented_keys_are_the_native_settings_with_their_defaults():
+    """docs/vllm.md's table of keys lists exactly the settings the native module defines, each
+    with its default: the table is documentation of the one definition, never a second one."""
+    import pathlib
+    import re
+
+    from kvx_vllm.config import SETTINGS
+
+    doc = pathlib.Path(__file__).resolve().parents[2] / "docs" / "vllm.md"
+    rows = dict(re.findall(r"^\| `(\w+)` \| `?([^`|]*?)`? \|", doc.read_text(), re.M))
+    documented = {k: v for k, v in rows.items() if k in {s["key"] for s in SETTINGS} or
+                  k.endswith(("_s", "_ms"))}
+    assert set(documented) == {s["key"] for s in SETTINGS}
+    for s in SETTINGS:
+        default = s["default"]
+        shown = {None: "unset", True: "true", False: "false"}.get(default, default) \
+            if not isinstance(default, (int, float)) or isinstance(default, bool) else default
+        if isinstance(default, float) and default.is_integer():
+            shown = int(default)
+        assert documented[s["key"]] == str(shown), (s["key"], documented[s["key"]], shown)

@@ -67,20 +67,30 @@ pub struct ConnectorConfig {
 }
 
 impl ConnectorConfig {
-    /// Defaults for `engine`: control on 127.0.0.1 (free port), 120 s for a request to arrive,
-    /// 30 s for finished blocks to be claimed, 5 s heartbeats.
+    /// Defaults for `engine`: control on 127.0.0.1 (free port), and every setting of
+    /// [`settings::SETTINGS`](crate::settings::SETTINGS) at its default there (120 s for a
+    /// request to arrive, 30 s for finished blocks to be claimed, 5 s heartbeats, 30 s to
+    /// connect, 60 s for a transfer).
     #[must_use]
     pub fn new(engine: EngineId) -> Self {
+        let (
+            registration_lease,
+            producer_lease,
+            heartbeat_interval,
+            connect_timeout,
+            transfer_timeout,
+            max_entries,
+        ) = crate::settings::connector_defaults();
         Self {
             engine,
             incarnation: random_incarnation(),
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
-            registration_lease: Duration::from_secs(120),
-            producer_lease: Duration::from_secs(30),
-            heartbeat_interval: Duration::from_secs(5),
-            connect_timeout: Duration::from_secs(5),
-            transfer_timeout: Duration::from_secs(60),
-            max_entries: 65_536,
+            registration_lease,
+            producer_lease,
+            heartbeat_interval,
+            connect_timeout,
+            transfer_timeout,
+            max_entries,
             quiesce_timeout: None,
             finishing_hints: None,
             notice_board: true,

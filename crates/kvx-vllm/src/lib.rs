@@ -62,6 +62,7 @@ pub mod producer;
 #[cfg(feature = "python")]
 mod python;
 pub mod router;
+pub mod settings;
 mod stats;
 pub mod transport;
 
@@ -74,4 +75,6 @@ pub use error::{Closed, StartError};
 pub use producer::{FinishedSending, Producer, SendOutcome};
 pub use router::RouterError;
 pub use stats::StatsSnapshot;
-pub use transport::{OpenOptions, TransportError, TransportSpec};
+pub use transport::{
+    resolve_for_cache, CacheTransportError, OpenOptions, TransportError, TransportSpec,
+};

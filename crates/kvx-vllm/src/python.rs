@@ -26,6 +26,7 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use crate::settings;
 use crate::{
     ConnectorConfig, Consumer, KvCache, OpenOptions, Producer, PullRequest, PushRequest, RecvEvent,
     SendOutcome, StatsSnapshot, TransportSpec,
@@ -141,21 +142,15 @@ fn start_args(
     }
     let mut config = ConnectorConfig::new(EngineId(RequestId::from_str_hash(engine_id).0));
     config.listen = parse_addr(listen)?;
+    // Each named by its setting's key or its ConnectorConfig field, checked by the one table.
     for (k, v) in timings.iter() {
         let name: String = k.extract()?;
-        let d = secs(&name, v.extract::<f64>()?)?;
-        match name.as_str() {
-            "registration_lease" => config.registration_lease = d,
-            "producer_lease" => config.producer_lease = d,
-            "heartbeat_interval" => config.heartbeat_interval = d,
-            "connect_timeout" => config.connect_timeout = d,
-            "transfer_timeout" => config.transfer_timeout = d,
-            "quiesce_timeout" => config.quiesce_timeout = Some(d),
-            other => return Err(value_err(format!("unknown timing `{other}`"))),
-        }
+        let value = parse_setting(&name, &v)?;
+        settings::apply(&mut config, &name, &value).map_err(value_err)?;
     }
     if let Some(m) = max_entries {
-        config.max_entries = m;
+        let value = settings::Value::Count(m as u64);
+        settings::apply(&mut config, "max_entries", &value).map_err(value_err)?;
     }
     let transport: TransportSpec = transport.parse().map_err(value_err)?;
     // The memory kind follows the transport: `cuda-ipc:N` moves the CUDA tensors of device N,
@@ -768,6 +763,10 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(init_logging, m)?)?;
     m.add_function(wrap_pyfunction!(transfer_id_hash, m)?)?;
     m.add_function(wrap_pyfunction!(shm_uses_cma, m)?)?;
+    m.add_function(wrap_pyfunction!(connector_settings, m)?)?;
+    m.add_function(wrap_pyfunction!(check_settings, m)?)?;
+    m.add_function(wrap_pyfunction!(rank_listen, m)?)?;
+    m.add_function(wrap_pyfunction!(resolve_transport, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }
@@ -785,4 +784,109 @@ enum PluginStartError {
 /// the library, reads it): `KVX_SHM_SWEEP=1` sweeps stale `shm` regions.
 fn plugin_open_options() -> OpenOptions {
     OpenOptions::from_env_values(std::env::var_os(crate::transport::SHM_SWEEP_ENV).as_deref())
+}
+
+/// Checks the Python value `v` against the setting `name` (key or field name).
+fn parse_setting(name: &str, v: &Bound<'_, PyAny>) -> PyResult<settings::Value> {
+    use pyo3::types::{PyBool, PyFloat, PyInt, PyString};
+    let text;
+    let raw = if v.is_none() {
+        settings::Raw::Unset
+    } else if v.is_instance_of::<PyBool>() {
+        settings::Raw::Flag(v.extract()?)
+    } else if v.is_instance_of::<PyInt>() {
+        settings::Raw::Int(v.extract()?)
+    } else if v.is_instance_of::<PyFloat>() {
+        settings::Raw::Float(v.extract()?)
+    } else if v.is_instance_of::<PyString>() {
+        text = v.extract::<String>()?;
+        settings::Raw::Text(&text)
+    } else {
+        text = v.str()?.to_string();
+        settings::Raw::Text(&text)
+    };
+    settings::parse(name, raw).map_err(value_err)
+}
+
+fn value_to_py<'py>(py: Python<'py>, value: &settings::Value) -> PyResult<Bound<'py, PyAny>> {
+    Ok(match value {
+        settings::Value::Number(x) => x.into_pyobject(py)?.into_any(),
+        settings::Value::Count(n) => n.into_pyobject(py)?.into_any(),
+        settings::Value::Flag(b) => b.into_pyobject(py)?.to_owned().into_any(),
+        settings::Value::Text(t) => t.as_ref().into_pyobject(py)?.into_any(),
+        _ => py.None().into_bound(py),
+    })
+}
+
+/// The connector's settings, from the one table (`kvx_vllm::settings::SETTINGS`): a list of
+/// dicts with `key`, `field` (the ConnectorConfig field, or None for the plugin's own), `kind`,
+/// `default`, `choices` (for a choice), `max` (for milliseconds) and `doc`.
+#[pyfunction]
+#[pyo3(name = "settings")]
+fn connector_settings(py: Python<'_>) -> PyResult<Vec<Bound<'_, PyDict>>> {
+    settings::SETTINGS
+        .iter()
+        .map(|s| {
+            let d = PyDict::new(py);
+            d.set_item("key", s.key)?;
+            d.set_item("field", s.field)?;
+            d.set_item("kind", s.kind.name())?;
+            d.set_item("default", value_to_py(py, &s.default)?)?;
+            d.set_item("doc", s.doc)?;
+            match s.kind {
+                settings::Kind::Choice(words) => d.set_item("choices", words.to_vec())?,
+                settings::Kind::Milliseconds { max } => d.set_item("max", max)?,
+                _ => {}
+            }
+            Ok(d)
+        })
+        .collect()
+}
+
+/// Checks a `kv_connector_extra_config` dict against the settings and gives every setting's
+/// value (the default where the dict has none), normalised (numbers from strings, flags from
+/// words). Raises ValueError naming an unknown key or a value that does not fit.
+#[pyfunction]
+fn check_settings<'py>(
+    py: Python<'py>,
+    extra: &Bound<'py, PyDict>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let mut unknown = Vec::new();
+    for key in extra.keys() {
+        let key: String = key.str()?.to_string();
+        if !settings::SETTINGS.iter().any(|s| s.key == key) {
+            unknown.push(key);
+        }
+    }
+    if !unknown.is_empty() {
+        unknown.sort();
+        let known: Vec<&str> = settings::SETTINGS.iter().map(|s| s.key).collect();
+        return Err(value_err(format!(
+            "unknown kvx extra-config key(s) {unknown:?}; known: {known:?}"
+        )));
+    }
+    let out = PyDict::new(py);
+    for s in settings::SETTINGS {
+        let value = match extra.get_item(s.key)? {
+            Some(v) => parse_setting(s.key, &v)?,
+            None => s.default.clone(),
+        };
+        out.set_item(s.key, value_to_py(py, &value)?)?;
+    }
+    Ok(out)
+}
+
+/// The control address of tensor-parallel rank `rank` for the `listen` setting (port + rank;
+/// port 0 stays 0).
+#[pyfunction]
+fn rank_listen(listen: &str, rank: u32) -> PyResult<String> {
+    settings::rank_listen(listen, rank).map_err(value_err)
+}
+
+/// The transport to open for a KV cache in host memory (`cuda_device` None) or on a CUDA
+/// device, from the `transport` setting (see `kvx_vllm::resolve_for_cache`).
+#[pyfunction]
+#[pyo3(signature = (setting, cuda_device = None))]
+fn resolve_transport(setting: &str, cuda_device: Option<u32>) -> PyResult<String> {
+    crate::resolve_for_cache(setting, cuda_device).map_err(value_err)
 }

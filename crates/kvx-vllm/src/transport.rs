@@ -120,7 +120,7 @@ impl FromStr for TransportSpec {
                 Some(n) => n.parse().map_err(|_| TransportError::Unknown(s.into()))?,
                 None => return Err(TransportError::Unknown(s.into())),
             };
-            return Ok(Self::CudaIpc { device });
+            return Ok(TransportSpec::CudaIpc { device });
         }
         let (name, rails) = match s.split_once(",rails=") {
             Some((name, n)) => match n.parse::<usize>() {
@@ -153,6 +153,79 @@ impl FromStr for TransportSpec {
             domain,
             rails,
         })
+    }
+}
+
+/// A `transport` setting that cannot move the KV cache's memory.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CacheTransportError {
+    /// A CUDA transport for a host cache.
+    #[error("kvx: the KV cache is in host memory but the transport is {setting:?}, which moves CUDA memory; use a host transport such as libfabric:shm{FIX}")]
+    CudaForHost {
+        /// The setting.
+        setting: String,
+    },
+    /// `cuda-ipc:N` for a cache on another device.
+    #[error("kvx: the KV cache is on CUDA device {device} but the transport is {setting:?}; use cuda-ipc:{device} or cuda-ipc{FIX}")]
+    OtherDevice {
+        /// The setting.
+        setting: String,
+        /// The cache's device.
+        device: u32,
+    },
+    /// A host transport for a CUDA cache.
+    #[error("kvx: the KV cache is on CUDA device {device} but the transport {setting:?} moves host memory; use cuda-ipc{FIX}")]
+    HostForCuda {
+        /// The setting.
+        setting: String,
+        /// The cache's device.
+        device: u32,
+    },
+    /// Not a transport name.
+    #[error("{0}{FIX}")]
+    Unknown(#[from] TransportError),
+}
+
+/// Where a refused `transport` setting is fixed.
+const FIX: &str = " (kv_connector_extra_config key 'transport'; 'auto' follows the cache)";
+
+/// The transport to open for a KV cache in host memory (`cuda_device` `None`) or on CUDA device
+/// `cuda_device`, from the `transport` setting: `auto` follows the cache (`libfabric:shm` for a
+/// host cache, `cuda-ipc:N` for one on device N), `cuda-ipc` without a device takes the cache's,
+/// and a setting that cannot move the cache's memory is refused with the fix in the message.
+///
+/// # Errors
+/// [`CacheTransportError`] as above, or for a name that is not a transport.
+pub fn resolve_for_cache(
+    setting: &str,
+    cuda_device: Option<u32>,
+) -> Result<String, CacheTransportError> {
+    if setting == "auto" {
+        return Ok(
+            cuda_device.map_or_else(|| "libfabric:shm".to_owned(), |d| format!("cuda-ipc:{d}"))
+        );
+    }
+    let spec: TransportSpec = setting.parse()?;
+    match (spec, cuda_device) {
+        (TransportSpec::CudaIpc { .. }, None) => Err(CacheTransportError::CudaForHost {
+            setting: setting.into(),
+        }),
+        (TransportSpec::CudaIpc { device: named }, Some(device)) => {
+            if setting.contains(':') && named != device {
+                Err(CacheTransportError::OtherDevice {
+                    setting: setting.into(),
+                    device,
+                })
+            } else {
+                Ok(format!("cuda-ipc:{device}"))
+            }
+        }
+        (_, Some(device)) => Err(CacheTransportError::HostForCuda {
+            setting: setting.into(),
+            device,
+        }),
+        (_, None) => Ok(setting.to_owned()),
     }
 }
 
