@@ -5,7 +5,7 @@
 //! `KVX_REQUIRE_GPU=1` it fails instead).
 #![cfg(feature = "cuda")]
 
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -75,15 +75,9 @@ impl Side {
     }
 }
 
+/// Two consecutive free loopback ports (the producer's control address and the next).
 fn free_port() -> SocketAddr {
-    for port in (23_000..29_000).step_by(7) {
-        let a = SocketAddr::from(([127, 0, 0, 1], port + (std::process::id() % 7) as u16));
-        let b = SocketAddr::from(([127, 0, 0, 1], a.port() + 1));
-        if TcpListener::bind(a).is_ok() && TcpListener::bind(b).is_ok() {
-            return a;
-        }
-    }
-    panic!("no free port pair");
+    kvx_testkit::free_ports(2)
 }
 
 #[test]

@@ -17,6 +17,7 @@ use kvx_rdma::loopback::LoopbackFabric;
 use kvx_rdma::region::{HostBuffer, LocalRegion};
 use kvx_rdma::{Capabilities, Event, Notice, OpId, PeerId, Transport};
 use kvx_rendezvous::{AttemptKey, Reason};
+use kvx_testkit::free_ports;
 use kvx_vllm::router;
 use kvx_vllm::{
     ConnectorConfig, Consumer, FinishedSending, KvCache, Producer, PullRequest, PushRequest,
@@ -90,42 +91,6 @@ impl Side {
         let views: Vec<&[u8]> = mem.iter().map(Vec::as_slice).collect();
         verify_request(&self.layout, &views, blocks, skip, tokens, SEED).unwrap();
     }
-}
-
-/// `count` consecutive free loopback ports, below the ephemeral range (where connections'
-/// source ports come from, so a probed port there could be taken before the server binds it).
-fn free_ports(count: u16) -> SocketAddr {
-    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-        .ok()
-        .and_then(|s| {
-            s.split_whitespace()
-                .next()
-                .and_then(|w| w.parse::<u16>().ok())
-        })
-        .unwrap_or(32768);
-    // Distinct candidates for every call, also between tests running in parallel.
-    static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos());
-    let mut state = (u64::from(std::process::id()) << 32 | u64::from(nanos))
-        ^ call.wrapping_mul(0x9e37_79b9_7f4a_7c15)
-        | 1;
-    for _ in 0..1000 {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        let span = 12_000u16.min(low - 1024);
-        let base = low - span + (state % u64::from(span - count)) as u16;
-        let held: Vec<_> = (0..count)
-            .map_while(|i| TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], base + i))).ok())
-            .collect();
-        if held.len() == count as usize {
-            return SocketAddr::from(([127, 0, 0, 1], base));
-        }
-    }
-    panic!("no {count} consecutive free ports below the ephemeral range");
 }
 
 fn config(engine: u64) -> ConnectorConfig {
