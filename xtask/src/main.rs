@@ -162,6 +162,17 @@ fn test(no_lint: bool) -> anyhow::Result<()> {
         "--",
         "--nocapture",
     ]))?;
+    step("the connector API's example: push and pull without vLLM (docs/connector-api.md)");
+    run(cargo().args(["run", "-p", "kvx-vllm", "--example", "push_pull"]))?;
+    run(cargo().args([
+        "run",
+        "-p",
+        "kvx-vllm",
+        "--example",
+        "push_pull",
+        "--",
+        "libfabric:shm",
+    ]))?;
     step("NIXL backend: runtime from the nixl-cu12 wheel (cached in .kvx-cache/nixl)");
     let nixl_dir = nixl::ensure_nixl_runtime()?;
     step("tests of kvx-rdma with the NIXL backend (UCX over TCP, two processes)");

@@ -5,7 +5,8 @@
 //! registration with the finished request in either order and writes the blocks from a
 //! background thread; decode reports the request ready when every producer rank's completion
 //! notice has arrived. Pull mode (decode reads after prefill) runs on the same transport for
-//! comparison. The vLLM glue sits on top of this API.
+//! comparison. The vLLM glue sits on top of this API; `docs/connector-api.md` is the contract
+//! for any other engine, and `examples/push_pull.rs` drives both sides without vLLM.
 //!
 //! Engine-facing calls never block on the network; background threads block on a wait object
 //! (a socket, a channel, the transport's completion wait) and never spin, and nothing here
