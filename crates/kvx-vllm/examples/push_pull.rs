@@ -45,8 +45,11 @@ fn spec(block_tokens: u32) -> LayoutSpec {
     }
 }
 
+/// A rank's cache as the connector gets it, and the engine's handles on its memory.
+type CacheAndMemory = (KvCache, Vec<Arc<HostBuffer>>);
+
 /// The engine's cache memory for `spec`: one host buffer per region of the layout.
-fn cache(spec: &LayoutSpec) -> Result<(KvCache, Vec<Arc<HostBuffer>>), Box<dyn Error>> {
+fn cache(spec: &LayoutSpec) -> Result<CacheAndMemory, Box<dyn Error>> {
     let layout = Layout::new(spec.clone())?;
     let buffers = (0..layout.region_count())
         .map(|_| HostBuffer::new(layout.region_len() as usize).map(Arc::new))
