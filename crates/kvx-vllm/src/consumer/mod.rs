@@ -25,11 +25,13 @@ use crate::driver::{self, Clock, CommandSender, Mailbox};
 use crate::error::{Closed, LinkError, StartError, TransferError};
 use crate::stats::{Stats, StatsSnapshot};
 use board::{BoardSlots, Disarmed, PollHints, SharedBoard, BOARD_SLOTS};
+use engine::EngineRegistration;
 
 mod board;
 mod connect;
 mod driven;
 mod ending;
+mod engine;
 mod transfer;
 
 /// A remotely prefilled request whose blocks decode has allocated (push mode).
@@ -363,22 +365,16 @@ impl Consumer {
             return self.send(Command::Push(request));
         }
         // Never waits for the driver: if it is busy, the request goes through its queue.
-        let mut driver = match self.driver.try_lock() {
-            Ok(driver) => driver,
-            Err(_) => return self.send(Command::Push(request)),
-        };
-        if driver.closed {
-            return Err(Closed);
-        }
-        if !driver.registers_at_once(request.prefill) {
-            drop(driver);
+        let Ok(mut driver) = self.driver.try_lock() else {
             return self.send(Command::Push(request));
-        }
-        // What the engine thread found ready is left for the driver's next turn: taking it
-        // over here would queue actions, and so a wake-up.
-        driver.start(request, None);
-        let wake = driver.needs_wake();
+        };
+        let entry = driver.engine_register(request);
         drop(driver);
+        let wake = match entry {
+            EngineRegistration::Registered { wake } => wake,
+            EngineRegistration::ThroughQueue(request) => return self.send(Command::Push(request)),
+            EngineRegistration::Closed => return Err(Closed),
+        };
         if wake {
             // The request is registered: if the driver ended meanwhile, it reported the request
             // failed, and this call has succeeded all the same.
@@ -531,25 +527,7 @@ impl Consumer {
         let Ok(mut driver) = self.driver.try_lock() else {
             return;
         };
-        if driver.closed {
-            return;
-        }
-        let Some(transport) = driver.transport.as_deref_mut() else {
-            return;
-        };
-        let mut events = Vec::new();
-        if let Err(e) = transport.poll(&mut events) {
-            // The driver's next read meets it too, and handles it.
-            debug!(error = %e, "transport poll failed on the engine thread");
-            return;
-        }
-        if events.is_empty() {
-            return;
-        }
-        for event in events {
-            driver.on_event(event);
-        }
-        let wake = driver.needs_wake();
+        let wake = driver.engine_read_transport();
         drop(driver);
         if wake {
             let _ = self.tx.send(Command::Wake);
