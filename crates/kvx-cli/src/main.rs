@@ -2,13 +2,17 @@
 //!
 //! - `kvx plan`: print the transfer plan between a producer and a consumer layout;
 //! - `kvx topo`: print each accelerator's PCIe placement and RDMA rails;
-//! - `kvx pd prefill|decode`: a prefill/decode pair with a synthetic engine.
+//! - `kvx pd prefill|decode`: a prefill/decode pair with a synthetic engine (`--set KEY=VALUE`
+//!   for any connector setting);
+//! - `kvx proxy`: the router in front of vLLM instances;
+//! - `kvx settings`: the connector's settings, from the one table.
 
 use clap::{Parser, Subcommand};
 
 mod pd;
 mod plan_cmd;
 mod proxy;
+mod settings_cmd;
 mod topo;
 
 /// kvx: push-based KV-cache transfer for disaggregated LLM serving.
@@ -19,6 +23,8 @@ struct Cli {
     command: Command,
 }
 
+// Parsed once per process: the variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Print the copy operations that move one request's KV from prefill to a decode rank.
@@ -29,6 +35,8 @@ enum Command {
     Pd(pd::PdArgs),
     /// An OpenAI-compatible router in front of prefill and decode vLLM instances (kvx connector).
     Proxy(proxy::ProxyArgs),
+    /// List the connector's settings: key, what it takes, default, meaning.
+    Settings(settings_cmd::SettingsArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -48,5 +56,6 @@ fn main() -> anyhow::Result<()> {
         Command::Topo(args) => topo::run(args),
         Command::Pd(args) => pd::run(args),
         Command::Proxy(args) => proxy::run(args),
+        Command::Settings(args) => settings_cmd::run(args),
     }
 }

@@ -152,6 +152,7 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
             "off" => Some(false),
             _ => None,
         };
+        args.model.apply_settings(&mut config)?;
         consumers.push(
             Consumer::start(config, cache, super::open_transport(&spec)?)
                 .context("cannot start the consumer")?,

@@ -9,7 +9,7 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use anyhow::bail;
+use anyhow::{bail, Context as _};
 use kvx_core::{Arrangement, Dtype, LayoutSpec, MemoryOrder};
 
 pub(crate) mod decode;
@@ -73,9 +73,29 @@ pub(crate) struct ModelArgs {
     /// Transport: libfabric:shm, cma, libfabric:tcp, libfabric:auto, loopback.
     #[arg(long, default_value = "libfabric:shm")]
     pub(crate) transport: String,
+    /// A connector setting, KEY=VALUE (`kvx settings` lists them; those of the vLLM plugin's
+    /// own are refused); repeatable, applied after the other flags.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub(crate) settings: Vec<String>,
 }
 
 impl ModelArgs {
+    /// Applies the `--set` settings to `config`.
+    pub(crate) fn apply_settings(
+        &self,
+        config: &mut kvx_vllm::ConnectorConfig,
+    ) -> anyhow::Result<()> {
+        use kvx_vllm::settings;
+        for entry in &self.settings {
+            let (key, value) = entry
+                .split_once('=')
+                .with_context(|| format!("--set {entry}: expected KEY=VALUE"))?;
+            let value = settings::parse(key, settings::Raw::Text(value))?;
+            settings::apply(config, key, &value)?;
+        }
+        Ok(())
+    }
+
     /// The layout of rank `rank`.
     pub(crate) fn layout(&self, rank: u32) -> anyhow::Result<LayoutSpec> {
         let (num_layers, total_kv_heads, head_dim, dtype) = match self.model.as_str() {
@@ -140,5 +160,36 @@ impl BlockPool {
 
     pub(crate) fn free(&mut self, blocks: Vec<kvx_core::BlockId>) {
         self.free.extend(blocks);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn model(settings: &[&str]) -> ModelArgs {
+        ModelArgs {
+            model: "tiny".into(),
+            tp: 1,
+            block_tokens: 16,
+            blocks: 64,
+            order: "hnd".into(),
+            transport: "loopback".into(),
+            settings: settings.iter().map(|s| (*s).to_owned()).collect(),
+        }
+    }
+
+    #[test]
+    fn set_flags_go_through_the_settings_table() {
+        let mut config = kvx_vllm::ConnectorConfig::new(kvx_core::EngineId(1));
+        model(&["producer_lease_s=2.5", "max_entries=7"])
+            .apply_settings(&mut config)
+            .unwrap();
+        assert_eq!(config.producer_lease, Duration::from_millis(2500));
+        assert_eq!(config.max_entries, 7);
+        for bad in ["seal=true", "nope=1", "producer_lease_s=soon", "no-equals"] {
+            let e = model(&[bad]).apply_settings(&mut config).unwrap_err();
+            assert!(!format!("{e:#}").is_empty(), "{bad}");
+        }
     }
 }

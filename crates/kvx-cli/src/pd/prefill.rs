@@ -173,6 +173,7 @@ pub(crate) fn run(args: &PrefillArgs) -> anyhow::Result<()> {
         let mut config = ConnectorConfig::new(EngineId(1));
         config.listen = kvx_vllm::rank_addr(args.listen, kvx_core::Rank(rank));
         config.producer_lease = Duration::from_secs(args.lease_s);
+        args.model.apply_settings(&mut config)?;
         let transport = super::open_transport(&spec)?;
         producers
             .push(Producer::start(config, cache, transport).context("cannot start the producer")?);
