@@ -1,6 +1,11 @@
 //! The producer-side rendezvous: pairs a decode registration with the matching finished prefill.
 //!
 //! See the crate documentation for an example and `docs/rendezvous.md` for the state diagram.
+//!
+//! One pure state machine in one file, on purpose (about 1,300 lines of code): its live table,
+//! lease timers, tombstones and counters change together under every event, and each event's
+//! handling is read best beside the others'. What is not the machine lives apart (`timer`,
+//! `types`, `time`, the `waiter` for the consumer side, the `sim`ulator).
 
 use std::cmp::Ordering;
 use std::collections::hash_map::{Entry, VacantEntry};
