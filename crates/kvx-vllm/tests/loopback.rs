@@ -530,19 +530,6 @@ fn registration_without_prefill_fails_after_its_lease() {
 }
 
 #[test]
-fn prefill_without_registration_is_released_after_the_producer_lease() {
-    let fabric = LoopbackFabric::new();
-    let pre = tp1_prefill_leased(&fabric, Duration::from_millis(200));
-    finish_and_expect(
-        &pre.producers[0],
-        key(2, 0),
-        ids(0..2),
-        8,
-        Reason::LeaseExpired,
-    );
-}
-
-#[test]
 fn producer_abort_fails_the_waiting_consumer() {
     let fabric = LoopbackFabric::new();
     let (pre, _dec, consumer) = simple_pair(&fabric);

@@ -16,17 +16,40 @@ mod queue;
 pub(crate) use mailbox::Mailbox;
 pub(crate) use queue::{command_queue, wait_commands, wait_turn, CommandReceiver, CommandSender};
 
-/// Monotonic time since the side started, as the state machines want it.
+/// Monotonic time since the side started, as the state machines want it; in the state-machine
+/// tests, a virtual clock that moves only when the test moves it.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct Clock(Instant);
+pub(crate) struct Clock {
+    start: Instant,
+    /// Nanoseconds of a virtual clock, which replaces the real one.
+    #[cfg(test)]
+    virtual_nanos: Option<&'static std::sync::atomic::AtomicU64>,
+}
 
 impl Clock {
     pub(crate) fn new() -> Self {
-        Self(Instant::now())
+        Self {
+            start: Instant::now(),
+            #[cfg(test)]
+            virtual_nanos: None,
+        }
+    }
+
+    /// A virtual clock reading `nanos` (which the test advances).
+    #[cfg(test)]
+    pub(crate) fn virtual_at(nanos: &'static std::sync::atomic::AtomicU64) -> Self {
+        Self {
+            start: Instant::now(),
+            virtual_nanos: Some(nanos),
+        }
     }
 
     pub(crate) fn now(self) -> Timestamp {
-        Timestamp::from_nanos(u64::try_from(self.0.elapsed().as_nanos()).unwrap_or(u64::MAX))
+        #[cfg(test)]
+        if let Some(nanos) = self.virtual_nanos {
+            return Timestamp::from_nanos(nanos.load(std::sync::atomic::Ordering::SeqCst));
+        }
+        Timestamp::from_nanos(u64::try_from(self.start.elapsed().as_nanos()).unwrap_or(u64::MAX))
     }
 
     /// How long from now until `at` (zero if past).

@@ -31,6 +31,8 @@ mod accept;
 mod driven;
 mod matching;
 mod peers;
+#[cfg(test)]
+mod sim;
 mod streaming;
 
 use accept::{accept_consumer, Acceptor};
@@ -231,11 +233,6 @@ impl Producer {
     ) -> Result<Self, StartError> {
         config.validate()?;
         let (layout, _regions) = register_cache(transport.as_mut(), cache)?;
-        let mut matcher_config = Config::default();
-        matcher_config.max_entries = config.max_entries;
-        matcher_config.producer_lease = config.producer_lease;
-        matcher_config.transfer_timeout = config.transfer_timeout;
-        let matcher = Matcher::new(matcher_config)?;
         let listener = TcpListener::bind(config.listen).map_err(StartError::Listen)?;
         let addr = listener.local_addr().map_err(StartError::Listen)?;
         let (tx, rx) = driver::command_queue(transport.waker());
@@ -251,34 +248,14 @@ impl Producer {
             false,
         );
         let connect_timeout = config.connect_timeout;
-        let peer_rma_unassisted = transport.capabilities().peer_rma_unassisted;
-        let driver = Driver {
-            clock: Clock::new(),
-            rank,
+        let driver = Driver::new(
+            &config,
             layout,
-            transport: Some(transport),
-            matcher,
-            conns: HashMap::new(),
-            flights: HashMap::new(),
-            fanouts: HashMap::new(),
-            unfanned: HashMap::new(),
-            pull_held: HashMap::new(),
-            peer_rma_unassisted,
-            dead: HashMap::new(),
-            max_dead: config.max_entries,
-            streams: HashMap::new(),
-            sealed: HashMap::new(),
-            early: HashMap::new(),
-            partials: HashMap::new(),
-            nudged: HashMap::new(),
-            engine: config.engine,
-            incarnation: config.incarnation,
-            expiry: BinaryHeap::new(),
-            max_consumer_tp: 1,
-            producer_lease: config.producer_lease,
-            finished: Arc::clone(&finished),
-            stats: Arc::clone(&stats),
-        };
+            transport,
+            Clock::new(),
+            Arc::clone(&finished),
+            Arc::clone(&stats),
+        )?;
         let mut threads = Vec::new();
         threads.push(
             thread::Builder::new()
@@ -739,4 +716,54 @@ struct Driver {
     producer_lease: Duration,
     finished: Arc<Mailbox<(FinishedSending, SystemTime)>>,
     stats: Arc<Stats>,
+}
+
+impl Driver {
+    /// The state machine of one producer rank over `transport`, which holds `layout`'s
+    /// registered cache; what it decides for the engine goes to `finished`.
+    ///
+    /// # Errors
+    /// [`StartError::Config`] when the settings make an invalid matcher.
+    fn new(
+        config: &ConnectorConfig,
+        layout: Layout,
+        transport: Box<dyn Transport>,
+        clock: Clock,
+        finished: Arc<Mailbox<(FinishedSending, SystemTime)>>,
+        stats: Arc<Stats>,
+    ) -> Result<Self, StartError> {
+        let mut matcher_config = Config::default();
+        matcher_config.max_entries = config.max_entries;
+        matcher_config.producer_lease = config.producer_lease;
+        matcher_config.transfer_timeout = config.transfer_timeout;
+        let matcher = Matcher::new(matcher_config)?;
+        let peer_rma_unassisted = transport.capabilities().peer_rma_unassisted;
+        Ok(Self {
+            clock,
+            rank: layout.rank(),
+            layout,
+            transport: Some(transport),
+            matcher,
+            conns: HashMap::new(),
+            flights: HashMap::new(),
+            fanouts: HashMap::new(),
+            unfanned: HashMap::new(),
+            pull_held: HashMap::new(),
+            peer_rma_unassisted,
+            dead: HashMap::new(),
+            max_dead: config.max_entries,
+            streams: HashMap::new(),
+            sealed: HashMap::new(),
+            early: HashMap::new(),
+            partials: HashMap::new(),
+            nudged: HashMap::new(),
+            engine: config.engine,
+            incarnation: config.incarnation,
+            expiry: BinaryHeap::new(),
+            max_consumer_tp: 1,
+            producer_lease: config.producer_lease,
+            finished,
+            stats,
+        })
+    }
 }

@@ -1,0 +1,239 @@
+//! The producer's state machine driven by hand, with a virtual clock: no driver thread, no
+//! sleeps. A test feeds it what the driver loop would (engine commands, a consumer's hello and
+//! messages over an in-memory control connection, the loopback transport's events, the time)
+//! and reads what it decided (the engine's mailbox, the messages to the consumer, the notices
+//! that reach the consumer's endpoint). Lease and timing behaviour is tested here exactly, at
+//! the nanosecond it is due; `tests/loopback.rs` keeps what needs real threads and processes.
+
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::AtomicU64;
+
+use kvx_core::wire::FailureReason;
+use kvx_core::wire::Registration;
+use kvx_core::{Arrangement, Dtype, LayoutSpec, MemoryOrder};
+use kvx_rdma::loopback::LoopbackFabric;
+use kvx_rdma::region::HostBuffer;
+use kvx_rdma::LocalRegion;
+
+use super::*;
+use crate::driver::Driven;
+
+/// 2 layers, 2 KV heads of 8 f32s, 4-token blocks, 16 blocks, NHD, K and V apart.
+fn spec() -> LayoutSpec {
+    LayoutSpec {
+        num_layers: 2,
+        total_kv_heads: 2,
+        head_dim: 8,
+        dtype: Dtype::F32,
+        mla: false,
+        block_tokens: 4,
+        num_blocks: 16,
+        tp_size: 1,
+        tp_rank: 0,
+        order: MemoryOrder::Nhd,
+        arrangement: Arrangement::PerLayerSplit,
+    }
+}
+
+/// An endpoint of `fabric` with `spec`'s cache registered.
+fn endpoint(fabric: &LoopbackFabric, spec: &LayoutSpec) -> Box<dyn Transport> {
+    let mut transport: Box<dyn Transport> = Box::new(fabric.endpoint());
+    let layout = Layout::new(spec.clone()).unwrap();
+    for i in 0..layout.region_count() {
+        let buffer = Arc::new(HostBuffer::new(layout.region_len() as usize).unwrap());
+        transport.register(LocalRegion::host(i, buffer)).unwrap();
+    }
+    transport
+}
+
+/// One producer rank's state machine and what surrounds it in a test.
+struct Sim {
+    driver: Driver,
+    now: &'static AtomicU64,
+    finished: Arc<Mailbox<(FinishedSending, SystemTime)>>,
+    consumer: Box<dyn Transport>,
+    /// The consumer's end of its control connection.
+    control: UnixStream,
+    config: ConnectorConfig,
+}
+
+impl Sim {
+    /// A producer rank with producer lease `lease`, and one consumer rank connected to it.
+    fn new(lease: Duration) -> Self {
+        let fabric = LoopbackFabric::new();
+        let mut config = ConnectorConfig::new(EngineId(1));
+        config.producer_lease = lease;
+        let now: &'static AtomicU64 = Box::leak(Box::new(AtomicU64::new(0)));
+        let finished = Arc::new(Mailbox::default());
+        let mut driver = Driver::new(
+            &config,
+            Layout::new(spec()).unwrap(),
+            endpoint(&fabric, &spec()),
+            Clock::virtual_at(now),
+            Arc::clone(&finished),
+            Arc::new(Stats::default()),
+        )
+        .unwrap();
+        let consumer = endpoint(&fabric, &spec());
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        let sender = control::sender(&ControlStream::local(ours)).unwrap();
+        let hello = control::hello(
+            &ConnectorConfig::new(EngineId(2)),
+            Role::Consumer,
+            &Layout::new(spec()).unwrap(),
+            &consumer.local_desc(),
+            false,
+        );
+        driver.command(Command::Accepted(1, sender, Box::new(hello)));
+        Self {
+            driver,
+            now,
+            finished,
+            consumer,
+            control: theirs,
+            config,
+        }
+    }
+
+    /// Moves the virtual clock to `at` after the start and lets the state machine see it.
+    fn at(&mut self, at: Duration) {
+        self.now
+            .store(at.as_nanos() as u64, std::sync::atomic::Ordering::SeqCst);
+        self.driver.tick(self.driver.clock.now());
+    }
+
+    /// The consumer registers `blocks` for `key`.
+    fn register(&mut self, key: AttemptKey, tokens: u32, blocks: Vec<BlockId>, notice: u64) {
+        let registration = Message::Registration(Registration {
+            transfer: key.transfer,
+            attempt: key.attempt,
+            request: RequestId(7),
+            consumer: EngineId(2),
+            consumer_incarnation: self.config.incarnation,
+            consumer_rank: Rank(0),
+            num_tokens: tokens,
+            skip_tokens: 0,
+            lease_ms: 60_000,
+            notice,
+            blocks,
+        });
+        self.driver.command(Command::Peer(1, registration));
+    }
+
+    /// Prefill finished `key` on `blocks` (push).
+    fn finish(&mut self, key: AttemptKey, tokens: u64, blocks: Vec<BlockId>) {
+        self.driver.command(Command::Finished {
+            key,
+            held: FinishedBlocks::new(RequestId(1), blocks, tokens),
+            pull: false,
+        });
+    }
+
+    /// Hands the state machine what its transport reported.
+    fn transport_events(&mut self) {
+        let mut events = Vec::new();
+        self.driver
+            .transport()
+            .expect("open")
+            .poll(&mut events)
+            .unwrap();
+        for event in events {
+            self.driver.transport_event(event);
+        }
+    }
+
+    /// What the engine may free now.
+    fn finished(&self) -> Vec<FinishedSending> {
+        self.finished.take().into_iter().map(|(f, _)| f).collect()
+    }
+
+    /// The notices that reached the consumer's endpoint.
+    fn notices(&mut self) -> Vec<u64> {
+        let mut events = Vec::new();
+        self.consumer.poll(&mut events).unwrap();
+        events
+            .into_iter()
+            .filter_map(|e| match e {
+                Event::Notice(n) => Some(n.0),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The next message to the consumer, if one is there.
+    fn message(&mut self) -> Option<Message> {
+        self.control.set_nonblocking(true).unwrap();
+        let message = control::read_message(&mut self.control).ok();
+        self.control.set_nonblocking(false).unwrap();
+        message
+    }
+}
+
+fn key(transfer: u128) -> AttemptKey {
+    AttemptKey::new(TransferId(transfer), Attempt::FIRST)
+}
+
+fn ids(range: std::ops::Range<u32>) -> Vec<BlockId> {
+    range.map(BlockId).collect()
+}
+
+#[test]
+fn prefill_without_registration_is_released_exactly_at_the_producer_lease() {
+    let mut sim = Sim::new(Duration::from_millis(200));
+    sim.at(Duration::from_millis(10));
+    sim.finish(key(2), 8, ids(0..2));
+    sim.at(Duration::from_millis(209));
+    assert!(sim.finished().is_empty(), "released before its lease");
+    sim.at(Duration::from_millis(210));
+    let done = sim.finished();
+    assert_eq!(done.len(), 1, "{done:?}");
+    assert_eq!(done[0].key, key(2));
+    assert_eq!(
+        done[0].outcome,
+        SendOutcome::NotSent(Reason::LeaseExpired),
+        "{done:?}"
+    );
+    // Nothing was ever written to the consumer.
+    assert!(sim.notices().is_empty());
+}
+
+#[test]
+fn a_registration_then_the_finish_writes_once_and_gives_the_blocks_back_when_done() {
+    let mut sim = Sim::new(Duration::from_secs(30));
+    sim.register(key(3), 8, ids(4..6), 0x77);
+    sim.at(Duration::from_millis(1));
+    assert!(sim.notices().is_empty(), "written before prefill finished");
+    sim.finish(key(3), 8, ids(0..2));
+    sim.at(Duration::from_millis(2));
+    // The loopback transport moves the bytes at once; the write's end frees the blocks.
+    assert_eq!(sim.notices(), vec![0x77]);
+    sim.transport_events();
+    sim.at(Duration::from_millis(3));
+    let done = sim.finished();
+    assert_eq!(done.len(), 1, "{done:?}");
+    assert_eq!(done[0].outcome, SendOutcome::Sent);
+    // Long after, nothing more happens: no second write, no second release.
+    sim.at(Duration::from_secs(120));
+    assert!(sim.notices().is_empty());
+    assert!(sim.finished().is_empty());
+}
+
+#[test]
+fn a_registration_for_blocks_outside_the_consumers_cache_is_refused_and_holds_nothing() {
+    let mut sim = Sim::new(Duration::from_secs(30));
+    sim.register(key(4), 8, vec![BlockId(1), BlockId(999)], 0x78);
+    sim.at(Duration::from_millis(1));
+    let refusal = sim.message();
+    assert!(
+        matches!(&refusal, Some(Message::Failure(f)) if f.reason == FailureReason::from(Reason::Conflict)),
+        "{refusal:?}"
+    );
+    // Prefill's finish then waits for a registration of its own, and goes at its lease.
+    sim.finish(key(4), 8, ids(0..2));
+    sim.at(Duration::from_secs(31));
+    assert_eq!(
+        sim.finished()[0].outcome,
+        SendOutcome::NotSent(Reason::LeaseExpired)
+    );
+    assert!(sim.notices().is_empty());
+}
