@@ -32,6 +32,8 @@ mod connect;
 mod driven;
 mod ending;
 mod engine;
+#[cfg(test)]
+mod sim;
 mod transfer;
 
 /// A remotely prefilled request whose blocks decode has allocated (push mode).
@@ -271,67 +273,25 @@ impl Consumer {
             .then(|| transport.notice_board(BOARD_SLOTS))
             .flatten()
             .map(|b| Arc::new(SharedBoard::new(b, Arc::clone(&hints))));
-        let mut waiter_config = WaiterConfig::default();
-        waiter_config.max_waiting = config.max_entries;
-        waiter_config.max_lease = config.registration_lease;
-        let waiter = Waiter::new(waiter_config)?;
         let (tx, rx) = driver::command_queue(transport.waker());
         let events = Arc::new(Outbox {
             hints: Arc::clone(&hints),
             events: Mailbox::default(),
         });
         let stats = Arc::new(Stats::default());
-        let caps = transport.capabilities();
-        // With a board, notices need nothing from this side, so no hints are asked for.
-        let finishing_hints = config
-            .finishing_hints
-            .unwrap_or(caps.polls_to_wait && caps.peer_rma_unassisted && board.is_none());
-        // libfabric `shm`: the board spares this side the notices, not the reads of its queue
-        // that peers' writes need now and then (and for a new writer's first contact).
-        let occasional_reads = board.is_some() && caps.peer_rma_occasional_reads;
-        let hello = control::hello(
-            &config,
-            Role::Consumer,
-            &layout,
-            &transport.local_desc(),
-            finishing_hints,
-        );
-        let rank = layout.rank();
-        let driver = Driver {
-            clock: Clock::new(),
+        let driver = Driver::new(
+            config,
             layout,
             regions,
-            transport: Some(transport),
-            parked: None,
-            closed: false,
-            backlogged: false,
-            transport_wanted: false,
-            board_notices_as_messages: false,
-            waiter,
-            hello,
-            instances: HashMap::new(),
-            connecting: HashMap::new(),
-            unreachable: HashMap::new(),
-            notices: HashMap::new(),
-            finishing_hints,
-            hinted: HashSet::new(),
-            reads: HashMap::new(),
-            quiescing: HashMap::new(),
-            board: board.as_ref().map(|b| BoardSlots::new(Arc::clone(b))),
-            occasional_reads,
-            awaiting_contact: HashMap::new(),
-            contact: (BOARD_POLL, Timestamp::ZERO),
-            engine_ready: HashSet::new(),
-            next_notice: 1,
-            next_conn: 0,
-            next_heartbeat: None,
-            tx: tx.clone(),
-            events: Arc::clone(&events),
-            stats: Arc::clone(&stats),
-            config,
-            #[cfg(feature = "cuda")]
-            kernels: None,
-        };
+            transport,
+            board.as_ref(),
+            Clock::new(),
+            tx.clone(),
+            Arc::clone(&events),
+            Arc::clone(&stats),
+        )?;
+        let occasional_reads = driver.occasional_reads;
+        let rank = driver.layout.rank();
         let driver = Arc::new(Mutex::new(driver));
         let shared = Arc::clone(&driver);
         let thread = thread::Builder::new()
@@ -652,6 +612,83 @@ struct Driver {
 struct Parked {
     until: Option<Timestamp>,
     busy: bool,
+}
+
+impl Driver {
+    /// The state machine of one consumer rank over `transport`, which holds `layout`'s
+    /// registered cache (`regions`), with the notice board `board` where the transport has one;
+    /// `tx` is its own command queue (for its connections' threads), `events` where it reports
+    /// to the engine.
+    ///
+    /// # Errors
+    /// [`StartError::WaiterConfig`] when the settings make an invalid waiter.
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        config: ConnectorConfig,
+        layout: Layout,
+        regions: Vec<LocalRegion>,
+        transport: Box<dyn Transport>,
+        board: Option<&Arc<SharedBoard>>,
+        clock: Clock,
+        tx: CommandSender<Command>,
+        events: Arc<Outbox>,
+        stats: Arc<Stats>,
+    ) -> Result<Self, StartError> {
+        let mut waiter_config = WaiterConfig::default();
+        waiter_config.max_waiting = config.max_entries;
+        waiter_config.max_lease = config.registration_lease;
+        let waiter = Waiter::new(waiter_config)?;
+        let caps = transport.capabilities();
+        // With a board, notices need nothing from this side, so no hints are asked for.
+        let finishing_hints = config
+            .finishing_hints
+            .unwrap_or(caps.polls_to_wait && caps.peer_rma_unassisted && board.is_none());
+        // libfabric `shm`: the board spares this side the notices, not the reads of its queue
+        // that peers' writes need now and then (and for a new writer's first contact).
+        let occasional_reads = board.is_some() && caps.peer_rma_occasional_reads;
+        let hello = control::hello(
+            &config,
+            Role::Consumer,
+            &layout,
+            &transport.local_desc(),
+            finishing_hints,
+        );
+        Ok(Self {
+            clock,
+            layout,
+            regions,
+            transport: Some(transport),
+            parked: None,
+            closed: false,
+            backlogged: false,
+            transport_wanted: false,
+            board_notices_as_messages: false,
+            waiter,
+            hello,
+            instances: HashMap::new(),
+            connecting: HashMap::new(),
+            unreachable: HashMap::new(),
+            notices: HashMap::new(),
+            finishing_hints,
+            hinted: HashSet::new(),
+            reads: HashMap::new(),
+            quiescing: HashMap::new(),
+            board: board.map(|b| BoardSlots::new(Arc::clone(b))),
+            occasional_reads,
+            awaiting_contact: HashMap::new(),
+            contact: (BOARD_POLL, Timestamp::ZERO),
+            engine_ready: HashSet::new(),
+            next_notice: 1,
+            next_conn: 0,
+            next_heartbeat: None,
+            tx,
+            events,
+            stats,
+            config,
+            #[cfg(feature = "cuda")]
+            kernels: None,
+        })
+    }
 }
 
 #[cfg(test)]

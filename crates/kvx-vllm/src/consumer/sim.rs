@@ -1,0 +1,279 @@
+//! The consumer's state machine driven by hand, with a virtual clock: no driver thread, no
+//! sleeps. A test feeds it what the driver loop would (the engine's requests, a producer rank's
+//! finished handshake over an in-memory control connection, its messages, the loopback
+//! transport's events, the time) and reads what it decided (the engine's events, the messages
+//! to the producer). `tests/loopback.rs` keeps what needs real threads on both sides.
+
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::AtomicU64;
+
+use kvx_core::{Arrangement, Dtype, EngineId, MemoryOrder};
+use kvx_layout::CopyOp;
+use kvx_rdma::loopback::LoopbackFabric;
+use kvx_rdma::region::HostBuffer;
+use kvx_rdma::transport::Notice;
+
+use super::*;
+use crate::driver::{CommandReceiver, Driven};
+
+/// 2 layers, 2 KV heads of 8 f32s, 4-token blocks, 16 blocks, NHD, K and V apart.
+fn spec() -> kvx_core::LayoutSpec {
+    kvx_core::LayoutSpec {
+        num_layers: 2,
+        total_kv_heads: 2,
+        head_dim: 8,
+        dtype: Dtype::F32,
+        mla: false,
+        block_tokens: 4,
+        num_blocks: 16,
+        tp_size: 1,
+        tp_rank: 0,
+        order: MemoryOrder::Nhd,
+        arrangement: Arrangement::PerLayerSplit,
+    }
+}
+
+/// An endpoint of `fabric` with the cache of [`spec`] registered, and its regions.
+fn endpoint(fabric: &LoopbackFabric) -> (Box<dyn Transport>, Vec<LocalRegion>) {
+    let mut transport: Box<dyn Transport> = Box::new(fabric.endpoint());
+    let layout = Layout::new(spec()).unwrap();
+    let mut regions = Vec::new();
+    for i in 0..layout.region_count() {
+        let buffer = Arc::new(HostBuffer::new(layout.region_len() as usize).unwrap());
+        let region = LocalRegion::host(i, buffer);
+        transport.register(region.clone()).unwrap();
+        regions.push(region);
+    }
+    (transport, regions)
+}
+
+/// Where the (absent) prefill instance is said to listen.
+const INSTANCE: SocketAddr = SocketAddr::new(
+    std::net::IpAddr::V4(std::net::Ipv4Addr::new(127, 0, 0, 1)),
+    1,
+);
+
+/// One consumer rank's state machine and what surrounds it in a test.
+struct Sim {
+    driver: Driver,
+    now: &'static AtomicU64,
+    events: Arc<Outbox>,
+    /// The producer rank's endpoint, which writes to the consumer.
+    producer: Box<dyn Transport>,
+    /// The producer rank's end of its control connection.
+    control: UnixStream,
+    producer_hello: Hello,
+    /// The driver's own queue: what its helper threads send (never fed back here).
+    _queue: CommandReceiver<Command>,
+}
+
+impl Sim {
+    /// A consumer rank with registration lease `lease` and quiesce bound `quiesce`.
+    fn new(lease: Duration, quiesce: Duration) -> Self {
+        let fabric = LoopbackFabric::new();
+        let mut config = ConnectorConfig::new(EngineId(2));
+        config.registration_lease = lease;
+        config.quiesce_timeout = Some(quiesce);
+        // Notices come to the state machine as transport events, not through a board that
+        // the engine thread reads.
+        config.notice_board = false;
+        let now: &'static AtomicU64 = Box::leak(Box::new(AtomicU64::new(0)));
+        let (transport, regions) = endpoint(&fabric);
+        let (tx, queue) = driver::command_queue(None);
+        let events = Arc::new(Outbox {
+            hints: Arc::new(PollHints::default()),
+            events: Mailbox::default(),
+        });
+        let driver = Driver::new(
+            config,
+            Layout::new(spec()).unwrap(),
+            regions,
+            transport,
+            None,
+            Clock::virtual_at(now),
+            tx,
+            Arc::clone(&events),
+            Arc::new(Stats::default()),
+        )
+        .unwrap();
+        let (producer, _) = endpoint(&fabric);
+        let producer_hello = control::hello(
+            &ConnectorConfig::new(EngineId(1)),
+            Role::Producer,
+            &Layout::new(spec()).unwrap(),
+            &producer.local_desc(),
+            false,
+        );
+        let (_, control) = UnixStream::pair().unwrap();
+        Self {
+            driver,
+            now,
+            events,
+            producer,
+            control,
+            producer_hello,
+            _queue: queue,
+        }
+    }
+
+    /// Moves the virtual clock to `at` after the start and lets the state machine see it.
+    fn at(&mut self, at: Duration) {
+        self.now
+            .store(at.as_nanos() as u64, std::sync::atomic::Ordering::SeqCst);
+        self.driver.tick(self.driver.clock.now());
+    }
+
+    /// The engine allocated `blocks` for `key` (push), and prefill rank 0's handshake then
+    /// ends; returns the registration the producer rank receives.
+    fn register(&mut self, key: AttemptKey, tokens: u64, blocks: Vec<BlockId>) -> Registration {
+        self.driver.command(Command::Push(PushRequest {
+            key,
+            request: RequestId(9),
+            prefill: INSTANCE,
+            num_tokens: tokens,
+            skip_tokens: 0,
+            blocks,
+        }));
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        self.control = theirs;
+        let hello = self.producer_hello.clone();
+        self.driver.command(Command::Handshaken(
+            INSTANCE,
+            Rank(0),
+            Ok((ControlStream::local(ours), hello)),
+        ));
+        match self.message() {
+            Some(Message::Registration(r)) => r,
+            other => panic!("expected the registration, got {other:?}"),
+        }
+    }
+
+    /// The producer rank writes a little and announces it with `notice`.
+    fn write_with_notice(&mut self, notice: u64) {
+        let peer = self
+            .producer
+            .connect(&self.driver.transport().expect("open").local_desc())
+            .unwrap();
+        let op = CopyOp {
+            producer: Rank(0),
+            src_region: 0,
+            src_offset: 0,
+            dst_region: 0,
+            dst_offset: 0,
+            len: 64,
+            count: 1,
+            src_stride: 0,
+            dst_stride: 0,
+        };
+        self.producer
+            .write(peer, &[op], Some(Notice(notice)))
+            .unwrap();
+    }
+
+    /// Hands the state machine what its transport reported.
+    fn transport_events(&mut self) {
+        let mut events = Vec::new();
+        self.driver
+            .transport()
+            .expect("open")
+            .poll(&mut events)
+            .unwrap();
+        for event in events {
+            self.driver.transport_event(event);
+        }
+    }
+
+    /// What the engine learns now.
+    fn events(&self) -> Vec<RecvEvent> {
+        self.events
+            .events
+            .take()
+            .into_iter()
+            .map(|(e, _)| e)
+            .collect()
+    }
+
+    /// The next message to the producer rank, if one is there.
+    fn message(&mut self) -> Option<Message> {
+        self.control.set_nonblocking(true).unwrap();
+        let message = control::read_message(&mut self.control).ok();
+        self.control.set_nonblocking(false).unwrap();
+        message
+    }
+}
+
+fn key(transfer: u128) -> AttemptKey {
+    AttemptKey::new(TransferId(transfer), Attempt::FIRST)
+}
+
+fn ids(range: std::ops::Range<u32>) -> Vec<BlockId> {
+    range.map(BlockId).collect()
+}
+
+#[test]
+fn a_registered_request_is_ready_once_its_writers_notice_arrives_and_not_before() {
+    let mut sim = Sim::new(Duration::from_secs(60), Duration::from_secs(1));
+    let registration = sim.register(key(1), 8, ids(3..5));
+    assert_eq!(registration.blocks, ids(3..5));
+    assert_eq!(registration.num_tokens, 8);
+    sim.at(Duration::from_millis(5));
+    assert!(sim.events().is_empty(), "ready before any write");
+    sim.write_with_notice(registration.notice);
+    sim.transport_events();
+    sim.at(Duration::from_millis(6));
+    assert_eq!(
+        sim.events(),
+        vec![RecvEvent::Ready {
+            key: key(1),
+            request: RequestId(9)
+        }]
+    );
+    // A duplicate of the notice changes nothing.
+    sim.write_with_notice(registration.notice);
+    sim.transport_events();
+    sim.at(Duration::from_secs(600));
+    assert!(sim.events().is_empty());
+}
+
+#[test]
+fn a_request_whose_kv_never_comes_fails_at_its_lease_once_its_writers_had_time_to_stop() {
+    let (lease, quiesce) = (Duration::from_millis(300), Duration::from_millis(500));
+    let mut sim = Sim::new(lease, quiesce);
+    sim.register(key(2), 8, ids(0..2));
+    sim.at(lease - Duration::from_millis(1));
+    assert!(sim.events().is_empty(), "failed before its lease");
+    // At the lease the producer rank is told to stop; the blocks stay held while a write of
+    // it could still land.
+    sim.at(lease);
+    assert!(
+        sim.events().is_empty(),
+        "reported while its writer may still write"
+    );
+    let told = std::iter::from_fn(|| sim.message()).collect::<Vec<_>>();
+    assert!(!told.is_empty(), "the producer rank was not told");
+    sim.at(lease + quiesce - Duration::from_millis(1));
+    assert!(sim.events().is_empty());
+    sim.at(lease + quiesce);
+    let events = sim.events();
+    assert!(
+        matches!(&events[..], [RecvEvent::Failed { key: k, reason: Reason::LeaseExpired, .. }] if *k == key(2)),
+        "{events:?}"
+    );
+}
+
+#[test]
+fn heartbeats_go_out_at_the_interval_while_a_request_waits() {
+    let mut sim = Sim::new(Duration::from_secs(60), Duration::from_secs(1));
+    sim.register(key(3), 8, ids(0..2));
+    let interval = ConnectorConfig::new(EngineId(2)).heartbeat_interval;
+    sim.at(interval - Duration::from_millis(1));
+    assert!(
+        sim.message().is_none(),
+        "a message before the first heartbeat"
+    );
+    sim.at(interval + Duration::from_millis(1));
+    assert!(
+        matches!(sim.message(), Some(Message::Heartbeat(_))),
+        "no heartbeat at the interval"
+    );
+}
