@@ -70,10 +70,16 @@ struct Sim {
 impl Sim {
     /// A consumer rank with registration lease `lease` and quiesce bound `quiesce`.
     fn new(lease: Duration, quiesce: Duration) -> Self {
+        Self::with(lease, Some(quiesce), Duration::from_secs(60))
+    }
+
+    /// A consumer rank with registration lease `lease` and quiesce bound `quiesce` (`None`:
+    /// its writers'), whose producer rank says its writes run at most `transfer_timeout`.
+    fn with(lease: Duration, quiesce: Option<Duration>, transfer_timeout: Duration) -> Self {
         let fabric = LoopbackFabric::new();
         let mut config = ConnectorConfig::new(EngineId(2));
         config.registration_lease = lease;
-        config.quiesce_timeout = Some(quiesce);
+        config.quiesce_timeout = quiesce;
         // Notices come to the state machine as transport events, not through a board that
         // the engine thread reads.
         config.notice_board = false;
@@ -97,8 +103,10 @@ impl Sim {
         )
         .unwrap();
         let (producer, _) = endpoint(&fabric);
+        let mut producer_config = ConnectorConfig::new(EngineId(1));
+        producer_config.transfer_timeout = transfer_timeout;
         let producer_hello = control::hello(
-            &ConnectorConfig::new(EngineId(1)),
+            &producer_config,
             Role::Producer,
             &Layout::new(spec()).unwrap(),
             &producer.local_desc(),
@@ -116,6 +124,13 @@ impl Sim {
         }
     }
 
+    /// Hands the state machine `command` and lets its time pass, as one turn of the driver
+    /// loop does.
+    fn command(&mut self, command: Command) {
+        self.driver.command(command);
+        self.driver.tick(self.driver.clock.now());
+    }
+
     /// Moves the virtual clock to `at` after the start and lets the state machine see it.
     fn at(&mut self, at: Duration) {
         self.now
@@ -126,7 +141,7 @@ impl Sim {
     /// The engine allocated `blocks` for `key` (push), and prefill rank 0's handshake then
     /// ends; returns the registration the producer rank receives.
     fn register(&mut self, key: AttemptKey, tokens: u64, blocks: Vec<BlockId>) -> Registration {
-        self.driver.command(Command::Push(PushRequest {
+        self.command(Command::Push(PushRequest {
             key,
             request: RequestId(9),
             prefill: INSTANCE,
@@ -137,7 +152,7 @@ impl Sim {
         let (ours, theirs) = UnixStream::pair().unwrap();
         self.control = theirs;
         let hello = self.producer_hello.clone();
-        self.driver.command(Command::Handshaken(
+        self.command(Command::Handshaken(
             INSTANCE,
             Rank(0),
             Ok((ControlStream::local(ours), hello)),
@@ -276,4 +291,65 @@ fn heartbeats_go_out_at_the_interval_while_a_request_waits() {
         matches!(sim.message(), Some(Message::Heartbeat(_))),
         "no heartbeat at the interval"
     );
+}
+
+/// Registers a request with a producer rank that never answers, cancels it at 10 ms, and
+/// checks that its failure is reported exactly `bound` later (its blocks held until then, as a
+/// write of that rank may still land), with `detail_has` in the detail.
+fn cancel_with_a_silent_producer(mut sim: Sim, bound: Duration, detail_has: &str) {
+    sim.register(key(14), 8, ids(0..2));
+    let cancelled = Duration::from_millis(10);
+    sim.at(cancelled);
+    sim.command(Command::Cancel {
+        transfer: TransferId(14),
+        attempt: None,
+    });
+    sim.at(cancelled + bound - Duration::from_millis(1));
+    assert!(sim.events().is_empty(), "reported before {bound:?}");
+    sim.at(cancelled + bound);
+    let events = sim.events();
+    match &events[..] {
+        [RecvEvent::Failed { reason, detail, .. }] => {
+            assert_eq!(*reason, Reason::Aborted);
+            assert!(detail.contains(detail_has), "{detail}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        sim.driver
+            .stats
+            .released_unconfirmed
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
+}
+
+/// A producer rank that handshakes and then never answers: with a fixed `quiesce_timeout`, a
+/// cancelled request's blocks stay held exactly that long, then the failure is reported.
+#[test]
+fn cancel_waits_for_a_silent_producer_until_the_quiesce_timeout() {
+    let quiesce = Duration::from_millis(400);
+    let sim = Sim::with(
+        Duration::from_secs(60),
+        Some(quiesce),
+        Duration::from_secs(60),
+    );
+    // Not the default's 62 s (the producer's 60 s transfer timeout and the margin).
+    cancel_with_a_silent_producer(sim, quiesce, "without confirmation");
+}
+
+/// By default decode holds a failed request's blocks for as long as the silent producer rank
+/// said (in its hello) that its writes can run, plus the margin: never shorter, so a write
+/// still in flight cannot land in blocks the engine has handed to another request.
+#[test]
+fn cancel_waits_for_a_silent_producer_as_long_as_its_writes_can_run() {
+    assert_eq!(
+        ConnectorConfig::new(EngineId(2)).quiesce_timeout,
+        None,
+        "the default follows the producers"
+    );
+    let writes = Duration::from_millis(700);
+    let sim = Sim::with(Duration::from_secs(60), None, writes);
+    let bound = writes + QUIESCE_MARGIN;
+    cancel_with_a_silent_producer(sim, bound, &format!("{bound:?}"));
 }

@@ -95,6 +95,13 @@ impl Sim {
         }
     }
 
+    /// Hands the state machine `command` and lets its time pass, as one turn of the driver
+    /// loop does.
+    fn command(&mut self, command: Command) {
+        self.driver.command(command);
+        self.driver.tick(self.driver.clock.now());
+    }
+
     /// Moves the virtual clock to `at` after the start and lets the state machine see it.
     fn at(&mut self, at: Duration) {
         self.now
@@ -117,12 +124,12 @@ impl Sim {
             notice,
             blocks,
         });
-        self.driver.command(Command::Peer(1, registration));
+        self.command(Command::Peer(1, registration));
     }
 
     /// Prefill finished `key` on `blocks` (push).
     fn finish(&mut self, key: AttemptKey, tokens: u64, blocks: Vec<BlockId>) {
-        self.driver.command(Command::Finished {
+        self.command(Command::Finished {
             key,
             held: FinishedBlocks::new(RequestId(1), blocks, tokens),
             pull: false,
