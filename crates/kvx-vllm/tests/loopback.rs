@@ -1513,22 +1513,6 @@ fn a_sealed_request_finished_before_its_registration_is_reported_when_written() 
     case.expect_sent();
 }
 
-/// A sealed request whose lease ran out before any registration: the outcome waits for the
-/// engine's finish, which gets it at once.
-#[test]
-fn a_sealed_request_that_expired_is_reported_at_its_finish() {
-    let fabric = LoopbackFabric::new();
-    let pre = tp1_prefill_leased(&fabric, Duration::from_millis(100));
-    let producer = &pre.producers[0];
-    let k = key(32, 0);
-    producer
-        .request_sealed(k, RequestId(7), ids(0..2), 8)
-        .unwrap();
-    expect_nothing_given_back(producer, Duration::from_millis(300));
-    assert_eq!(producer.stats().held, 0);
-    finish_and_expect(producer, k, ids(0..2), 8, Reason::LeaseExpired);
-}
-
 /// The engine aborts a sealed request (it frees the blocks itself): nothing is reported back,
 /// before or after its transfer ended, and a registration that comes later fails.
 #[test]

@@ -136,6 +136,15 @@ impl Sim {
         });
     }
 
+    /// The engine sealed `key` on `blocks` (its KV is final; the engine keeps the blocks until
+    /// it finishes the request).
+    fn seal(&mut self, key: AttemptKey, tokens: u64, blocks: Vec<BlockId>) {
+        self.command(Command::Sealed {
+            key,
+            held: FinishedBlocks::new(RequestId(1), blocks, tokens),
+        });
+    }
+
     /// Hands the state machine what its transport reported.
     fn transport_events(&mut self) {
         let mut events = Vec::new();
@@ -243,4 +252,29 @@ fn a_registration_for_blocks_outside_the_consumers_cache_is_refused_and_holds_no
         SendOutcome::NotSent(Reason::LeaseExpired)
     );
     assert!(sim.notices().is_empty());
+}
+
+/// A sealed request whose lease ran out before any registration: the outcome waits for the
+/// engine's finish, which gets it at once.
+#[test]
+fn a_sealed_request_that_expired_is_reported_at_its_finish() {
+    let mut sim = Sim::new(Duration::from_millis(100));
+    sim.seal(key(32), 8, ids(0..2));
+    sim.at(Duration::from_millis(100));
+    sim.at(Duration::from_millis(300));
+    assert!(
+        sim.finished().is_empty(),
+        "given back before the engine's finish"
+    );
+    assert_eq!(
+        sim.driver
+            .stats
+            .held
+            .load(std::sync::atomic::Ordering::Relaxed),
+        0
+    );
+    sim.finish(key(32), 8, ids(0..2));
+    let done = sim.finished();
+    assert_eq!(done.len(), 1, "{done:?}");
+    assert_eq!(done[0].outcome, SendOutcome::NotSent(Reason::LeaseExpired));
 }
