@@ -8,7 +8,10 @@ use kvx_core::Rank;
 use kvx_layout::CopyOp;
 
 use super::*;
-use crate::region::HostBuffer;
+use crate::desc::EndpointDesc;
+use crate::error::{ConnectError, DeregisterError, ReadError, SendError, WriteError};
+use crate::region::{HostBuffer, LocalRegion};
+use crate::transport::{Notice, Transport};
 
 /// `shm` with the stale-region sweep on where the test run asks for it ([`SHM_SWEEP_ENV`]):
 /// tests read the environment, the crate does not.
