@@ -1,0 +1,119 @@
+//! The safe wrapper over `libfabric-sys`: owned handles for the provider description (`fi_info`),
+//! fabric, domain, completion queue, address vector, endpoint and memory registrations.
+//!
+//! Every handle closes itself on drop, and every child holds an `Arc` to its parent (a domain to
+//! its fabric, an endpoint to its domain, completion queue and address vector, a registration to
+//! its domain), so no handle can outlive what it was opened from, whatever order the owner drops
+//! them in.
+//!
+//! Threading: the domain is opened with `FI_THREAD_DOMAIN` (the application serialises access to
+//! all objects of a domain). The handles of one domain are owned by one
+//! [`LibfabricTransport`](super::LibfabricTransport), whose methods take `&mut self`, so access is
+//! serialised; the wrappers are crate-private and never shared outside it. That is what makes the
+//! handles' `Send`/`Sync` implementations sound.
+//!
+//! The handles are declared here (`handle!`); each kind's operations live in a module of its own:
+//! `info` (provider descriptions), `domain` (fabric and domain), `cq` (completion queue and
+//! waiting), `av` (address vector), `endpoint` (posting), `mr` (memory registrations), and
+//! `error`.
+
+mod av;
+mod cq;
+mod domain;
+mod endpoint;
+mod error;
+mod info;
+mod mr;
+
+use std::fmt;
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use libfabric_sys as sys;
+
+pub(crate) use cq::{poll_readable, Completion, CqRead};
+pub use error::{FabricError, FiErrno};
+pub(crate) use info::{Info, Query};
+
+/// Returns `Ok(())` for zero, the error for a negative return value.
+fn check(ret: i64, wrap: impl FnOnce(FiErrno) -> FabricError) -> Result<(), FabricError> {
+    if ret < 0 {
+        Err(wrap(FiErrno::new(ret)))
+    } else {
+        Ok(())
+    }
+}
+
+/// Closes a libfabric object. Every `fid_*` struct starts with its `struct fid`.
+///
+/// # Safety
+/// `fid` must be an open libfabric object that nothing uses any more.
+unsafe fn close_fid(fid: *mut sys::fid, what: &'static str) -> Result<(), FabricError> {
+    // SAFETY: per the function contract.
+    let ret = unsafe { sys::kvx_fi_close(fid) };
+    check(i64::from(ret), |source| FabricError::Close { what, source })
+}
+
+macro_rules! handle {
+    ($(#[$meta:meta])* $name:ident, $raw:ty, $what:literal, { $($field:ident: $ty:ty),* }) => {
+        $(#[$meta])*
+        pub(crate) struct $name {
+            ptr: NonNull<$raw>,
+            // The parents: held so that they stay open while this handle is (some are read too).
+            $(#[allow(dead_code)] $field: $ty,)*
+        }
+
+        // SAFETY: see the module documentation: all handles of a domain are owned and used by
+        // one transport, which serialises every call through `&mut self`.
+        unsafe impl Send for $name {}
+        // SAFETY: as above.
+        unsafe impl Sync for $name {}
+
+        impl Drop for $name {
+            fn drop(&mut self) {
+                // SAFETY: the handle is open and this is its last use; children hold an `Arc` to
+                // it, so none of them is still open. A close error cannot be reported from drop
+                // and leaves nothing to undo.
+                let _ = unsafe { close_fid(self.ptr.as_ptr().cast::<sys::fid>(), $what) };
+            }
+        }
+
+        impl fmt::Debug for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, concat!($what, "({:p})"), self.ptr)
+            }
+        }
+
+        impl $name {
+            #[allow(dead_code)]
+            fn fid(&self) -> *mut sys::fid {
+                self.ptr.as_ptr().cast::<sys::fid>()
+            }
+        }
+    };
+}
+
+handle!(
+    /// An open fabric.
+    Fabric, sys::fid_fabric, "fabric", { info: Info }
+);
+handle!(
+    /// An open domain.
+    Domain, sys::fid_domain, "domain", { fabric: Arc<Fabric> }
+);
+handle!(
+    /// An open completion queue (`FI_CQ_FORMAT_DATA`, with a wait object).
+    CompletionQueue, sys::fid_cq, "cq", { domain: Arc<Domain>, blocking: bool }
+);
+handle!(
+    /// An open address vector.
+    AddressVector, sys::fid_av, "av", { domain: Arc<Domain> }
+);
+handle!(
+    /// An open, enabled RDM endpoint bound to one completion queue and one address vector.
+    Endpoint, sys::fid_ep, "endpoint", { cq: Arc<CompletionQueue>, av: Arc<AddressVector> }
+);
+handle!(
+    /// A memory registration.
+    MemoryRegion, sys::fid_mr, "mr", { domain: Arc<Domain>, endpoint: Option<Arc<Endpoint>> }
+);
