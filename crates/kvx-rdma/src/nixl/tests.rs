@@ -5,12 +5,19 @@ use std::io::Write as _;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvx_core::Rank;
+use kvx_core::{MemoryKind, Rank};
+use kvx_layout::CopyOp;
 use proptest::prelude::*;
 
+use super::address::{decode_address, encode_address};
+use super::notify::{parse_notification, tagged, Incoming, TAG_MESSAGE, TAG_NOTICE, TAG_PROBE};
+use super::transfer::{nixl_accepts, nixl_memory};
 use super::*;
-use crate::error::{PlanError, Side};
+use crate::error::{
+    ConnectError, DeregisterError, PlanError, RegisterError, SendError, Side, WriteError,
+};
 use crate::region::HostBuffer;
+use crate::transport::{Notice, Transport};
 
 #[test]
 fn device_memory_turns_the_memtype_cache_off_once_and_keeps_other_settings() {
