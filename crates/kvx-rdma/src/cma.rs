@@ -7,7 +7,7 @@
 //!   spends nothing on it (libfabric's `shm` provider, by contrast, copies through a bounce buffer
 //!   that the receiver's progress engine drains).
 //! - **Completion**: when the copy returned, the notice is sent on the same-host control socket
-//!   (`crate::local`), so the consumer sees it after every byte landed.
+//!   (`crate::same_host`), so the consumer sees it after every byte landed.
 //! - **Permission**: the kernel lets a process write into another one it may `ptrace` (same user,
 //!   and under Yama `ptrace_scope` 1 only a declared tracer): every endpoint declares any process
 //!   of the user as allowed (`PR_SET_PTRACER`), as libfabric's `shm` does for its CMA path. Where
@@ -32,10 +32,11 @@ use crate::error::{
     AddressError, ConnectError, DeregisterError, OpError, PollError, ReadError, RegisterError,
     SendError, WriteError,
 };
-use crate::local::{self, peer_gone, Completions, Control, Identity, Ledger, Link, NoticeSender};
-use crate::local::{Reader, SameHost};
 use crate::peers::PeerTable;
 use crate::region::LocalRegion;
+use crate::same_host::{
+    self, peer_gone, Completions, Control, Identity, Ledger, Link, NoticeSender, Reader, SameHost,
+};
 use crate::transport::{Capabilities, Event, Notice, OpId, OpKind, PeerId, Transport, Waker};
 
 /// Backend name in endpoint descriptions.
@@ -357,7 +358,7 @@ impl CmaTransport {
     }
 
     fn address(&self) -> Vec<u8> {
-        local::encode_head(ADDRESS_MAGIC, ADDRESS_VERSION, self.control.identity())
+        same_host::encode_head(ADDRESS_MAGIC, ADDRESS_VERSION, self.control.identity())
     }
 
     fn decode(bytes: &[u8]) -> Result<Identity, CmaError> {
@@ -483,7 +484,7 @@ impl Transport for CmaTransport {
     fn capabilities(&self) -> Capabilities {
         Capabilities {
             notice_bits: 64,
-            max_message_len: local::MAX_MESSAGE_LEN,
+            max_message_len: same_host::MAX_MESSAGE_LEN,
             memory_kinds: vec![MemoryKind::Host],
             polls_to_wait: false,
             peer_rma_unassisted: true,
@@ -621,7 +622,7 @@ impl Transport for CmaTransport {
 
     fn send(&mut self, peer: PeerId, message: &[u8]) -> Result<OpId, SendError> {
         let link = self.peers.get_mut(peer).map(|p| &mut p.link);
-        local::send(link, &mut self.ledger, peer, message)
+        same_host::send(link, &mut self.ledger, peer, message)
     }
 
     fn poll(&mut self, events: &mut Vec<Event>) -> Result<usize, PollError> {
@@ -629,7 +630,7 @@ impl Transport for CmaTransport {
     }
 
     fn wait(&mut self, events: &mut Vec<Event>, timeout: Duration) -> Result<usize, PollError> {
-        local::wait(self, events, timeout)
+        same_host::wait(self, events, timeout)
     }
 
     fn waker(&self) -> Option<Arc<dyn Waker>> {

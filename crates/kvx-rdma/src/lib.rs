@@ -77,8 +77,6 @@ pub mod error;
 mod ids;
 #[cfg(feature = "libfabric")]
 pub mod libfabric;
-#[cfg(any(feature = "cuda", feature = "cma"))]
-mod local;
 pub mod loopback;
 #[cfg(feature = "neuron")]
 pub mod neuron;
@@ -86,6 +84,8 @@ pub mod neuron;
 pub mod nixl;
 mod peers;
 pub mod region;
+#[cfg(any(feature = "cuda", feature = "cma"))]
+mod same_host;
 pub mod topology;
 pub mod transport;
 pub mod validate;

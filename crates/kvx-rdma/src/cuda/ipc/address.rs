@@ -3,7 +3,7 @@
 
 use super::IpcError;
 use crate::error::AddressError;
-use crate::local::{self, Identity, Reader};
+use crate::same_host::{self, Identity, Reader};
 
 const ADDRESS_MAGIC: [u8; 4] = *b"KVXC";
 const ADDRESS_VERSION: u8 = 1;
@@ -28,7 +28,7 @@ pub(super) struct Address {
 
 impl Address {
     pub(super) fn encode(&self) -> Vec<u8> {
-        let mut out = local::encode_head(ADDRESS_MAGIC, ADDRESS_VERSION, &self.who);
+        let mut out = same_host::encode_head(ADDRESS_MAGIC, ADDRESS_VERSION, &self.who);
         out.extend_from_slice(&self.device.to_le_bytes());
         out.extend_from_slice(&(self.regions.len() as u32).to_le_bytes());
         for r in &self.regions {

@@ -11,7 +11,7 @@
 //! - **Completion**: at the next poll or wait, one blocking-sync event is recorded behind a
 //!   peer's operations posted since; a watcher thread sleeps on it and only then sends their
 //!   notices, so the consumer sees a notice after every byte landed.
-//! - **Notices, messages, waiting**: the same-host control plane (`crate::local`): a Unix stream
+//! - **Notices, messages, waiting**: the same-host control plane (`crate::same_host`): a Unix stream
 //!   socket per endpoint in the abstract namespace, and `wait` blocking in `poll(2)`; no thread
 //!   spins.
 //!
@@ -35,8 +35,8 @@ use super::kernels::LayoutKernels;
 #[cfg(doc)]
 use crate::error::OpError;
 use crate::error::{AddressError, BackendError};
-use crate::local::{self, Control, Ledger, Link, SameHost};
 use crate::region::LocalRegion;
+use crate::same_host::{self, Control, Ledger, Link, SameHost};
 use crate::transport::PeerId;
 use address::{Address, ExportedRegion};
 pub use config::{CopyMethod, CudaIpcConfig, UnknownCopyMethod};
@@ -45,7 +45,7 @@ use watch::{watch, EventPool, Watch};
 /// Backend name in endpoint descriptions.
 pub const BACKEND: &str = "cuda-ipc";
 /// Longest control message.
-pub const MAX_MESSAGE_LEN: usize = local::MAX_MESSAGE_LEN;
+pub const MAX_MESSAGE_LEN: usize = same_host::MAX_MESSAGE_LEN;
 
 /// A CUDA IPC failure, as the source of the transport's errors.
 #[derive(Debug, thiserror::Error)]
@@ -248,7 +248,7 @@ impl Drop for CudaIpcTransport {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::local::Identity;
+    use crate::same_host::Identity;
 
     fn sample() -> Address {
         Address {

@@ -19,8 +19,8 @@ use crate::error::{
     AddressError, ConnectError, DeregisterError, PollError, ReadError, RegisterError, SendError,
     WriteError,
 };
-use crate::local::{self, peer_gone, Link, SameHost};
 use crate::region::LocalRegion;
+use crate::same_host::{self, peer_gone, Link, SameHost};
 use crate::transport::{Capabilities, Event, Notice, OpId, OpKind, PeerId, Transport, Waker};
 
 impl Transport for CudaIpcTransport {
@@ -274,7 +274,7 @@ impl Transport for CudaIpcTransport {
             .get_mut(peer.0 as usize)
             .and_then(Option::as_mut)
             .map(|p| &mut p.link);
-        local::send(link, &mut self.ledger, peer, message)
+        same_host::send(link, &mut self.ledger, peer, message)
     }
 
     fn poll(&mut self, events: &mut Vec<Event>) -> Result<usize, PollError> {
@@ -282,7 +282,7 @@ impl Transport for CudaIpcTransport {
     }
 
     fn wait(&mut self, events: &mut Vec<Event>, timeout: Duration) -> Result<usize, PollError> {
-        local::wait(self, events, timeout)
+        same_host::wait(self, events, timeout)
     }
 
     fn waker(&self) -> Option<Arc<dyn Waker>> {

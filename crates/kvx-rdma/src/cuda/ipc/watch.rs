@@ -8,7 +8,7 @@ use cudarc::driver::sys;
 use super::super::driver::{check, CudaError, Gpu};
 use super::{boxed, socket_error, CudaIpcTransport, IpcError};
 use crate::error::OpError;
-use crate::local::{Completions, NoticeSender};
+use crate::same_host::{Completions, NoticeSender};
 
 /// A recorded completion event (blocking-sync, no timing), reused through [`EventPool`].
 pub(super) struct RawEvent(sys::CUevent);
