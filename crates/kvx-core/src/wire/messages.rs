@@ -1,0 +1,270 @@
+//! The messages of the push protocol ([`Message`] and one type per kind) and their wire codes.
+
+use crate::ids::{Attempt, BlockId, EngineId, Incarnation, Rank, RequestId, TransferId};
+use crate::layout::{Arrangement, Dtype, LayoutSpec, MemoryOrder};
+use crate::memory::RegionDesc;
+
+/// The message kinds and their wire codes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+#[non_exhaustive]
+pub enum MessageKind {
+    /// [`Hello`].
+    Hello = 1,
+    /// [`Registration`].
+    Registration = 2,
+    /// [`Completion`].
+    Completion = 3,
+    /// [`FailureNotice`].
+    Failure = 4,
+    /// [`Abort`].
+    Abort = 5,
+    /// [`Heartbeat`].
+    Heartbeat = 6,
+    /// [`Finishing`].
+    Finishing = 7,
+}
+
+impl MessageKind {
+    pub(super) fn from_code(code: u8) -> Option<Self> {
+        Some(match code {
+            1 => Self::Hello,
+            2 => Self::Registration,
+            3 => Self::Completion,
+            4 => Self::Failure,
+            5 => Self::Abort,
+            6 => Self::Heartbeat,
+            7 => Self::Finishing,
+            _ => return None,
+        })
+    }
+}
+
+/// Which side of the disaggregated pair an engine is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Role {
+    /// Produces KV (prefill).
+    Producer,
+    /// Consumes KV (decode).
+    Consumer,
+    /// Routes requests to both sides (`kvx proxy`): has no cache and no transport, and may
+    /// only cancel transfers that no consumer registered ([`Abort`]). Its hello carries an
+    /// all-zero layout and no regions.
+    Router,
+}
+
+/// The first message on a control connection: who the sender is, what its cache looks like and
+/// how to reach its memory.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Hello {
+    /// Hash of what must match between peers (model shape, dtype); see
+    /// [`LayoutSpec::compat_hash`].
+    pub compat_hash: u64,
+    /// The sending engine.
+    pub engine: EngineId,
+    /// The sender's incarnation: a new value after every restart.
+    pub incarnation: Incarnation,
+    /// Producer or consumer.
+    pub role: Role,
+    /// The sending rank's cache layout.
+    pub layout: LayoutSpec,
+    /// The sending rank's registered regions.
+    pub regions: Vec<RegionDesc>,
+    /// Transport name (`"libfabric:shm"`, `"nixl:ucx"`, `"loopback"`, ...).
+    pub transport: String,
+    /// Opaque transport endpoint address.
+    pub transport_addr: Vec<u8>,
+    /// From a consumer: send a [`Finishing`] message before each transfer's final writes to
+    /// this rank (its transport has no wait object, so it reads its transport only while a
+    /// notice is due). Producers send `false`.
+    pub finishing_hints: bool,
+    /// From a producer: the longest its writes for one registration can run, in milliseconds
+    /// (its transfer timeout). A consumer that gives up on a request holds the request's
+    /// blocks until this rank confirms that it writes no more, or for this long (plus a
+    /// margin): a posted write cannot be recalled. Consumers send 0.
+    pub write_timeout_ms: u32,
+}
+
+impl Hello {
+    /// A router's hello ([`Role::Router`]): no cache (an all-zero layout), no regions, no
+    /// transport.
+    #[must_use]
+    pub fn router(engine: EngineId, incarnation: Incarnation) -> Self {
+        Self {
+            compat_hash: 0,
+            engine,
+            incarnation,
+            role: Role::Router,
+            layout: LayoutSpec {
+                num_layers: 0,
+                total_kv_heads: 0,
+                head_dim: 0,
+                dtype: Dtype::F32,
+                mla: false,
+                block_tokens: 0,
+                num_blocks: 0,
+                tp_size: 0,
+                tp_rank: 0,
+                order: MemoryOrder::Nhd,
+                arrangement: Arrangement::PerLayerSplit,
+            },
+            regions: Vec::new(),
+            transport: String::new(),
+            transport_addr: Vec::new(),
+            finishing_hints: false,
+            write_timeout_ms: 0,
+        }
+    }
+}
+
+/// Decode tells prefill where one request's KV must land on one decode rank.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Registration {
+    /// The router's transfer id.
+    pub transfer: TransferId,
+    /// The attempt; higher supersedes lower.
+    pub attempt: Attempt,
+    /// Decode's own request id (for its logs).
+    pub request: RequestId,
+    /// The registering decode engine.
+    pub consumer: EngineId,
+    /// Its incarnation.
+    pub consumer_incarnation: Incarnation,
+    /// The decode rank these blocks belong to.
+    pub consumer_rank: Rank,
+    /// Prompt tokens whose KV is wanted.
+    pub num_tokens: u32,
+    /// Leading tokens decode already has (prefix cache hit); they are not written.
+    pub skip_tokens: u32,
+    /// How long prefill may hold this registration unmatched, in milliseconds.
+    pub lease_ms: u32,
+    /// The transport notice value the producer rank attaches to its writes: chosen by the
+    /// consumer, distinct for every (registration, producer rank), so that the arriving notice
+    /// names both.
+    pub notice: u64,
+    /// Destination blocks, in token order, covering tokens from 0.
+    pub blocks: Vec<BlockId>,
+}
+
+/// Prefill tells decode that one producer rank has written everything it will write for a
+/// transfer. Sent only after the data is visible at the destination.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Completion {
+    /// The transfer.
+    pub transfer: TransferId,
+    /// The attempt that was written.
+    pub attempt: Attempt,
+    /// The producing engine.
+    pub producer: EngineId,
+    /// The producer rank that finished.
+    pub producer_rank: Rank,
+    /// Bytes written by this rank.
+    pub bytes: u64,
+}
+
+/// Prefill tells a decode rank that asked for it ([`Hello::finishing_hints`]) that one producer
+/// rank has begun the final writes of a transfer attempt: its completion notice follows on the
+/// transport.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Finishing {
+    /// The transfer.
+    pub transfer: TransferId,
+    /// The attempt being written.
+    pub attempt: Attempt,
+    /// The producer rank that writes.
+    pub producer_rank: Rank,
+}
+
+/// Why a transfer failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u16)]
+#[non_exhaustive]
+pub enum FailureReason {
+    /// A lease ran out before the other half arrived.
+    LeaseExpired = 1,
+    /// The peer could not be reached.
+    PeerUnreachable = 2,
+    /// Posting or completing the writes failed.
+    TransferFailed = 3,
+    /// The request was aborted.
+    Aborted = 4,
+    /// The registration was refused (capacity, stale attempt, bad blocks).
+    Rejected = 5,
+    /// The layouts of the two sides cannot be planned together.
+    IncompatibleLayout = 6,
+    /// The request was preempted.
+    Preempted = 7,
+}
+
+impl FailureReason {
+    pub(super) fn from_code(code: u16) -> Option<Self> {
+        Some(match code {
+            1 => Self::LeaseExpired,
+            2 => Self::PeerUnreachable,
+            3 => Self::TransferFailed,
+            4 => Self::Aborted,
+            5 => Self::Rejected,
+            6 => Self::IncompatibleLayout,
+            7 => Self::Preempted,
+            _ => return None,
+        })
+    }
+}
+
+/// Either side tells the other that a transfer attempt failed and will not complete.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FailureNotice {
+    /// The transfer.
+    pub transfer: TransferId,
+    /// The failed attempt.
+    pub attempt: Attempt,
+    /// The rank reporting the failure.
+    pub rank: Rank,
+    /// Why.
+    pub reason: FailureReason,
+    /// Human-readable detail.
+    pub detail: String,
+}
+
+/// Cancel one attempt, or every attempt, of a transfer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Abort {
+    /// The transfer.
+    pub transfer: TransferId,
+    /// One attempt, or `None` for every attempt.
+    pub attempt: Option<Attempt>,
+    /// Human-readable reason.
+    pub reason: String,
+}
+
+/// Keeps leases alive for the listed transfers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Heartbeat {
+    /// The sender.
+    pub engine: EngineId,
+    /// Its incarnation.
+    pub incarnation: Incarnation,
+    /// Transfers still wanted.
+    pub transfers: Vec<TransferId>,
+}
+
+/// Every message of the protocol.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Message {
+    /// See [`Hello`].
+    Hello(Hello),
+    /// See [`Registration`].
+    Registration(Registration),
+    /// See [`Completion`].
+    Completion(Completion),
+    /// See [`FailureNotice`].
+    Failure(FailureNotice),
+    /// See [`Abort`].
+    Abort(Abort),
+    /// See [`Heartbeat`].
+    Heartbeat(Heartbeat),
+    /// See [`Finishing`].
+    Finishing(Finishing),
+}
