@@ -16,19 +16,12 @@ use std::process::Command;
 
 use anyhow::{bail, Context as _};
 
+use crate::bench::BENCHES;
 use crate::{cargo, root, step};
 
-/// The criterion benches a comparison covers: (name, package, bench target, groups).
-const MICRO: &[(&str, &str, &str, &str)] = &[
-    ("plan", "kvx-layout", "plan", "plan_qwen3_32b_16k"),
-    ("codec", "kvx-core", "codec", "codec"),
-    (
-        "rendezvous",
-        "kvx-rendezvous",
-        "matcher",
-        "matcher,expiry,waiter",
-    ),
-];
+/// The criterion benches a comparison covers (by name in [`BENCHES`]; `transfer` and `gpu`
+/// have harnesses of their own).
+const MICRO: [&str; 3] = ["plan", "codec", "rendezvous"];
 
 /// One tree to measure.
 struct Tree {
@@ -39,16 +32,16 @@ struct Tree {
 
 /// Runs the comparison of `names` (all micro benches when empty) against `rev`, `rounds` times.
 pub(crate) fn run(rev: &str, names: &[String], rounds: usize, quick: bool) -> anyhow::Result<()> {
-    let selected: Vec<_> = MICRO
+    let selected: Vec<_> = BENCHES
         .iter()
+        .filter(|(n, ..)| MICRO.contains(n))
         .filter(|(n, ..)| names.is_empty() || names.iter().any(|m| m == n))
         .collect();
     for name in names {
-        if !MICRO.iter().any(|(n, ..)| n == name) {
-            let known: Vec<&str> = MICRO.iter().map(|(n, ..)| *n).collect();
+        if !MICRO.contains(&name.as_str()) {
             bail!(
                 "`--against` compares the criterion micro benchmarks only ({}), not `{name}`",
-                known.join(", ")
+                MICRO.join(", ")
             );
         }
     }

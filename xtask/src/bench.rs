@@ -13,7 +13,7 @@ use crate::{cargo, root, step};
 mod vllm_bench;
 
 /// (name, package, bench target, criterion groups, comma-separated)
-const BENCHES: &[(&str, &str, &str, &str)] = &[
+pub(crate) const BENCHES: &[(&str, &str, &str, &str)] = &[
     ("plan", "kvx-layout", "plan", "plan_qwen3_32b_16k"),
     ("codec", "kvx-core", "codec", "codec"),
     (

@@ -73,29 +73,30 @@ impl ConnectorConfig {
     /// connect, 60 s for a transfer).
     #[must_use]
     pub fn new(engine: EngineId) -> Self {
-        let (
-            registration_lease,
-            producer_lease,
-            heartbeat_interval,
-            connect_timeout,
-            transfer_timeout,
-            max_entries,
-        ) = crate::settings::connector_defaults();
-        Self {
+        let mut config = Self {
             engine,
             incarnation: random_incarnation(),
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
-            registration_lease,
-            producer_lease,
-            heartbeat_interval,
-            connect_timeout,
-            transfer_timeout,
-            max_entries,
+            // Each set from the settings table just below.
+            registration_lease: Duration::ZERO,
+            producer_lease: Duration::ZERO,
+            heartbeat_interval: Duration::ZERO,
+            connect_timeout: Duration::ZERO,
+            transfer_timeout: Duration::ZERO,
+            max_entries: 0,
             quiesce_timeout: None,
             finishing_hints: None,
             notice_board: true,
             local_sockets: true,
+        };
+        for setting in crate::settings::SETTINGS
+            .iter()
+            .filter(|s| s.field.is_some())
+        {
+            crate::settings::apply(&mut config, setting.key, &setting.default)
+                .expect("the settings table's defaults fit their fields");
         }
+        config
     }
 }
 

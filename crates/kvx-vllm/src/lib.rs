@@ -64,6 +64,8 @@ pub mod producer;
 mod python;
 pub mod router;
 pub mod settings;
+#[cfg(test)]
+mod sim_support;
 mod stats;
 pub mod transport;
 

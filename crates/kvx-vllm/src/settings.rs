@@ -327,35 +327,6 @@ pub fn find(name: &str) -> Option<&'static Setting> {
         .find(|s| s.key == name || s.field == Some(name))
 }
 
-/// The default of the setting `key` (which must exist).
-fn default_of(key: &str) -> &'static Value {
-    &find(key).expect("a setting of the table").default
-}
-
-fn seconds_default(key: &str) -> Duration {
-    match default_of(key) {
-        Value::Number(s) => Duration::from_secs_f64(*s),
-        other => unreachable!("{key} defaults to {other}"),
-    }
-}
-
-/// The defaults of [`ConnectorConfig`]'s settings: (registration lease, producer lease,
-/// heartbeat interval, connect timeout, transfer timeout, max entries).
-pub(crate) fn connector_defaults() -> (Duration, Duration, Duration, Duration, Duration, usize) {
-    let max_entries = match default_of("max_entries") {
-        Value::Count(n) => usize::try_from(*n).unwrap_or(usize::MAX),
-        other => unreachable!("max_entries defaults to {other}"),
-    };
-    (
-        seconds_default("registration_lease_s"),
-        seconds_default("producer_lease_s"),
-        seconds_default("heartbeat_interval_s"),
-        seconds_default("connect_timeout_s"),
-        seconds_default("transfer_timeout_s"),
-        max_entries,
-    )
-}
-
 /// Checks `raw` against the setting `name` (key or field name) and gives it in its normalised
 /// form.
 ///
@@ -553,38 +524,25 @@ mod tests {
     }
 
     #[test]
-    fn the_connector_config_defaults_are_the_tables() {
-        let mut from_table = ConnectorConfig::new(EngineId(1));
-        for s in SETTINGS.iter().filter(|s| s.field.is_some()) {
-            apply(&mut from_table, s.key, &s.default).unwrap();
-        }
-        let default = ConnectorConfig::new(EngineId(1));
+    fn the_connector_config_takes_every_default_from_the_table() {
+        let config = ConnectorConfig::new(EngineId(1));
+        let seconds = |key: &str| match &find(key).unwrap().default {
+            Value::Number(s) => Duration::from_secs_f64(*s),
+            other => panic!("{key} defaults to {other}"),
+        };
+        assert_eq!(config.registration_lease, seconds("registration_lease_s"));
+        assert_eq!(config.producer_lease, seconds("producer_lease_s"));
+        assert_eq!(config.heartbeat_interval, seconds("heartbeat_interval_s"));
+        assert_eq!(config.connect_timeout, seconds("connect_timeout_s"));
+        assert_eq!(config.transfer_timeout, seconds("transfer_timeout_s"));
+        assert_eq!(find("quiesce_timeout_s").unwrap().default, Value::Unset);
+        assert_eq!(config.quiesce_timeout, None);
         assert_eq!(
-            format!(
-                "{:?}",
-                (
-                    default.registration_lease,
-                    default.producer_lease,
-                    default.heartbeat_interval,
-                    default.connect_timeout,
-                    default.transfer_timeout,
-                    default.max_entries,
-                    default.quiesce_timeout
-                )
-            ),
-            format!(
-                "{:?}",
-                (
-                    from_table.registration_lease,
-                    from_table.producer_lease,
-                    from_table.heartbeat_interval,
-                    from_table.connect_timeout,
-                    from_table.transfer_timeout,
-                    from_table.max_entries,
-                    from_table.quiesce_timeout
-                )
-            ),
+            find("max_entries").unwrap().default,
+            Value::Count(config.max_entries as u64)
         );
+        // Every ConnectorConfig setting of the table was looked at above.
+        assert_eq!(SETTINGS.iter().filter(|s| s.field.is_some()).count(), 7);
     }
 
     #[test]

@@ -43,16 +43,8 @@ impl driver::Driven for Driver {
         self.stats.driver_turns.fetch_add(1, Ordering::Relaxed);
     }
 
-    fn lend_transport(&mut self) -> Option<Box<dyn Transport>> {
-        self.transport.take()
-    }
-
-    fn return_transport(&mut self, transport: Box<dyn Transport>) {
-        self.transport = Some(transport);
-    }
-
-    fn transport(&mut self) -> Option<&mut (dyn Transport + 'static)> {
-        self.transport.as_deref_mut()
+    fn transport_slot(&mut self) -> &mut Option<Box<dyn Transport>> {
+        &mut self.transport
     }
 
     fn is_shutdown(command: &Command) -> bool {

@@ -7,45 +7,14 @@
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::AtomicU64;
 
-use kvx_core::{Arrangement, Dtype, EngineId, MemoryOrder};
+use kvx_core::EngineId;
 use kvx_layout::CopyOp;
 use kvx_rdma::loopback::LoopbackFabric;
-use kvx_rdma::region::HostBuffer;
 use kvx_rdma::transport::Notice;
 
 use super::*;
 use crate::driver::{CommandReceiver, Driven};
-
-/// 2 layers, 2 KV heads of 8 f32s, 4-token blocks, 16 blocks, NHD, K and V apart.
-fn spec() -> kvx_core::LayoutSpec {
-    kvx_core::LayoutSpec {
-        num_layers: 2,
-        total_kv_heads: 2,
-        head_dim: 8,
-        dtype: Dtype::F32,
-        mla: false,
-        block_tokens: 4,
-        num_blocks: 16,
-        tp_size: 1,
-        tp_rank: 0,
-        order: MemoryOrder::Nhd,
-        arrangement: Arrangement::PerLayerSplit,
-    }
-}
-
-/// An endpoint of `fabric` with the cache of [`spec`] registered, and its regions.
-fn endpoint(fabric: &LoopbackFabric) -> (Box<dyn Transport>, Vec<LocalRegion>) {
-    let mut transport: Box<dyn Transport> = Box::new(fabric.endpoint());
-    let layout = Layout::new(spec()).unwrap();
-    let mut regions = Vec::new();
-    for i in 0..layout.region_count() {
-        let buffer = Arc::new(HostBuffer::new(layout.region_len() as usize).unwrap());
-        let region = LocalRegion::host(i, buffer);
-        transport.register(region.clone()).unwrap();
-        regions.push(region);
-    }
-    (transport, regions)
-}
+use crate::sim_support::{endpoint, ids, key, spec};
 
 /// Where the (absent) prefill instance is said to listen.
 const INSTANCE: SocketAddr = SocketAddr::new(
@@ -210,19 +179,8 @@ impl Sim {
 
     /// The next message to the producer rank, if one is there.
     fn message(&mut self) -> Option<Message> {
-        self.control.set_nonblocking(true).unwrap();
-        let message = control::read_message(&mut self.control).ok();
-        self.control.set_nonblocking(false).unwrap();
-        message
+        crate::sim_support::message(&mut self.control)
     }
-}
-
-fn key(transfer: u128) -> AttemptKey {
-    AttemptKey::new(TransferId(transfer), Attempt::FIRST)
-}
-
-fn ids(range: std::ops::Range<u32>) -> Vec<BlockId> {
-    range.map(BlockId).collect()
 }
 
 #[test]

@@ -84,13 +84,22 @@ pub(crate) trait Driven {
     fn parking(&mut self, _until: Option<Timestamp>, _busy: bool) {}
     /// The loop woke.
     fn woke(&mut self) {}
-    /// Takes the transport out for a wait on it (given back with [`Driven::return_transport`]); `None`:
-    /// the transport is gone, and the loop stops.
-    fn lend_transport(&mut self) -> Option<Box<dyn Transport>>;
+    /// Where the side keeps its transport (`None` while the loop has it out for a wait, or
+    /// once it is closed).
+    fn transport_slot(&mut self) -> &mut Option<Box<dyn Transport>>;
+    /// Takes the transport out for a wait on it (given back with [`Driven::return_transport`]);
+    /// `None`: the transport is gone, and the loop stops.
+    fn lend_transport(&mut self) -> Option<Box<dyn Transport>> {
+        self.transport_slot().take()
+    }
     /// Gives back the transport lent for a wait.
-    fn return_transport(&mut self, transport: Box<dyn Transport>);
+    fn return_transport(&mut self, transport: Box<dyn Transport>) {
+        *self.transport_slot() = Some(transport);
+    }
     /// The transport, to read after a wait on the command queue alone; `None`: gone.
-    fn transport(&mut self) -> Option<&mut (dyn Transport + 'static)>;
+    fn transport(&mut self) -> Option<&mut (dyn Transport + 'static)> {
+        self.transport_slot().as_deref_mut()
+    }
     /// Whether `command` asks the driver to stop.
     fn is_shutdown(command: &Self::Command) -> bool;
     /// Handles one command.

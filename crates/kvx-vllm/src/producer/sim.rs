@@ -10,41 +10,11 @@ use std::sync::atomic::AtomicU64;
 
 use kvx_core::wire::FailureReason;
 use kvx_core::wire::Registration;
-use kvx_core::{Arrangement, Dtype, LayoutSpec, MemoryOrder};
 use kvx_rdma::loopback::LoopbackFabric;
-use kvx_rdma::region::HostBuffer;
-use kvx_rdma::LocalRegion;
 
 use super::*;
 use crate::driver::Driven;
-
-/// 2 layers, 2 KV heads of 8 f32s, 4-token blocks, 16 blocks, NHD, K and V apart.
-fn spec() -> LayoutSpec {
-    LayoutSpec {
-        num_layers: 2,
-        total_kv_heads: 2,
-        head_dim: 8,
-        dtype: Dtype::F32,
-        mla: false,
-        block_tokens: 4,
-        num_blocks: 16,
-        tp_size: 1,
-        tp_rank: 0,
-        order: MemoryOrder::Nhd,
-        arrangement: Arrangement::PerLayerSplit,
-    }
-}
-
-/// An endpoint of `fabric` with `spec`'s cache registered.
-fn endpoint(fabric: &LoopbackFabric, spec: &LayoutSpec) -> Box<dyn Transport> {
-    let mut transport: Box<dyn Transport> = Box::new(fabric.endpoint());
-    let layout = Layout::new(spec.clone()).unwrap();
-    for i in 0..layout.region_count() {
-        let buffer = Arc::new(HostBuffer::new(layout.region_len() as usize).unwrap());
-        transport.register(LocalRegion::host(i, buffer)).unwrap();
-    }
-    transport
-}
+use crate::sim_support::{endpoint, ids, key, spec};
 
 /// One producer rank's state machine and what surrounds it in a test.
 struct Sim {
@@ -68,13 +38,13 @@ impl Sim {
         let mut driver = Driver::new(
             &config,
             Layout::new(spec()).unwrap(),
-            endpoint(&fabric, &spec()),
+            endpoint(&fabric).0,
             Clock::virtual_at(now),
             Arc::clone(&finished),
             Arc::new(Stats::default()),
         )
         .unwrap();
-        let consumer = endpoint(&fabric, &spec());
+        let consumer = endpoint(&fabric).0;
         let (ours, theirs) = UnixStream::pair().unwrap();
         let sender = control::sender(&ControlStream::local(ours)).unwrap();
         let hello = control::hello(
@@ -178,19 +148,8 @@ impl Sim {
 
     /// The next message to the consumer, if one is there.
     fn message(&mut self) -> Option<Message> {
-        self.control.set_nonblocking(true).unwrap();
-        let message = control::read_message(&mut self.control).ok();
-        self.control.set_nonblocking(false).unwrap();
-        message
+        crate::sim_support::message(&mut self.control)
     }
-}
-
-fn key(transfer: u128) -> AttemptKey {
-    AttemptKey::new(TransferId(transfer), Attempt::FIRST)
-}
-
-fn ids(range: std::ops::Range<u32>) -> Vec<BlockId> {
-    range.map(BlockId).collect()
 }
 
 #[test]

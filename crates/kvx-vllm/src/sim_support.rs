@@ -1,0 +1,65 @@
+//! What the producer's and the consumer's state-machine tests (`producer::sim`,
+//! `consumer::sim`) share: a small cache layout, endpoints with it registered on a loopback
+//! fabric, reading a peer's messages without waiting, and ids.
+
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+
+use kvx_core::wire::Message;
+use kvx_core::{Arrangement, Attempt, BlockId, Dtype, LayoutSpec, MemoryOrder, TransferId};
+use kvx_layout::Layout;
+use kvx_rdma::loopback::LoopbackFabric;
+use kvx_rdma::region::{HostBuffer, LocalRegion};
+use kvx_rdma::transport::Transport;
+use kvx_rendezvous::AttemptKey;
+
+use crate::control;
+
+/// 2 layers, 2 KV heads of 8 f32s, 4-token blocks, 16 blocks, NHD, K and V apart.
+pub(crate) fn spec() -> LayoutSpec {
+    LayoutSpec {
+        num_layers: 2,
+        total_kv_heads: 2,
+        head_dim: 8,
+        dtype: Dtype::F32,
+        mla: false,
+        block_tokens: 4,
+        num_blocks: 16,
+        tp_size: 1,
+        tp_rank: 0,
+        order: MemoryOrder::Nhd,
+        arrangement: Arrangement::PerLayerSplit,
+    }
+}
+
+/// An endpoint of `fabric` with the cache of [`spec`] registered, and its regions.
+pub(crate) fn endpoint(fabric: &LoopbackFabric) -> (Box<dyn Transport>, Vec<LocalRegion>) {
+    let mut transport: Box<dyn Transport> = Box::new(fabric.endpoint());
+    let layout = Layout::new(spec()).expect("a valid layout");
+    let mut regions = Vec::new();
+    for i in 0..layout.region_count() {
+        let buffer = Arc::new(HostBuffer::new(layout.region_len() as usize).expect("memory"));
+        let region = LocalRegion::host(i, buffer);
+        transport.register(region.clone()).expect("registered");
+        regions.push(region);
+    }
+    (transport, regions)
+}
+
+/// The next message on `stream`, if one is there now.
+pub(crate) fn message(stream: &mut UnixStream) -> Option<Message> {
+    stream.set_nonblocking(true).expect("a socket");
+    let message = control::read_message(stream).ok();
+    stream.set_nonblocking(false).expect("a socket");
+    message
+}
+
+/// The first attempt of `transfer`.
+pub(crate) fn key(transfer: u128) -> AttemptKey {
+    AttemptKey::new(TransferId(transfer), Attempt::FIRST)
+}
+
+/// Block ids `range`.
+pub(crate) fn ids(range: std::ops::Range<u32>) -> Vec<BlockId> {
+    range.map(BlockId).collect()
+}
