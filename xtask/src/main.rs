@@ -80,12 +80,15 @@ fn step(what: &str) {
     println!("\n==> {what}");
 }
 
-/// Runs a command at the root, failing with its name if it fails.
+/// Runs a command (at the root unless it names a folder of its own), failing with its name if
+/// it fails.
 fn run(cmd: &mut Command) -> anyhow::Result<()> {
     let shown = format!("{cmd:?}");
     println!("    $ {}", shown.replace('"', ""));
+    if cmd.get_current_dir().is_none() {
+        cmd.current_dir(root());
+    }
     let status = cmd
-        .current_dir(root())
         .status()
         .with_context(|| format!("cannot start {shown}"))?;
     if !status.success() {

@@ -642,6 +642,20 @@ pub fn plan_layers(req: &PlanRequest<'_>, layers: Range<u32>) -> Result<Plan, Pl
     })
 }
 
+/// A head group's producer-side numbers, as [`build_templates`] uses them at every segment.
+#[derive(Clone, Copy, Debug)]
+struct GroupGeometry {
+    /// The producer rank's heads.
+    hp: u64,
+    /// Its head pitch and block stride.
+    p_pitch: u64,
+    p_stride: u64,
+    /// The group's first head on each side, and its number of heads.
+    jp: u64,
+    jc: u64,
+    nh: u64,
+}
+
 /// The template of part `kv` (which matters only for [`MemoryOrder::HndKt`]).
 fn build_templates(
     req: &PlanRequest<'_>,
@@ -661,22 +675,33 @@ fn build_templates(
     let c_pitch = consumer.head_pitch();
     let element = u64::from(consumer.spec().dtype.size());
     let dims = head_bytes / element;
+    // What each group needs of its producer rank, read once instead of at every segment.
+    let geometry: Vec<GroupGeometry> = groups
+        .iter()
+        .map(|g| {
+            let producer = &req.producers[g.producer_index];
+            GroupGeometry {
+                hp: u64::from(producer.local_heads()),
+                p_pitch: producer.head_pitch(),
+                p_stride: producer.block_stride(),
+                jp: u64::from(g.producer_head),
+                jc: u64::from(g.consumer_head),
+                nh: u64::from(g.heads),
+            }
+        })
+        .collect();
+    let n = req.num_tokens;
     let mut t = req.skip_tokens;
-    while t < req.num_tokens {
-        let (pbi, ps) = (t / bp, t % bp);
-        let (cbi, cs) = (t / bc, t % bc);
-        let len = (bp - ps).min(bc - cs).min(req.num_tokens - t);
+    // Block indices and offsets advance with the segments: no division per segment.
+    let (mut pbi, mut ps) = (t / bp, t % bp);
+    let (mut cbi, mut cs) = (t / bc, t % bc);
+    while t < n {
+        let len = (bp - ps).min(bc - cs).min(n - t);
         let c_chunk = u64::from(req.consumer_blocks[cbi as usize].0) * c_stride;
-        for (gi, group) in groups.iter().enumerate() {
-            let producer = &req.producers[group.producer_index];
-            let hp = u64::from(producer.local_heads());
-            let p_pitch = producer.head_pitch();
-            let p_chunk = u64::from(req.producer_blocks[pbi as usize].0) * producer.block_stride();
-            let (jp, jc, nh) = (
-                u64::from(group.producer_head),
-                u64::from(group.consumer_head),
-                u64::from(group.heads),
-            );
+        let p_block = u64::from(req.producer_blocks[pbi as usize].0);
+        for (gi, g) in geometry.iter().enumerate() {
+            let p_chunk = p_block * g.p_stride;
+            let (hp, p_pitch, jp, jc, nh) = (g.hp, g.p_pitch, g.jp, g.jc, g.nh);
             let piece = match order {
                 // One piece per token: the group's heads of that token.
                 MemoryOrder::Nhd => Piece::strided(
@@ -716,6 +741,16 @@ fn build_templates(
             mergers[gi].push(piece, &mut templates[gi]);
         }
         t += len;
+        ps += len;
+        if ps == bp {
+            ps = 0;
+            pbi += 1;
+        }
+        cs += len;
+        if cs == bc {
+            cs = 0;
+            cbi += 1;
+        }
     }
     for (template, merger) in templates.iter_mut().zip(mergers) {
         merger.finish(template);

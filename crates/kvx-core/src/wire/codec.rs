@@ -376,8 +376,11 @@ impl Writer<'_> {
         // A list longer than u32::MAX items cannot fit MAX_PAYLOAD; the length check in `encode`
         // rejects it, so a saturated count here is never sent.
         self.u32(u32::try_from(m.blocks.len()).unwrap_or(u32::MAX));
-        for b in &m.blocks {
-            self.u32(b.0);
+        // The ids in one pass over room made once: no capacity check per id.
+        let start = self.out.len();
+        self.out.resize(start + 4 * m.blocks.len(), 0);
+        for (slot, b) in self.out[start..].chunks_exact_mut(4).zip(&m.blocks) {
+            slot.copy_from_slice(&b.0.to_le_bytes());
         }
     }
     fn completion(&mut self, m: &Completion) {
