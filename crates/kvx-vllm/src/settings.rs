@@ -474,8 +474,8 @@ pub fn apply(config: &mut ConnectorConfig, name: &str, value: &Value) -> Result<
 }
 
 /// The control address of rank `rank` for the `listen` setting `HOST:PORT`: port `PORT + rank`,
-/// or port 0 (each rank picks a free port) where `PORT` is 0. The same arithmetic as
-/// [`rank_addr`](crate::rank_addr), on the setting's text (the host may be a name).
+/// or port 0 (each rank picks a free port) where `PORT` is 0: [`rank_port`](crate::rank_port)
+/// on the setting's text (the host may be a name).
 ///
 /// # Errors
 /// [`SettingError::Invalid`] when `listen` is not `HOST:PORT` or the rank's port passes 65535.
@@ -490,11 +490,8 @@ pub fn rank_listen(listen: &str, rank: u32) -> Result<String, SettingError> {
         .filter(|_| is_host_port(listen))
         .ok_or_else(|| invalid("HOST:PORT"))?;
     let port: u16 = port.parse().map_err(|_| invalid("HOST:PORT"))?;
-    let port = if port == 0 {
-        0
-    } else {
-        u16::try_from(u32::from(port) + rank).map_err(|_| invalid("a port that leaves room"))?
-    };
+    let port =
+        crate::control::rank_port(port, rank).ok_or_else(|| invalid("a port that leaves room"))?;
     Ok(format!("{host}:{port}"))
 }
 

@@ -14,6 +14,7 @@ use kvx_rdma::transport::Transport;
 use kvx_rendezvous::AttemptKey;
 
 use crate::control;
+use crate::driver::Driven;
 
 /// 2 layers, 2 KV heads of 8 f32s, 4-token blocks, 16 blocks, NHD, K and V apart.
 pub(crate) fn spec() -> LayoutSpec {
@@ -62,4 +63,17 @@ pub(crate) fn key(transfer: u128) -> AttemptKey {
 /// Block ids `range`.
 pub(crate) fn ids(range: std::ops::Range<u32>) -> Vec<BlockId> {
     range.map(BlockId).collect()
+}
+
+/// Hands `driver` what its transport reported, as a turn of the driver loop does.
+pub(crate) fn transport_events(driver: &mut impl Driven) {
+    let mut events = Vec::new();
+    driver
+        .transport()
+        .expect("open")
+        .poll(&mut events)
+        .expect("a loopback poll");
+    for event in events {
+        driver.transport_event(event);
+    }
 }

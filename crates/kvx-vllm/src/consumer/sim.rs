@@ -156,15 +156,7 @@ impl Sim {
 
     /// Hands the state machine what its transport reported.
     fn transport_events(&mut self) {
-        let mut events = Vec::new();
-        self.driver
-            .transport()
-            .expect("open")
-            .poll(&mut events)
-            .unwrap();
-        for event in events {
-            self.driver.transport_event(event);
-        }
+        crate::sim_support::transport_events(&mut self.driver);
     }
 
     /// What the engine learns now.
