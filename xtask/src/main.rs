@@ -108,6 +108,11 @@ fn test(no_lint: bool) -> anyhow::Result<()> {
     // One machine, one pid namespace: let the transports sweep them (docs/transports.md).
     // Set before any thread or child starts, so every test process inherits it.
     std::env::set_var("KVX_SHM_SWEEP", "1");
+    // The tests across two hosts need network namespaces: as root, a test that cannot make them
+    // fails instead of skipping.
+    if setup::is_root() {
+        std::env::set_var("KVX_REQUIRE_NETNS", "1");
+    }
     if !no_lint {
         step("rustfmt check");
         run(cargo().args(["fmt", "--all", "--", "--check"]))?;

@@ -8,13 +8,26 @@ use crate::{run, step};
 
 /// Debian packages the build needs: libfabric (headers and library) for the libfabric backend,
 /// libclang for bindgen, pkg-config to find libfabric, a C/C++ compiler for the shim and the
-/// fuzzers' runtime.
+/// fuzzers' runtime, and iproute2 (`ip`) for the tests that put two "hosts" in two network
+/// namespaces.
 pub(crate) const PACKAGES: &[&str] = &[
     "libfabric-dev",
     "libclang-dev",
     "pkg-config",
     "build-essential",
+    "iproute2",
 ];
+
+/// Whether this process runs as root (and so may create network namespaces).
+pub(crate) fn is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status").is_ok_and(|status| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("Uid:"))
+            .and_then(|ids| ids.split_whitespace().nth(1))
+            == Some("0")
+    })
+}
 
 fn installed(package: &str) -> bool {
     Command::new("dpkg-query")

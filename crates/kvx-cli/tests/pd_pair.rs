@@ -1,8 +1,11 @@
 //! `kvx pd` across two real processes over libfabric (shm and tcp): push and pull, heterogeneous
 //! TP, block size and memory order; decode verifies every byte. And a decode killed mid-stream:
-//! prefill releases every block it held and exits on its own.
+//! prefill releases every block it held and exits on its own. And the pair on two hosts (two
+//! network namespaces), over `libfabric:tcp` with no interface named.
 
 use kvx_testkit::free_ports;
+use kvx_testkit::netns::{Host, TwoHosts};
+use std::net::SocketAddr;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
@@ -38,15 +41,37 @@ struct Run<'a> {
     decode: &'a [&'a str],
     requests: u32,
     tokens: &'a str,
+    /// Prefill on host A and decode on host B; `None`: both on this host.
+    hosts: Option<&'a TwoHosts>,
+}
+
+impl Run<'_> {
+    /// The `kvx` binary on `host`.
+    fn kvx(&self, host: Host) -> Command {
+        let mut command = match self.hosts {
+            Some(hosts) => hosts.command(host, KVX),
+            None => Command::new(KVX),
+        };
+        // The interface a `tcp` endpoint chose is logged (at info).
+        command.env("RUST_LOG", "warn,kvx_vllm::transport=info");
+        command
+    }
 }
 
 /// Runs the pair; returns decode's report and output, and prefill's standard error.
 fn run_pair(run: &Run<'_>) -> (serde_json::Value, Output, String) {
-    let kvx = free_ports(4);
-    let bench = free_ports(1);
+    let (kvx, bench) = match run.hosts {
+        // Ports are free in a fresh namespace.
+        Some(hosts) => (
+            SocketAddr::new(hosts.addr(Host::A), 7100),
+            SocketAddr::new(hosts.addr(Host::A), 7200),
+        ),
+        None => (free_ports(4), free_ports(1)),
+    };
     let out =
         std::env::temp_dir().join(format!("kvx-pd-{}-{}.json", std::process::id(), kvx.port()));
-    let prefill = Command::new(KVX)
+    let prefill = run
+        .kvx(Host::A)
         .args([
             "pd",
             "prefill",
@@ -74,7 +99,8 @@ fn run_pair(run: &Run<'_>) -> (serde_json::Value, Output, String) {
         .spawn()
         .unwrap();
     let mut prefill = Killer(prefill);
-    let decode = Command::new(KVX)
+    let decode = run
+        .kvx(Host::B)
         .args([
             "pd",
             "decode",
@@ -160,6 +186,14 @@ fn summary_numbers<'a>(output: &'a str, marker: &str) -> (&'a str, Vec<u64>) {
 }
 
 fn check(report: &serde_json::Value, requests: u64, tokens_total: u64) {
+    check_delivery(report, requests, tokens_total);
+    // Both processes are on this host: their control connections are Unix sockets.
+    let s = &report["summary"];
+    assert!(s["local_connections"].as_u64().unwrap_or(0) > 0, "{s}");
+}
+
+/// Every request delivered and verified, and the engine loop's transfer work measured.
+fn check_delivery(report: &serde_json::Value, requests: u64, tokens_total: u64) {
     let s = &report["summary"];
     assert_eq!(s["completed"], requests, "{s}");
     assert_eq!(s["failed"], 0, "{s}");
@@ -189,8 +223,6 @@ fn check(report: &serde_json::Value, requests: u64, tokens_total: u64) {
         Some(steps),
         "{s}"
     );
-    // Both processes are on this host: their control connections are Unix sockets.
-    assert!(s["local_connections"].as_u64().unwrap_or(0) > 0, "{s}");
 }
 
 #[test]
@@ -204,6 +236,7 @@ fn push_over_shm_verifies_every_byte() {
         prefill: &["--chunk-tokens", "64", "--per-token-us", "30"],
         decode: &[],
         requests: 8,
+        hosts: None,
         tokens: "40,200",
     });
     check(&report, 8, 4 * 40 + 4 * 200);
@@ -223,6 +256,7 @@ fn push_over_shm_verifies_every_byte() {
         prefill: &[],
         decode: &["--notice-board", "off"],
         requests: 6,
+        hosts: None,
         tokens: "200",
     });
     check(&report, 6, 1200);
@@ -241,6 +275,7 @@ fn pull_over_shm_verifies_every_byte() {
         prefill: &[],
         decode: &[],
         requests: 8,
+        hosts: None,
         tokens: "40,200",
     });
     check(&report, 8, 4 * 40 + 4 * 200);
@@ -258,6 +293,7 @@ fn pull_over_tcp_verifies_every_byte() {
         prefill: &[],
         decode: &["--warmup", "2"],
         requests: 4,
+        hosts: None,
         tokens: "100",
     });
     check(&report, 4, 400);
@@ -286,6 +322,7 @@ fn push_over_tcp_verifies_every_byte() {
         prefill: &["--chunk-tokens", "0", "--per-token-us", "30"],
         decode: &[],
         requests: 6,
+        hosts: None,
         tokens: "100",
     });
     check(&report, 6, 600);
@@ -316,6 +353,7 @@ fn push_and_pull_over_cma_verify_every_byte() {
         ],
         decode: &["--block-tokens", "32", "--order", "nhd"],
         requests: 6,
+        hosts: None,
         tokens: "40,300",
     });
     check(&report, 6, 3 * 40 + 3 * 300);
@@ -333,6 +371,7 @@ fn push_and_pull_over_cma_verify_every_byte() {
             prefill: &[],
             decode: &["--notice-board", board],
             requests: 6,
+            hosts: None,
             tokens: "200",
         });
         check(&report, 6, 1200);
@@ -344,6 +383,7 @@ fn push_and_pull_over_cma_verify_every_byte() {
         prefill: &[],
         decode: &[],
         requests: 6,
+        hosts: None,
         tokens: "200",
     });
     check(&report, 6, 1200);
@@ -373,6 +413,7 @@ fn two_shm_rails_and_dimension_major_keys_verify_every_byte() {
             prefill,
             decode,
             requests: 6,
+            hosts: None,
             tokens: "400,1000",
         });
         check(&report, 6, 3 * 400 + 3 * 1000);
@@ -388,6 +429,7 @@ fn heterogeneous_tp_block_size_and_order() {
         prefill: &["--tp", "2"],
         decode: &["--block-tokens", "32", "--order", "nhd"],
         requests: 6,
+        hosts: None,
         tokens: "70",
     });
     check(&report, 6, 420);
@@ -398,6 +440,7 @@ fn heterogeneous_tp_block_size_and_order() {
         prefill: &["--block-tokens", "32"],
         decode: &["--tp", "2"],
         requests: 4,
+        hosts: None,
         tokens: "70",
     });
     check(&report, 4, 280);
@@ -407,6 +450,7 @@ fn heterogeneous_tp_block_size_and_order() {
         prefill: &["--block-tokens", "32"],
         decode: &["--tp", "2"],
         requests: 4,
+        hosts: None,
         tokens: "70",
     });
     check(&report, 4, 280);
@@ -532,4 +576,43 @@ fn raw_transfer_reports_the_requests_bytes() {
     assert_eq!(v["bytes"], 100 * 1024);
     assert_eq!(v["transport"], "cma");
     assert!(v["transfer_ms_p50"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
+fn across_two_hosts_over_tcp_push_and_pull_verify_every_byte() {
+    let Some(hosts) =
+        TwoHosts::for_test("across_two_hosts_over_tcp_push_and_pull_verify_every_byte")
+    else {
+        return;
+    };
+    for mode in ["push", "pull"] {
+        let (report, decode, prefill) = run_pair(&Run {
+            transport: "libfabric:tcp",
+            mode,
+            prefill: &[],
+            decode: &[],
+            requests: 4,
+            hosts: Some(&hosts),
+            tokens: "100",
+        });
+        check_delivery(&report, 4, 400);
+        let s = &report["summary"];
+        // Nothing took a same-host path: the control connections are TCP, and each side's
+        // endpoint opened on its veth interface (not `lo`, which the other host cannot reach).
+        assert_eq!(s["local_connections"], 0, "{s}");
+        let decode_err = String::from_utf8_lossy(&decode.stderr);
+        for (side, log, addr) in [
+            ("prefill", prefill.as_str(), hosts.addr(Host::A)),
+            ("decode", &*decode_err, hosts.addr(Host::B)),
+        ] {
+            let line = log
+                .lines()
+                .find(|l| l.contains("tcp endpoint interface chosen"))
+                .unwrap_or_else(|| panic!("{mode}: {side} logged no interface: {log}"));
+            assert!(
+                line.contains("interface=kx") && line.contains(&addr.to_string()),
+                "{mode}: {side} opened on the wrong interface: {line}"
+            );
+        }
+    }
 }

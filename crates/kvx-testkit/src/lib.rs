@@ -1,5 +1,5 @@
 //! Helpers the kvx tests share, so that each is written once: free loopback ports for the
-//! servers a test starts.
+//! servers a test starts, and two "hosts" on one machine ([`netns::TwoHosts`]).
 //!
 //! ```
 //! let base = kvx_testkit::free_ports(2);
@@ -7,6 +7,8 @@
 //! ```
 
 use std::net::{SocketAddr, TcpListener};
+
+pub mod netns;
 
 /// `count` consecutive free loopback ports, below the ephemeral range (where connections'
 /// source ports come from, so a probed port there could be taken before the server binds it).

@@ -330,7 +330,7 @@ impl PyProducer {
             token_unit,
         } = args;
         let producer = py.detach(move || -> Result<Producer, PluginStartError> {
-            let t = transport.open_with(&plugin_open_options())?;
+            let t = transport.open_with(&plugin_open_options().reached_at(config.listen.ip()))?;
             Ok(Producer::start(config, cache, t)?)
         });
         let producer = producer.map_err(|e| PyRuntimeError::new_err(e.to_string()))?;

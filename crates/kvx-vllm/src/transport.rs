@@ -1,10 +1,12 @@
 //! Choosing and opening a transport by name: `libfabric:shm` (the default: one machine),
-//! `libfabric:tcp` (loopback or a named interface), `libfabric:auto` (EFA where present, else
+//! `libfabric:tcp` (on the interface its peers reach it by, or a named one: `libfabric:tcp@IFACE`;
+//! see [`OpenOptions`]), `libfabric:auto` (EFA where present, else
 //! TCP), `libfabric:<provider>`, or `loopback` (in-process only, for tests and demos). A libfabric
 //! name may end in `,rails=N`: that many endpoints on the domain, large transfers striped over
 //! them (on `shm`, posted from one thread per rail, so that the copies run in parallel).
 
 use std::fmt;
+use std::net::IpAddr;
 use std::str::FromStr;
 use std::sync::OnceLock;
 
@@ -144,10 +146,6 @@ impl FromStr for TransportSpec {
             other if s.starts_with("libfabric:") => other,
             _ => return Err(TransportError::Unknown(s.into())),
         };
-        let domain = match (provider, domain) {
-            ("tcp;ofi_rxm", None) => Some("lo".to_owned()),
-            (_, d) => d,
-        };
         Ok(Self::Libfabric {
             provider: provider.into(),
             domain,
@@ -243,6 +241,12 @@ pub struct OpenOptions {
     /// libfabric `shm`: remove the regions that killed processes of this user left in
     /// `/dev/shm` before opening (`LibfabricConfig::sweep_stale_shm`; off by default).
     pub sweep_stale_shm: bool,
+    /// An address of this host at which its peers reach it (its control `listen` address): a
+    /// `tcp` endpoint without a named interface opens on the interface that carries it.
+    pub local_addr: Option<IpAddr>,
+    /// A peer's address (decode: prefill's): without [`OpenOptions::local_addr`], a `tcp`
+    /// endpoint without a named interface opens on the interface the route to it leaves by.
+    pub peer_addr: Option<IpAddr>,
 }
 
 impl OpenOptions {
@@ -252,7 +256,22 @@ impl OpenOptions {
     pub fn from_env_values(shm_sweep: Option<&std::ffi::OsStr>) -> Self {
         Self {
             sweep_stale_shm: shm_sweep.is_some_and(|v| v == "1"),
+            ..Self::default()
         }
+    }
+
+    /// These options, for an instance whose peers reach it at `local` (its `listen` address).
+    #[must_use]
+    pub fn reached_at(mut self, local: IpAddr) -> Self {
+        self.local_addr = Some(local);
+        self
+    }
+
+    /// These options, for an instance with a peer at `peer`.
+    #[must_use]
+    pub fn with_peer(mut self, peer: IpAddr) -> Self {
+        self.peer_addr = Some(peer);
+        self
     }
 }
 
@@ -291,6 +310,8 @@ impl TransportSpec {
                 };
                 if domain.is_some() {
                     config.domain.clone_from(domain);
+                } else if config.provider == kvx_rdma::libfabric::PROVIDER_TCP {
+                    config.domain = Some(self.tcp_interface(options)?);
                 }
                 if *rails > 1 {
                     config = config.with_rails(Rails::Count(*rails));
@@ -333,6 +354,32 @@ impl TransportSpec {
     }
 }
 
+#[cfg(feature = "libfabric")]
+impl TransportSpec {
+    /// The interface a `tcp` endpoint opens on when its name gives none: where `options` say
+    /// the peers reach this host (`kvx_rdma::libfabric::reach`); logged once per endpoint.
+    fn tcp_interface(&self, options: &OpenOptions) -> Result<String, TransportError> {
+        use kvx_rdma::libfabric::{choose_domain, Reach, PROVIDER_TCP};
+        let reach = match (options.local_addr, options.peer_addr) {
+            (Some(local), _) => Reach::local(local),
+            (None, Some(peer)) => Reach::peer(peer),
+            (None, None) => Reach::default(),
+        };
+        let choice = choose_domain(PROVIDER_TCP, reach).map_err(|e| TransportError::Open {
+            spec: self.to_string(),
+            source: Box::new(e),
+        })?;
+        tracing::info!(
+            transport = %self,
+            interface = %choice.domain,
+            address = ?choice.address,
+            rule = %choice.rule,
+            "kvx: tcp endpoint interface chosen"
+        );
+        Ok(choice.domain)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -347,7 +394,15 @@ mod tests {
             "libfabric:tcp".parse::<TransportSpec>().unwrap(),
             TransportSpec::Libfabric {
                 provider: "tcp;ofi_rxm".into(),
-                domain: Some("lo".into()),
+                domain: None,
+                rails: 1,
+            }
+        );
+        assert_eq!(
+            "libfabric:tcp@eth1".parse::<TransportSpec>().unwrap(),
+            TransportSpec::Libfabric {
+                provider: "tcp;ofi_rxm".into(),
+                domain: Some("eth1".into()),
                 rails: 1,
             }
         );

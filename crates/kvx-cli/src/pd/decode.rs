@@ -154,8 +154,12 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
         };
         args.model.apply_settings(&mut config)?;
         consumers.push(
-            Consumer::start(config, cache, super::open_transport(&spec)?)
-                .context("cannot start the consumer")?,
+            Consumer::start(
+                config,
+                cache,
+                super::open_transport(&spec, |o| o.with_peer(args.prefill.ip()))?,
+            )
+            .context("cannot start the consumer")?,
         );
         memories.push(memory);
     }

@@ -17,12 +17,16 @@ pub(crate) mod prefill;
 pub(crate) mod raw;
 
 /// Opens `spec` with what the operator asks for in the environment (`KVX_SHM_SWEEP=1`: sweep
-/// stale `shm` regions first); the binary reads the environment, the library does not.
+/// stale `shm` regions first) and with `adjust` applied to the options (where the peers are);
+/// the binary reads the environment, the library does not.
 pub(crate) fn open_transport(
     spec: &kvx_vllm::TransportSpec,
+    adjust: impl FnOnce(kvx_vllm::OpenOptions) -> kvx_vllm::OpenOptions,
 ) -> Result<Box<dyn kvx_rdma::Transport>, kvx_vllm::TransportError> {
     let sweep = std::env::var_os(kvx_vllm::transport::SHM_SWEEP_ENV);
-    spec.open_with(&kvx_vllm::OpenOptions::from_env_values(sweep.as_deref()))
+    spec.open_with(&adjust(kvx_vllm::OpenOptions::from_env_values(
+        sweep.as_deref(),
+    )))
 }
 
 /// Arguments of `kvx pd`.

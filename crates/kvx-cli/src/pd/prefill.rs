@@ -174,7 +174,8 @@ pub(crate) fn run(args: &PrefillArgs) -> anyhow::Result<()> {
         config.listen = kvx_vllm::rank_addr(args.listen, kvx_core::Rank(rank));
         config.producer_lease = Duration::from_secs(args.lease_s);
         args.model.apply_settings(&mut config)?;
-        let transport = super::open_transport(&spec)?;
+        let listen = config.listen.ip();
+        let transport = super::open_transport(&spec, |o| o.reached_at(listen))?;
         producers
             .push(Producer::start(config, cache, transport).context("cannot start the producer")?);
         memories.push(memory);

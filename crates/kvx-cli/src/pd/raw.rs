@@ -49,7 +49,7 @@ pub(crate) struct RawArgs {
 /// description, and reports each notice's arrival (Unix microseconds) until stdin closes.
 fn serve(layout: &Layout, spec: &TransportSpec) -> anyhow::Result<()> {
     use std::io::Write as _;
-    let mut transport = super::open_transport(spec)?;
+    let mut transport = super::open_transport(spec, |o| o)?;
     let mut buffers = Vec::new();
     for index in 0..layout.region_count() {
         let buffer = Arc::new(HostBuffer::new(layout.region_len() as usize)?);
@@ -122,7 +122,7 @@ fn time_into(
             break kvx_rdma::EndpointDesc::from_hex(h)?;
         }
     };
-    let mut producer = super::open_transport(spec)?;
+    let mut producer = super::open_transport(spec, |o| o)?;
     // The prefill engine's memory (every page touched), so that `--fresh-source` writes the same
     // pattern the same way.
     let (memory, cache) = super::prefill::RankMemory::new(layout.spec().clone())?;

@@ -1,0 +1,397 @@
+//! Which interface a `tcp` endpoint opens on, so that its peers on other hosts can reach it.
+//!
+//! The `tcp` provider offers one domain per network interface, and an endpoint advertises the
+//! address of the interface it opened on. Its first domain is whatever interface the system lists
+//! first (often `lo`), which a peer on another host cannot reach: every write to such an
+//! endpoint times out. [`choose_domain`] picks the interface by what the caller knows of where
+//! its peers are, in this order:
+//!
+//! 1. **This instance's own address** ([`Reach::local`], e.g. its control `listen` address):
+//!    the interface that carries it (a loopback address: the loopback interface, for peers on
+//!    this host). Peers reach the control plane there, so they reach the data plane there too.
+//! 2. **A peer's address** ([`Reach::peer`]): the interface the route to it leaves by.
+//! 3. **The default route's interface.**
+//! 4. **The only interface** besides loopback.
+//! 5. **Loopback**, where nothing else is up (peers on this host only).
+//!
+//! A route to a peer is looked up by connecting a UDP socket (which sends nothing); the default
+//! route is read from `/proc/net/route`.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, UdpSocket};
+
+use super::fi;
+
+/// What is known of where the peers of an endpoint are.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Reach {
+    /// An address of this host at which its peers reach it (its control `listen` address);
+    /// an unspecified address (`0.0.0.0`) says nothing.
+    pub local: Option<IpAddr>,
+    /// The address of a peer (for an instance that connects out, e.g. decode to prefill).
+    pub peer: Option<IpAddr>,
+}
+
+impl Reach {
+    /// Peers reach this host at `local`.
+    #[must_use]
+    pub fn local(local: IpAddr) -> Self {
+        Self {
+            local: Some(local),
+            peer: None,
+        }
+    }
+
+    /// A peer is at `peer`.
+    #[must_use]
+    pub fn peer(peer: IpAddr) -> Self {
+        Self {
+            local: None,
+            peer: Some(peer),
+        }
+    }
+}
+
+/// Why [`choose_domain`] picked a domain.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ReachRule {
+    /// It carries this instance's own address.
+    LocalAddress(IpAddr),
+    /// The route to this peer leaves by it.
+    RouteToPeer(IpAddr),
+    /// The default route leaves by it.
+    DefaultRoute,
+    /// It is the only interface besides loopback.
+    OnlyInterface,
+    /// Nothing else is up: peers on this host only.
+    Loopback,
+}
+
+impl std::fmt::Display for ReachRule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::LocalAddress(ip) => write!(f, "carries this instance's address {ip}"),
+            Self::RouteToPeer(ip) => write!(f, "the route to the peer {ip} leaves by it"),
+            Self::DefaultRoute => f.write_str("the default route leaves by it"),
+            Self::OnlyInterface => f.write_str("the only interface besides loopback"),
+            Self::Loopback => f.write_str("nothing else is up: peers on this host only"),
+        }
+    }
+}
+
+/// The domain [`choose_domain`] picked.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DomainChoice {
+    /// The domain (interface) name, for [`super::LibfabricConfig::domain`].
+    pub domain: String,
+    /// The address the endpoint advertises there.
+    pub address: Option<IpAddr>,
+    /// Why.
+    pub rule: ReachRule,
+}
+
+/// No domain of the provider can be chosen.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ReachError {
+    /// The provider offers no domain.
+    #[error("libfabric provider {provider} offers no domain (network interface) on this host")]
+    NoDomains {
+        /// The provider.
+        provider: String,
+    },
+    /// No interface carries the instance's own address.
+    #[error(
+        "no network interface of libfabric provider {provider} carries this instance's address \
+         {address} (interfaces: {offered}); set the listen address to one of them, or name the \
+         interface (libfabric:tcp@IFACE)"
+    )]
+    NoInterfaceWithAddress {
+        /// The provider.
+        provider: String,
+        /// The address asked for.
+        address: IpAddr,
+        /// The interfaces and their addresses, as one line.
+        offered: String,
+    },
+}
+
+/// The domain of `provider` that peers described by `reach` can reach (see the module doc).
+///
+/// # Errors
+/// [`ReachError`] when the provider offers no domain, or none carries [`Reach::local`].
+pub fn choose_domain(provider: &str, reach: Reach) -> Result<DomainChoice, ReachError> {
+    let offered = fi::Info::query(&fi::Query {
+        provider,
+        domain: None,
+        delivery_complete: false,
+    })
+    .map(|info| info.domain_addresses())
+    .unwrap_or_default();
+    let default_route = std::fs::read_to_string("/proc/net/route")
+        .ok()
+        .and_then(|table| default_route_interface(&table));
+    choose_from(
+        provider,
+        &offered,
+        reach,
+        route_source,
+        default_route.as_deref(),
+    )
+}
+
+/// The interface of the IPv4 default route in `table` (the text of `/proc/net/route`: a header,
+/// then `Iface Destination Gateway Flags … Mask …`, addresses in hex), the one of lowest metric.
+fn default_route_interface(table: &str) -> Option<String> {
+    const UP: u32 = 0x1;
+    table
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            let hex = |i: usize| f.get(i).and_then(|v| u32::from_str_radix(v, 16).ok());
+            let (destination, flags, metric, mask) = (hex(1)?, hex(3)?, f.get(6)?, hex(7)?);
+            (destination == 0 && mask == 0 && flags & UP != 0)
+                .then(|| (metric.parse::<u32>().unwrap_or(u32::MAX), f[0].to_owned()))
+        })
+        .min()
+        .map(|(_, iface)| iface)
+}
+
+/// The source address of the route to `peer`, as the kernel would pick it.
+fn route_source(peer: IpAddr) -> Option<IpAddr> {
+    let any = match peer {
+        IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+        IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+    };
+    let socket = UdpSocket::bind((any, 0)).ok()?;
+    socket.connect((peer, 9)).ok()?;
+    let ip = socket.local_addr().ok()?.ip();
+    (!ip.is_unspecified()).then_some(ip)
+}
+
+/// [`choose_domain`] over the `offered` domains and their addresses, looking routes up with
+/// `route` (a peer's address to the source address of the route to it); the default route
+/// leaves by the interface `default_route`.
+fn choose_from(
+    provider: &str,
+    offered: &[(String, Option<IpAddr>)],
+    reach: Reach,
+    route: impl Fn(IpAddr) -> Option<IpAddr>,
+    default_route: Option<&str>,
+) -> Result<DomainChoice, ReachError> {
+    if offered.is_empty() {
+        return Err(ReachError::NoDomains {
+            provider: provider.into(),
+        });
+    }
+    let with_address = |ip: IpAddr| {
+        offered
+            .iter()
+            .find(|(_, a)| *a == Some(ip))
+            .map(|(d, a)| (d.clone(), *a))
+    };
+    let loopback = || {
+        offered
+            .iter()
+            .find(|(_, a)| a.is_some_and(|a| a.is_loopback()))
+            .map(|(d, a)| (d.clone(), *a))
+    };
+    let chosen = |(domain, address): (String, Option<IpAddr>), rule| DomainChoice {
+        domain,
+        address,
+        rule,
+    };
+    if let Some(local) = reach.local.filter(|ip| !ip.is_unspecified()) {
+        let found = if local.is_loopback() {
+            loopback()
+        } else {
+            with_address(local)
+        };
+        return found
+            .map(|d| chosen(d, ReachRule::LocalAddress(local)))
+            .ok_or_else(|| ReachError::NoInterfaceWithAddress {
+                provider: provider.into(),
+                address: local,
+                offered: describe(offered),
+            });
+    }
+    if let Some(peer) = reach.peer.filter(|ip| !ip.is_unspecified()) {
+        let found = if peer.is_loopback() {
+            loopback()
+        } else {
+            route(peer).and_then(with_address)
+        };
+        if let Some(d) = found {
+            return Ok(chosen(d, ReachRule::RouteToPeer(peer)));
+        }
+    }
+    let by_name = default_route.and_then(|iface| {
+        offered
+            .iter()
+            .find(|(d, a)| d == iface && a.is_some_and(|a| !a.is_loopback()))
+    });
+    if let Some((d, a)) = by_name {
+        return Ok(chosen((d.clone(), *a), ReachRule::DefaultRoute));
+    }
+    let mut others = offered
+        .iter()
+        .filter(|(_, a)| a.is_some_and(|a| !a.is_loopback()));
+    if let (Some((d, a)), None) = (others.next(), others.next()) {
+        return Ok(chosen((d.clone(), *a), ReachRule::OnlyInterface));
+    }
+    let (d, a) = loopback().unwrap_or_else(|| offered[0].clone());
+    Ok(chosen((d, a), ReachRule::Loopback))
+}
+
+/// `offered` as `name (address), …`.
+fn describe(offered: &[(String, Option<IpAddr>)]) -> String {
+    offered
+        .iter()
+        .map(|(d, a)| match a {
+            Some(a) => format!("{d} ({a})"),
+            None => d.clone(),
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    fn host() -> Vec<(String, Option<IpAddr>)> {
+        vec![
+            ("lo".into(), Some(ip("127.0.0.1"))),
+            ("eth0".into(), Some(ip("192.168.1.5"))),
+            ("data0".into(), Some(ip("10.0.0.5"))),
+            ("lo".into(), Some(ip("::1"))),
+        ]
+    }
+
+    /// Routes: 10.0.0.0/24 by data0, everything else by eth0.
+    fn routes(peer: IpAddr) -> Option<IpAddr> {
+        match peer {
+            IpAddr::V4(v4) if v4.octets()[..3] == [10, 0, 0] => Some(ip("10.0.0.5")),
+            IpAddr::V4(_) => Some(ip("192.168.1.5")),
+            IpAddr::V6(_) => None,
+        }
+    }
+
+    fn no_routes(_: IpAddr) -> Option<IpAddr> {
+        None
+    }
+
+    #[test]
+    fn the_own_address_picks_its_interface() {
+        let c = choose_from("tcp", &host(), Reach::local(ip("10.0.0.5")), routes, None).unwrap();
+        assert_eq!(c.domain, "data0");
+        assert_eq!(c.rule, ReachRule::LocalAddress(ip("10.0.0.5")));
+        let c = choose_from("tcp", &host(), Reach::local(ip("127.0.0.1")), routes, None).unwrap();
+        assert_eq!(c.domain, "lo");
+        let err =
+            choose_from("tcp", &host(), Reach::local(ip("10.9.9.9")), routes, None).unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains("10.9.9.9") && text.contains("data0 (10.0.0.5)"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn a_peer_picks_the_interface_its_route_leaves_by() {
+        let c = choose_from("tcp", &host(), Reach::peer(ip("10.0.0.9")), routes, None).unwrap();
+        assert_eq!(
+            (c.domain.as_str(), c.rule),
+            ("data0", ReachRule::RouteToPeer(ip("10.0.0.9")))
+        );
+        let c = choose_from("tcp", &host(), Reach::peer(ip("127.0.0.1")), routes, None).unwrap();
+        assert_eq!(c.domain, "lo");
+    }
+
+    #[test]
+    fn an_unspecified_address_falls_to_the_default_route() {
+        let reach = Reach::local(ip("0.0.0.0"));
+        let c = choose_from("tcp", &host(), reach, routes, Some("eth0")).unwrap();
+        assert_eq!(
+            (c.domain.as_str(), c.rule),
+            ("eth0", ReachRule::DefaultRoute)
+        );
+        // A peer without a route of its own goes by the default route too.
+        let reach = Reach::peer(ip("::5"));
+        let c = choose_from("tcp", &host(), reach, routes, Some("eth0")).unwrap();
+        assert_eq!(
+            (c.domain.as_str(), c.rule),
+            ("eth0", ReachRule::DefaultRoute)
+        );
+    }
+
+    #[test]
+    fn without_routes_the_only_interface_then_loopback() {
+        let two_hosts_on_one_machine = vec![
+            ("lo".into(), Some(ip("127.0.0.1"))),
+            ("veth-d".into(), Some(ip("10.231.0.2"))),
+        ];
+        let c = choose_from(
+            "tcp",
+            &two_hosts_on_one_machine,
+            Reach::default(),
+            no_routes,
+            None,
+        )
+        .unwrap();
+        assert_eq!(
+            (c.domain.as_str(), c.rule),
+            ("veth-d", ReachRule::OnlyInterface)
+        );
+        let c = choose_from("tcp", &host(), Reach::default(), no_routes, None).unwrap();
+        assert_eq!((c.domain.as_str(), c.rule), ("lo", ReachRule::Loopback));
+        let alone = vec![("lo".into(), Some(ip("127.0.0.1")))];
+        let c = choose_from("tcp", &alone, Reach::default(), no_routes, None).unwrap();
+        assert_eq!((c.domain.as_str(), c.rule), ("lo", ReachRule::Loopback));
+        assert!(matches!(
+            choose_from("tcp", &[], Reach::default(), no_routes, None),
+            Err(ReachError::NoDomains { .. })
+        ));
+    }
+
+    #[test]
+    fn the_default_route_is_read_from_the_route_table() {
+        let table =
+            "Iface\tDestination\tGateway \tFlags\tRefCnt\tUse\tMetric\tMask\t\tMTU\tWindow\tIRTT
+eth1\t00000000\t0102000A\t0003\t0\t0\t200\t00000000\t0\t0\t0
+eth0\t00000000\t010200C0\t0003\t0\t0\t100\t00000000\t0\t0\t0
+eth0\t000200C0\t00000000\t0001\t0\t0\t0\t00FFFFFF\t0\t0\t0
+";
+        assert_eq!(default_route_interface(table).as_deref(), Some("eth0"));
+        let no_default = "Iface\tDestination\tGateway \tFlags\tRefCnt\tUse\tMetric\tMask
+veth0\t0000E70A\t00000000\t0001\t0\t0\t0\t00FFFFFF
+";
+        assert_eq!(default_route_interface(no_default), None);
+    }
+
+    #[test]
+    fn this_hosts_tcp_domains_carry_addresses() {
+        let offered = fi::Info::query(&fi::Query {
+            provider: super::super::PROVIDER_TCP,
+            domain: None,
+            delivery_complete: false,
+        })
+        .expect("the tcp provider")
+        .domain_addresses();
+        assert!(
+            offered
+                .iter()
+                .any(|(d, a)| d == "lo" && a.is_some_and(|a| a.is_loopback())),
+            "{offered:?}"
+        );
+        let c = choose_domain(super::super::PROVIDER_TCP, Reach::local(ip("127.0.0.1"))).unwrap();
+        assert_eq!(c.domain, "lo");
+    }
+}
