@@ -78,6 +78,7 @@ mod ids;
 #[cfg(feature = "libfabric")]
 pub mod libfabric;
 pub mod loopback;
+pub mod netif;
 #[cfg(feature = "neuron")]
 pub mod neuron;
 #[cfg(feature = "nixl")]

@@ -57,6 +57,7 @@
 mod error;
 mod overrides;
 mod pci;
+pub mod reach;
 mod select;
 mod sysfs;
 

@@ -311,7 +311,7 @@ impl TransportSpec {
                 if domain.is_some() {
                     config.domain.clone_from(domain);
                 } else if config.provider == kvx_rdma::libfabric::PROVIDER_TCP {
-                    config.domain = Some(self.tcp_interface(options)?);
+                    config.domain = Some(tcp_interface(self, options)?);
                 }
                 if *rails > 1 {
                     config = config.with_rails(Rails::Count(*rails));
@@ -354,30 +354,28 @@ impl TransportSpec {
     }
 }
 
-#[cfg(feature = "libfabric")]
-impl TransportSpec {
-    /// The interface a `tcp` endpoint opens on when its name gives none: where `options` say
-    /// the peers reach this host (`kvx_rdma::libfabric::reach`); logged once per endpoint.
-    fn tcp_interface(&self, options: &OpenOptions) -> Result<String, TransportError> {
-        use kvx_rdma::libfabric::{choose_domain, Reach, PROVIDER_TCP};
-        let reach = match (options.local_addr, options.peer_addr) {
-            (Some(local), _) => Reach::local(local),
-            (None, Some(peer)) => Reach::peer(peer),
-            (None, None) => Reach::default(),
-        };
-        let choice = choose_domain(PROVIDER_TCP, reach).map_err(|e| TransportError::Open {
-            spec: self.to_string(),
-            source: Box::new(e),
-        })?;
-        tracing::info!(
-            transport = %self,
-            interface = %choice.domain,
-            address = ?choice.address,
-            rule = %choice.rule,
-            "kvx: tcp endpoint interface chosen"
-        );
-        Ok(choice.domain)
-    }
+/// The network interface a TCP endpoint (libfabric `tcp`, NIXL over UCX's `tcp`) opens on when
+/// its name gives none: where `options` say the peers reach this host
+/// (`kvx_rdma::topology::reach`); logged once per endpoint.
+fn tcp_interface(spec: &TransportSpec, options: &OpenOptions) -> Result<String, TransportError> {
+    use kvx_rdma::topology::reach::{choose_interface, Reach};
+    let reach = match (options.local_addr, options.peer_addr) {
+        (Some(local), _) => Reach::local(local),
+        (None, Some(peer)) => Reach::peer(peer),
+        (None, None) => Reach::default(),
+    };
+    let choice = choose_interface(reach).map_err(|e| TransportError::Open {
+        spec: spec.to_string(),
+        source: Box::new(e),
+    })?;
+    tracing::info!(
+        transport = %spec,
+        interface = %choice.interface,
+        address = ?choice.address,
+        rule = %choice.rule,
+        "kvx: tcp endpoint interface chosen"
+    );
+    Ok(choice.interface)
 }
 
 #[cfg(test)]

@@ -70,7 +70,6 @@ mod peer;
 mod post;
 mod posters;
 pub mod rails;
-pub mod reach;
 mod shm_cma;
 mod shm_lock;
 mod shm_sweep;
@@ -97,7 +96,6 @@ use fi::FabricError;
 use peer::{Peer, Rail, RailInfo};
 use post::Pending;
 pub use rails::{select_rails, RailFallback, RailSelection};
-pub use reach::{choose_domain, DomainChoice, Reach, ReachError, ReachRule};
 pub use shm_cma::cma_usable as shm_uses_cma;
 pub use stripe::DEFAULT_STRIPE_THRESHOLD;
 

@@ -159,30 +159,6 @@ impl Info {
         out
     }
 
-    /// Each entry's domain name and the IP address of its source address, where the provider
-    /// gives one (`tcp`: the interface's address), in the provider's order, without repeats.
-    pub(crate) fn domain_addresses(&self) -> Vec<(String, Option<std::net::IpAddr>)> {
-        let mut out: Vec<(String, Option<std::net::IpAddr>)> = Vec::new();
-        let mut entry = self.ptr.as_ptr();
-        while !entry.is_null() {
-            // SAFETY: `entry` is an element of the list owned by `self`; domain_attr is allocated
-            // in every element, and `src_addr` is null or points at `src_addrlen` bytes.
-            let (name, ip) = unsafe {
-                let e = &*entry;
-                (
-                    Self::c_str((*e.domain_attr).name),
-                    socket_ip(e.src_addr.cast_const().cast(), e.src_addrlen),
-                )
-            };
-            if !name.is_empty() && !out.iter().any(|(n, a)| *n == name && *a == ip) {
-                out.push((name, ip));
-            }
-            // SAFETY: as above.
-            entry = unsafe { (*entry).next };
-        }
-        out
-    }
-
     pub(super) fn raw(&self) -> &sys::fi_info {
         // SAFETY: the pointer is valid for as long as `self` lives.
         unsafe { self.ptr.as_ref() }
@@ -242,35 +218,6 @@ impl Info {
     /// Mode bits the provider requires of the application.
     pub(crate) fn mode(&self) -> u64 {
         self.raw().mode
-    }
-}
-
-/// The IP address in the socket address at `addr` (`len` bytes), if it is an IPv4 or IPv6 one.
-///
-/// # Safety
-/// `addr` is null or points at `len` readable bytes.
-unsafe fn socket_ip(addr: *const u8, len: usize) -> Option<std::net::IpAddr> {
-    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
-    if addr.is_null() || len < std::mem::size_of::<libc::sa_family_t>() {
-        return None;
-    }
-    // SAFETY: at least the family is readable (checked above); unaligned reads copy the structs
-    // out of a buffer of the provider's, whose length is checked for each family.
-    unsafe {
-        let family = ptr::read_unaligned(addr.cast::<libc::sa_family_t>());
-        match i32::from(family) {
-            libc::AF_INET if len >= std::mem::size_of::<libc::sockaddr_in>() => {
-                let sin = ptr::read_unaligned(addr.cast::<libc::sockaddr_in>());
-                Some(IpAddr::V4(Ipv4Addr::from(u32::from_be(
-                    sin.sin_addr.s_addr,
-                ))))
-            }
-            libc::AF_INET6 if len >= std::mem::size_of::<libc::sockaddr_in6>() => {
-                let sin6 = ptr::read_unaligned(addr.cast::<libc::sockaddr_in6>());
-                Some(IpAddr::V6(Ipv6Addr::from(sin6.sin6_addr.s6_addr)))
-            }
-            _ => None,
-        }
     }
 }
 

@@ -1,10 +1,10 @@
-//! Which interface a `tcp` endpoint opens on, so that its peers on other hosts can reach it.
+//! Which network interface a TCP endpoint opens on, so that its peers on other hosts can reach
+//! it: the libfabric `tcp` provider's domain (one per interface) or UCX's `NET_DEVICES`.
 //!
-//! The `tcp` provider offers one domain per network interface, and an endpoint advertises the
-//! address of the interface it opened on. Its first domain is whatever interface the system lists
-//! first (often `lo`), which a peer on another host cannot reach: every write to such an
-//! endpoint times out. [`choose_domain`] picks the interface by what the caller knows of where
-//! its peers are, in this order:
+//! An endpoint advertises the address of the interface it opened on. The `tcp` provider's first
+//! domain is whatever interface the system lists first (often `lo`), which a peer on another host
+//! cannot reach: every write to such an endpoint times out. [`choose_interface`] picks the
+//! interface by what the caller knows of where its peers are, in this order:
 //!
 //! 1. **This instance's own address** ([`Reach::local`], e.g. its control `listen` address):
 //!    the interface that carries it (a loopback address: the loopback interface, for peers on
@@ -18,8 +18,6 @@
 //! route is read from `/proc/net/route`.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, UdpSocket};
-
-use super::fi;
 
 /// What is known of where the peers of an endpoint are.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -52,7 +50,7 @@ impl Reach {
     }
 }
 
-/// Why [`choose_domain`] picked a domain.
+/// Why [`choose_interface`] picked an interface.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum ReachRule {
@@ -80,37 +78,31 @@ impl std::fmt::Display for ReachRule {
     }
 }
 
-/// The domain [`choose_domain`] picked.
+/// The interface [`choose_interface`] picked.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
-pub struct DomainChoice {
-    /// The domain (interface) name, for [`super::LibfabricConfig::domain`].
-    pub domain: String,
+pub struct InterfaceChoice {
+    /// The interface name (the libfabric `tcp` domain, UCX's network device).
+    pub interface: String,
     /// The address the endpoint advertises there.
     pub address: Option<IpAddr>,
     /// Why.
     pub rule: ReachRule,
 }
 
-/// No domain of the provider can be chosen.
+/// No interface can be chosen.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ReachError {
-    /// The provider offers no domain.
-    #[error("libfabric provider {provider} offers no domain (network interface) on this host")]
-    NoDomains {
-        /// The provider.
-        provider: String,
-    },
+    /// The host has no interface that is up and has an address.
+    #[error("no network interface of this host is up with an IP address")]
+    NoInterfaces,
     /// No interface carries the instance's own address.
     #[error(
-        "no network interface of libfabric provider {provider} carries this instance's address \
-         {address} (interfaces: {offered}); set the listen address to one of them, or name the \
-         interface (libfabric:tcp@IFACE)"
+        "no network interface of this host carries this instance's address {address} \
+         (interfaces: {offered}); set the listen address to one of them, or name the interface"
     )]
     NoInterfaceWithAddress {
-        /// The provider.
-        provider: String,
         /// The address asked for.
         address: IpAddr,
         /// The interfaces and their addresses, as one line.
@@ -118,28 +110,17 @@ pub enum ReachError {
     },
 }
 
-/// The domain of `provider` that peers described by `reach` can reach (see the module doc).
+/// The interface of this host that peers described by `reach` can reach it on (see the module
+/// doc).
 ///
 /// # Errors
-/// [`ReachError`] when the provider offers no domain, or none carries [`Reach::local`].
-pub fn choose_domain(provider: &str, reach: Reach) -> Result<DomainChoice, ReachError> {
-    let offered = fi::Info::query(&fi::Query {
-        provider,
-        domain: None,
-        delivery_complete: false,
-    })
-    .map(|info| info.domain_addresses())
-    .unwrap_or_default();
+/// [`ReachError`] when no interface is up with an address, or none carries [`Reach::local`].
+pub fn choose_interface(reach: Reach) -> Result<InterfaceChoice, ReachError> {
+    let offered = crate::netif::interfaces().map_err(|_| ReachError::NoInterfaces)?;
     let default_route = std::fs::read_to_string("/proc/net/route")
         .ok()
         .and_then(|table| default_route_interface(&table));
-    choose_from(
-        provider,
-        &offered,
-        reach,
-        route_source,
-        default_route.as_deref(),
-    )
+    choose_from(&offered, reach, route_source, default_route.as_deref())
 }
 
 /// The interface of the IPv4 default route in `table` (the text of `/proc/net/route`: a header,
@@ -172,20 +153,17 @@ fn route_source(peer: IpAddr) -> Option<IpAddr> {
     (!ip.is_unspecified()).then_some(ip)
 }
 
-/// [`choose_domain`] over the `offered` domains and their addresses, looking routes up with
+/// [`choose_interface`] over the `offered` interfaces and their addresses, looking routes up with
 /// `route` (a peer's address to the source address of the route to it); the default route
 /// leaves by the interface `default_route`.
 fn choose_from(
-    provider: &str,
     offered: &[(String, Option<IpAddr>)],
     reach: Reach,
     route: impl Fn(IpAddr) -> Option<IpAddr>,
     default_route: Option<&str>,
-) -> Result<DomainChoice, ReachError> {
+) -> Result<InterfaceChoice, ReachError> {
     if offered.is_empty() {
-        return Err(ReachError::NoDomains {
-            provider: provider.into(),
-        });
+        return Err(ReachError::NoInterfaces);
     }
     let with_address = |ip: IpAddr| {
         offered
@@ -199,8 +177,8 @@ fn choose_from(
             .find(|(_, a)| a.is_some_and(|a| a.is_loopback()))
             .map(|(d, a)| (d.clone(), *a))
     };
-    let chosen = |(domain, address): (String, Option<IpAddr>), rule| DomainChoice {
-        domain,
+    let chosen = |(interface, address): (String, Option<IpAddr>), rule| InterfaceChoice {
+        interface,
         address,
         rule,
     };
@@ -213,7 +191,6 @@ fn choose_from(
         return found
             .map(|d| chosen(d, ReachRule::LocalAddress(local)))
             .ok_or_else(|| ReachError::NoInterfaceWithAddress {
-                provider: provider.into(),
                 address: local,
                 offered: describe(offered),
             });
@@ -290,13 +267,12 @@ mod tests {
 
     #[test]
     fn the_own_address_picks_its_interface() {
-        let c = choose_from("tcp", &host(), Reach::local(ip("10.0.0.5")), routes, None).unwrap();
-        assert_eq!(c.domain, "data0");
+        let c = choose_from(&host(), Reach::local(ip("10.0.0.5")), routes, None).unwrap();
+        assert_eq!(c.interface, "data0");
         assert_eq!(c.rule, ReachRule::LocalAddress(ip("10.0.0.5")));
-        let c = choose_from("tcp", &host(), Reach::local(ip("127.0.0.1")), routes, None).unwrap();
-        assert_eq!(c.domain, "lo");
-        let err =
-            choose_from("tcp", &host(), Reach::local(ip("10.9.9.9")), routes, None).unwrap_err();
+        let c = choose_from(&host(), Reach::local(ip("127.0.0.1")), routes, None).unwrap();
+        assert_eq!(c.interface, "lo");
+        let err = choose_from(&host(), Reach::local(ip("10.9.9.9")), routes, None).unwrap_err();
         let text = err.to_string();
         assert!(
             text.contains("10.9.9.9") && text.contains("data0 (10.0.0.5)"),
@@ -306,28 +282,28 @@ mod tests {
 
     #[test]
     fn a_peer_picks_the_interface_its_route_leaves_by() {
-        let c = choose_from("tcp", &host(), Reach::peer(ip("10.0.0.9")), routes, None).unwrap();
+        let c = choose_from(&host(), Reach::peer(ip("10.0.0.9")), routes, None).unwrap();
         assert_eq!(
-            (c.domain.as_str(), c.rule),
+            (c.interface.as_str(), c.rule),
             ("data0", ReachRule::RouteToPeer(ip("10.0.0.9")))
         );
-        let c = choose_from("tcp", &host(), Reach::peer(ip("127.0.0.1")), routes, None).unwrap();
-        assert_eq!(c.domain, "lo");
+        let c = choose_from(&host(), Reach::peer(ip("127.0.0.1")), routes, None).unwrap();
+        assert_eq!(c.interface, "lo");
     }
 
     #[test]
     fn an_unspecified_address_falls_to_the_default_route() {
         let reach = Reach::local(ip("0.0.0.0"));
-        let c = choose_from("tcp", &host(), reach, routes, Some("eth0")).unwrap();
+        let c = choose_from(&host(), reach, routes, Some("eth0")).unwrap();
         assert_eq!(
-            (c.domain.as_str(), c.rule),
+            (c.interface.as_str(), c.rule),
             ("eth0", ReachRule::DefaultRoute)
         );
         // A peer without a route of its own goes by the default route too.
         let reach = Reach::peer(ip("::5"));
-        let c = choose_from("tcp", &host(), reach, routes, Some("eth0")).unwrap();
+        let c = choose_from(&host(), reach, routes, Some("eth0")).unwrap();
         assert_eq!(
-            (c.domain.as_str(), c.rule),
+            (c.interface.as_str(), c.rule),
             ("eth0", ReachRule::DefaultRoute)
         );
     }
@@ -338,26 +314,19 @@ mod tests {
             ("lo".into(), Some(ip("127.0.0.1"))),
             ("veth-d".into(), Some(ip("10.231.0.2"))),
         ];
-        let c = choose_from(
-            "tcp",
-            &two_hosts_on_one_machine,
-            Reach::default(),
-            no_routes,
-            None,
-        )
-        .unwrap();
+        let c = choose_from(&two_hosts_on_one_machine, Reach::default(), no_routes, None).unwrap();
         assert_eq!(
-            (c.domain.as_str(), c.rule),
+            (c.interface.as_str(), c.rule),
             ("veth-d", ReachRule::OnlyInterface)
         );
-        let c = choose_from("tcp", &host(), Reach::default(), no_routes, None).unwrap();
-        assert_eq!((c.domain.as_str(), c.rule), ("lo", ReachRule::Loopback));
+        let c = choose_from(&host(), Reach::default(), no_routes, None).unwrap();
+        assert_eq!((c.interface.as_str(), c.rule), ("lo", ReachRule::Loopback));
         let alone = vec![("lo".into(), Some(ip("127.0.0.1")))];
-        let c = choose_from("tcp", &alone, Reach::default(), no_routes, None).unwrap();
-        assert_eq!((c.domain.as_str(), c.rule), ("lo", ReachRule::Loopback));
+        let c = choose_from(&alone, Reach::default(), no_routes, None).unwrap();
+        assert_eq!((c.interface.as_str(), c.rule), ("lo", ReachRule::Loopback));
         assert!(matches!(
-            choose_from("tcp", &[], Reach::default(), no_routes, None),
-            Err(ReachError::NoDomains { .. })
+            choose_from(&[], Reach::default(), no_routes, None),
+            Err(ReachError::NoInterfaces)
         ));
     }
 
@@ -377,21 +346,15 @@ veth0\t0000E70A\t00000000\t0001\t0\t0\t0\t00FFFFFF
     }
 
     #[test]
-    fn this_hosts_tcp_domains_carry_addresses() {
-        let offered = fi::Info::query(&fi::Query {
-            provider: super::super::PROVIDER_TCP,
-            domain: None,
-            delivery_complete: false,
-        })
-        .expect("the tcp provider")
-        .domain_addresses();
+    fn this_hosts_interfaces_carry_addresses() {
+        let offered = crate::netif::interfaces().expect("getifaddrs");
         assert!(
             offered
                 .iter()
                 .any(|(d, a)| d == "lo" && a.is_some_and(|a| a.is_loopback())),
             "{offered:?}"
         );
-        let c = choose_domain(super::super::PROVIDER_TCP, Reach::local(ip("127.0.0.1"))).unwrap();
-        assert_eq!(c.domain, "lo");
+        let c = choose_interface(Reach::local(ip("127.0.0.1"))).unwrap();
+        assert_eq!(c.interface, "lo");
     }
 }
