@@ -580,14 +580,33 @@ fn raw_transfer_reports_the_requests_bytes() {
 
 #[test]
 fn across_two_hosts_over_tcp_push_and_pull_verify_every_byte() {
-    let Some(hosts) =
-        TwoHosts::for_test("across_two_hosts_over_tcp_push_and_pull_verify_every_byte")
-    else {
+    across_two_hosts(
+        "across_two_hosts_over_tcp_push_and_pull_verify_every_byte",
+        "libfabric:tcp",
+    );
+}
+
+/// NIXL over UCX's TCP transport (the runtime from `KVX_NIXL_LIB_DIR`, as `cargo xtask test`
+/// sets it, with `UCX_TLS=tcp`; skipped where it is unset).
+#[test]
+fn across_two_hosts_over_nixl_push_and_pull_verify_every_byte() {
+    let test = "across_two_hosts_over_nixl_push_and_pull_verify_every_byte";
+    if std::env::var_os("KVX_NIXL_LIB_DIR").is_none() {
+        println!("SKIPPED {test}: KVX_NIXL_LIB_DIR is unset (cargo xtask test sets it)");
+        return;
+    }
+    across_two_hosts(test, "nixl");
+}
+
+/// `kvx pd` push and pull with prefill and decode on two hosts over `transport`, which names no
+/// interface: each side must pick the one the other reaches.
+fn across_two_hosts(test: &str, transport: &str) {
+    let Some(hosts) = TwoHosts::for_test(test) else {
         return;
     };
     for mode in ["push", "pull"] {
         let (report, decode, prefill) = run_pair(&Run {
-            transport: "libfabric:tcp",
+            transport,
             mode,
             prefill: &[],
             decode: &[],
@@ -608,10 +627,10 @@ fn across_two_hosts_over_tcp_push_and_pull_verify_every_byte() {
             let line = log
                 .lines()
                 .find(|l| l.contains("tcp endpoint interface chosen"))
-                .unwrap_or_else(|| panic!("{mode}: {side} logged no interface: {log}"));
+                .unwrap_or_else(|| panic!("{transport} {mode}: {side} logged no interface: {log}"));
             assert!(
                 line.contains("interface=kx") && line.contains(&addr.to_string()),
-                "{mode}: {side} opened on the wrong interface: {line}"
+                "{transport} {mode}: {side} opened on the wrong interface: {line}"
             );
         }
     }

@@ -36,7 +36,19 @@ pub enum TransportSpec {
         /// CUDA device ordinal.
         device: u32,
     },
+    /// NIXL, through one of its backend plugins: host or CUDA memory, within a host or across
+    /// hosts (UCX picks its transports: RDMA NICs, TCP, CUDA IPC within a host).
+    Nixl {
+        /// The plugin, as NIXL names it (`UCX`, `LIBFABRIC`).
+        plugin: String,
+        /// The network interface for UCX (`NET_DEVICES`); `None`: chosen like `libfabric:tcp`'s
+        /// on hosts without RDMA NICs, UCX's own choice elsewhere.
+        interface: Option<String>,
+    },
 }
+
+/// NIXL's plugins that `nixl:NAME` may name: (NAME, the plugin as NIXL calls it).
+pub const NIXL_PLUGINS: &[(&str, &str)] = &[("ucx", "UCX"), ("libfabric", "LIBFABRIC")];
 
 impl Default for TransportSpec {
     fn default() -> Self {
@@ -54,6 +66,17 @@ impl fmt::Display for TransportSpec {
             Self::Loopback => f.write_str("loopback"),
             Self::Cma => f.write_str("cma"),
             Self::CudaIpc { device } => write!(f, "cuda-ipc:{device}"),
+            Self::Nixl { plugin, interface } => {
+                let name = NIXL_PLUGINS
+                    .iter()
+                    .find(|(_, p)| p == plugin)
+                    .map_or(plugin.as_str(), |(n, _)| n);
+                write!(f, "nixl:{name}")?;
+                match interface {
+                    Some(i) => write!(f, "@{i}"),
+                    None => Ok(()),
+                }
+            }
             Self::Libfabric {
                 provider,
                 domain,
@@ -85,8 +108,14 @@ const MAX_NAMED_RAILS: usize = 64;
 #[non_exhaustive]
 pub enum TransportError {
     /// Unknown name.
-    #[error("unknown transport `{0}` (loopback, libfabric:shm, libfabric:tcp[@IFACE], libfabric:auto, libfabric:PROVIDER, each optionally with `,rails=N`; cma, cuda-ipc[:DEVICE])")]
+    #[error("unknown transport `{0}` (loopback, libfabric:shm, libfabric:tcp[@IFACE], libfabric:auto, libfabric:PROVIDER, each optionally with `,rails=N`; cma, cuda-ipc[:DEVICE], nixl[:ucx|:libfabric][@IFACE])")]
     Unknown(String),
+    /// `nixl:NAME` with a plugin kvx does not know.
+    #[error("unknown NIXL plugin `{0}` in the transport name (nixl:ucx, nixl:libfabric)")]
+    UnknownNixlPlugin(String),
+    /// This build has no NIXL support.
+    #[error("this build has no NIXL support (feature `nixl` of kvx-vllm)")]
+    NoNixl,
     /// This build has no libfabric.
     #[error("this build has no libfabric support (feature `libfabric`)")]
     NoLibfabric,
@@ -123,6 +152,26 @@ impl FromStr for TransportSpec {
                 None => return Err(TransportError::Unknown(s.into())),
             };
             return Ok(TransportSpec::CudaIpc { device });
+        }
+        if let Some(rest) = s.strip_prefix("nixl") {
+            let (rest, interface) = match rest.split_once('@') {
+                Some((_, "")) => return Err(TransportError::Unknown(s.into())),
+                Some((r, i)) => (r, Some(i.to_owned())),
+                None => (rest, None),
+            };
+            let plugin = match rest.strip_prefix(':') {
+                None if rest.is_empty() => "UCX",
+                Some(name) => NIXL_PLUGINS
+                    .iter()
+                    .find(|(n, _)| *n == name)
+                    .map(|(_, p)| *p)
+                    .ok_or_else(|| TransportError::UnknownNixlPlugin(name.into()))?,
+                None => return Err(TransportError::Unknown(s.into())),
+            };
+            return Ok(Self::Nixl {
+                plugin: plugin.into(),
+                interface,
+            });
         }
         let (name, rails) = match s.split_once(",rails=") {
             Some((name, n)) => match n.parse::<usize>() {
@@ -219,6 +268,8 @@ pub fn resolve_for_cache(
                 Ok(format!("cuda-ipc:{device}"))
             }
         }
+        // NIXL registers either memory (DRAM or VRAM).
+        (TransportSpec::Nixl { .. }, _) => Ok(setting.to_owned()),
         (_, Some(device)) => Err(CacheTransportError::HostForCuda {
             setting: setting.into(),
             device,
@@ -247,6 +298,12 @@ pub struct OpenOptions {
     /// A peer's address (decode: prefill's): without [`OpenOptions::local_addr`], a `tcp`
     /// endpoint without a named interface opens on the interface the route to it leaves by.
     pub peer_addr: Option<IpAddr>,
+    /// NIXL: `libnixl_capi.so` or the directory that holds it (the binaries take it from
+    /// `KVX_NIXL_LIB_DIR`); `None`: the dynamic loader's search path.
+    pub nixl_library: Option<std::path::PathBuf>,
+    /// The KV cache is in CUDA memory (NIXL: `VRAM` registrations; see
+    /// `NixlConfig::with_device_memory`).
+    pub device_memory: bool,
 }
 
 impl OpenOptions {
@@ -267,6 +324,20 @@ impl OpenOptions {
         self
     }
 
+    /// These options, with the NIXL runtime at `library` (a file or its directory).
+    #[must_use]
+    pub fn with_nixl_library(mut self, library: Option<std::path::PathBuf>) -> Self {
+        self.nixl_library = library;
+        self
+    }
+
+    /// These options, for a KV cache in CUDA memory.
+    #[must_use]
+    pub fn for_device_memory(mut self, device_memory: bool) -> Self {
+        self.device_memory = device_memory;
+        self
+    }
+
     /// These options, for an instance with a peer at `peer`.
     #[must_use]
     pub fn with_peer(mut self, peer: IpAddr) -> Self {
@@ -274,6 +345,10 @@ impl OpenOptions {
         self
     }
 }
+
+/// The environment variable naming the directory of the NIXL runtime (`libnixl_capi.so`) for
+/// [`OpenOptions::nixl_library`] in the `kvx` binary and the vLLM plugin.
+pub const NIXL_LIB_DIR_ENV: &str = "KVX_NIXL_LIB_DIR";
 
 /// The environment variable whose value `1` turns on [`OpenOptions::sweep_stale_shm`] in the
 /// `kvx` binary and the vLLM plugin.
@@ -350,13 +425,49 @@ impl TransportSpec {
             }
             #[cfg(not(feature = "cuda"))]
             Self::CudaIpc { .. } => Err(TransportError::NoCuda),
+            #[cfg(feature = "nixl")]
+            Self::Nixl { plugin, interface } => {
+                use kvx_rdma::nixl::{NixlConfig, NixlTransport};
+                let mut config = NixlConfig::ucx();
+                config.plugin.clone_from(plugin);
+                config.library.clone_from(&options.nixl_library);
+                if options.device_memory {
+                    config = config.with_device_memory();
+                }
+                if plugin == kvx_rdma::nixl::PLUGIN_UCX {
+                    let interface = match interface {
+                        Some(i) => Some(i.clone()),
+                        None if no_rdma_nics() => Some(tcp_interface(self, options)?),
+                        None => None,
+                    };
+                    if let Some(interface) = interface {
+                        config = config.with_engine_setting("NET_DEVICES", &interface);
+                    }
+                }
+                NixlTransport::open(&config)
+                    .map(|t| Box::new(t) as Box<dyn Transport>)
+                    .map_err(|e| TransportError::Open {
+                        spec: self.to_string(),
+                        source: Box::new(e),
+                    })
+            }
+            #[cfg(not(feature = "nixl"))]
+            Self::Nixl { .. } => Err(TransportError::NoNixl),
         }
     }
+}
+
+/// Whether this host has no RDMA NICs (by sysfs): then UCX's network traffic is TCP, on the
+/// interface the peers reach.
+#[cfg(feature = "nixl")]
+fn no_rdma_nics() -> bool {
+    kvx_rdma::topology::Topology::from_sysfs("/sys").map_or(true, |t| t.rdma_nics().is_empty())
 }
 
 /// The network interface a TCP endpoint (libfabric `tcp`, NIXL over UCX's `tcp`) opens on when
 /// its name gives none: where `options` say the peers reach this host
 /// (`kvx_rdma::topology::reach`); logged once per endpoint.
+#[cfg(any(feature = "libfabric", feature = "nixl"))]
 fn tcp_interface(spec: &TransportSpec, options: &OpenOptions) -> Result<String, TransportError> {
     use kvx_rdma::topology::reach::{choose_interface, Reach};
     let reach = match (options.local_addr, options.peer_addr) {
@@ -434,6 +545,23 @@ mod tests {
         assert!("cuda-ipcx".parse::<TransportSpec>().is_err());
         assert!("carrier-pigeon".parse::<TransportSpec>().is_err());
         assert!("libfabric:".parse::<TransportSpec>().is_err());
+        let nixl = "nixl".parse::<TransportSpec>().unwrap();
+        assert_eq!(
+            nixl,
+            TransportSpec::Nixl {
+                plugin: "UCX".into(),
+                interface: None
+            }
+        );
+        assert_eq!(nixl.to_string(), "nixl:ucx");
+        let named = "nixl:libfabric@eth1".parse::<TransportSpec>().unwrap();
+        assert_eq!(named.to_string(), "nixl:libfabric@eth1");
+        assert!(matches!(
+            "nixl:carrier-pigeon".parse::<TransportSpec>(),
+            Err(TransportError::UnknownNixlPlugin(p)) if p == "carrier-pigeon"
+        ));
+        assert!("nixlx".parse::<TransportSpec>().is_err());
+        assert!("nixl@".parse::<TransportSpec>().is_err());
     }
 
     #[test]

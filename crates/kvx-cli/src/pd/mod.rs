@@ -17,16 +17,17 @@ pub(crate) mod prefill;
 pub(crate) mod raw;
 
 /// Opens `spec` with what the operator asks for in the environment (`KVX_SHM_SWEEP=1`: sweep
-/// stale `shm` regions first) and with `adjust` applied to the options (where the peers are);
-/// the binary reads the environment, the library does not.
+/// stale `shm` regions first; `KVX_NIXL_LIB_DIR`: where the NIXL runtime is) and with `adjust`
+/// applied to the options (where the peers are); the binary reads the environment, the library
+/// does not.
 pub(crate) fn open_transport(
     spec: &kvx_vllm::TransportSpec,
     adjust: impl FnOnce(kvx_vllm::OpenOptions) -> kvx_vllm::OpenOptions,
 ) -> Result<Box<dyn kvx_rdma::Transport>, kvx_vllm::TransportError> {
     let sweep = std::env::var_os(kvx_vllm::transport::SHM_SWEEP_ENV);
-    spec.open_with(&adjust(kvx_vllm::OpenOptions::from_env_values(
-        sweep.as_deref(),
-    )))
+    let nixl = std::env::var_os(kvx_vllm::transport::NIXL_LIB_DIR_ENV).map(Into::into);
+    let options = kvx_vllm::OpenOptions::from_env_values(sweep.as_deref()).with_nixl_library(nixl);
+    spec.open_with(&adjust(options))
 }
 
 /// Arguments of `kvx pd`.
@@ -74,7 +75,8 @@ pub(crate) struct ModelArgs {
     /// Memory order: nhd, hnd or hnd-kt.
     #[arg(long, default_value = "hnd")]
     pub(crate) order: String,
-    /// Transport: libfabric:shm, cma, libfabric:tcp, libfabric:auto, loopback.
+    /// Transport: libfabric:shm, cma, libfabric:tcp[@IFACE], libfabric:auto, nixl[:ucx|:libfabric]
+    /// [@IFACE], loopback.
     #[arg(long, default_value = "libfabric:shm")]
     pub(crate) transport: String,
     /// A connector setting, KEY=VALUE (`kvx settings` lists them; those of the vLLM plugin's
