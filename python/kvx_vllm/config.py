@@ -71,3 +71,29 @@ def resolve_transport(setting: str, cuda_device: int | None) -> str:
     ``cuda-ipc`` without a device takes the cache's, and a setting that cannot move the cache's
     memory is refused (ValueError) with the fix in the message."""
     return _native.resolve_transport(setting, cuda_device)
+
+
+#: Where the ``nixl-cu12`` wheel puts the NIXL runtime, relative to its ``site-packages``.
+_NIXL_WHEEL_LIBS = ".nixl_cu12.mesonpy.libs"
+_NIXL_CAPI = "libnixl_capi.so"
+
+
+def nixl_library() -> str | None:
+    """The directory of the NIXL runtime (``libnixl_capi.so``) for ``transport = "nixl"``:
+    ``KVX_NIXL_LIB_DIR`` where set, else that of an installed ``nixl-cu12`` wheel (``pip
+    install nixl-cu12``), else None (the dynamic loader's search path)."""
+    configured = os.environ.get("KVX_NIXL_LIB_DIR")
+    if configured:
+        return configured
+    import importlib.util
+
+    for package in ("nixl_cu12", "nixl"):
+        try:
+            spec = importlib.util.find_spec(package)
+        except (ImportError, ValueError):
+            continue
+        for location in (spec.submodule_search_locations or []) if spec else []:
+            libs = os.path.join(os.path.dirname(location), _NIXL_WHEEL_LIBS)
+            if os.path.isfile(os.path.join(libs, _NIXL_CAPI)):
+                return libs
+    return None

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from kvx_vllm import _native
-from kvx_vllm.config import KvxConfig, resolve_transport
+from kvx_vllm.config import KvxConfig, nixl_library, resolve_transport
 from kvx_vllm.cpu_advice import cpu_attention_kernel, cpu_executor_advice
 from kvx_vllm.layout import CacheDescription, describe, ordered_layers
 from kvx_vllm.metadata import KvxConnectorMetadata, LayerSpec, RecvSpec
@@ -109,6 +109,8 @@ class _Worker:
             token_unit=self.cache.token_unit,
             timings=self.cfg.timings(),
             max_entries=self.cfg.max_entries,
+            cuda_device=cuda_device,
+            nixl_library=nixl_library() if self.transport.startswith("nixl") else None,
         )
         if self.is_producer:
             self.producer = _native.Producer(

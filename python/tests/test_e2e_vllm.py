@@ -30,6 +30,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from two_hosts import TwoHosts, inside, why_not  # noqa: E402
+
 try:
     import vllm  # noqa: F401
 
@@ -125,10 +127,14 @@ class Server:
     """A process (vLLM or the proxy) with its log in a file; stopped at the end."""
 
     def __init__(self, name: str, args: list[str], log_dir: Path, env: dict[str, str],
-                 health: str):
+                 health: str, netns: str | None = None):
         self.name = name
         self.log = log_dir / f"{name}.log"
         self.health = health
+        # The network namespace it runs in (two_hosts.py), where its health is asked too.
+        self.netns = netns
+        if netns is not None:
+            args = ["ip", "netns", "exec", netns, *args]
         self.proc = subprocess.Popen(
             args, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env,
             start_new_session=True,
@@ -140,8 +146,9 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
             try:
-                if http("GET", self.health, timeout=2)[0] == 200:
-                    return
+                with inside(self.netns):
+                    if http("GET", self.health, timeout=2)[0] == 200:
+                        return
             except OSError:
                 pass
             time.sleep(1)
@@ -264,14 +271,15 @@ def process_names(pid: int) -> list[str]:
 def start_vllm(name: str, model: Path, log_dir: Path, *, kv: dict | None = None,
                block_size: int = BLOCK, prefix_caching: bool = True,
                cores: str | None = None, args_extra: tuple[str, ...] = (),
-               kvx_log: str | None = None, executor: str = "mp") -> tuple[Server, str]:
+               kvx_log: str | None = None, executor: str = "mp", host: str = "127.0.0.1",
+               netns: str | None = None) -> tuple[Server, str]:
     port = free_port()
     args = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model), "--served-model-name", "tiny",
         "--dtype", "float32", "--enforce-eager", "--block-size", str(block_size),
         "--max-model-len", "2048", "--max-num-seqs", "8", "--seed", "0",
-        "--host", "127.0.0.1", "--port", str(port),
+        "--host", host, "--port", str(port),
     ]
     if not prefix_caching:
         args.append("--no-enable-prefix-caching")
@@ -281,8 +289,8 @@ def start_vllm(name: str, model: Path, log_dir: Path, *, kv: dict | None = None,
     env = vllm_env(cores, kvx_log)
     if executor == "uni":
         use_uni_executor(args, env)
-    url = f"http://127.0.0.1:{port}"
-    return Server(name, args, log_dir, env, f"{url}/health"), url
+    url = f"http://{host}:{port}"
+    return Server(name, args, log_dir, env, f"{url}/health", netns), url
 
 
 def kv_config(connector: str, role: str, engine: str, **extra) -> dict:
@@ -631,6 +639,88 @@ def test_push_over_cma_finds_the_kv_ready_in_decodes_notice_board(model, workdir
     host name (`localhost`): decode looks it up off its engine thread."""
     check_pair_matches_reference("push", model, workdir, reference, transport="cma",
                                  d_log_expect="ready (notice board)", kvx_host="localhost")
+
+
+@pytest.fixture(scope="module")
+def two_hosts():
+    why = why_not()
+    if why is not None:
+        if os.environ.get("KVX_REQUIRE_NETNS") == "1":
+            raise RuntimeError(f"two network namespaces are required (KVX_REQUIRE_NETNS=1): {why}")
+        pytest.skip(f"cannot create network namespaces: {why}")
+    hosts = TwoHosts()
+    yield hosts
+    hosts.close()
+
+
+@pytest.mark.parametrize("mode,transport,d_block", [
+    ("push", "libfabric:tcp", 64),
+    ("pull", "libfabric:tcp", BLOCK),
+    ("push", "nixl", BLOCK),
+    ("pull", "nixl", 16),
+])
+def test_across_two_hosts_matches_a_single_instance(model, workdir, reference, two_hosts, mode,
+                                                     transport, d_block):
+    """Prefill on one host, decode and the proxy on another (two network namespaces joined by a
+    veth pair): the same greedy tokens and logprobs as one instance, push and pull, over
+    `libfabric:tcp` and NIXL (UCX over TCP), with decode's block size differing in some. No
+    interface is named: each side's endpoint opens on the one the other reaches (the log says
+    which), and nothing takes a same-host path (the control connection is TCP, the transport the
+    one named)."""
+    if transport.startswith("nixl") and not os.environ.get("KVX_NIXL_LIB_DIR"):
+        pytest.skip("KVX_NIXL_LIB_DIR is unset (cargo xtask test sets it)")
+    from two_hosts import ADDR_A
+
+    connector = "KvxPushConnector" if mode == "push" else "KvxPullConnector"
+    kvx_port = 7100
+    p_cfg = kv_config(connector, "kv_producer", f"p2h-{mode}", listen=f"{ADDR_A}:{kvx_port}",
+                      transport=transport)
+    d_cfg = kv_config(connector, "kv_consumer", f"d2h-{mode}", transport=transport)
+    tag = f"{mode}-{transport.replace(':', '-')}-2h"
+    p, p_url = start_vllm(f"prefill-{tag}", model, workdir, kv=p_cfg, cores=P_CORES,
+                          host=ADDR_A, netns=two_hosts.a)
+    d, d_url = start_vllm(f"decode-{tag}", model, workdir, kv=d_cfg, prefix_caching=False,
+                          block_size=d_block, cores=D_CORES, netns=two_hosts.b,
+                          kvx_log="kvx_vllm=info,kvx_vllm::consumer::connect=debug")
+    proxy_url = "http://127.0.0.1:7300"
+    proxy = Server(
+        f"proxy-{tag}",
+        [str(KVX_BIN), "proxy", "--mode", mode, "--listen", "127.0.0.1:7300",
+         "--prefill", f"{p_url}@{ADDR_A}:{kvx_port}", "--decode", d_url],
+        workdir, dict(os.environ), f"{proxy_url}/health", netns=two_hosts.b,
+    )
+    try:
+        for server in (p, d, proxy):
+            server.wait_ready()
+        with inside(two_hosts.b):
+            before = prompt_sources(d_url)
+            prompt_total = 0
+            for n in PROMPT_WORDS:
+                got = complete(proxy_url, prompt(n))
+                assert_same(got, reference[n], f"{tag}, {got['prompt_tokens']}-token prompt")
+                prompt_total += got["prompt_tokens"]
+            after = prompt_sources(d_url)
+        delta = {k: after[k] - before[k] for k in after}
+        # Every prompt token came over kvx (the last one is recomputed to sample from).
+        assert delta["local_compute"] == 0, delta
+        assert delta["external_kv_transfer"] == prompt_total, delta
+        for server, addr in ((p, ADDR_A), (d, "10.231.0.2")):
+            text = server.log.read_text(errors="replace")
+            assert "Traceback" not in text, server.tail()
+            chosen = [line for line in text.splitlines() if "tcp endpoint interface chosen" in line]
+            assert chosen, server.tail()
+            assert all("interface=kp" in c and addr in c for c in chosen), chosen
+        # Decode's control connections crossed the link: none is a same-host Unix socket.
+        connected = [line for line in d.log.read_text(errors="replace").splitlines()
+                     if "connected to a producer rank" in line]
+        assert connected and all("local=false" in c for c in connected), connected
+    except Exception:
+        for server in (p, d, proxy):
+            print(f"--- {server.name} ---\n{server.tail(30)}", file=sys.stderr)
+        raise
+    finally:
+        for server in (proxy, d, p):
+            server.kill()
 
 
 def test_failures_never_hang_and_never_leak(model, workdir, reference):

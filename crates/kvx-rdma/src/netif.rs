@@ -8,7 +8,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 ///
 /// # Errors
 /// When `getifaddrs(3)` fails.
-pub fn interfaces() -> std::io::Result<Vec<(String, Option<IpAddr>)>> {
+pub fn interfaces() -> std::io::Result<Vec<(String, IpAddr)>> {
     let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
     // SAFETY: getifaddrs writes a list head it allocated (or fails and writes nothing).
     if unsafe { libc::getifaddrs(&mut list) } != 0 {
@@ -23,8 +23,8 @@ pub fn interfaces() -> std::io::Result<Vec<(String, Option<IpAddr>)>> {
         unsafe {
             let e = &*entry;
             let running = libc::IFF_UP as u32 | libc::IFF_RUNNING as u32;
-            let ip = socket_ip(e.ifa_addr);
-            if e.ifa_flags & running == running && ip.is_some() {
+            let ip = socket_ip(e.ifa_addr).filter(|_| e.ifa_flags & running == running);
+            if let Some(ip) = ip {
                 let name = std::ffi::CStr::from_ptr(e.ifa_name)
                     .to_string_lossy()
                     .into_owned();

@@ -101,7 +101,16 @@ struct StartArgs {
     config: ConnectorConfig,
     cache: KvCache,
     transport: TransportSpec,
+    options: OpenOptions,
     token_unit: u64,
+}
+
+/// The transport a side opens: its name, the CUDA device of the cache (`None`: host memory)
+/// and where the NIXL runtime is (what the Python glue found; else `KVX_NIXL_LIB_DIR`).
+struct TransportArgs<'a> {
+    name: &'a str,
+    cuda_device: Option<u32>,
+    nixl_library: Option<std::path::PathBuf>,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -109,7 +118,7 @@ fn start_args(
     engine_id: &str,
     layout: &Bound<'_, PyDict>,
     regions: Vec<(usize, u64)>,
-    transport: &str,
+    transport: TransportArgs<'_>,
     listen: &str,
     token_unit: u64,
     timings: &Bound<'_, PyDict>,
@@ -152,13 +161,25 @@ fn start_args(
         let value = settings::Value::Count(m as u64);
         settings::apply(&mut config, "max_entries", &value).map_err(value_err)?;
     }
-    let transport: TransportSpec = transport.parse().map_err(value_err)?;
-    // The memory kind follows the transport: `cuda-ipc:N` moves the CUDA tensors of device N,
-    // the others host memory (the Python glue refuses device tensors with them).
-    let kind = match transport {
-        TransportSpec::CudaIpc { device } => MemoryKind::Cuda { device },
-        _ => MemoryKind::Host,
+    let TransportArgs {
+        name,
+        cuda_device,
+        nixl_library,
+    } = transport;
+    let transport: TransportSpec = name.parse().map_err(value_err)?;
+    // The memory kind is the cache's (the Python glue resolved the transport for it, so
+    // `cuda-ipc:N` names the cache's device N).
+    let kind = match (&transport, cuda_device) {
+        (TransportSpec::CudaIpc { device }, _) => MemoryKind::Cuda { device: *device },
+        (_, Some(device)) => MemoryKind::Cuda { device },
+        (_, None) => MemoryKind::Host,
     };
+    let options = plugin_open_options()
+        .with_nixl_library(
+            nixl_library
+                .or_else(|| std::env::var_os(crate::transport::NIXL_LIB_DIR_ENV).map(Into::into)),
+        )
+        .for_device_memory(matches!(kind, MemoryKind::Cuda { .. }));
     let regions = regions
         .into_iter()
         .enumerate()
@@ -182,6 +203,7 @@ fn start_args(
             regions,
         },
         transport,
+        options,
         token_unit,
     })
 }
@@ -299,7 +321,7 @@ impl PyProducer {
     /// Registers the cache's memory with the transport and starts listening on `listen` (this
     /// rank's kvx control address; port 0 picks one).
     #[new]
-    #[pyo3(signature = (engine_id, layout, regions, *, transport = "libfabric:shm", listen = "127.0.0.1:0", token_unit = 1, timings = None, max_entries = None))]
+    #[pyo3(signature = (engine_id, layout, regions, *, transport = "libfabric:shm", listen = "127.0.0.1:0", token_unit = 1, timings = None, max_entries = None, cuda_device = None, nixl_library = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -311,13 +333,19 @@ impl PyProducer {
         token_unit: u64,
         timings: Option<&Bound<'_, PyDict>>,
         max_entries: Option<usize>,
+        cuda_device: Option<u32>,
+        nixl_library: Option<std::path::PathBuf>,
     ) -> PyResult<Self> {
         let empty = PyDict::new(py);
         let args = start_args(
             engine_id,
             layout,
             regions,
-            transport,
+            TransportArgs {
+                name: transport,
+                cuda_device,
+                nixl_library,
+            },
             listen,
             token_unit,
             timings.unwrap_or(&empty),
@@ -327,10 +355,11 @@ impl PyProducer {
             config,
             cache,
             transport,
+            options,
             token_unit,
         } = args;
         let producer = py.detach(move || -> Result<Producer, PluginStartError> {
-            let t = transport.open_with(&plugin_open_options().reached_at(config.listen.ip()))?;
+            let t = transport.open_with(&options.reached_at(config.listen.ip()))?;
             Ok(Producer::start(config, cache, t)?)
         });
         let producer = producer.map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
@@ -553,7 +582,7 @@ impl PyConsumer {
 impl PyConsumer {
     /// Registers the cache's memory with the transport and starts the driver thread.
     #[new]
-    #[pyo3(signature = (engine_id, layout, regions, *, transport = "libfabric:shm", token_unit = 1, timings = None, max_entries = None))]
+    #[pyo3(signature = (engine_id, layout, regions, *, transport = "libfabric:shm", token_unit = 1, timings = None, max_entries = None, cuda_device = None, nixl_library = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -564,25 +593,32 @@ impl PyConsumer {
         token_unit: u64,
         timings: Option<&Bound<'_, PyDict>>,
         max_entries: Option<usize>,
+        cuda_device: Option<u32>,
+        nixl_library: Option<std::path::PathBuf>,
     ) -> PyResult<Self> {
         let empty = PyDict::new(py);
         let StartArgs {
             config,
             cache,
             transport,
+            options,
             token_unit,
         } = start_args(
             engine_id,
             layout,
             regions,
-            transport,
+            TransportArgs {
+                name: transport,
+                cuda_device,
+                nixl_library,
+            },
             "127.0.0.1:0",
             token_unit,
             timings.unwrap_or(&empty),
             max_entries,
         )?;
         let consumer = py.detach(move || -> Result<Consumer, PluginStartError> {
-            let t = transport.open_with(&plugin_open_options())?;
+            let t = transport.open_with(&options)?;
             Ok(Consumer::start(config, cache, t)?)
         });
         Ok(Self {

@@ -125,14 +125,27 @@ pub enum TransportError {
     /// This build has no CUDA support.
     #[error("this build has no CUDA support (feature `cuda`)")]
     NoCuda,
-    /// Opening the endpoint failed.
-    #[error("cannot open the {spec} transport: {source}")]
+    /// Opening the endpoint failed (the message carries every cause, for callers that show
+    /// only the top line, as Python exceptions do).
+    #[error("cannot open the {spec} transport: {}", causes(source.as_ref()))]
     Open {
         /// What was asked for.
         spec: String,
         /// Why it failed.
         source: Box<dyn std::error::Error + Send + Sync>,
     },
+}
+
+/// `error` and its sources, as `a: b: c`.
+fn causes(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(e) = source {
+        text.push_str(": ");
+        text.push_str(&e.to_string());
+        source = e.source();
+    }
+    text
 }
 
 impl FromStr for TransportSpec {
@@ -222,7 +235,7 @@ pub enum CacheTransportError {
         device: u32,
     },
     /// A host transport for a CUDA cache.
-    #[error("kvx: the KV cache is on CUDA device {device} but the transport {setting:?} moves host memory; use cuda-ipc{FIX}")]
+    #[error("kvx: the KV cache is on CUDA device {device} but the transport {setting:?} moves host memory; use cuda-ipc (one host) or nixl{FIX}")]
     HostForCuda {
         /// The setting.
         setting: String,
@@ -482,7 +495,7 @@ fn tcp_interface(spec: &TransportSpec, options: &OpenOptions) -> Result<String, 
     tracing::info!(
         transport = %spec,
         interface = %choice.interface,
-        address = ?choice.address,
+        address = %choice.address,
         rule = %choice.rule,
         "kvx: tcp endpoint interface chosen"
     );
@@ -562,6 +575,24 @@ mod tests {
         ));
         assert!("nixlx".parse::<TransportSpec>().is_err());
         assert!("nixl@".parse::<TransportSpec>().is_err());
+    }
+
+    #[cfg(feature = "nixl")]
+    #[test]
+    fn a_missing_nixl_runtime_says_where_it_looked_and_how_to_install_it() {
+        let options = OpenOptions::default().with_nixl_library(Some("/nonexistent/nixl".into()));
+        let Err(err) = "nixl".parse::<TransportSpec>().unwrap().open_with(&options) else {
+            panic!("a NIXL endpoint opened without a runtime");
+        };
+        let text = err.to_string();
+        for part in [
+            "nixl:ucx",
+            "/nonexistent/nixl",
+            "pip install nixl-cu12",
+            NIXL_LIB_DIR_ENV,
+        ] {
+            assert!(text.contains(part), "{part} missing from: {text}");
+        }
     }
 
     #[test]

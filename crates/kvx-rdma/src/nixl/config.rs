@@ -175,11 +175,17 @@ pub enum OpenError {
         #[source]
         source: sys::NixlError,
     },
-    /// Creating the backend failed (plugin not found, bad parameters).
-    #[error("creating the NIXL {plugin} backend failed")]
+    /// Creating the backend failed (plugin not found or not loadable, bad parameters).
+    #[error(
+        "creating the NIXL {plugin} backend failed (NIXL loads it from {plugin_file}: where that \
+         exists, `ldd` on it shows what it lacks)"
+    )]
     Backend {
         /// Plugin.
         plugin: String,
+        /// Where the runtime looks for the plugin (`plugins/libplugin_<NAME>.so` beside the
+        /// runtime).
+        plugin_file: String,
         /// NIXL's error.
         #[source]
         source: sys::NixlError,

@@ -238,6 +238,7 @@ impl NixlTransport {
         })?;
         let backend_error = |source| OpenError::Backend {
             plugin: config.plugin.clone(),
+            plugin_file: runtime::plugin_file(&config.plugin),
             source,
         };
         // The rails' devices go to UCX as `NET_DEVICES` in `engine_config` (never through the

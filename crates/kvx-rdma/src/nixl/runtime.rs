@@ -74,7 +74,11 @@ unsafe extern "C" {
 #[non_exhaustive]
 pub enum RuntimeError {
     /// The library could not be opened.
-    #[error("cannot load the NIXL runtime {library}: {reason}")]
+    #[error(
+        "cannot load the NIXL runtime {library}: {reason} (it comes with the nixl-cu12 wheel: \
+         `pip install nixl-cu12`; name the directory that holds {CAPI_LIBRARY} in \
+         KVX_NIXL_LIB_DIR)"
+    )]
     Load {
         /// What was opened (a path, or the bare name searched by the dynamic loader).
         library: String,
@@ -172,6 +176,17 @@ pub fn loaded_from() -> Option<String> {
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
         .clone()
+}
+
+/// Where the loaded runtime looks for the plugin `plugin`: `plugins/libplugin_<plugin>.so` in the
+/// runtime's directory (as the wheel lays it out), or that relative name before a load.
+#[must_use]
+pub fn plugin_file(plugin: &str) -> String {
+    let file = format!("plugins/libplugin_{plugin}.so");
+    loaded_from()
+        .map(PathBuf::from)
+        .and_then(|library| library.parent().map(|dir| dir.join(&file)))
+        .map_or(file, |path| path.display().to_string())
 }
 
 /// Whether a NIXL runtime can be found for `configured` (see [`ensure_loaded`]) without loading

@@ -85,7 +85,7 @@ pub struct InterfaceChoice {
     /// The interface name (the libfabric `tcp` domain, UCX's network device).
     pub interface: String,
     /// The address the endpoint advertises there.
-    pub address: Option<IpAddr>,
+    pub address: IpAddr,
     /// Why.
     pub rule: ReachRule,
 }
@@ -157,31 +157,28 @@ fn route_source(peer: IpAddr) -> Option<IpAddr> {
 /// `route` (a peer's address to the source address of the route to it); the default route
 /// leaves by the interface `default_route`.
 fn choose_from(
-    offered: &[(String, Option<IpAddr>)],
+    offered: &[(String, IpAddr)],
     reach: Reach,
     route: impl Fn(IpAddr) -> Option<IpAddr>,
     default_route: Option<&str>,
 ) -> Result<InterfaceChoice, ReachError> {
-    if offered.is_empty() {
+    // Addresses a peer can be given: not IPv6 link-local ones (they need a scope), and each
+    // interface's IPv4 addresses before its IPv6 ones.
+    let mut usable: Vec<&(String, IpAddr)> = offered
+        .iter()
+        .filter(|(_, a)| !matches!(a, IpAddr::V6(v6) if v6.is_unicast_link_local()))
+        .collect();
+    usable.sort_by_key(|(_, a)| a.is_ipv6());
+    if usable.is_empty() {
         return Err(ReachError::NoInterfaces);
     }
-    let with_address = |ip: IpAddr| {
-        offered
-            .iter()
-            .find(|(_, a)| *a == Some(ip))
-            .map(|(d, a)| (d.clone(), *a))
-    };
-    let loopback = || {
-        offered
-            .iter()
-            .find(|(_, a)| a.is_some_and(|a| a.is_loopback()))
-            .map(|(d, a)| (d.clone(), *a))
-    };
-    let chosen = |(interface, address): (String, Option<IpAddr>), rule| InterfaceChoice {
-        interface,
-        address,
+    let chosen = |(interface, address): &(String, IpAddr), rule| InterfaceChoice {
+        interface: interface.clone(),
+        address: *address,
         rule,
     };
+    let with_address = |ip: IpAddr| usable.iter().copied().find(|(_, a)| *a == ip);
+    let loopback = || usable.iter().copied().find(|(_, a)| a.is_loopback());
     if let Some(local) = reach.local.filter(|ip| !ip.is_unspecified()) {
         let found = if local.is_loopback() {
             loopback()
@@ -206,31 +203,28 @@ fn choose_from(
         }
     }
     let by_name = default_route.and_then(|iface| {
-        offered
+        usable
             .iter()
-            .find(|(d, a)| d == iface && a.is_some_and(|a| !a.is_loopback()))
+            .copied()
+            .find(|(d, a)| d == iface && !a.is_loopback())
     });
-    if let Some((d, a)) = by_name {
-        return Ok(chosen((d.clone(), *a), ReachRule::DefaultRoute));
+    if let Some(d) = by_name {
+        return Ok(chosen(d, ReachRule::DefaultRoute));
     }
-    let mut others = offered
-        .iter()
-        .filter(|(_, a)| a.is_some_and(|a| !a.is_loopback()));
-    if let (Some((d, a)), None) = (others.next(), others.next()) {
-        return Ok(chosen((d.clone(), *a), ReachRule::OnlyInterface));
+    let mut others = usable.iter().copied().filter(|(_, a)| !a.is_loopback());
+    if let Some(first) = others.next() {
+        if others.all(|(d, _)| *d == first.0) {
+            return Ok(chosen(first, ReachRule::OnlyInterface));
+        }
     }
-    let (d, a) = loopback().unwrap_or_else(|| offered[0].clone());
-    Ok(chosen((d, a), ReachRule::Loopback))
+    Ok(chosen(loopback().unwrap_or(usable[0]), ReachRule::Loopback))
 }
 
 /// `offered` as `name (address), …`.
-fn describe(offered: &[(String, Option<IpAddr>)]) -> String {
+fn describe(offered: &[(String, IpAddr)]) -> String {
     offered
         .iter()
-        .map(|(d, a)| match a {
-            Some(a) => format!("{d} ({a})"),
-            None => d.clone(),
-        })
+        .map(|(d, a)| format!("{d} ({a})"))
         .collect::<Vec<_>>()
         .join(", ")
 }
@@ -243,12 +237,12 @@ mod tests {
         s.parse().unwrap()
     }
 
-    fn host() -> Vec<(String, Option<IpAddr>)> {
+    fn host() -> Vec<(String, IpAddr)> {
         vec![
-            ("lo".into(), Some(ip("127.0.0.1"))),
-            ("eth0".into(), Some(ip("192.168.1.5"))),
-            ("data0".into(), Some(ip("10.0.0.5"))),
-            ("lo".into(), Some(ip("::1"))),
+            ("lo".into(), ip("127.0.0.1")),
+            ("eth0".into(), ip("192.168.1.5")),
+            ("data0".into(), ip("10.0.0.5")),
+            ("lo".into(), ip("::1")),
         ]
     }
 
@@ -310,18 +304,24 @@ mod tests {
 
     #[test]
     fn without_routes_the_only_interface_then_loopback() {
+        // The veth link has an IPv6 link-local address too (unusable for a peer), and a global
+        // one after its IPv4 one: still one interface, its IPv4 address advertised.
         let two_hosts_on_one_machine = vec![
-            ("lo".into(), Some(ip("127.0.0.1"))),
-            ("veth-d".into(), Some(ip("10.231.0.2"))),
+            ("lo".into(), ip("127.0.0.1")),
+            ("veth-d".into(), ip("fe80::1c2b:3aff:fe4d:5e6f")),
+            ("veth-d".into(), ip("fd00::2")),
+            ("veth-d".into(), ip("10.231.0.2")),
+            ("lo".into(), ip("::1")),
         ];
         let c = choose_from(&two_hosts_on_one_machine, Reach::default(), no_routes, None).unwrap();
         assert_eq!(
             (c.interface.as_str(), c.rule),
             ("veth-d", ReachRule::OnlyInterface)
         );
+        assert_eq!(c.address, ip("10.231.0.2"));
         let c = choose_from(&host(), Reach::default(), no_routes, None).unwrap();
         assert_eq!((c.interface.as_str(), c.rule), ("lo", ReachRule::Loopback));
-        let alone = vec![("lo".into(), Some(ip("127.0.0.1")))];
+        let alone = vec![("lo".into(), ip("127.0.0.1"))];
         let c = choose_from(&alone, Reach::default(), no_routes, None).unwrap();
         assert_eq!((c.interface.as_str(), c.rule), ("lo", ReachRule::Loopback));
         assert!(matches!(
@@ -349,9 +349,7 @@ veth0\t0000E70A\t00000000\t0001\t0\t0\t0\t00FFFFFF
     fn this_hosts_interfaces_carry_addresses() {
         let offered = crate::netif::interfaces().expect("getifaddrs");
         assert!(
-            offered
-                .iter()
-                .any(|(d, a)| d == "lo" && a.is_some_and(|a| a.is_loopback())),
+            offered.iter().any(|(d, a)| d == "lo" && a.is_loopback()),
             "{offered:?}"
         );
         let c = choose_interface(Reach::local(ip("127.0.0.1"))).unwrap();
