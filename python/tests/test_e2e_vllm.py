@@ -657,7 +657,7 @@ def two_hosts():
     ("push", "libfabric:tcp", 64),
     ("pull", "libfabric:tcp", BLOCK),
     ("push", "nixl", BLOCK),
-    ("pull", "nixl", 16),
+    ("pull", "nixl", 64),
 ])
 def test_across_two_hosts_matches_a_single_instance(model, workdir, reference, two_hosts, mode,
                                                      transport, d_block):

@@ -191,6 +191,15 @@ fn test(no_lint: bool) -> anyhow::Result<()> {
         "--features",
         "nixl",
     ]))?;
+    step("kvx pd across two hosts (network namespaces) over NIXL (UCX over TCP)");
+    run(cargo().envs(nixl::nixl_test_env(&nixl_dir)).args([
+        "test",
+        "-p",
+        "kvx-cli",
+        "--test",
+        "pd_pair",
+        "across_two_hosts_over_nixl",
+    ]))?;
     step("NIXL with GPU memory, with its output (SKIPPED and why where there is no CUDA GPU)");
     // UCX picks its transports itself here (CUDA IPC between the two processes' GPU memory).
     run(cargo()
@@ -210,7 +219,7 @@ fn test(no_lint: bool) -> anyhow::Result<()> {
             "--",
             "--nocapture",
         ]))?;
-    vllm::test_vllm()?;
+    vllm::test_vllm(&nixl::nixl_test_env(&nixl_dir))?;
     step("fuzz targets build (cargo xtask fuzz runs them)");
     run(cargo().args(["build", "--manifest-path", "fuzz/Cargo.toml", "--bins"]))?;
     println!("\nall checks and tests passed");

@@ -44,11 +44,12 @@ pub(crate) fn ensure_vllm_env() -> anyhow::Result<PathBuf> {
 }
 
 /// Builds the `kvx` binary and the `kvx_vllm` package (into the venv), then runs the Python
-/// tests with pytest. Pytest's exit code 5 (no test collected) counts as a failure.
+/// tests with pytest, with `nixl_env` (where the NIXL runtime is, UCX over TCP) for the tests
+/// over NIXL. Pytest's exit code 5 (no test collected) counts as a failure.
 ///
 /// # Errors
 /// When a build or a test fails.
-pub(crate) fn test_vllm() -> anyhow::Result<()> {
+pub(crate) fn test_vllm(nixl_env: &[(&str, std::ffi::OsString)]) -> anyhow::Result<()> {
     let venv = ensure_vllm_env()?;
     let python = venv.join("bin").join("python");
     crate::step("kvx binary for the proxy");
@@ -65,6 +66,7 @@ pub(crate) fn test_vllm() -> anyhow::Result<()> {
     crate::run(
         Command::new(&python)
             .args(["-m", "pytest", "-v", "-rs", "python/tests"])
+            .envs(nixl_env.iter().map(|(k, v)| (k, v)))
             .env("KVX_BIN", kvx)
             .env("KVX_REQUIRE_E2E", "1")
             .env("PYTHONUNBUFFERED", "1"),

@@ -635,3 +635,49 @@ fn across_two_hosts(test: &str, transport: &str) {
         }
     }
 }
+
+/// Prefill and decode with different transports: decode's first contact fails every request at
+/// once with an error that names both transports (no request waits for a timeout).
+#[test]
+fn mismatched_transports_fail_at_the_handshake_naming_both() {
+    for (prefill_transport, decode_transport, theirs, ours) in [
+        (
+            "libfabric:shm",
+            "libfabric:tcp",
+            "libfabric/shm",
+            "libfabric/tcp;ofi_rxm",
+        ),
+        ("cma", "libfabric:shm", "cma/", "libfabric/shm"),
+    ] {
+        let kvx = free_ports(1);
+        let bench = free_ports(1);
+        let prefill = Command::new(KVX)
+            .args(["pd", "prefill", "--model", "tiny", "--blocks", "64"])
+            .args(["--transport", prefill_transport])
+            .args(["--listen", &kvx.to_string()])
+            .args(["--bench-listen", &bench.to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let _prefill = Killer(prefill);
+        let started = Instant::now();
+        let decode = Command::new(KVX)
+            .args(["pd", "decode", "--model", "tiny", "--blocks", "64"])
+            .args(["--transport", decode_transport])
+            .args(["--prefill", &kvx.to_string()])
+            .args(["--prefill-bench", &bench.to_string()])
+            .args(["--requests", "2", "--rate", "50", "--input-tokens", "20"])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&decode.stderr);
+        assert!(!decode.status.success(), "{err}");
+        let want = format!("moves KV over {theirs} but this side over {ours}");
+        assert!(err.contains(&want), "no `{want}` in: {err}");
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "the mismatch took {:?} to surface",
+            started.elapsed()
+        );
+    }
+}

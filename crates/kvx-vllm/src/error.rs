@@ -133,6 +133,19 @@ pub(crate) enum LinkError {
         theirs: Box<LayoutSpec>,
         ours: Box<LayoutSpec>,
     },
+    /// The producer's transport is not this side's (another backend, or another provider or
+    /// plugin of it): both must name the same `transport`.
+    #[error(
+        "{addr} moves KV over {theirs} but this side over {ours}: set the same transport on \
+         prefill and decode"
+    )]
+    TransportMismatch {
+        addr: SocketAddr,
+        /// This side's transport (`backend/provider`).
+        ours: String,
+        /// The producer's.
+        theirs: String,
+    },
     /// A producer rank answered for another rank.
     #[error("{addr} says it is rank {said}, expected {expected}")]
     WrongRank {

@@ -33,6 +33,18 @@ impl Driver {
                 ours: Box::new(self.layout.spec().clone()),
             });
         }
+        let (ours, theirs) = (
+            control::transport_name(&self.hello),
+            control::transport_name(&hello),
+        );
+        if ours != theirs {
+            let name = |t: Option<String>| t.unwrap_or_else(|| "an unreadable transport".into());
+            return Err(LinkError::TransportMismatch {
+                addr,
+                ours: name(ours),
+                theirs: name(theirs),
+            });
+        }
         if hello.layout.tp_rank != rank.0 {
             return Err(LinkError::WrongRank {
                 addr,

@@ -365,6 +365,12 @@ pub(crate) fn hello(
     }
 }
 
+/// The transport a hello's side moves KV over, as `backend/provider` (`libfabric/shm`,
+/// `nixl/UCX`); `None` for an unreadable description.
+pub(crate) fn transport_name(hello: &Hello) -> Option<String> {
+    peer_desc(hello).map(|d| format!("{}/{}", d.backend, d.provider))
+}
+
 /// The peer's endpoint description from its hello.
 pub(crate) fn peer_desc(hello: &Hello) -> Option<EndpointDesc> {
     EndpointDesc::from_bytes(&hello.transport_addr).ok()
