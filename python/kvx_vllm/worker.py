@@ -111,6 +111,7 @@ class _Worker:
             max_entries=self.cfg.max_entries,
             cuda_device=cuda_device,
             nixl_library=nixl_library() if self.transport.startswith("nixl") else None,
+            rails=self.cfg.rails,
         )
         if self.is_producer:
             self.producer = _native.Producer(

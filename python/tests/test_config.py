@@ -25,10 +25,16 @@ def test_named_host_transports_are_kept_for_host_caches():
         assert resolve_transport(setting, None) == setting
 
 
+def test_transports_that_can_move_device_memory_are_kept_for_cuda_caches():
+    # NIXL registers VRAM; libfabric where its provider offers FI_HMEM (checked when it opens).
+    for setting in ("nixl", "nixl:ucx@eth0", "libfabric:efa", "libfabric:shm"):
+        assert resolve_transport(setting, 0) == setting
+
+
 @pytest.mark.parametrize("setting,device,says", [
     ("cuda-ipc", None, "host memory"),
     ("cuda-ipc:0", None, "host memory"),
-    ("libfabric:shm", 0, "moves host memory"),
+    ("loopback", 0, "moves host memory"),
     ("cma", 2, "CUDA device 2"),
     ("cuda-ipc:0", 1, "use cuda-ipc:1"),
 ])

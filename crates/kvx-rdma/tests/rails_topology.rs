@@ -3,10 +3,13 @@
 //! `UCX_NET_DEVICES` value NIXL gets from the same selection.
 #![cfg(all(unix, any(feature = "libfabric", feature = "nixl")))]
 
-#[path = "support/fake_sysfs.rs"]
-mod fake_sysfs;
+use kvx_testkit::sysfs as fake_sysfs;
 
-use kvx_rdma::topology::{PciAddress, RailOverrides, RailRule};
+use kvx_rdma::topology::{PciAddress, RailOverrides, RailRule, Topology};
+
+fn read(sysfs: &fake_sysfs::FakeSysfs) -> Topology {
+    Topology::from_sysfs(sysfs.root()).expect("readable fake sysfs")
+}
 
 fn addr(s: &str) -> PciAddress {
     s.parse().unwrap()
@@ -32,7 +35,7 @@ mod libfabric {
     #[test]
     fn p5en_gpus_open_the_two_efa_domains_on_their_switch() {
         let (sysfs, expected) = fake_sysfs::p5en();
-        let topo = sysfs.read();
+        let topo = read(&sysfs);
         let offered = efa_domains(&expected);
         for (gpu, nics) in &expected {
             let s = select_rails(&topo, Some(&addr(gpu)), PROVIDER_EFA, &offered);
@@ -48,8 +51,7 @@ mod libfabric {
         let (sysfs, expected) = fake_sysfs::p5en();
         let offered = efa_domains(&expected);
         let (gpu, nics) = &expected[3];
-        let topo = sysfs
-            .read()
+        let topo = read(&sysfs)
             .with_overrides(
                 &format!("{gpu}={}", expected[5].1[1])
                     .parse::<RailOverrides>()
@@ -68,14 +70,14 @@ mod libfabric {
             .filter(|d| !nics.iter().any(|n| d.starts_with(n.as_str())))
             .cloned()
             .collect();
-        let s = select_rails(&sysfs.read(), Some(&addr(gpu)), PROVIDER_EFA, &other);
+        let s = select_rails(&read(&sysfs), Some(&addr(gpu)), PROVIDER_EFA, &other);
         assert_eq!(s.rails, Rails::One);
         assert!(matches!(
             s.fallback,
             Some(RailFallback::NoMatchingDomain { .. })
         ));
         // Host memory: the default domain.
-        let s = select_rails(&sysfs.read(), None, PROVIDER_EFA, &offered);
+        let s = select_rails(&read(&sysfs), None, PROVIDER_EFA, &offered);
         assert_eq!(s.fallback, Some(RailFallback::HostMemory));
     }
 }
@@ -91,7 +93,7 @@ mod nixl {
     #[test]
     fn p5en_ucx_net_devices_follow_the_rails() {
         let (sysfs, expected) = fake_sysfs::p5en();
-        let topo = sysfs.read();
+        let topo = read(&sysfs);
         for (gpu, nics) in &expected {
             let want = format!("{}:1,{}:1", nics[0], nics[1]);
             assert_eq!(

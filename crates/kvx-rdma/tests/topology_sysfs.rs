@@ -12,75 +12,11 @@ use kvx_rdma::topology::{
     AcceleratorKind, PciAddress, RailOverrides, RailRule, Topology, TopologyError,
     NEURON_DEVICE_IDS,
 };
-use tempfile::TempDir;
 
-const NVIDIA: u16 = 0x10de;
-const AMAZON: u16 = 0x1d0f;
-const GPU_CLASS: u32 = 0x03_02_00;
-const BRIDGE_CLASS: u32 = 0x06_04_00;
-const NET_CLASS: u32 = 0x02_00_00;
+use kvx_testkit::sysfs::{FakeSysfs, AMAZON, GPU_CLASS, NET_CLASS, NVIDIA};
 
-/// A sysfs tree in a temporary directory.
-struct FakeSysfs {
-    dir: TempDir,
-}
-
-impl FakeSysfs {
-    fn new() -> Self {
-        let dir = tempfile::tempdir().expect("temp dir");
-        fs::create_dir_all(dir.path().join("bus/pci/devices")).unwrap();
-        fs::create_dir_all(dir.path().join("devices")).unwrap();
-        Self { dir }
-    }
-
-    fn root(&self) -> &Path {
-        self.dir.path()
-    }
-
-    /// Adds a PCI device at `path` below `devices/` (`pci0000:00/0000:00:01.0/...`, the last
-    /// component its address), with its attribute files and its `bus/pci/devices` link.
-    /// `numa`: the `numa_node` content, or `None` for no such file.
-    fn device(&self, path: &str, vendor: u16, device: u16, class: u32, numa: Option<&str>) {
-        let dir = self.root().join("devices").join(path);
-        fs::create_dir_all(&dir).unwrap();
-        fs::write(dir.join("vendor"), format!("{vendor:#06x}\n")).unwrap();
-        fs::write(dir.join("device"), format!("{device:#06x}\n")).unwrap();
-        fs::write(dir.join("class"), format!("{class:#08x}\n")).unwrap();
-        if let Some(numa) = numa {
-            fs::write(dir.join("numa_node"), format!("{numa}\n")).unwrap();
-        }
-        let name = Path::new(path).file_name().unwrap();
-        symlink(
-            Path::new("../../../devices").join(path),
-            self.root().join("bus/pci/devices").join(name),
-        )
-        .unwrap();
-    }
-
-    fn bridge(&self, path: &str) {
-        self.device(path, 0x1000, 0xc030, BRIDGE_CLASS, Some("-1"));
-    }
-
-    /// Adds `class/<class>/<name>` whose `device` link points at `devices/<target>`.
-    fn class_entry(&self, class: &str, name: &str, target: &str) -> PathBuf {
-        let dir = self.root().join("class").join(class).join(name);
-        fs::create_dir_all(&dir).unwrap();
-        symlink(
-            Path::new("../../../devices").join(target),
-            dir.join("device"),
-        )
-        .unwrap();
-        dir
-    }
-
-    fn rdma(&self, name: &str, target: &str) {
-        let dir = self.class_entry("infiniband", name, target);
-        fs::create_dir_all(dir.join("ports/1")).unwrap();
-    }
-
-    fn read(&self) -> Topology {
-        Topology::from_sysfs(self.root()).expect("readable fake sysfs")
-    }
+fn read(t: &FakeSysfs) -> Topology {
+    Topology::from_sysfs(t.root()).expect("readable fake sysfs")
 }
 
 fn addr(s: &str) -> PciAddress {
@@ -175,7 +111,7 @@ fn p5en() -> (FakeSysfs, Vec<(String, u32, [String; 2])>) {
 #[test]
 fn p5en_each_gpu_gets_the_two_nics_on_its_switch() {
     let (t, expected) = p5en();
-    let topo = t.read();
+    let topo = read(&t);
     assert_eq!(topo.accelerators().len(), 8);
     assert_eq!(topo.rdma_nics().len(), 16);
     let mut used = BTreeSet::new();
@@ -210,7 +146,7 @@ fn p5en_each_gpu_gets_the_two_nics_on_its_switch() {
 fn p5en_override_wins_for_the_named_gpu_only() {
     let (t, _) = p5en();
     let o = RailOverrides::from_env_value(Some("0000:53:00.0=rdmap80s0".into())).unwrap();
-    let topo = t.read().with_overrides(&o).unwrap();
+    let topo = read(&t).with_overrides(&o).unwrap();
     let c = topo.rails_for(&addr("0000:53:00.0")).unwrap();
     assert_eq!(
         (c.rails.as_slice(), c.rule),
@@ -221,7 +157,7 @@ fn p5en_override_wins_for_the_named_gpu_only() {
         RailRule::PcieSwitch
     );
     let bad = RailOverrides::parse("0000:53:00.0=rdmap1s0").unwrap();
-    let e = t.read().with_overrides(&bad).unwrap_err();
+    let e = read(&t).with_overrides(&bad).unwrap_err();
     assert!(
         matches!(e, TopologyError::OverrideUnknownRail { .. }),
         "{e}"
@@ -253,7 +189,7 @@ fn p4d_two_gpus_share_the_nic_on_their_switch() {
             expected.push((gpu, efa_name(nic_bus)));
         }
     }
-    let topo = t.read();
+    let topo = read(&t);
     assert_eq!(topo.accelerators().len(), 8);
     assert_eq!(topo.rdma_nics().len(), 4);
     for (gpu, nic) in expected {
@@ -303,7 +239,7 @@ fn two_levels_of_switches_prefer_the_deepest_shared_one() {
         Some("0"),
     );
 
-    let topo = t.read();
+    let topo = read(&t);
     let got = |g: &str| {
         let c = topo.rails_for(&addr(g)).unwrap();
         (c.rails.clone(), c.rule)
@@ -380,7 +316,7 @@ fn gpu_without_nic_below_the_root_complex_uses_its_numa_node() {
         None,
     );
 
-    let topo = t.read();
+    let topo = read(&t);
     let got = |g: &str| {
         let c = topo.rails_for(&addr(g)).unwrap();
         (c.rails.clone(), c.rule)
@@ -425,7 +361,7 @@ fn neuron_devices_are_accelerators_and_efa_is_not() {
     let p = format!("{}/0000:14:00.0", sw.ports[1]);
     t.device(&p, AMAZON, 0xefa1, NET_CLASS, Some("0"));
     t.rdma("rdmap20s0", &p);
-    let topo = t.read();
+    let topo = read(&t);
     assert_eq!(topo.accelerators().len(), 1);
     assert_eq!(topo.accelerators()[0].kind, AcceleratorKind::Neuron);
     assert_eq!(
@@ -443,7 +379,7 @@ fn rdma_and_net_entries_without_a_pci_device_are_left_out() {
     t.class_entry("net", "eth0", "pci0000:00/0000:00:03.0/virtio2");
     // A software RDMA device with no device link at all.
     fs::create_dir_all(t.root().join("class/infiniband/siw0")).unwrap();
-    let topo = t.read();
+    let topo = read(&t);
     assert!(topo.rdma_nics().is_empty());
     assert_eq!(topo.net_interfaces().len(), 1);
     assert_eq!(topo.net_interfaces()[0].pci(), addr("0000:00:03.0"));

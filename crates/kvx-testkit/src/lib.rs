@@ -1,5 +1,6 @@
 //! Helpers the kvx tests share, so that each is written once: free loopback ports for the
-//! servers a test starts, and two "hosts" on one machine ([`netns::TwoHosts`]).
+//! servers a test starts, two "hosts" on one machine ([`netns::TwoHosts`]) and fake sysfs trees
+//! ([`sysfs`]).
 //!
 //! ```
 //! let base = kvx_testkit::free_ports(2);
@@ -9,6 +10,7 @@
 use std::net::{SocketAddr, TcpListener};
 
 pub mod netns;
+pub mod sysfs;
 
 /// `count` consecutive free loopback ports, below the ephemeral range (where connections'
 /// source ports come from, so a probed port there could be taken before the server binds it).

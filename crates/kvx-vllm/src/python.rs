@@ -21,6 +21,7 @@ use kvx_core::{
     TransferId,
 };
 use kvx_rdma::region::LocalRegion;
+use kvx_rdma::topology::RailOverrides;
 use kvx_rendezvous::AttemptKey;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -111,6 +112,8 @@ struct TransportArgs<'a> {
     name: &'a str,
     cuda_device: Option<u32>,
     nixl_library: Option<std::path::PathBuf>,
+    /// The `rails` setting (`GPU=NIC,NIC;…`, or empty).
+    rails: &'a str,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -165,7 +168,16 @@ fn start_args(
         name,
         cuda_device,
         nixl_library,
+        rails,
     } = transport;
+    // The `rails` setting, else KVX_RAILS (the plugin maps the environment; the library reads
+    // none).
+    let rails = if rails.trim().is_empty() {
+        RailOverrides::from_env_value(std::env::var_os(RailOverrides::ENV_VAR))
+    } else {
+        rails.parse()
+    }
+    .map_err(value_err)?;
     let transport: TransportSpec = name.parse().map_err(value_err)?;
     // The memory kind is the cache's (the Python glue resolved the transport for it, so
     // `cuda-ipc:N` names the cache's device N).
@@ -179,7 +191,11 @@ fn start_args(
             nixl_library
                 .or_else(|| std::env::var_os(crate::transport::NIXL_LIB_DIR_ENV).map(Into::into)),
         )
-        .for_device_memory(matches!(kind, MemoryKind::Cuda { .. }));
+        .for_cuda_device(match kind {
+            MemoryKind::Cuda { device } => Some(device),
+            _ => None,
+        })
+        .with_rail_overrides(rails);
     let regions = regions
         .into_iter()
         .enumerate()
@@ -321,7 +337,7 @@ impl PyProducer {
     /// Registers the cache's memory with the transport and starts listening on `listen` (this
     /// rank's kvx control address; port 0 picks one).
     #[new]
-    #[pyo3(signature = (engine_id, layout, regions, *, transport = "libfabric:shm", listen = "127.0.0.1:0", token_unit = 1, timings = None, max_entries = None, cuda_device = None, nixl_library = None))]
+    #[pyo3(signature = (engine_id, layout, regions, *, transport = "libfabric:shm", listen = "127.0.0.1:0", token_unit = 1, timings = None, max_entries = None, cuda_device = None, nixl_library = None, rails = ""))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -335,6 +351,7 @@ impl PyProducer {
         max_entries: Option<usize>,
         cuda_device: Option<u32>,
         nixl_library: Option<std::path::PathBuf>,
+        rails: &str,
     ) -> PyResult<Self> {
         let empty = PyDict::new(py);
         let args = start_args(
@@ -345,6 +362,7 @@ impl PyProducer {
                 name: transport,
                 cuda_device,
                 nixl_library,
+                rails,
             },
             listen,
             token_unit,
@@ -582,7 +600,7 @@ impl PyConsumer {
 impl PyConsumer {
     /// Registers the cache's memory with the transport and starts the driver thread.
     #[new]
-    #[pyo3(signature = (engine_id, layout, regions, *, transport = "libfabric:shm", token_unit = 1, timings = None, max_entries = None, cuda_device = None, nixl_library = None))]
+    #[pyo3(signature = (engine_id, layout, regions, *, transport = "libfabric:shm", token_unit = 1, timings = None, max_entries = None, cuda_device = None, nixl_library = None, rails = ""))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -595,6 +613,7 @@ impl PyConsumer {
         max_entries: Option<usize>,
         cuda_device: Option<u32>,
         nixl_library: Option<std::path::PathBuf>,
+        rails: &str,
     ) -> PyResult<Self> {
         let empty = PyDict::new(py);
         let StartArgs {
@@ -611,6 +630,7 @@ impl PyConsumer {
                 name: transport,
                 cuda_device,
                 nixl_library,
+                rails,
             },
             "127.0.0.1:0",
             token_unit,

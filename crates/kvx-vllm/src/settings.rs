@@ -52,6 +52,8 @@ pub enum Kind {
     Address,
     /// `auto` or a transport name ([`TransportSpec`]).
     Transport,
+    /// Rails for named GPUs, `GPU=NIC,NIC;…` (`kvx_rdma::topology::RailOverrides`), or empty.
+    Rails,
 }
 
 impl Kind {
@@ -68,6 +70,7 @@ impl Kind {
             Self::Choice(_) => "choice",
             Self::Address => "address",
             Self::Transport => "transport",
+            Self::Rails => "rails",
         }
     }
 }
@@ -165,11 +168,23 @@ pub const SETTINGS: &[Setting] = &[
         kind: Kind::Transport,
         default: text("auto"),
         doc: "Data transport: auto (cuda-ipc on the KV cache's own GPU for a CUDA cache, \
-              libfabric:shm for a host cache: both for one machine), libfabric:shm, libfabric:tcp, \
-              libfabric:efa, libfabric:auto, cma (host memory between processes of one host, \
-              one-sided), cuda-ipc[:DEVICE] (CUDA KV caches of processes on one host; without \
-              DEVICE the cache's own GPU), or loopback (one process only; tests). A libfabric \
-              name may end in ,rails=N.",
+              libfabric:shm for a host cache: both for one machine), libfabric:shm, \
+              libfabric:tcp[@IFACE] (across hosts; without IFACE on the interface the peers \
+              reach), libfabric:efa, libfabric:auto, nixl[:ucx|:libfabric][@IFACE] (host or CUDA \
+              caches across hosts), cma (host memory between processes of one host, one-sided), \
+              cuda-ipc[:DEVICE] (CUDA KV caches of processes on one host; without DEVICE the \
+              cache's own GPU), or loopback (one process only; tests). A libfabric name may end \
+              in ,rails=N. Prefill and decode must name the same one.",
+    },
+    Setting {
+        key: "rails",
+        field: None,
+        kind: Kind::Rails,
+        default: text(""),
+        doc: "RDMA NICs for named GPUs, GPU=NIC,NIC;… by PCI address (as `kvx topo --override`), \
+              winning over the rule (the NICs behind the GPU's PCIe switch, else on its NUMA \
+              node) for those GPUs; empty: the rule everywhere (the plugin then reads KVX_RAILS). \
+              A NIC or GPU this host lacks is a start-up error.",
     },
     Setting {
         key: "layout",
@@ -406,6 +421,13 @@ pub fn parse(name: &str, raw: Raw<'_>) -> Result<Value, SettingError> {
                 Ok(Value::Text(Cow::Owned(t.to_owned())))
             }
             _ => Err(invalid("auto or a transport name".into())),
+        },
+        Kind::Rails => match raw {
+            Raw::Text(t) => match t.parse::<kvx_rdma::topology::RailOverrides>() {
+                Ok(_) => Ok(Value::Text(Cow::Owned(t.to_owned()))),
+                Err(e) => Err(invalid(format!("GPU=NIC,NIC;… ({e})").into())),
+            },
+            _ => Err(invalid("GPU=NIC,NIC;…".into())),
         },
     }
 }

@@ -11,6 +11,9 @@ use std::str::FromStr;
 use std::sync::OnceLock;
 
 use kvx_rdma::loopback::LoopbackFabric;
+#[cfg(any(feature = "libfabric", feature = "nixl"))]
+use kvx_rdma::topology::Topology;
+use kvx_rdma::topology::{PciAddress, RailOverrides, TopologyError};
 use kvx_rdma::transport::Transport;
 
 /// A transport choice.
@@ -113,6 +116,9 @@ pub enum TransportError {
     /// `nixl:NAME` with a plugin kvx does not know.
     #[error("unknown NIXL plugin `{0}` in the transport name (nixl:ucx, nixl:libfabric)")]
     UnknownNixlPlugin(String),
+    /// The host's topology cannot be read, or the rail overrides name what it lacks.
+    #[error("cannot choose the rails: {0}")]
+    Rails(#[source] TopologyError),
     /// This build has no NIXL support.
     #[error("this build has no NIXL support (feature `nixl` of kvx-vllm)")]
     NoNixl,
@@ -235,7 +241,7 @@ pub enum CacheTransportError {
         device: u32,
     },
     /// A host transport for a CUDA cache.
-    #[error("kvx: the KV cache is on CUDA device {device} but the transport {setting:?} moves host memory; use cuda-ipc (one host) or nixl{FIX}")]
+    #[error("kvx: the KV cache is on CUDA device {device} but the transport {setting:?} moves host memory; use cuda-ipc (one host), nixl, or libfabric with a provider that offers device memory{FIX}")]
     HostForCuda {
         /// The setting.
         setting: String,
@@ -281,8 +287,9 @@ pub fn resolve_for_cache(
                 Ok(format!("cuda-ipc:{device}"))
             }
         }
-        // NIXL registers either memory (DRAM or VRAM).
-        (TransportSpec::Nixl { .. }, _) => Ok(setting.to_owned()),
+        // NIXL registers either memory (DRAM or VRAM); libfabric a CUDA cache where its
+        // provider offers device memory (`FI_HMEM`), which opening it checks.
+        (TransportSpec::Nixl { .. } | TransportSpec::Libfabric { .. }, _) => Ok(setting.to_owned()),
         (_, Some(device)) => Err(CacheTransportError::HostForCuda {
             setting: setting.into(),
             device,
@@ -314,9 +321,18 @@ pub struct OpenOptions {
     /// NIXL: `libnixl_capi.so` or the directory that holds it (the binaries take it from
     /// `KVX_NIXL_LIB_DIR`); `None`: the dynamic loader's search path.
     pub nixl_library: Option<std::path::PathBuf>,
-    /// The KV cache is in CUDA memory (NIXL: `VRAM` registrations; see
-    /// `NixlConfig::with_device_memory`).
-    pub device_memory: bool,
+    /// The CUDA device that holds the KV cache (`None`: host memory): NIXL registers `VRAM`,
+    /// and the rails are those of this GPU (its PCI address from the CUDA driver, unless
+    /// [`OpenOptions::accelerator`] names it).
+    pub cuda_device: Option<u32>,
+    /// The PCI address of the accelerator that owns the cache, where the caller knows it
+    /// (tests on a fake sysfs; other accelerators).
+    pub accelerator: Option<PciAddress>,
+    /// Explicit rails (the `rails` setting, `kvx pd --rails`: `GPU=NIC,NIC;…`, as `kvx topo
+    /// --override`): they win over the topology's rule for the GPUs they name.
+    pub rail_overrides: RailOverrides,
+    /// Where sysfs is; `None`: `/sys`.
+    pub sysfs_root: Option<std::path::PathBuf>,
 }
 
 impl OpenOptions {
@@ -344,10 +360,17 @@ impl OpenOptions {
         self
     }
 
-    /// These options, for a KV cache in CUDA memory.
+    /// These options, for a KV cache on CUDA device `cuda_device` (`None`: host memory).
     #[must_use]
-    pub fn for_device_memory(mut self, device_memory: bool) -> Self {
-        self.device_memory = device_memory;
+    pub fn for_cuda_device(mut self, cuda_device: Option<u32>) -> Self {
+        self.cuda_device = cuda_device;
+        self
+    }
+
+    /// These options, with explicit rails for the GPUs `overrides` names.
+    #[must_use]
+    pub fn with_rail_overrides(mut self, overrides: RailOverrides) -> Self {
+        self.rail_overrides = overrides;
         self
     }
 
@@ -380,32 +403,17 @@ impl TransportSpec {
     ///
     /// # Errors
     /// [`TransportError`] when the backend is missing or the endpoint cannot be opened.
-    #[cfg_attr(not(feature = "libfabric"), allow(unused_variables))]
+    #[cfg_attr(
+        not(any(feature = "libfabric", feature = "nixl")),
+        allow(unused_variables)
+    )]
     pub fn open_with(&self, options: &OpenOptions) -> Result<Box<dyn Transport>, TransportError> {
         match self {
             Self::Loopback => Ok(Box::new(loopback_fabric().endpoint())),
             #[cfg(feature = "libfabric")]
-            Self::Libfabric {
-                provider,
-                domain,
-                rails,
-            } => {
-                use kvx_rdma::libfabric::{LibfabricConfig, LibfabricTransport, Rails};
-                let mut config = if provider == "auto" {
-                    LibfabricConfig::auto()
-                } else {
-                    LibfabricConfig::new(provider.clone())
-                };
-                if domain.is_some() {
-                    config.domain.clone_from(domain);
-                } else if config.provider == kvx_rdma::libfabric::PROVIDER_TCP {
-                    config.domain = Some(tcp_interface(self, options)?);
-                }
-                if *rails > 1 {
-                    config = config.with_rails(Rails::Count(*rails));
-                }
-                config.sweep_stale_shm = options.sweep_stale_shm;
-                LibfabricTransport::open(&config)
+            Self::Libfabric { .. } => {
+                let (config, _) = self.libfabric_config(options)?;
+                kvx_rdma::libfabric::LibfabricTransport::open(&config)
                     .map(|t| Box::new(t) as Box<dyn Transport>)
                     .map_err(|e| TransportError::Open {
                         spec: self.to_string(),
@@ -439,25 +447,9 @@ impl TransportSpec {
             #[cfg(not(feature = "cuda"))]
             Self::CudaIpc { .. } => Err(TransportError::NoCuda),
             #[cfg(feature = "nixl")]
-            Self::Nixl { plugin, interface } => {
-                use kvx_rdma::nixl::{NixlConfig, NixlTransport};
-                let mut config = NixlConfig::ucx();
-                config.plugin.clone_from(plugin);
-                config.library.clone_from(&options.nixl_library);
-                if options.device_memory {
-                    config = config.with_device_memory();
-                }
-                if plugin == kvx_rdma::nixl::PLUGIN_UCX {
-                    let interface = match interface {
-                        Some(i) => Some(i.clone()),
-                        None if no_rdma_nics() => Some(tcp_interface(self, options)?),
-                        None => None,
-                    };
-                    if let Some(interface) = interface {
-                        config = config.with_engine_setting("NET_DEVICES", &interface);
-                    }
-                }
-                NixlTransport::open(&config)
+            Self::Nixl { .. } => {
+                let config = self.nixl_config(options)?;
+                kvx_rdma::nixl::NixlTransport::open(&config)
                     .map(|t| Box::new(t) as Box<dyn Transport>)
                     .map_err(|e| TransportError::Open {
                         spec: self.to_string(),
@@ -470,11 +462,176 @@ impl TransportSpec {
     }
 }
 
-/// Whether this host has no RDMA NICs (by sysfs): then UCX's network traffic is TCP, on the
-/// interface the peers reach.
+#[cfg(feature = "libfabric")]
+impl TransportSpec {
+    /// How a `libfabric:…` endpoint opens under `options`: the provider (`auto`: EFA where
+    /// present, else TCP), and its domains: the named one; for `tcp`, the interface its peers
+    /// reach; for a provider with a domain per NIC (`efa`, `verbs`), the rails of the cache's
+    /// GPU (the topology's rule, or `options`' overrides), with the selection that chose them.
+    ///
+    /// # Errors
+    /// [`TransportError::Unknown`] for another transport; [`TransportError::Rails`] for rail
+    /// overrides this host cannot honour; [`TransportError::Open`] when no interface fits.
+    pub fn libfabric_config(
+        &self,
+        options: &OpenOptions,
+    ) -> Result<
+        (
+            kvx_rdma::libfabric::LibfabricConfig,
+            Option<kvx_rdma::libfabric::RailSelection>,
+        ),
+        TransportError,
+    > {
+        use kvx_rdma::libfabric::{LibfabricConfig, Rails, PROVIDER_SHM, PROVIDER_TCP};
+        let Self::Libfabric {
+            provider,
+            domain,
+            rails,
+        } = self
+        else {
+            return Err(TransportError::Unknown(self.to_string()));
+        };
+        let mut config = if provider == "auto" {
+            LibfabricConfig::auto()
+        } else {
+            LibfabricConfig::new(provider.clone())
+        };
+        let mut selection = None;
+        let per_nic = ![PROVIDER_TCP, PROVIDER_SHM].contains(&config.provider.as_str());
+        if domain.is_some() {
+            config.domain.clone_from(domain);
+        } else if config.provider == PROVIDER_TCP {
+            config.domain = Some(tcp_interface(self, options)?);
+        } else if per_nic && *rails == 1 {
+            if let Some((topology, gpu)) = host_topology(options)? {
+                let (chosen, selected) = config.with_topology(&topology, Some(&gpu));
+                log_rails(self, &gpu, &selected.nics, selected.rule, &selected);
+                config = chosen;
+                selection = Some(selected);
+            }
+        }
+        if *rails > 1 {
+            config = config.with_rails(Rails::Count(*rails));
+        }
+        config.sweep_stale_shm = options.sweep_stale_shm;
+        config.device_memory = options.cuda_device.is_some();
+        Ok((config, selection))
+    }
+}
+
 #[cfg(feature = "nixl")]
-fn no_rdma_nics() -> bool {
-    kvx_rdma::topology::Topology::from_sysfs("/sys").map_or(true, |t| t.rdma_nics().is_empty())
+impl TransportSpec {
+    /// How a `nixl` endpoint opens under `options`: the plugin, the runtime, `VRAM` for a CUDA
+    /// cache, and UCX's network devices: the named interface; else the rails of the cache's
+    /// GPU (the topology's rule, or `options`' overrides); else, on a host without RDMA NICs,
+    /// the interface its peers reach (as `libfabric:tcp`); else UCX's own choice.
+    ///
+    /// # Errors
+    /// [`TransportError::Unknown`] for another transport; [`TransportError::Rails`] for rail
+    /// overrides this host cannot honour; [`TransportError::Open`] when no interface fits.
+    pub fn nixl_config(
+        &self,
+        options: &OpenOptions,
+    ) -> Result<kvx_rdma::nixl::NixlConfig, TransportError> {
+        use kvx_rdma::nixl::{NixlConfig, PLUGIN_UCX};
+        let Self::Nixl { plugin, interface } = self else {
+            return Err(TransportError::Unknown(self.to_string()));
+        };
+        let mut config = NixlConfig::ucx();
+        config.plugin.clone_from(plugin);
+        config.library.clone_from(&options.nixl_library);
+        if options.cuda_device.is_some() {
+            config = config.with_device_memory();
+        }
+        if plugin != PLUGIN_UCX {
+            return Ok(config);
+        }
+        if let Some(interface) = interface {
+            return Ok(config.with_engine_setting("NET_DEVICES", interface));
+        }
+        let topology = host_topology(options)?;
+        if let Some((topology, gpu)) = &topology {
+            if let Some(choice) = topology.rails_for(gpu).filter(|c| !c.rails.is_empty()) {
+                log_rails(self, gpu, &choice.rails, Some(choice.rule), &());
+                return Ok(config.with_rails_of(topology, gpu));
+            }
+        }
+        let root = options.sysfs_root.as_deref().unwrap_or("/sys".as_ref());
+        let no_rdma_nics = match topology {
+            Some((topology, _)) => topology.rdma_nics().is_empty(),
+            None => Topology::from_sysfs(root).map_or(true, |t| t.rdma_nics().is_empty()),
+        };
+        if no_rdma_nics {
+            let interface = tcp_interface(self, options)?;
+            config = config.with_engine_setting("NET_DEVICES", &interface);
+        }
+        Ok(config)
+    }
+}
+
+/// The host's topology (overrides applied) and the PCI address of the GPU that holds the cache;
+/// `None` for a host cache without overrides to check, or where sysfs is unreadable (logged:
+/// the transport then opens its default devices).
+///
+/// # Errors
+/// [`TransportError::Rails`] when the overrides name a GPU or NIC this host lacks.
+#[cfg(any(feature = "libfabric", feature = "nixl"))]
+fn host_topology(options: &OpenOptions) -> Result<Option<(Topology, PciAddress)>, TransportError> {
+    let gpu = options
+        .accelerator
+        .or_else(|| cuda_pci_address(options.cuda_device));
+    if gpu.is_none() && options.rail_overrides.is_empty() {
+        return Ok(None);
+    }
+    let root = options.sysfs_root.as_deref().unwrap_or("/sys".as_ref());
+    let topology = match Topology::from_sysfs(root) {
+        Ok(t) => t,
+        Err(e) if options.rail_overrides.is_empty() => {
+            tracing::warn!(error = %e, "kvx: cannot read the host's topology; default rails");
+            return Ok(None);
+        }
+        Err(e) => return Err(TransportError::Rails(e)),
+    };
+    let topology = topology
+        .with_overrides(&options.rail_overrides)
+        .map_err(TransportError::Rails)?;
+    Ok(gpu.map(|gpu| (topology, gpu)))
+}
+
+/// The PCI address of CUDA device `device`, from the driver (`None` without CUDA).
+#[cfg(any(feature = "libfabric", feature = "nixl"))]
+fn cuda_pci_address(device: Option<u32>) -> Option<PciAddress> {
+    #[cfg(feature = "cuda")]
+    if let Some(device) = device {
+        return match kvx_rdma::cuda::Gpu::open(device) {
+            Ok(gpu) => gpu.pci_address().parse().ok(),
+            Err(e) => {
+                tracing::warn!(device, error = %e, "kvx: no PCI address for the cache's GPU");
+                None
+            }
+        };
+    }
+    let _ = device;
+    None
+}
+
+/// Logs, once per endpoint, the rails chosen for the cache's GPU.
+#[cfg(any(feature = "libfabric", feature = "nixl"))]
+fn log_rails(
+    spec: &TransportSpec,
+    gpu: &PciAddress,
+    nics: &[String],
+    rule: Option<kvx_rdma::topology::RailRule>,
+    detail: &dyn std::fmt::Debug,
+) {
+    tracing::info!(
+        transport = %spec,
+        gpu = %gpu,
+        nics = %nics.join(","),
+        rule = ?rule,
+        detail = ?detail,
+        "kvx: rails chosen"
+    );
 }
 
 /// The network interface a TCP endpoint (libfabric `tcp`, NIXL over UCX's `tcp`) opens on when
@@ -593,6 +750,123 @@ mod tests {
         ] {
             assert!(text.contains(part), "{part} missing from: {text}");
         }
+    }
+
+    /// Options for a cache on the GPU at `gpu` of the fake host `sysfs`.
+    #[cfg(any(feature = "libfabric", feature = "nixl"))]
+    fn on_gpu(sysfs: &kvx_testkit::sysfs::FakeSysfs, gpu: &str) -> OpenOptions {
+        OpenOptions {
+            accelerator: Some(gpu.parse().unwrap()),
+            sysfs_root: Some(sysfs.root().to_path_buf()),
+            ..OpenOptions::default()
+        }
+    }
+
+    /// `mlx5_0:1,mlx5_1:1` for `["mlx5_0", "mlx5_1"]`, sorted.
+    #[cfg(feature = "nixl")]
+    fn ucx_devices(nics: &[String]) -> String {
+        let mut nics = nics.to_vec();
+        nics.sort();
+        kvx_rdma::topology::ucx_net_devices(&nics)
+    }
+
+    #[cfg(feature = "nixl")]
+    fn sorted_devices(config: &kvx_rdma::nixl::NixlConfig) -> Option<String> {
+        config.net_devices.as_ref().map(|d| {
+            let mut d: Vec<&str> = d.split(',').collect();
+            d.sort_unstable();
+            d.join(",")
+        })
+    }
+
+    /// Every rank's GPU opens NIXL on the NICs behind its own PCIe switch (p5en: two EFA each),
+    /// or, where the NICs hang off the CPUs, on its NUMA node's; a named override wins for its
+    /// GPU; an override naming a NIC the host lacks is a start-up error that names it.
+    #[cfg(feature = "nixl")]
+    #[test]
+    fn nixl_opens_on_the_rails_of_each_ranks_gpu() {
+        let nixl: TransportSpec = "nixl".parse().unwrap();
+        let (sysfs, gpus) = kvx_testkit::sysfs::p5en();
+        for (gpu, nics) in &gpus {
+            let config = nixl.nixl_config(&on_gpu(&sysfs, gpu)).unwrap();
+            assert_eq!(sorted_devices(&config), Some(ucx_devices(nics)), "{gpu}");
+        }
+        // NICs on the CPUs' root complexes: each GPU gets NICs of its own NUMA node, and the
+        // node's GPUs share all of them out.
+        let (sysfs, gpus) = kvx_testkit::sysfs::numa_host();
+        let mut used = std::collections::BTreeMap::<String, Vec<String>>::new();
+        for (gpu, nics) in &gpus {
+            let config = nixl.nixl_config(&on_gpu(&sysfs, gpu)).unwrap();
+            let devices = config.net_devices.expect("rails for a GPU");
+            for device in devices.split(',') {
+                let nic = device.trim_end_matches(":1").to_owned();
+                assert!(
+                    nics.contains(&nic),
+                    "{gpu} got {nic}, not of its node {nics:?}"
+                );
+                used.entry(nics.join(",")).or_default().push(nic);
+            }
+        }
+        for (node, mut got) in used {
+            got.sort();
+            got.dedup();
+            assert_eq!(got.join(","), node);
+        }
+        let (sysfs, gpus) = kvx_testkit::sysfs::p5en();
+        let (gpu, _) = &gpus[3];
+        let elsewhere = gpus[5].1[1].clone();
+        let overrides: RailOverrides = format!("{gpu}={elsewhere}").parse().unwrap();
+        let options = on_gpu(&sysfs, gpu).with_rail_overrides(overrides.clone());
+        let config = nixl.nixl_config(&options).unwrap();
+        assert_eq!(config.net_devices, Some(format!("{elsewhere}:1")));
+        // The other GPUs keep their own.
+        let options = on_gpu(&sysfs, &gpus[0].0).with_rail_overrides(overrides);
+        let config = nixl.nixl_config(&options).unwrap();
+        assert_eq!(sorted_devices(&config), Some(ucx_devices(&gpus[0].1)));
+        let missing: RailOverrides = format!("{gpu}=rdmap999s0").parse().unwrap();
+        let err = nixl
+            .nixl_config(&on_gpu(&sysfs, gpu).with_rail_overrides(missing))
+            .unwrap_err();
+        assert!(matches!(err, TransportError::Rails(_)), "{err}");
+        assert!(err.to_string().contains("rdmap999s0"), "{err}");
+        // A named interface wins over the rails.
+        let named: TransportSpec = "nixl@eth7".parse().unwrap();
+        let config = named.nixl_config(&on_gpu(&sysfs, gpu)).unwrap();
+        assert_eq!(config.net_devices, None);
+        assert!(config
+            .backend_params
+            .iter()
+            .any(|(k, v)| k == "engine_config" && v.contains("NET_DEVICES=eth7")));
+    }
+
+    /// A provider with a domain per NIC (EFA) opens the rails of the cache's GPU; the
+    /// selection records the NICs and the rule even where this host offers no such domain.
+    #[cfg(feature = "libfabric")]
+    #[test]
+    fn libfabric_per_nic_providers_take_the_rails_of_each_ranks_gpu() {
+        let efa: TransportSpec = "libfabric:efa".parse().unwrap();
+        let (sysfs, gpus) = kvx_testkit::sysfs::p5en();
+        for (gpu, nics) in &gpus {
+            let (_, selection) = efa.libfabric_config(&on_gpu(&sysfs, gpu)).unwrap();
+            let selection = selection.expect("a selection for a GPU cache");
+            let mut chosen = selection.nics.clone();
+            chosen.sort();
+            let mut want = nics.to_vec();
+            want.sort();
+            assert_eq!(chosen, want, "{gpu}");
+            assert_eq!(
+                selection.rule,
+                Some(kvx_rdma::topology::RailRule::PcieSwitch)
+            );
+        }
+        // Host memory, or a provider of one domain: no selection.
+        let (_, none) = efa.libfabric_config(&OpenOptions::default()).unwrap();
+        assert!(none.is_none());
+        let missing: RailOverrides = format!("{}=rdmap999s0", gpus[0].0).parse().unwrap();
+        let err = efa
+            .libfabric_config(&on_gpu(&sysfs, &gpus[0].0).with_rail_overrides(missing))
+            .unwrap_err();
+        assert!(err.to_string().contains("rdmap999s0"), "{err}");
     }
 
     #[test]

@@ -153,11 +153,14 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
             _ => None,
         };
         args.model.apply_settings(&mut config)?;
+        let rails = super::rail_overrides(&args.model.rails)?;
         consumers.push(
             Consumer::start(
                 config,
                 cache,
-                super::open_transport(&spec, |o| o.with_peer(args.prefill.ip()))?,
+                super::open_transport(&spec, |o| {
+                    o.with_peer(args.prefill.ip()).with_rail_overrides(rails)
+                })?,
             )
             .context("cannot start the consumer")?,
         );

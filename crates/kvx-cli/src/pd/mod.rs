@@ -30,6 +30,17 @@ pub(crate) fn open_transport(
     spec.open_with(&adjust(options))
 }
 
+/// The rail overrides of `--rails`, else of `KVX_RAILS`.
+pub(crate) fn rail_overrides(rails: &str) -> anyhow::Result<kvx_rdma::topology::RailOverrides> {
+    use kvx_rdma::topology::RailOverrides;
+    let overrides = if rails.trim().is_empty() {
+        RailOverrides::from_env_value(std::env::var_os(RailOverrides::ENV_VAR))
+    } else {
+        rails.parse()
+    };
+    overrides.context("--rails (or KVX_RAILS)")
+}
+
 /// Arguments of `kvx pd`.
 #[derive(clap::Args, Debug)]
 pub(crate) struct PdArgs {
@@ -79,6 +90,11 @@ pub(crate) struct ModelArgs {
     /// [@IFACE], loopback.
     #[arg(long, default_value = "libfabric:shm")]
     pub(crate) transport: String,
+    /// RDMA NICs for named GPUs, `GPU=NIC,NIC;…` by PCI address (as `kvx topo --override`);
+    /// the rule (NICs behind the GPU's PCIe switch, else its NUMA node's) for the others.
+    /// Empty: KVX_RAILS, else the rule everywhere.
+    #[arg(long, default_value = "")]
+    pub(crate) rails: String,
     /// A connector setting, KEY=VALUE (`kvx settings` lists them; those of the vLLM plugin's
     /// own are refused); repeatable, applied after the other flags.
     #[arg(long = "set", value_name = "KEY=VALUE")]
@@ -181,8 +197,17 @@ mod tests {
             blocks: 64,
             order: "hnd".into(),
             transport: "loopback".into(),
+            rails: String::new(),
             settings: settings.iter().map(|s| (*s).to_owned()).collect(),
         }
+    }
+
+    #[test]
+    fn rails_come_from_the_flag_else_the_environment() {
+        let o = rail_overrides("0000:53:00.0=rdmap79s0,rdmap80s0").unwrap();
+        assert_eq!(o.len(), 1);
+        let err = rail_overrides("0000:53:00.0").unwrap_err();
+        assert!(format!("{err:#}").contains("--rails"), "{err:#}");
     }
 
     #[test]

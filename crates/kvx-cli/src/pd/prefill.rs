@@ -175,7 +175,9 @@ pub(crate) fn run(args: &PrefillArgs) -> anyhow::Result<()> {
         config.producer_lease = Duration::from_secs(args.lease_s);
         args.model.apply_settings(&mut config)?;
         let listen = config.listen.ip();
-        let transport = super::open_transport(&spec, |o| o.reached_at(listen))?;
+        let rails = super::rail_overrides(&args.model.rails)?;
+        let transport =
+            super::open_transport(&spec, |o| o.reached_at(listen).with_rail_overrides(rails))?;
         producers
             .push(Producer::start(config, cache, transport).context("cannot start the producer")?);
         memories.push(memory);

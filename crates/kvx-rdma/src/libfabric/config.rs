@@ -49,6 +49,10 @@ pub struct LibfabricConfig {
     /// where [`SHM_SWEEP_ENV`] is `1`). Off by default: it
     /// judges liveness in this pid namespace, which is wrong where containers share `/dev/shm`.
     pub sweep_stale_shm: bool,
+    /// Open for device memory too: the provider must offer `FI_HMEM`, and CUDA regions are then
+    /// registered as such (`fi_mr_regattr` with `FI_HMEM_CUDA` and the device ordinal) and
+    /// moved directly. Off by default (host memory only).
+    pub device_memory: bool,
 }
 
 impl LibfabricConfig {
@@ -63,6 +67,7 @@ impl LibfabricConfig {
             op_timeout: Duration::from_secs(30),
             cq_size: 4096,
             sweep_stale_shm: false,
+            device_memory: false,
         }
     }
 
@@ -89,6 +94,7 @@ impl LibfabricConfig {
             provider: PROVIDER_EFA,
             domain: None,
             delivery_complete: false,
+            hmem: false,
         });
         if efa.is_ok() {
             Self::new(PROVIDER_EFA)
@@ -130,6 +136,19 @@ pub enum OpenError {
     /// The internal buffer could not be allocated.
     #[error("allocating the endpoint's message buffers failed")]
     Buffer(#[source] crate::region::BufferError),
+    /// Device memory was asked for ([`LibfabricConfig::device_memory`]) but the provider does
+    /// not offer `FI_HMEM` (Debian's libfabric 1.17 builds none of its providers with CUDA).
+    #[error(
+        "libfabric provider {provider} offers no device memory (FI_HMEM) here: move GPU memory \
+         with nixl, or use a libfabric built with CUDA (e.g. EFA's installer)"
+    )]
+    NoDeviceMemory {
+        /// The provider.
+        provider: String,
+        /// What `fi_getinfo` said.
+        #[source]
+        source: FabricError,
+    },
     /// The provider carries less remote CQ data than a notice needs.
     #[error("provider {provider} carries no remote CQ data")]
     NoCqData {

@@ -181,6 +181,8 @@ pub struct LibfabricTransport {
     wake: Arc<WakeSignal>,
     /// [`Capabilities::peer_rma_unassisted`]: `shm` with cross-memory attach.
     peer_rma_unassisted: bool,
+    /// Opened with `FI_HMEM` ([`LibfabricConfig::device_memory`]): CUDA regions register.
+    device_memory: bool,
     /// This endpoint's notice board (`shm` with cross-memory attach), once asked for.
     board: Option<Arc<NoticeBoard>>,
     /// `shm`: watches of the processes of peers released within [`shm_lock::DEPARTED_KEPT`],
@@ -229,11 +231,21 @@ fn open_rail(
             provider: &config.provider,
             domain,
             delivery_complete,
+            hmem: config.device_memory,
         })
     };
     let info = match query(true) {
         Ok(info) => info,
-        Err(_) => query(false).map_err(fabric_err)?,
+        Err(_) => query(false).map_err(|source| {
+            if config.device_memory {
+                OpenError::NoDeviceMemory {
+                    provider: config.provider.clone(),
+                    source,
+                }
+            } else {
+                fabric_err(source)
+            }
+        })?,
     };
     let rail_info = RailInfo {
         provider: info.provider(),
@@ -285,6 +297,7 @@ fn open_rail(
                 | sys::FI_REMOTE_READ
                 | sys::FI_REMOTE_WRITE,
             FIRST_KEY,
+            fi::Hmem::System,
         )
     }
     .map_err(fabric_err)?;
@@ -417,6 +430,7 @@ impl LibfabricTransport {
             wait_fds,
             wake,
             peer_rma_unassisted: first.provider == PROVIDER_SHM && shm_cma::cma_usable(),
+            device_memory: config.device_memory,
             board: None,
         };
         for rail in 0..n {

@@ -166,6 +166,7 @@ pub fn provider_domains(provider: &str) -> Vec<String> {
         provider,
         domain: None,
         delivery_complete: false,
+        hmem: false,
     })
     .map(|info| info.domains())
     .unwrap_or_default()

@@ -1101,3 +1101,31 @@ fn shm_a_peer_that_takes_no_writes_holds_up_no_other() {
     });
     assert_eq!(to_silent.to_vec(), src.to_vec());
 }
+
+/// Device memory is asked for at open: a provider without `FI_HMEM` (Debian's 1.17 builds) is
+/// refused then, naming itself; one with it takes CUDA regions.
+#[test]
+fn device_memory_needs_a_provider_with_hmem() {
+    for provider in [PROVIDER_TCP, PROVIDER_SHM] {
+        let config = LibfabricConfig {
+            device_memory: true,
+            domain: (provider == PROVIDER_TCP).then(|| "lo".to_owned()),
+            ..LibfabricConfig::new(provider)
+        };
+        match LibfabricTransport::open(&config) {
+            Err(e @ OpenError::NoDeviceMemory { .. }) => {
+                let text = e.to_string();
+                assert!(
+                    text.contains(provider) && text.contains("FI_HMEM"),
+                    "{text}"
+                );
+            }
+            Err(other) => panic!("{provider}: {other}"),
+            Ok(t) => assert!(t
+                .capabilities()
+                .memory_kinds
+                .iter()
+                .any(|k| matches!(k, kvx_core::MemoryKind::Cuda { .. }))),
+        }
+    }
+}

@@ -33,7 +33,11 @@ impl Transport for LibfabricTransport {
         Capabilities {
             notice_bits: self.notice_bits,
             max_message_len: self.max_message,
-            memory_kinds: vec![MemoryKind::Host],
+            memory_kinds: if self.device_memory {
+                vec![MemoryKind::Host, MemoryKind::Cuda { device: 0 }]
+            } else {
+                vec![MemoryKind::Host]
+            },
             polls_to_wait: !self.rails.iter().all(|r| r.ep.cq().can_block()),
             peer_rma_unassisted: self.peer_rma_unassisted,
             peer_rma_occasional_reads: self.provider == PROVIDER_SHM,
@@ -42,11 +46,21 @@ impl Transport for LibfabricTransport {
 
     fn register(&mut self, region: LocalRegion) -> Result<RegionDesc, RegisterError> {
         let index = region.index();
-        let len = crate::validate::check_registration(
+        let device_memory = self.device_memory;
+        let len = crate::validate::check_registration_of(
             &region,
             self.regions.contains_key(&index),
             BACKEND,
+            |kind| match kind {
+                MemoryKind::Host => true,
+                MemoryKind::Cuda { .. } => device_memory,
+                _ => false,
+            },
         )?;
+        let memory = match region.kind() {
+            MemoryKind::Cuda { device } => fi::Hmem::Cuda(device),
+            _ => fi::Hmem::System,
+        };
         let requested_key = self.next_key;
         let mut mrs = Vec::with_capacity(self.rails.len());
         for rail in &self.rails {
@@ -61,6 +75,7 @@ impl Transport for LibfabricTransport {
                     len,
                     sys::FI_READ | sys::FI_WRITE | sys::FI_REMOTE_READ | sys::FI_REMOTE_WRITE,
                     requested_key,
+                    memory,
                 )
             }
             .map_err(|e| RegisterError::Backend {

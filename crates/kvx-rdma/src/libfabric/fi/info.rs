@@ -42,6 +42,8 @@ pub(crate) struct Query<'a> {
     pub(crate) provider: &'a str,
     pub(crate) domain: Option<&'a str>,
     pub(crate) delivery_complete: bool,
+    /// Device memory (`FI_HMEM`) among the capabilities asked for.
+    pub(crate) hmem: bool,
 }
 
 impl Info {
@@ -80,7 +82,8 @@ impl Info {
                 | sys::FI_SEND
                 | sys::FI_RECV
                 | sys::FI_REMOTE_READ
-                | sys::FI_REMOTE_WRITE;
+                | sys::FI_REMOTE_WRITE
+                | if query.hmem { sys::FI_HMEM } else { 0 };
             (*h).mode = sys::FI_CONTEXT | sys::FI_CONTEXT2 | sys::FI_RX_CQ_DATA;
             (*(*h).ep_attr).type_ = sys::fi_ep_type::FI_EP_RDM;
             let d = (*h).domain_attr;

@@ -34,6 +34,7 @@ use libfabric_sys as sys;
 pub(crate) use cq::{poll_readable, Completion, CqRead};
 pub use error::{FabricError, FiErrno};
 pub(crate) use info::{Info, Query};
+pub(crate) use mr::Hmem;
 
 /// Returns `Ok(())` for zero, the error for a negative return value.
 fn check(ret: i64, wrap: impl FnOnce(FiErrno) -> FabricError) -> Result<(), FabricError> {

@@ -8,6 +8,15 @@ use libfabric_sys as sys;
 
 use super::{check, Domain, Endpoint, FabricError, FiErrno, MemoryRegion};
 
+/// Where registered memory lives (`fi_mr_attr::iface` and its device).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Hmem {
+    /// Host memory.
+    System,
+    /// Memory of this CUDA device ordinal.
+    Cuda(u32),
+}
+
 impl MemoryRegion {
     /// Registers `addr..addr + len` for local and remote access. `requested_key` is used where the
     /// provider lets the application choose keys (no `FI_MR_PROV_KEY`); with `FI_MR_ENDPOINT`,
@@ -23,12 +32,13 @@ impl MemoryRegion {
         len: usize,
         access: u64,
         requested_key: u64,
+        memory: Hmem,
     ) -> Result<Self, FabricError> {
         let iov = sys::iovec {
             iov_base: addr as *mut c_void,
             iov_len: len,
         };
-        let attr = sys::fi_mr_attr {
+        let mut attr = sys::fi_mr_attr {
             mr_iov: &iov,
             iov_count: 1,
             access,
@@ -36,6 +46,10 @@ impl MemoryRegion {
             iface: sys::fi_hmem_iface::FI_HMEM_SYSTEM,
             ..Default::default()
         };
+        if let Hmem::Cuda(device) = memory {
+            attr.iface = sys::fi_hmem_iface::FI_HMEM_CUDA;
+            attr.device.cuda = i32::try_from(device).unwrap_or(i32::MAX);
+        }
         let mut ptr = ptr::null_mut();
         // SAFETY: the domain is open; `attr` and `iov` live across the call; the memory's validity
         // is the caller's contract.
