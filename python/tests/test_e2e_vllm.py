@@ -22,6 +22,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
 from http.client import HTTPConnection
 from pathlib import Path
 
@@ -170,6 +171,20 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+
+
+@contextmanager
+def running(*servers: Server):
+    """Stops ``servers`` at the end (the last first); on a failure prints their logs' tails."""
+    try:
+        yield
+    except Exception:
+        for s in servers:
+            print(f"--- {s.name} ---\n{s.tail(30)}", file=sys.stderr)
+        raise
+    finally:
+        for s in reversed(servers):
+            s.kill()
 
 
 def vllm_env(cores: str | None = None, kvx_log: str | None = None) -> dict[str, str]:
@@ -460,7 +475,7 @@ def check_pair_matches_reference(mode, model, workdir, reference, transport=None
                                                     kvx_host=kvx_host, p_cores=p_cores, p_tp=p_tp,
                                                     d_args=d_args, d_cores=d_cores,
                                                     executor=executor)
-    try:
+    with running(p, d, proxy):
         for s in (p, d, proxy):
             s.wait_ready()
         before = prompt_sources(d_url)
@@ -533,13 +548,6 @@ def check_pair_matches_reference(mode, model, workdir, reference, transport=None
                     break
                 time.sleep(0.2)
             assert sealed == finished > 0, (sealed, finished)
-    except Exception:
-        for s in (p, d, proxy):
-            print(f"--- {s.name} ---\n{s.tail(30)}", file=sys.stderr)
-        raise
-    finally:
-        for s in (proxy, d, p):
-            s.kill()
 
 
 def test_push_matches_a_single_instance(model, workdir, reference):
@@ -689,7 +697,7 @@ def test_across_two_hosts_matches_a_single_instance(model, workdir, reference, t
          "--prefill", f"{p_url}@{ADDR_A}:{kvx_port}", "--decode", d_url],
         workdir, dict(os.environ), f"{proxy_url}/health", netns=two_hosts.b,
     )
-    try:
+    with running(p, d, proxy):
         for server in (p, d, proxy):
             server.wait_ready()
         with inside(two_hosts.b):
@@ -714,13 +722,6 @@ def test_across_two_hosts_matches_a_single_instance(model, workdir, reference, t
         connected = [line for line in d.log.read_text(errors="replace").splitlines()
                      if "connected to a producer rank" in line]
         assert connected and all("local=false" in c for c in connected), connected
-    except Exception:
-        for server in (p, d, proxy):
-            print(f"--- {server.name} ---\n{server.tail(30)}", file=sys.stderr)
-        raise
-    finally:
-        for server in (proxy, d, p):
-            server.kill()
 
 
 def test_failures_never_hang_and_never_leak(model, workdir, reference):

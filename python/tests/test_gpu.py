@@ -2,8 +2,9 @@
 prefill in a child process, decode in the test's. vLLM 0.32's per-layer views of one shared
 allocation, `[blocks, heads, tokens, K|V]` in its head-major (`LBHNC`) and token-major (`LBNHC`)
 layouts, and earlier vLLMs' FlashAttention tensors `(2, blocks, tokens, heads, dim)`. The
-transport is what the connector's default (`auto`) picks for a CUDA cache, CUDA IPC on the
-cache's own GPU. Push (with part of the request written before it finishes) and pull move every
+transports: what the connector's default (`auto`) picks for a CUDA cache, CUDA IPC on the
+cache's own GPU, and NIXL (`VRAM`; UCX's `cuda_ipc` within the host; skipped, saying so, without
+a NIXL runtime in `KVX_NIXL_LIB_DIR`). Push (with part of the request written before it finishes) and pull move every
 token's K and V to where decode's blocks say, across different block sizes, and leave every
 other block untouched.
 
@@ -22,7 +23,7 @@ import pytest
 import torch
 
 from kvx_vllm import _native
-from kvx_vllm.config import resolve_transport
+from kvx_vllm.config import nixl_library, resolve_transport
 from kvx_vllm.layout import describe
 from kv_helpers import assert_tokens_moved, make_caches, wait_events
 
@@ -37,7 +38,7 @@ PREFILL = r"""
 import json, sys
 import torch
 from kvx_vllm import _native
-from kvx_vllm.config import resolve_transport
+from kvx_vllm.config import nixl_library, resolve_transport
 from kvx_vllm.layout import describe
 
 cfg = json.loads(sys.argv[1])
@@ -51,9 +52,10 @@ caches = make_caches(cfg["kind"], cfg["layers"], cfg["blocks"], cfg["heads"], bs
 torch.cuda.synchronize(dev)
 desc = describe(caches, head_size=cfg["head"], total_kv_heads=cfg["heads"], block_size=bs,
                 tp_size=1, tp_rank=0)
-transport = resolve_transport("auto", dev)
+transport = resolve_transport(cfg["transport"], dev)
 producer = _native.Producer("p0", desc.layout, desc.regions, transport=transport,
-                            token_unit=desc.token_unit)
+                            token_unit=desc.token_unit, cuda_device=dev,
+                            nixl_library=nixl_library())
 torch.save({k: v.cpu() for k, v in caches.items()}, cfg["dump"])
 print(json.dumps({"addr": producer.control_addr, "mode": desc.mode, "transport": transport}),
       flush=True)
@@ -91,10 +93,21 @@ def gpu() -> int:
     return torch.cuda.device_count() - 1
 
 
+TRANSPORTS = ["auto", "nixl"]
+
+
+def usable(transport: str) -> None:
+    """Skips (saying so) a NIXL test without a NIXL runtime."""
+    if transport == "nixl" and nixl_library() is None:
+        print("SKIPPED (NIXL): no runtime (KVX_NIXL_LIB_DIR unset, no nixl-cu12 installed)")
+        pytest.skip("no NIXL runtime")
+
+
 class Prefill:
-    def __init__(self, tmp: Path, kind: str, block_size: int):
+    def __init__(self, tmp: Path, kind: str, block_size: int, transport: str = "auto"):
         self.dump = tmp / "prefill-caches.pt"
         cfg = dict(device=0, kind=kind, block_size=block_size, blocks=BLOCKS, heads=HEADS,
+                   transport=transport,
                    head=HEAD, layers=LAYERS, dump=str(self.dump),
                    helpers=str(Path(__file__).resolve().parent))
         self.proc = subprocess.Popen(
@@ -129,15 +142,17 @@ class Prefill:
                 self.proc.wait()
 
 
-def decode_side(device: int, kind: str, block_size: int):
+def decode_side(device: int, kind: str, block_size: int, transport: str = "auto"):
     caches = make_caches(kind, LAYERS, BLOCKS, HEADS, block_size, HEAD, fill=False,
                          device=f"cuda:{device}")
     desc = describe(caches, head_size=HEAD, total_kv_heads=HEADS, block_size=block_size,
                     tp_size=1, tp_rank=0)
-    transport = resolve_transport("auto", device)
-    assert transport == f"cuda-ipc:{device}"
-    consumer = _native.Consumer("d0", desc.layout, desc.regions, transport=transport,
-                                token_unit=desc.token_unit)
+    resolved = resolve_transport(transport, device)
+    if transport == "auto":
+        assert resolved == f"cuda-ipc:{device}"
+    consumer = _native.Consumer("d0", desc.layout, desc.regions, transport=resolved,
+                                token_unit=desc.token_unit, cuda_device=device,
+                                nixl_library=nixl_library())
     return caches, desc, consumer
 
 
@@ -147,20 +162,23 @@ def assert_moved(kind, p_caches, p_blocks, p_bs, d_caches, d_blocks, d_bs, token
     assert_tokens_moved(kind, p_caches, p_blocks, p_bs, got, d_blocks, d_bs, tokens)
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("kind,p_bs,d_bs", [
     ("cells-hnd", 16, 32),
     ("cells-nhd", 32, 16),
     ("cells-hnd", 32, 32),
     ("flash", 16, 32),
 ])
-def test_push_moves_cuda_tensors_between_processes(gpu, tmp_path, kind, p_bs, d_bs):
+def test_push_moves_cuda_tensors_between_processes(gpu, tmp_path, kind, p_bs, d_bs, transport):
     """Decode registers first; prefill reports 70 of 100 tokens computed (the whole blocks of
     both sides among them are written at once), then finishes; decode's event comes once every
     byte landed, and prefill's blocks come back."""
-    d_caches, d_desc, consumer = decode_side(gpu, kind, d_bs)
-    prefill = Prefill(tmp_path, kind, p_bs)
+    usable(transport)
+    d_caches, d_desc, consumer = decode_side(gpu, kind, d_bs, transport)
+    prefill = Prefill(tmp_path, kind, p_bs, transport)
     try:
-        assert prefill.hello["transport"] == "cuda-ipc:0"
+        want = "cuda-ipc:0" if transport == "auto" else transport
+        assert prefill.hello["transport"] == want
         assert prefill.hello["mode"] == d_desc.mode == "exact"
         tokens = 100
         p_blocks = [5, 1, 12, 3, 9, 14, 7][: -(-tokens // p_bs)]
@@ -187,13 +205,15 @@ def test_push_moves_cuda_tensors_between_processes(gpu, tmp_path, kind, p_bs, d_
         consumer.shutdown()
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("kind", ["cells-hnd", "cells-nhd"])
-def test_pull_reads_cuda_tensors_between_processes(gpu, tmp_path, kind):
+def test_pull_reads_cuda_tensors_between_processes(gpu, tmp_path, kind, transport):
     """Prefill finishes first and holds its blocks; decode reads them into its own (different
     block size) and prefill's blocks come back once decode says it is done."""
+    usable(transport)
     p_bs, d_bs = 32, 16
-    d_caches, _, consumer = decode_side(gpu, kind, d_bs)
-    prefill = Prefill(tmp_path, kind, p_bs)
+    d_caches, _, consumer = decode_side(gpu, kind, d_bs, transport)
+    prefill = Prefill(tmp_path, kind, p_bs, transport)
     try:
         tokens = 77
         p_blocks = [8, 3, 15][: -(-tokens // p_bs)]
@@ -220,4 +240,4 @@ def test_a_cuda_cache_gets_cuda_ipc_on_its_own_device(gpu):
     assert (desc.layout["arrangement"], desc.layout["order"]) == ("per-layer-cell-kv", "hnd")
     assert all(t.is_cuda for t in desc.tensors)
     with pytest.raises(ValueError, match="moves host memory"):
-        resolve_transport("libfabric:shm", gpu)
+        resolve_transport("cma", gpu)

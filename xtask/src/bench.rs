@@ -64,18 +64,21 @@ pub(crate) fn run(names: &[String], quick: bool) -> anyhow::Result<()> {
             continue;
         }
         if *name == "transfer" {
-            // With the NIXL backend beside libfabric and loopback.
+            // With the NIXL backend beside libfabric and loopback; each NIXL case names UCX's
+            // transports itself (TCP, or shared memory), so UCX_TLS is not forced here.
             let nixl_dir = crate::nixl::ensure_nixl_runtime()?;
-            cmd.envs(crate::nixl::nixl_test_env(&nixl_dir)).args([
-                "bench",
-                "-p",
-                package,
-                "--features",
-                "nixl",
-                "--bench",
-                target,
-                "--",
-            ]);
+            let env = crate::nixl::nixl_test_env(&nixl_dir);
+            cmd.envs(env.into_iter().filter(|(key, _)| *key != "UCX_TLS"))
+                .args([
+                    "bench",
+                    "-p",
+                    package,
+                    "--features",
+                    "nixl",
+                    "--bench",
+                    target,
+                    "--",
+                ]);
         } else {
             cmd.args(["bench", "-p", package, "--bench", target, "--"]);
         }

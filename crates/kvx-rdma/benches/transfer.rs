@@ -323,28 +323,34 @@ fn backends() -> Vec<(&'static str, Factory)> {
     #[cfg(feature = "nixl")]
     {
         use kvx_rdma::nixl::{NixlConfig, NixlTransport};
-        // Needs the runtime: `KVX_NIXL_LIB_DIR` (set by `cargo xtask bench`).
+        // Needs the runtime: `KVX_NIXL_LIB_DIR` (set by `cargo xtask bench`). Over UCX's TCP
+        // transport on loopback, and over its shared-memory ones (what UCX takes within a host).
+        fn nixl(config: NixlConfig) -> Option<(Box<dyn Transport>, Box<dyn Transport>)> {
+            let config = NixlConfig {
+                library: std::env::var_os(kvx_rdma::nixl::LIB_DIR_ENV).map(Into::into),
+                ..config
+            };
+            let open = || {
+                NixlTransport::open(&config)
+                    .map_err(|e| match std::error::Error::source(&e) {
+                        Some(why) => eprintln!("nixl: {e}: {why}"),
+                        None => eprintln!("nixl: {e}"),
+                    })
+                    .ok()
+            };
+            let (a, b) = (open()?, open()?);
+            Some((
+                Box::new(a) as Box<dyn Transport>,
+                Box::new(b) as Box<dyn Transport>,
+            ))
+        }
         out.push((
             "nixl-ucx-tcp",
-            Box::new(|| {
-                let config = NixlConfig {
-                    library: std::env::var_os(kvx_rdma::nixl::LIB_DIR_ENV).map(Into::into),
-                    ..NixlConfig::ucx_tcp(Some("lo"))
-                };
-                let open = || {
-                    NixlTransport::open(&config)
-                        .map_err(|e| match std::error::Error::source(&e) {
-                            Some(why) => eprintln!("nixl: {e}: {why}"),
-                            None => eprintln!("nixl: {e}"),
-                        })
-                        .ok()
-                };
-                let (a, b) = (open()?, open()?);
-                Some((
-                    Box::new(a) as Box<dyn Transport>,
-                    Box::new(b) as Box<dyn Transport>,
-                ))
-            }),
+            Box::new(|| nixl(NixlConfig::ucx_tcp(Some("lo")))),
+        ));
+        out.push((
+            "nixl-ucx-shm",
+            Box::new(|| nixl(NixlConfig::ucx_shm().with_engine_setting("TLS", "sm,self"))),
         ));
     }
     out

@@ -239,6 +239,8 @@ fn stats_dict<'py>(py: Python<'py>, s: StatsSnapshot) -> PyResult<Bound<'py, PyD
     d.set_item("local_connections", s.local_connections)?;
     d.set_item("driver_turns", s.driver_turns)?;
     d.set_item("released_unconfirmed", s.released_unconfirmed)?;
+    d.set_item("handshakes_evicted", s.handshakes_evicted)?;
+    d.set_item("handshakes_failed", s.handshakes_failed)?;
     Ok(d)
 }
 
@@ -517,7 +519,9 @@ impl PyProducer {
     }
 
     /// Counters: held, transfers_started, transfers_ok, transfers_failed, bytes_written,
-    /// bytes_streamed, finishing_hints, nudges.
+    /// bytes_streamed, finishing_hints, nudges, handshakes_evicted (connections dropped before
+    /// their hello for newer ones), handshakes_failed (hellos late, malformed or of another
+    /// protocol version).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.with(Producer::stats)?;
         stats_dict(py, s)

@@ -19,6 +19,8 @@ pub(crate) struct Stats {
     pub(crate) driver_turns: AtomicU64,
     pub(crate) local_connections: AtomicU64,
     pub(crate) released_unconfirmed: AtomicU64,
+    pub(crate) handshakes_evicted: AtomicU64,
+    pub(crate) handshakes_failed: AtomicU64,
 }
 
 /// A copy of a side's counters.
@@ -62,6 +64,13 @@ pub struct StatsSnapshot {
     /// every producer rank's confirmation that it writes no more (consumer). Each is a request
     /// whose blocks a late write could still reach: worth an alert.
     pub released_unconfirmed: u64,
+    /// Control connections dropped before their hello arrived because newer ones came while
+    /// [`MAX_WAITING_HANDSHAKES`](crate::producer::MAX_WAITING_HANDSHAKES) waited (producer):
+    /// a peer opening connections it does not use.
+    pub handshakes_evicted: u64,
+    /// Control connections whose hello did not come in time, or was not a hello of this
+    /// protocol version (producer).
+    pub handshakes_failed: u64,
 }
 
 impl Stats {
@@ -81,6 +90,8 @@ impl Stats {
             driver_turns: self.driver_turns.load(Ordering::Relaxed),
             local_connections: self.local_connections.load(Ordering::Relaxed),
             released_unconfirmed: self.released_unconfirmed.load(Ordering::Relaxed),
+            handshakes_evicted: self.handshakes_evicted.load(Ordering::Relaxed),
+            handshakes_failed: self.handshakes_failed.load(Ordering::Relaxed),
         }
     }
 }

@@ -413,52 +413,56 @@ impl TransportSpec {
             #[cfg(feature = "libfabric")]
             Self::Libfabric { .. } => {
                 let (config, _) = self.libfabric_config(options)?;
-                kvx_rdma::libfabric::LibfabricTransport::open(&config)
-                    .map(|t| Box::new(t) as Box<dyn Transport>)
-                    .map_err(|e| TransportError::Open {
-                        spec: self.to_string(),
-                        source: Box::new(e),
-                    })
+                self.opened(kvx_rdma::libfabric::LibfabricTransport::open(&config))
             }
             #[cfg(not(feature = "libfabric"))]
             Self::Libfabric { .. } => Err(TransportError::NoLibfabric),
             #[cfg(feature = "cma")]
             Self::Cma => {
                 use kvx_rdma::cma::{CmaConfig, CmaTransport};
-                CmaTransport::open(CmaConfig::default())
-                    .map(|t| Box::new(t) as Box<dyn Transport>)
-                    .map_err(|e| TransportError::Open {
-                        spec: self.to_string(),
-                        source: Box::new(e),
-                    })
+                self.opened(CmaTransport::open(CmaConfig::default()))
             }
             #[cfg(not(feature = "cma"))]
             Self::Cma => Err(TransportError::NoCma),
             #[cfg(feature = "cuda")]
             Self::CudaIpc { device } => {
                 use kvx_rdma::cuda::ipc::{CudaIpcConfig, CudaIpcTransport};
-                CudaIpcTransport::open(CudaIpcConfig::new(*device))
-                    .map(|t| Box::new(t) as Box<dyn Transport>)
-                    .map_err(|e| TransportError::Open {
-                        spec: self.to_string(),
-                        source: Box::new(e),
-                    })
+                self.opened(CudaIpcTransport::open(CudaIpcConfig::new(*device)))
             }
             #[cfg(not(feature = "cuda"))]
             Self::CudaIpc { .. } => Err(TransportError::NoCuda),
             #[cfg(feature = "nixl")]
             Self::Nixl { .. } => {
                 let config = self.nixl_config(options)?;
-                kvx_rdma::nixl::NixlTransport::open(&config)
-                    .map(|t| Box::new(t) as Box<dyn Transport>)
-                    .map_err(|e| TransportError::Open {
-                        spec: self.to_string(),
-                        source: Box::new(e),
-                    })
+                self.opened(kvx_rdma::nixl::NixlTransport::open(&config))
             }
             #[cfg(not(feature = "nixl"))]
             Self::Nixl { .. } => Err(TransportError::NoNixl),
         }
+    }
+}
+
+impl TransportSpec {
+    /// `opened` as the connector's transport, or the error of opening it, naming this spec.
+    #[cfg_attr(
+        not(any(
+            feature = "libfabric",
+            feature = "nixl",
+            feature = "cma",
+            feature = "cuda"
+        )),
+        allow(dead_code)
+    )]
+    fn opened<T: Transport + 'static, E: std::error::Error + Send + Sync + 'static>(
+        &self,
+        opened: Result<T, E>,
+    ) -> Result<Box<dyn Transport>, TransportError> {
+        opened
+            .map(|t| Box::new(t) as Box<dyn Transport>)
+            .map_err(|e| TransportError::Open {
+                spec: self.to_string(),
+                source: Box::new(e),
+            })
     }
 }
 

@@ -1,8 +1,9 @@
-//! The connector over the CUDA IPC transport with the KV cache in GPU memory: two prefill ranks
-//! (TP2, HND, 16-token blocks) push into one decode rank (TP1, NHD, 32-token blocks), so the
-//! consumer re-lays-out the chunks with the GPU kernels before it reports the request ready; then
-//! every byte is verified. Without a CUDA driver the test says that it was skipped (with
-//! `KVX_REQUIRE_GPU=1` it fails instead).
+//! The connector with the KV cache in GPU memory, over CUDA IPC and over NIXL (`VRAM`; UCX's
+//! `cuda_ipc` within the host): two prefill ranks (TP2, HND, 16-token blocks) push into one
+//! decode rank (TP1, NHD, 32-token blocks), so the consumer re-lays-out the chunks with the GPU
+//! kernels before it reports the request ready; then every byte is verified. Without a CUDA
+//! driver the tests say that they were skipped (with `KVX_REQUIRE_GPU=1` they fail instead);
+//! the NIXL one also without a NIXL runtime (`KVX_NIXL_LIB_DIR`).
 #![cfg(feature = "cuda")]
 
 use std::net::SocketAddr;
@@ -14,11 +15,13 @@ use kvx_core::{
 };
 use kvx_layout::synth::{fill_request, verify_request};
 use kvx_layout::Layout;
-use kvx_rdma::cuda::ipc::{CudaIpcConfig, CudaIpcTransport};
 use kvx_rdma::cuda::{device_count, DeviceBuffer, Gpu};
 use kvx_rdma::LocalRegion;
 use kvx_rendezvous::AttemptKey;
-use kvx_vllm::{ConnectorConfig, Consumer, KvCache, Producer, PushRequest, RecvEvent, SendOutcome};
+use kvx_vllm::{
+    ConnectorConfig, Consumer, KvCache, OpenOptions, Producer, PushRequest, RecvEvent, SendOutcome,
+    TransportSpec,
+};
 
 const SEED: u64 = 0x6770_7573;
 
@@ -82,6 +85,34 @@ fn free_port() -> SocketAddr {
 
 #[test]
 fn push_tp2_into_tp1_on_the_gpu_with_relayout_and_streaming() {
+    push_tp2_into_tp1(
+        "push_tp2_into_tp1_on_the_gpu_with_relayout_and_streaming",
+        "cuda-ipc",
+    );
+}
+
+#[cfg(feature = "nixl")]
+#[test]
+fn push_tp2_into_tp1_over_nixl_vram_with_relayout_and_streaming() {
+    let test = "push_tp2_into_tp1_over_nixl_vram_with_relayout_and_streaming";
+    if std::env::var_os(kvx_vllm::transport::NIXL_LIB_DIR_ENV).is_none() {
+        eprintln!("SKIPPED {test}: KVX_NIXL_LIB_DIR is unset (no NIXL runtime)");
+        return;
+    }
+    push_tp2_into_tp1(test, "nixl");
+}
+
+/// Opens `transport` for a cache on `gpu`, as the plugin does.
+fn open(transport: &str, gpu: &Gpu) -> Box<dyn kvx_rdma::Transport> {
+    let name = kvx_vllm::resolve_for_cache(transport, Some(gpu.ordinal())).expect("resolves");
+    let spec: TransportSpec = name.parse().expect("a transport name");
+    let options = OpenOptions::default()
+        .for_cuda_device(Some(gpu.ordinal()))
+        .with_nixl_library(std::env::var_os(kvx_vllm::transport::NIXL_LIB_DIR_ENV).map(Into::into));
+    spec.open_with(&options).expect("open")
+}
+
+fn push_tp2_into_tp1(test: &str, transport: &str) {
     let n = match device_count() {
         Ok(n) if n > 0 => n,
         other => {
@@ -89,9 +120,7 @@ fn push_tp2_into_tp1_on_the_gpu_with_relayout_and_streaming() {
                 std::env::var_os("KVX_REQUIRE_GPU").is_none(),
                 "KVX_REQUIRE_GPU is set but CUDA is unusable: {other:?}"
             );
-            eprintln!(
-                "SKIPPED push_tp2_into_tp1_on_the_gpu_with_relayout_and_streaming: {other:?}"
-            );
+            eprintln!("SKIPPED {test}: {other:?}");
             return;
         }
     };
@@ -115,16 +144,14 @@ fn push_tp2_into_tp1_on_the_gpu_with_relayout_and_streaming() {
         }
         let mut config = ConnectorConfig::new(EngineId(1));
         config.listen = SocketAddr::from(([127, 0, 0, 1], base.port() + rank as u16));
-        let transport = CudaIpcTransport::open(CudaIpcConfig::new(gpu.ordinal())).expect("open");
-        producers.push(Producer::start(config, cache, Box::new(transport)).expect("producer"));
+        producers.push(Producer::start(config, cache, open(transport, &gpu)).expect("producer"));
         sides.push(side);
     }
     let (decode, cache) = Side::new(&gpu, spec(1, 0, 32, MemoryOrder::Nhd));
-    let transport = CudaIpcTransport::open(CudaIpcConfig::new(gpu.ordinal())).expect("open");
     let consumer = Consumer::start(
         ConnectorConfig::new(EngineId(2)),
         cache,
-        Box::new(transport),
+        open(transport, &gpu),
     )
     .expect("consumer");
     let c_blocks: Vec<BlockId> = (0..tokens.div_ceil(32) as u32)

@@ -3021,3 +3021,109 @@ fn idle_steps_wait_for_a_transfer_to_end_and_no_longer() {
         "{events:?}"
     );
 }
+
+/// A peer that opens more control connections than a prefill rank serves and sends nothing
+/// (plus a few that trickle a byte now and then) cannot keep a real decode out: the connections
+/// without a hello past `MAX_WAITING_HANDSHAKES` are dropped oldest first, so the decode's
+/// connection, whose hello follows at once, gets its turn.
+#[test]
+fn a_flood_of_idle_connections_does_not_keep_a_decode_out() {
+    use std::io::Write as _;
+    use std::net::TcpStream;
+
+    let fabric = LoopbackFabric::new();
+    let (pre, dec, consumer) = simple_pair(&fabric);
+    let mut idle = Vec::new();
+    for _ in 0..1100 {
+        match TcpStream::connect(pre.base) {
+            Ok(s) => idle.push(s),
+            Err(e) => panic!("the listener refused a connection: {e}"),
+        }
+    }
+    let mut tricklers: Vec<TcpStream> = (0..3)
+        .map(|_| TcpStream::connect(pre.base).unwrap())
+        .collect();
+    for t in &mut tricklers {
+        let _ = t.write_all(&[0x4b]);
+    }
+    let (p_blocks, c_blocks) = request_blocks(&pre, 12, 4, 4);
+    let k = key(901, 0);
+    register(&consumer, pre.base, k, 12, c_blocks.clone());
+    pre.finish(k, &p_blocks, 12);
+    expect_ready(&consumer, k, RequestId(1));
+    dec.verify(&c_blocks, 0, 12);
+    // Most of the idle ones were dropped for newer ones (some were refused at the connection
+    // limit while dropped ones still closed).
+    let stats = pre.producers[0].stats();
+    assert!(stats.handshakes_evicted > 500, "{stats:?}");
+    drop((idle, tricklers));
+}
+
+/// The whole hello must arrive within the handshake timeout: a peer that trickles one byte at a
+/// time is cut off then, however regularly it sends.
+#[test]
+fn a_trickled_hello_is_cut_off_at_the_handshake_deadline() {
+    use std::io::{Read as _, Write as _};
+    use std::net::TcpStream;
+
+    let fabric = LoopbackFabric::new();
+    let base = free_ports(1);
+    let (_side, cache) = Side::new(spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit));
+    let mut c = config(1);
+    c.listen = base;
+    c.connect_timeout = Duration::from_millis(600);
+    let producer = Producer::start(c, cache, Box::new(fabric.endpoint())).unwrap();
+    let mut trickler = TcpStream::connect(base).unwrap();
+    trickler
+        .set_read_timeout(Some(Duration::from_millis(1)))
+        .unwrap();
+    let started = Instant::now();
+    // A frame header that announces a large hello, then its payload, one byte every 100 ms.
+    let [m0, m1] = kvx_core::wire::MAGIC;
+    let header = [m0, m1, kvx_core::wire::PROTOCOL_VERSION, 1, 0, 0, 0x10, 0];
+    let mut closed = None;
+    for byte in header.iter().chain(std::iter::repeat(&0u8)).take(30) {
+        let mut buf = [0u8; 1];
+        let gone =
+            matches!(trickler.read(&mut buf), Ok(0)) || trickler.write_all(&[*byte]).is_err();
+        if gone {
+            closed = Some(started.elapsed());
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let closed = closed.expect("the trickled connection was never closed");
+    assert!(
+        closed < Duration::from_secs(3),
+        "closed after {closed:?}, not at the 600 ms deadline"
+    );
+    assert_eq!(producer.stats().handshakes_failed, 1);
+}
+
+/// A hello of another protocol version is answered with this side's hello, so the peer's
+/// error names both versions, and refused.
+#[test]
+fn a_hello_of_another_protocol_version_is_answered_with_this_sides_version() {
+    use std::io::{Read as _, Write as _};
+    use std::net::TcpStream;
+
+    let fabric = LoopbackFabric::new();
+    let (pre, _dec, _consumer) = simple_pair(&fabric);
+    let mut peer = TcpStream::connect(pre.base).unwrap();
+    peer.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let other = kvx_core::wire::PROTOCOL_VERSION + 1;
+    let [m0, m1] = kvx_core::wire::MAGIC;
+    peer.write_all(&[m0, m1, other, 1, 0, 0, 0, 0]).unwrap();
+    let mut answer = Vec::new();
+    let _ = peer.read_to_end(&mut answer);
+    assert!(answer.len() > 8, "no hello came back: {answer:?}");
+    // Its header carries this build's version (a peer of the other version fails to parse it
+    // with an error that names both).
+    assert_eq!(answer[..3], [m0, m1, kvx_core::wire::PROTOCOL_VERSION]);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while pre.producers[0].stats().handshakes_failed == 0 {
+        assert!(Instant::now() < deadline, "the handshake was not refused");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}

@@ -133,16 +133,46 @@ impl AsFd for ControlStream {
     }
 }
 
-/// Reads one frame (blocking).
+/// Reads one frame (blocking). The payload's memory grows with the bytes that arrive, not with
+/// the length the header claims, so a peer that announces a large frame and trickles it holds
+/// no more memory than it sent.
 pub(crate) fn read_message(stream: &mut impl Read) -> Result<Message, ControlError> {
     let mut header = [0u8; HEADER_LEN];
     stream.read_exact(&mut header).map_err(ControlError::Read)?;
     let parsed = FrameHeader::parse(&header)?;
-    let mut payload = vec![0u8; parsed.payload_len as usize];
-    stream
-        .read_exact(&mut payload)
+    let len = u64::from(parsed.payload_len);
+    let mut payload = Vec::with_capacity(usize::try_from(len.min(64 * 1024)).unwrap_or(0));
+    let read = stream
+        .take(len)
+        .read_to_end(&mut payload)
         .map_err(ControlError::Read)?;
+    if read as u64 != len {
+        return Err(ControlError::Read(io::ErrorKind::UnexpectedEof.into()));
+    }
     Ok(Message::decode_payload(parsed.kind, &payload)?)
+}
+
+/// Reads one frame from `stream`, all of it before `deadline` (however the peer spaces its
+/// bytes out: each read waits only for what is left of the time).
+pub(crate) fn read_message_before(
+    stream: &ControlStream,
+    deadline: std::time::Instant,
+) -> Result<Message, ControlError> {
+    struct Before<'a>(&'a ControlStream, std::time::Instant);
+    impl Read for Before<'_> {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            let left = self.1.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "the peer's message did not arrive in time",
+                ));
+            }
+            self.0.set_read_timeout(Some(left))?;
+            (&self.0.socket).read(buf)
+        }
+    }
+    read_message(&mut Before(stream, deadline))
 }
 
 /// The sending half of a control connection, shareable between threads.

@@ -8,6 +8,13 @@ use super::*;
 /// connections without end cannot exhaust the process's threads.
 const MAX_CONTROL_CONNECTIONS: usize = 1024;
 
+/// Most control connections whose hello has not arrived yet: past it, the oldest such
+/// connection is dropped for each new one. A decode's hello follows its connect at once, so a
+/// real peer waits here for milliseconds, while a peer that opens connections and sends
+/// nothing (or trickles) only ever pushes out its own older ones and cannot crowd out real
+/// decodes.
+pub const MAX_WAITING_HANDSHAKES: usize = 64;
+
 /// What accepts control connections, on the TCP listener and on the local one: both count
 /// against one limit and number their connections from one counter.
 #[derive(Clone)]
@@ -18,6 +25,50 @@ pub(super) struct Acceptor {
     pub(super) handshake_timeout: Duration,
     pub(super) next: Arc<AtomicU64>,
     pub(super) open: Arc<AtomicUsize>,
+    pub(super) waiting: Arc<Handshakes>,
+    pub(super) stats: Arc<Stats>,
+}
+
+/// The connections whose hello has not arrived yet, oldest first (see
+/// [`MAX_WAITING_HANDSHAKES`]).
+#[derive(Default)]
+pub(super) struct Handshakes(std::sync::Mutex<std::collections::VecDeque<(ConnId, ControlStream)>>);
+
+impl Handshakes {
+    fn lock(
+        &self,
+    ) -> std::sync::MutexGuard<'_, std::collections::VecDeque<(ConnId, ControlStream)>> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Adds `conn` (a handle of its stream), dropping the oldest waiting connections past the
+    /// limit; returns how many were dropped.
+    fn admit(&self, conn: ConnId, stream: &ControlStream) -> u64 {
+        let Ok(handle) = stream.try_clone() else {
+            return 0;
+        };
+        let mut waiting = self.lock();
+        waiting.push_back((conn, handle));
+        let mut evicted = 0;
+        while waiting.len() > MAX_WAITING_HANDSHAKES {
+            if let Some((old, stream)) = waiting.pop_front() {
+                debug!(
+                    conn = old,
+                    "dropping a control connection that sent no hello yet"
+                );
+                let _ = stream.shutdown(std::net::Shutdown::Both);
+                evicted += 1;
+            }
+        }
+        evicted
+    }
+
+    /// `conn`'s handshake ended (either way).
+    fn done(&self, conn: ConnId) {
+        self.lock().retain(|(c, _)| *c != conn);
+    }
 }
 
 impl Acceptor {
@@ -56,14 +107,18 @@ impl Acceptor {
                 continue;
             };
             let conn = self.next.fetch_add(1, Ordering::Relaxed);
-            let tx = self.tx.clone();
-            let hello = self.hello.clone();
-            let handshake_timeout = self.handshake_timeout;
+            let evicted = self.waiting.admit(conn, &stream);
+            if evicted > 0 {
+                self.stats
+                    .handshakes_evicted
+                    .fetch_add(evicted, Ordering::Relaxed);
+            }
+            let acceptor = self.clone();
             let spawned = thread::Builder::new()
                 .name(format!("kvx-ctl-{conn}"))
                 .spawn(move || {
                     let _slot = slot;
-                    serve_connection(conn, stream, &tx, &hello, handshake_timeout);
+                    acceptor.serve_connection(conn, stream);
                 });
             if let Err(e) = spawned {
                 warn!(error = %e, "cannot start a control connection thread");
@@ -91,49 +146,59 @@ impl Drop for ConnectionSlot {
     }
 }
 
-/// Answers the consumer's hello on the connection's own thread (so a busy driver never delays a
-/// handshake), then forwards every later message to the driver.
-fn serve_connection(
-    conn: ConnId,
-    mut stream: ControlStream,
-    tx: &CommandSender<Command>,
-    hello: &Message,
-    handshake_timeout: Duration,
-) {
-    let handshake = (|| -> Result<(ControlSender, Hello), LinkError> {
-        stream
-            .set_read_timeout(Some(handshake_timeout))
-            .map_err(LinkError::Timeouts)?;
-        let theirs = match control::read_message(&mut stream)? {
-            Message::Hello(h) => h,
-            _ => return Err(LinkError::FirstNotHello),
+impl Acceptor {
+    /// Answers the consumer's hello on the connection's own thread (so a busy driver never
+    /// delays a handshake), then forwards every later message to the driver. The whole hello
+    /// must arrive within the handshake timeout. A hello of another protocol version is
+    /// answered with this side's (so the peer's error names both versions) and refused, with a
+    /// warning naming both.
+    fn serve_connection(&self, conn: ConnId, stream: ControlStream) {
+        let deadline = std::time::Instant::now() + self.handshake_timeout;
+        let handshake = (|| -> Result<(ControlSender, Hello), LinkError> {
+            let theirs = match control::read_message_before(&stream, deadline) {
+                Ok(Message::Hello(h)) => h,
+                Ok(_) => return Err(LinkError::FirstNotHello),
+                Err(
+                    e @ ControlError::Decode(kvx_core::wire::DecodeError::UnsupportedVersion {
+                        ..
+                    }),
+                ) => {
+                    warn!(conn, error = %e, "a peer speaks another kvx protocol version");
+                    let _ = control::sender(&stream).map(|s| s.send(&self.hello));
+                    return Err(e.into());
+                }
+                Err(e) => return Err(e.into()),
+            };
+            let sender = control::sender(&stream).map_err(LinkError::Timeouts)?;
+            sender.send(&self.hello)?;
+            stream.set_read_timeout(None).map_err(LinkError::Timeouts)?;
+            Ok((sender, theirs))
+        })();
+        self.waiting.done(conn);
+        let (sender, theirs) = match handshake {
+            Ok(h) => h,
+            Err(why) => {
+                debug!(conn, %why, "handshake failed");
+                self.stats.handshakes_failed.fetch_add(1, Ordering::Relaxed);
+                let _ = stream.shutdown(std::net::Shutdown::Both);
+                return;
+            }
         };
-        let sender = control::sender(&stream).map_err(LinkError::Timeouts)?;
-        sender.send(hello)?;
-        stream.set_read_timeout(None).map_err(LinkError::Timeouts)?;
-        Ok((sender, theirs))
-    })();
-    let (sender, theirs) = match handshake {
-        Ok(h) => h,
-        Err(why) => {
-            debug!(conn, %why, "handshake failed");
-            let _ = stream.shutdown(std::net::Shutdown::Both);
+        let tx = &self.tx;
+        if tx
+            .send(Command::Accepted(conn, sender, Box::new(theirs)))
+            .is_err()
+        {
             return;
         }
-    };
-    if tx
-        .send(Command::Accepted(conn, sender, Box::new(theirs)))
-        .is_err()
-    {
-        return;
+        control::read_loop(stream, |result| {
+            let command = match result {
+                Ok(message) => Command::Peer(conn, message),
+                Err(e) => Command::PeerClosed(conn, e.to_string()),
+            };
+            tx.send(command).is_ok()
+        });
     }
-    control::read_loop(stream, |result| {
-        let command = match result {
-            Ok(message) => Command::Peer(conn, message),
-            Err(e) => Command::PeerClosed(conn, e.to_string()),
-        };
-        tx.send(command).is_ok()
-    });
 }
 
 pub(super) fn accept_consumer(

@@ -22,7 +22,7 @@ use tracing::{debug, info, warn};
 
 use crate::cache::{register_cache, KvCache};
 use crate::config::ConnectorConfig;
-use crate::control::{self, ControlSender, ControlStream};
+use crate::control::{self, ControlError, ControlSender, ControlStream};
 use crate::driver::{self, Clock, CommandReceiver, CommandSender, Mailbox};
 use crate::error::{BadDestination, Closed, LinkError, StartError, TransferError};
 use crate::stats::{Stats, StatsSnapshot};
@@ -35,6 +35,7 @@ mod peers;
 mod sim;
 mod streaming;
 
+pub use accept::MAX_WAITING_HANDSHAKES;
 use accept::{accept_consumer, Acceptor};
 use streaming::plan_by_layer;
 
@@ -278,6 +279,8 @@ impl Producer {
             handshake_timeout: connect_timeout,
             next: Arc::new(AtomicU64::new(1)),
             open: Arc::new(AtomicUsize::new(0)),
+            waiting: Arc::default(),
+            stats: Arc::clone(&stats),
         };
         let local_listening = local.is_some();
         if let Some(local) = local {
