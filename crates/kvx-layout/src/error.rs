@@ -10,6 +10,15 @@ pub enum LayoutError {
     /// A dimension that must be positive is zero.
     #[error("layout field `{0}` must be positive")]
     Zero(&'static str),
+    /// The tensor-parallel size is beyond any deployment's ([`crate::MAX_TP_SIZE`]): a peer
+    /// that declares one is refused before anything is sized by it.
+    #[error("tensor-parallel size {tp_size} is above the most kvx serves ({max})")]
+    TpSizeTooLarge {
+        /// The size declared.
+        tp_size: u32,
+        /// The most allowed.
+        max: u32,
+    },
     /// The rank is not below the TP size.
     #[error("tp_rank {rank} is not below tp_size {size}")]
     RankOutOfRange {

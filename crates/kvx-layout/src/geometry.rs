@@ -43,6 +43,12 @@ impl Layout {
                 return Err(LayoutError::Zero(name));
             }
         }
+        if spec.tp_size > crate::MAX_TP_SIZE {
+            return Err(LayoutError::TpSizeTooLarge {
+                tp_size: spec.tp_size,
+                max: crate::MAX_TP_SIZE,
+            });
+        }
         if spec.tp_rank >= spec.tp_size {
             return Err(LayoutError::RankOutOfRange {
                 rank: spec.tp_rank,

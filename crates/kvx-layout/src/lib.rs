@@ -56,6 +56,10 @@ pub mod plan;
 pub mod planner;
 pub mod synth;
 
+/// The largest tensor-parallel size a layout may declare: far above any deployment (a rank per
+/// attention head of the largest models), and small enough that what is sized by a peer's TP
+/// size (per-rank tables, loops over its ranks) stays small.
+pub const MAX_TP_SIZE: u32 = 1024;
 pub use error::{LayoutError, PlanError, Side};
 pub use geometry::{ChunkPlace, Layout};
 pub use plan::{CopyOp, Permute};

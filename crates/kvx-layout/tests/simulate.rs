@@ -669,3 +669,21 @@ fn a_layer_range_beyond_the_model_is_refused() {
         plan(&request).unwrap().bytes()
     );
 }
+
+/// A layout may declare a tensor-parallel size up to `MAX_TP_SIZE`, no more (a peer's hello
+/// sizes tables and loops by it).
+#[test]
+fn a_tp_size_beyond_the_bound_is_refused() {
+    let case = base_case();
+    let mut big = spec(&case, &case.producer, 0, 16);
+    big.total_kv_heads = kvx_layout::MAX_TP_SIZE;
+    big.tp_size = kvx_layout::MAX_TP_SIZE;
+    assert!(Layout::new(big.clone()).is_ok());
+    // A multiple of the heads, so that nothing else refuses it.
+    big.tp_size = 1 << 31;
+    let err = Layout::new(big).unwrap_err();
+    assert!(
+        matches!(err, kvx_layout::LayoutError::TpSizeTooLarge { tp_size, .. } if tp_size == 1 << 31),
+        "{err}"
+    );
+}

@@ -3127,3 +3127,50 @@ fn a_hello_of_another_protocol_version_is_answered_with_this_sides_version() {
         std::thread::sleep(Duration::from_millis(5));
     }
 }
+
+/// A hello that declares an absurd tensor-parallel size is refused before anything is sized by
+/// it, and the prefill rank goes on serving its real decode.
+#[test]
+fn a_hello_with_an_absurd_tp_size_is_refused() {
+    use kvx_core::wire::{Hello, Message, Role};
+    use kvx_core::Incarnation;
+    use std::io::{Read as _, Write as _};
+    use std::net::TcpStream;
+
+    let fabric = LoopbackFabric::new();
+    let (pre, dec, consumer) = simple_pair(&fabric);
+    let mut rogue_spec = spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit);
+    // A multiple of the model's two KV heads: only the bound refuses it (before it, the driver
+    // sized a table of every rank by it).
+    rogue_spec.tp_size = 1 << 31;
+    let endpoint = fabric.endpoint();
+    let desc = endpoint.local_desc();
+    let hello = Message::Hello(Hello {
+        compat_hash: rogue_spec.compat_hash(),
+        engine: EngineId(66),
+        incarnation: Incarnation(66),
+        role: Role::Consumer,
+        layout: rogue_spec,
+        regions: desc.regions.clone(),
+        transport: desc.backend.clone(),
+        transport_addr: desc.to_bytes(),
+        finishing_hints: false,
+        write_timeout_ms: 0,
+    });
+    let mut rogue = TcpStream::connect(pre.base).unwrap();
+    rogue
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    rogue.write_all(&hello.to_bytes().unwrap()).unwrap();
+    // The producer answers the hello, then closes the connection once its driver refuses it.
+    let mut rest = Vec::new();
+    let _ = rogue.read_to_end(&mut rest);
+    // An abort walks every consumer rank the producer knows of.
+    pre.producers[0].abort(TransferId(903), None).unwrap();
+    let (p_blocks, c_blocks) = request_blocks(&pre, 12, 4, 4);
+    let k = key(902, 0);
+    register(&consumer, pre.base, k, 12, c_blocks.clone());
+    pre.finish(k, &p_blocks, 12);
+    expect_ready(&consumer, k, RequestId(1));
+    dec.verify(&c_blocks, 0, 12);
+}
