@@ -175,6 +175,15 @@ impl<D> Waiter<D> {
         self.waits.get(&transfer).map(|wait| wait.attempt)
     }
 
+    /// The payload of `key` while it is waited for (O(1)).
+    #[must_use]
+    pub fn payload(&self, key: AttemptKey) -> Option<&D> {
+        self.waits
+            .get(&key.transfer)
+            .filter(|wait| wait.attempt == key.attempt)
+            .map(|wait| &wait.payload)
+    }
+
     /// Every attempt waited for with its deadline (O(n), for metrics and tests).
     pub fn entries(&self) -> impl Iterator<Item = (AttemptKey, Timestamp)> + '_ {
         self.waits

@@ -249,6 +249,16 @@ pub(crate) enum BadDestination {
     /// Its blocks cannot hold its tokens.
     #[error("{blocks} blocks cannot hold {tokens} tokens")]
     TooFewBlocks { blocks: usize, tokens: u32 },
+    /// It names far more blocks than its tokens need, or more tokens than the cache holds.
+    #[error(
+        "{blocks} blocks for {tokens} tokens: more than the tokens need, or more tokens than \
+         the consumer's {num_blocks} blocks hold"
+    )]
+    TooManyBlocks {
+        blocks: usize,
+        tokens: u32,
+        num_blocks: u32,
+    },
     /// A block is outside the consumer's cache.
     #[error("block {block} is outside the consumer's {num_blocks} blocks")]
     BlockOutOfRange { block: BlockId, num_blocks: u32 },

@@ -3174,3 +3174,83 @@ fn a_hello_with_an_absurd_tp_size_is_refused() {
     expect_ready(&consumer, k, RequestId(1));
     dec.verify(&c_blocks, 0, 12);
 }
+
+/// A failure notice speaks only for requests that went to the instance that sent it: another
+/// prefill instance that decode is connected to cannot fail a request registered elsewhere.
+#[test]
+fn a_failure_notice_from_another_prefill_instance_is_ignored() {
+    use kvx_core::wire::{FailureNotice, FailureReason, Hello, Message, Role};
+    use kvx_core::Incarnation;
+    use std::io::Write as _;
+
+    let fabric = LoopbackFabric::new();
+    let (pre, dec, consumer) = simple_pair(&fabric);
+    // A second "prefill instance", spoken by hand: its hello, then a failure for a request
+    // that went to the real one.
+    let rogue_spec = spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit);
+    let endpoint = fabric.endpoint();
+    let desc = endpoint.local_desc();
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let rogue_addr = listener.local_addr().unwrap();
+    let (p_blocks, c_blocks) = request_blocks(&pre, 12, 4, 4);
+    let real = key(904, 0);
+    register(&consumer, pre.base, real, 12, c_blocks.clone());
+    wait_registered(&pre);
+    // A request to the rogue makes decode connect to it.
+    register_request(
+        &consumer,
+        rogue_addr,
+        key(905, 0),
+        RequestId(2),
+        4,
+        ids(50..51),
+    );
+    let (mut rogue, _) = listener.accept().unwrap();
+    let _ = read_frame(&mut rogue);
+    let hello = Message::Hello(Hello {
+        compat_hash: rogue_spec.compat_hash(),
+        engine: EngineId(77),
+        incarnation: Incarnation(77),
+        role: Role::Producer,
+        layout: rogue_spec,
+        regions: desc.regions.clone(),
+        transport: desc.backend.clone(),
+        transport_addr: desc.to_bytes(),
+        finishing_hints: false,
+        write_timeout_ms: 1_000,
+    });
+    rogue.write_all(&hello.to_bytes().unwrap()).unwrap();
+    let forged = Message::Failure(FailureNotice {
+        transfer: real.transfer,
+        attempt: real.attempt,
+        rank: kvx_core::Rank(0),
+        reason: FailureReason::from(Reason::Aborted),
+        detail: "forged".into(),
+    });
+    rogue.write_all(&forged.to_bytes().unwrap()).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    // The real request is untouched: it lands when its prefill finishes.
+    pre.finish(real, &p_blocks, 12);
+    let events = wait_events(&consumer, 1);
+    assert_eq!(
+        events[0],
+        RecvEvent::Ready {
+            key: real,
+            request: RequestId(1)
+        },
+        "{events:?}"
+    );
+    dec.verify(&c_blocks, 0, 12);
+    drop(rogue);
+}
+
+/// Reads one frame from `stream` (its payload).
+fn read_frame(stream: &mut std::net::TcpStream) -> Vec<u8> {
+    use std::io::Read as _;
+    let mut header = [0u8; kvx_core::wire::HEADER_LEN];
+    stream.read_exact(&mut header).unwrap();
+    let len = u32::from_le_bytes([header[4], header[5], header[6], header[7]]) as usize;
+    let mut payload = vec![0u8; len];
+    stream.read_exact(&mut payload).unwrap();
+    payload
+}

@@ -243,6 +243,16 @@ impl Driver {
             // Each producer rank speaks for itself only, on its own connection.
             Message::Failure(f) if f.rank == rank => {
                 let key = AttemptKey::new(f.transfer, f.attempt);
+                // Only the instance the request went to speaks for it.
+                let owner = self
+                    .quiescing
+                    .get(&key)
+                    .map(|q| q.instance)
+                    .or_else(|| self.waiter.payload(key).map(|w| w.instance));
+                if owner.is_some_and(|owner| owner != instance) {
+                    warn!(%key, %instance, "a failure notice from an instance this request did not go to: ignored");
+                    return;
+                }
                 debug!(%key, reason = ?f.reason, detail = f.detail, "producer reported failure");
                 if let Some(q) = self.quiescing.get_mut(&key) {
                     q.ranks.remove(&f.rank);

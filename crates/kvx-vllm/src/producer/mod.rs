@@ -39,14 +39,6 @@ pub use accept::MAX_WAITING_HANDSHAKES;
 use accept::{accept_consumer, Acceptor};
 use streaming::plan_by_layer;
 
-/// A seed no peer can know: from the standard library's per-process random hash keys.
-fn random_seed() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    std::collections::hash_map::RandomState::new()
-        .build_hasher()
-        .finish()
-}
-
 /// What became of a finished request's blocks: the engine may free them now.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FinishedSending {
@@ -749,7 +741,7 @@ impl Driver {
         matcher_config.transfer_timeout = config.transfer_timeout;
         // Transfer ids reach the matcher's table from peers: a seed of this process's own keeps
         // its layout unknown to them (no built collisions).
-        matcher_config.hash_seed = random_seed();
+        matcher_config.hash_seed = driver::random_seed();
         let matcher = Matcher::new(matcher_config)?;
         let peer_rma_unassisted = transport.capabilities().peer_rma_unassisted;
         Ok(Self {

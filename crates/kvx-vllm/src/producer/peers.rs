@@ -14,6 +14,9 @@ fn failure(key: AttemptKey, rank: Rank, reason: Reason, detail: &str) -> Message
 }
 
 /// Checks a registration's destination against the consumer's layout before holding it.
+/// Blocks a registration may name beyond twice what its tokens need.
+const SPARE_BLOCKS: u64 = 8;
+
 fn check_destination(layout: &Layout, reg: &Registration) -> Result<(), BadDestination> {
     if reg.consumer_rank != layout.rank() {
         return Err(BadDestination::WrongRank {
@@ -26,6 +29,17 @@ fn check_destination(layout: &Layout, reg: &Registration) -> Result<(), BadDesti
         return Err(BadDestination::TooFewBlocks {
             blocks: reg.blocks.len(),
             tokens: reg.num_tokens,
+        });
+    }
+    // What a registration may hold is bounded by what its tokens need (an engine may register
+    // a few blocks it allocated ahead, never many), and its tokens by the consumer's cache.
+    if needed > u64::from(layout.spec().num_blocks)
+        || reg.blocks.len() as u64 > 2 * needed + SPARE_BLOCKS
+    {
+        return Err(BadDestination::TooManyBlocks {
+            blocks: reg.blocks.len(),
+            tokens: reg.num_tokens,
+            num_blocks: layout.spec().num_blocks,
         });
     }
     if let Some(&block) = reg.blocks.iter().find(|b| b.0 >= layout.spec().num_blocks) {

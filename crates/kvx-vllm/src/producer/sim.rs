@@ -207,6 +207,37 @@ fn a_registration_for_blocks_outside_the_consumers_cache_is_refused_and_holds_no
 
 /// A sealed request whose lease ran out before any registration: the outcome waits for the
 /// engine's finish, which gets it at once.
+/// A registration may name a few blocks more than its tokens need, not many, and no more tokens
+/// than the consumer's cache holds: a peer cannot make the producer keep megabytes of block ids
+/// per registration.
+#[test]
+fn a_registration_of_far_more_blocks_than_its_tokens_need_is_refused() {
+    let mut sim = Sim::new(Duration::from_secs(30));
+    let refused = |sim: &mut Sim, what: &str| {
+        let refusal = sim.message();
+        assert!(
+            matches!(&refusal, Some(Message::Failure(f))
+                if f.reason == FailureReason::from(Reason::Conflict)
+                    && f.detail.contains("more than the tokens need")),
+            "{what}: {refusal:?}"
+        );
+    };
+    // 8 tokens of 4-token blocks need 2 blocks; 2 × 2 + 8 spare are accepted, 13 are not.
+    sim.register(key(5), 8, vec![BlockId(1); 12], 0x79);
+    sim.at(Duration::from_millis(1));
+    assert!(
+        sim.message().is_none(),
+        "a registration within the bound was refused"
+    );
+    sim.register(key(6), 8, vec![BlockId(1); 13], 0x7a);
+    sim.at(Duration::from_millis(2));
+    refused(&mut sim, "13 blocks for 8 tokens");
+    // The consumer's cache has 16 blocks: 17 blocks' worth of tokens cannot be its.
+    sim.register(key(7), 17 * 4, vec![BlockId(1); 17], 0x7b);
+    sim.at(Duration::from_millis(3));
+    refused(&mut sim, "more tokens than the cache holds");
+}
+
 #[test]
 fn a_sealed_request_that_expired_is_reported_at_its_finish() {
     let mut sim = Sim::new(Duration::from_millis(100));
