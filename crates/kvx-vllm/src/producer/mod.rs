@@ -140,6 +140,10 @@ struct Conn {
     forget_at: usize,
 }
 
+/// One consumer rank's connection may hold at most this share (1/N) of `max_entries` live
+/// registrations.
+const REGISTRATION_QUOTA_SHARE: usize = 4;
+
 /// The fewest remembered keys at which a connection forgets those that ended.
 const FORGET_AT_LEAST: usize = 64;
 
@@ -159,6 +163,21 @@ impl Conn {
             router: true,
             ..Self::new(sender, None)
         }
+    }
+
+    /// Whether this connection may register one more: below `quota` live registrations (the
+    /// ended ones forgotten first when the set looks full).
+    fn below_quota<P, R>(&mut self, quota: usize, matcher: &Matcher<P, R>, stats: &Stats) -> bool {
+        if self.keys.len() < quota {
+            return true;
+        }
+        let before = self.keys.len();
+        self.keys.retain(|k| matcher.is_live(*k));
+        stats
+            .remembered_registrations
+            .fetch_sub((before - self.keys.len()) as u64, Ordering::Relaxed);
+        self.forget_at = (2 * self.keys.len()).max(FORGET_AT_LEAST);
+        self.keys.len() < quota
     }
 
     /// Remembers `key`, first forgetting the keys the matcher no longer has once the set has
@@ -699,6 +718,9 @@ struct Driver {
     /// the transport: consumers' reads need no progress of this side.
     peer_rma_unassisted: bool,
     dead: HashMap<TransferId, (Option<Attempt>, Timestamp)>,
+    /// Most live registrations one consumer rank's connection may hold here: a share of
+    /// `max_entries`, so that one peer cannot take the matcher's whole capacity.
+    registration_quota: usize,
     /// Bound on `dead` (`max_entries`): aborts of transfers unknown here (a peer that sends
     /// many) cannot grow it without end; past it, a late finish waits for its lease instead.
     max_dead: usize,
@@ -758,6 +780,7 @@ impl Driver {
             peer_rma_unassisted,
             dead: HashMap::new(),
             max_dead: config.max_entries,
+            registration_quota: (config.max_entries / REGISTRATION_QUOTA_SHARE).max(1),
             streams: HashMap::new(),
             sealed: HashMap::new(),
             early: HashMap::new(),

@@ -258,7 +258,20 @@ impl Driver {
             }
         };
         let id = consumer.id;
-        c.remember(rank_key(key, reg.consumer_rank), &self.matcher, &self.stats);
+        let rkey = rank_key(key, reg.consumer_rank);
+        if !c.keys.contains(&rkey)
+            && !c.below_quota(self.registration_quota, &self.matcher, &self.stats)
+        {
+            let why = format!(
+                "this consumer rank holds {} registrations here, the most one may",
+                self.registration_quota
+            );
+            let _ = c
+                .sender
+                .send(&failure(key, self.rank, Reason::Conflict, &why));
+            return;
+        }
+        c.remember(rkey, &self.matcher, &self.stats);
         let lease = Duration::from_millis(u64::from(reg.lease_ms));
         self.matcher.register(
             now,

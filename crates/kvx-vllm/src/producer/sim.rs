@@ -30,9 +30,14 @@ struct Sim {
 impl Sim {
     /// A producer rank with producer lease `lease`, and one consumer rank connected to it.
     fn new(lease: Duration) -> Self {
-        let fabric = LoopbackFabric::new();
         let mut config = ConnectorConfig::new(EngineId(1));
         config.producer_lease = lease;
+        Self::with(config)
+    }
+
+    /// A producer rank with `config`, and one consumer rank connected to it.
+    fn with(config: ConnectorConfig) -> Self {
+        let fabric = LoopbackFabric::new();
         let now: &'static AtomicU64 = Box::leak(Box::new(AtomicU64::new(0)));
         let finished = Arc::new(Mailbox::default());
         let mut driver = Driver::new(
@@ -236,6 +241,42 @@ fn a_registration_of_far_more_blocks_than_its_tokens_need_is_refused() {
     sim.register(key(7), 17 * 4, vec![BlockId(1); 17], 0x7b);
     sim.at(Duration::from_millis(3));
     refused(&mut sim, "more tokens than the cache holds");
+}
+
+/// One consumer rank may hold a quarter of `max_entries` live registrations here, no more: the
+/// next is refused (and holds nothing) until one of its registrations ends.
+#[test]
+fn one_consumer_rank_cannot_take_the_whole_registration_capacity() {
+    let mut config = ConnectorConfig::new(EngineId(1));
+    config.max_entries = 16;
+    let mut sim = Sim::with(config);
+    for t in 0..4 {
+        sim.register(key(100 + t), 8, ids(0..2), 0x100 + t as u64);
+    }
+    sim.at(Duration::from_millis(1));
+    assert!(
+        sim.message().is_none(),
+        "a registration within the quota was refused"
+    );
+    sim.register(key(104), 8, ids(0..2), 0x104);
+    sim.at(Duration::from_millis(2));
+    let refusal = sim.message();
+    assert!(
+        matches!(&refusal, Some(Message::Failure(f)) if f.detail.contains("the most one may")),
+        "{refusal:?}"
+    );
+    // One of them lands and ends: there is room again.
+    sim.finish(key(100), 8, ids(4..6));
+    sim.at(Duration::from_millis(3));
+    sim.transport_events();
+    sim.at(Duration::from_millis(4));
+    assert_eq!(sim.notices(), vec![0x100]);
+    sim.register(key(105), 8, ids(0..2), 0x105);
+    sim.at(Duration::from_millis(5));
+    assert!(
+        sim.message().is_none(),
+        "room was not made by the registration that ended"
+    );
 }
 
 #[test]
