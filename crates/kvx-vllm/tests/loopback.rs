@@ -3254,3 +3254,129 @@ fn read_frame(stream: &mut std::net::TcpStream) -> Vec<u8> {
     stream.read_exact(&mut payload).unwrap();
     payload
 }
+
+/// Abstract Unix socket names belong to no user: another user may bind a producer's local
+/// control name first. The producer then says so and serves over TCP, and a decode of its user
+/// refuses the squatter's socket (its peer credentials are another user's) and connects over
+/// TCP. Needs root (the squatter runs as `nobody`); elsewhere it says that it was skipped.
+#[test]
+fn a_local_control_socket_squatted_by_another_user_is_refused() {
+    use std::io::BufRead as _;
+    use std::os::unix::process::CommandExt as _;
+
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        println!("SKIPPED a_local_control_socket_squatted_by_another_user_is_refused: not root");
+        return;
+    }
+    let fabric = LoopbackFabric::new();
+    let base = free_ports(1);
+    let squat = format!(
+        "import socket, sys, time\n\
+         s = socket.socket(socket.AF_UNIX)\n\
+         s.bind('\\0kvx-control/{base}')\n\
+         s.listen(16)\n\
+         print('bound', flush=True)\n\
+         time.sleep(60)\n"
+    );
+    let mut squatter = std::process::Command::new("python3")
+        .args(["-c", &squat])
+        .uid(65534)
+        .gid(65534)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("python3 for the squatter");
+    let mut line = String::new();
+    std::io::BufReader::new(squatter.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert_eq!(line.trim(), "bound");
+    let (side, cache) = Side::new(spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit));
+    let mut c = config(1);
+    c.listen = base;
+    let producer = Producer::start(c, cache, Box::new(fabric.endpoint())).unwrap();
+    let pre = Prefill {
+        sides: vec![side],
+        producers: vec![producer],
+        base,
+    };
+    let (dec, consumer) = decode(
+        &fabric,
+        spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit),
+        LONG,
+    );
+    let (p_blocks, c_blocks) = request_blocks(&pre, 12, 4, 4);
+    let k = key(906, 0);
+    register(&consumer, pre.base, k, 12, c_blocks.clone());
+    pre.finish(k, &p_blocks, 12);
+    expect_ready(&consumer, k, RequestId(1));
+    dec.verify(&c_blocks, 0, 12);
+    assert_eq!(consumer.stats().local_connections, 0);
+    let _ = squatter.kill();
+    let _ = squatter.wait();
+}
+
+/// A producer serves its local control socket to peers of its own user only: another user's
+/// connection there is closed unanswered (it may connect over TCP). Needs root (the peer runs
+/// as `nobody`); elsewhere it says that it was skipped.
+#[test]
+fn a_local_peer_of_another_user_is_refused() {
+    use kvx_core::wire::{Hello, Message, Role};
+    use kvx_core::Incarnation;
+    use std::os::unix::process::CommandExt as _;
+
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        println!("SKIPPED a_local_peer_of_another_user_is_refused: not root");
+        return;
+    }
+    let fabric = LoopbackFabric::new();
+    let pre = tp1_prefill(&fabric);
+    let base = pre.base;
+    // A valid consumer hello, which the producer would answer with its own.
+    let peer_spec = spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit);
+    let desc = fabric.endpoint().local_desc();
+    let hello = Message::Hello(Hello {
+        compat_hash: peer_spec.compat_hash(),
+        engine: EngineId(67),
+        incarnation: Incarnation(67),
+        role: Role::Consumer,
+        layout: peer_spec,
+        regions: desc.regions.clone(),
+        transport: desc.backend.clone(),
+        transport_addr: desc.to_bytes(),
+        finishing_hints: false,
+        write_timeout_ms: 0,
+    })
+    .to_bytes()
+    .unwrap();
+    let hex: String = hello.iter().map(|b| format!("{b:02x}")).collect();
+    // Connects to the local socket, sends the hello, and prints how much comes back.
+    let peer = format!(
+        "import socket\n\
+         s = socket.socket(socket.AF_UNIX)\n\
+         s.connect('\\0kvx-control/{base}')\n\
+         s.settimeout(10)\n\
+         try:\n\
+         \x20   s.sendall(bytes.fromhex('{hex}'))\n\
+         \x20   print(len(s.recv(65536)), flush=True)\n\
+         except (BrokenPipeError, ConnectionResetError):\n\
+         \x20   print(0, flush=True)\n"
+    );
+    let out = std::process::Command::new("python3")
+        .args(["-c", &peer])
+        .uid(65534)
+        .gid(65534)
+        .output()
+        .expect("python3 for the peer");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "0",
+        "the peer got an answer"
+    );
+}

@@ -1,5 +1,8 @@
 //! The same-host control socket: a Unix socket in the abstract namespace beside a producer's
-//! TCP listener, which a consumer on the same host tries first.
+//! TCP listener, which a consumer on the same host tries first. Abstract names belong to no
+//! user, so both ends check who is at the other (`SO_PEERCRED`): a producer serves only local
+//! peers of its own user, and a consumer talks only to a socket of its own user; another user's
+//! socket under the name (a squatter) is refused loudly and TCP used instead.
 
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket};
@@ -34,6 +37,61 @@ fn abstract_addr(_name: &str) -> io::Result<std::os::unix::net::SocketAddr> {
     ))
 }
 
+/// The effective user id of the process at the other end of `stream` (`SO_PEERCRED`: as it
+/// was when that process connected or listened).
+///
+/// # Errors
+/// When the kernel does not say.
+pub(crate) fn peer_uid(stream: &UnixStream) -> io::Result<u32> {
+    use std::os::fd::AsRawFd as _;
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` and `len` are valid for writes of a `ucred` and its length; the descriptor
+    // is the stream's own, open for the call.
+    let ret = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            std::ptr::addr_of_mut!(cred).cast(),
+            &mut len,
+        )
+    };
+    if ret != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(cred.uid)
+}
+
+/// This process's effective user id.
+fn own_uid() -> u32 {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+/// Whether the process at the other end of `stream` runs as this process's user.
+pub(crate) fn same_user(stream: &UnixStream) -> bool {
+    match peer_uid(stream) {
+        Ok(uid) if uid == own_uid() => true,
+        Ok(uid) => {
+            tracing::warn!(
+                peer_uid = uid,
+                own_uid = own_uid(),
+                "kvx: a local control socket's other end is another user's: refused (TCP is used)"
+            );
+            false
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "kvx: cannot tell who is at a local control socket's other end: refused");
+            false
+        }
+    }
+}
+
 /// Whether `ip` is one of this host's addresses (in this network namespace).
 fn is_this_host(ip: IpAddr) -> bool {
     ip.is_loopback() || ip.is_unspecified() || UdpSocket::bind((ip, 0)).is_ok()
@@ -57,7 +115,7 @@ pub(crate) fn connect_local(addr: SocketAddr) -> Option<UnixStream> {
     };
     candidates.iter().find_map(|&bound| {
         let name = abstract_addr(&local_name(bound)).ok()?;
-        UnixStream::connect_addr(&name).ok()
+        UnixStream::connect_addr(&name).ok().filter(same_user)
     })
 }
 

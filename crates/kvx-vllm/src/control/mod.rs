@@ -29,7 +29,7 @@ use crate::error::LinkError;
 
 mod local;
 
-pub(crate) use local::{connect_local, listen_local};
+pub(crate) use local::{connect_local, listen_local, same_user};
 
 /// Why a control connection failed.
 #[derive(Debug, thiserror::Error)]

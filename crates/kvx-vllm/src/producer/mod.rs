@@ -285,8 +285,10 @@ impl Producer {
         );
         // Consumers on this host connect here (control.rs); without it, over TCP.
         let local = if config.local_sockets {
+            // A taken name may be another user's squatter: said at the default level (consumers
+            // refuse a socket of another user, and connect over TCP).
             control::listen_local(addr)
-                .map_err(|e| debug!(%addr, error = %e, "no local control socket"))
+                .map_err(|e| warn!(%addr, error = %e, "kvx: no local control socket (TCP only)"))
                 .ok()
         } else {
             None
@@ -306,7 +308,13 @@ impl Producer {
             threads.push(acceptor.clone().spawn(
                 format!("kvx-accept-local-{}", rank.0),
                 local,
-                |a, l| a.run(l.incoming().map(|s| s.map(ControlStream::local))),
+                |a, l| {
+                    // Only peers of this process's own user use the local socket.
+                    let mine = l
+                        .incoming()
+                        .filter(|s| s.as_ref().map_or(true, control::same_user));
+                    a.run(mine.map(|s| s.map(ControlStream::local)));
+                },
             )?);
         }
         threads.push(
