@@ -116,9 +116,20 @@ impl ConnectorConfig {
         if self.max_entries == 0 {
             return Err(crate::StartError::ZeroSetting("max_entries"));
         }
+        if self.transfer_timeout > MAX_TRANSFER_TIMEOUT {
+            return Err(crate::StartError::TooLong {
+                setting: "transfer_timeout",
+                max: MAX_TRANSFER_TIMEOUT,
+            });
+        }
         Ok(())
     }
 }
+
+/// The longest `transfer_timeout`: a write runs at most an hour. Decode trusts a producer's
+/// word for how long its writes can run (its hello's `write_timeout_ms`) only up to this, so
+/// that a peer cannot make it hold a request's blocks for weeks.
+pub const MAX_TRANSFER_TIMEOUT: Duration = Duration::from_secs(3600);
 
 /// A random incarnation, from the standard library's per-process random hash keys.
 #[must_use]

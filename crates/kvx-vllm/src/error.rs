@@ -56,6 +56,14 @@ pub enum StartError {
     /// is zero (a zero heartbeat interval, for one, would wake the driver without pause).
     #[error("connector setting `{0}` must be greater than zero")]
     ZeroSetting(&'static str),
+    /// A duration setting is longer than kvx allows.
+    #[error("connector setting `{setting}` must be at most {max:?}")]
+    TooLong {
+        /// The setting.
+        setting: &'static str,
+        /// The most allowed.
+        max: std::time::Duration,
+    },
     /// Binding the control address failed.
     #[error("cannot listen on the control address: {0}")]
     Listen(#[source] io::Error),

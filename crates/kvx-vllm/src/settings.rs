@@ -254,8 +254,8 @@ pub const SETTINGS: &[Setting] = &[
         field: Some("transfer_timeout"),
         kind: Kind::Seconds,
         default: Value::Number(60.0),
-        doc: "Prefill: how long one started transfer may run (decode learns it at the handshake: \
-              see quiesce_timeout_s).",
+        doc: "Prefill: how long one started transfer may run, at most 3600 (decode learns it at \
+              the handshake, and believes at most that: see quiesce_timeout_s).",
     },
     Setting {
         key: "quiesce_timeout_s",

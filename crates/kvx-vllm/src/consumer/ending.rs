@@ -166,7 +166,9 @@ impl Driver {
             .flat_map(|i| ranks.iter().filter_map(|r| i.ranks.get(r)))
             .map(|conn| Duration::from_millis(conn.hello.write_timeout_ms.into()))
             .max()
-            .unwrap_or_default();
+            .unwrap_or_default()
+            // What a producer says, up to what any producer may run a write for.
+            .min(crate::config::MAX_TRANSFER_TIMEOUT);
         let own = if reads > 0 {
             self.config.transfer_timeout
         } else {

@@ -291,6 +291,25 @@ fn cancel_waits_for_a_silent_producer_until_the_quiesce_timeout() {
 /// By default decode holds a failed request's blocks for as long as the silent producer rank
 /// said (in its hello) that its writes can run, plus the margin: never shorter, so a write
 /// still in flight cannot land in blocks the engine has handed to another request.
+/// A producer's word for how long its writes can run is taken up to the longest transfer
+/// timeout a producer may have: one that says weeks holds decode's blocks for an hour at most.
+#[test]
+fn a_producers_write_timeout_is_believed_up_to_the_bound() {
+    let says = Duration::from_millis(u64::from(u32::MAX));
+    let sim = Sim::with(Duration::from_secs(60), None, says);
+    let bound = crate::config::MAX_TRANSFER_TIMEOUT + QUIESCE_MARGIN;
+    cancel_with_a_silent_producer(sim, bound, &format!("{bound:?}"));
+    let mut config = ConnectorConfig::new(EngineId(1));
+    config.transfer_timeout = crate::config::MAX_TRANSFER_TIMEOUT + Duration::from_secs(1);
+    assert!(matches!(
+        config.validate(),
+        Err(crate::StartError::TooLong {
+            setting: "transfer_timeout",
+            ..
+        })
+    ));
+}
+
 #[test]
 fn cancel_waits_for_a_silent_producer_as_long_as_its_writes_can_run() {
     assert_eq!(
