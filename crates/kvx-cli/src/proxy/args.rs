@@ -39,6 +39,17 @@ pub(crate) struct ProxyArgs {
     /// for a failed connection and, in push mode, leaving a prefill leg behind.
     #[arg(long, default_value_t = 2.0)]
     pub(crate) skip_unreachable_s: f64,
+    /// Most client requests served at once (a streamed answer counts until it ends); more are
+    /// answered 503 at once.
+    #[arg(long, default_value_t = 512)]
+    pub(crate) max_requests: usize,
+    /// Bound on receiving a request's headers, in seconds: a client that sends them slowly
+    /// (or not at all) is disconnected then.
+    #[arg(long, default_value_t = 30.0)]
+    pub(crate) header_timeout_s: f64,
+    /// Bound on receiving a request's body once its headers came, in seconds (408 then).
+    #[arg(long, default_value_t = 60.0)]
+    pub(crate) body_timeout_s: f64,
 }
 
 /// Transfer mode.

@@ -4,9 +4,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use axum::body::{Body, Bytes};
-use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, State};
+use axum::body::Body;
+use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -43,10 +42,34 @@ impl IntoResponse for ApiError {
     }
 }
 
-/// The client's request body as JSON; what cannot be read (too large, not JSON) is answered
-/// in OpenAI's error format.
-fn json_body(body: Result<Bytes, BytesRejection>) -> Result<Value, ApiError> {
-    let bytes = body.map_err(|e| ApiError::new(e.status(), e.body_text()))?;
+/// The client's request body as JSON, all of it within the body timeout; what cannot be read
+/// (too slow, too large, not JSON) is answered in OpenAI's error format.
+async fn json_body(proxy: &Proxy, body: Body) -> Result<Value, ApiError> {
+    let read = axum::body::to_bytes(body, proxy.max_request_bytes);
+    let bytes = match tokio::time::timeout(proxy.body_timeout, read).await {
+        Err(_) => {
+            return Err(ApiError::new(
+                StatusCode::REQUEST_TIMEOUT,
+                "the request body did not arrive within the body timeout",
+            ))
+        }
+        Ok(Err(e)) => {
+            let too_large = std::error::Error::source(&e)
+                .is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
+            return Err(if too_large {
+                ApiError::new(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "the request body is too large",
+                )
+            } else {
+                ApiError::new(
+                    StatusCode::BAD_REQUEST,
+                    format!("cannot read the request body: {e}"),
+                )
+            });
+        }
+        Ok(Ok(bytes)) => bytes,
+    };
     serde_json::from_slice(&bytes).map_err(|e| {
         ApiError::new(
             StatusCode::BAD_REQUEST,
@@ -55,22 +78,77 @@ fn json_body(body: Result<Bytes, BytesRejection>) -> Result<Value, ApiError> {
     })
 }
 
+/// Serves one completion request within the proxy's bound on requests at once (the permit is
+/// held until a streamed answer ends); errors go to the client without the instances'
+/// addresses, which the proxy's log keeps.
+async fn serve_call(
+    proxy: Arc<Proxy>,
+    path: &'static str,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
+    let Ok(permit) = Arc::clone(&proxy.requests).try_acquire_owned() else {
+        return Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "{} requests are in flight, the most this proxy serves",
+                proxy.max_requests
+            ),
+        ));
+    };
+    let answer = async {
+        let body = json_body(&proxy, body).await?;
+        let call = Call::new(path, &headers, proxy.request_timeout);
+        proxy.dispatch(call, body).await
+    };
+    match answer.await {
+        Ok(response) => {
+            let (parts, body) = response.into_parts();
+            let body = Body::from_stream(futures_util::StreamExt::map(
+                body.into_data_stream(),
+                move |chunk| {
+                    let _held = &permit;
+                    chunk
+                },
+            ));
+            Ok(Response::from_parts(parts, body))
+        }
+        Err(e) => Err(proxy.public(e)),
+    }
+}
+
 async fn completions(
     State(proxy): State<Arc<Proxy>>,
     headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
+    body: Body,
 ) -> Result<Response, ApiError> {
-    let call = Call::new("/v1/completions", &headers, proxy.request_timeout);
-    proxy.dispatch(call, json_body(body)?).await
+    serve_call(proxy, "/v1/completions", headers, body).await
 }
 
 async fn chat_completions(
     State(proxy): State<Arc<Proxy>>,
     headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
+    body: Body,
 ) -> Result<Response, ApiError> {
-    let call = Call::new("/v1/chat/completions", &headers, proxy.request_timeout);
-    proxy.dispatch(call, json_body(body)?).await
+    serve_call(proxy, "/v1/chat/completions", headers, body).await
+}
+
+impl Proxy {
+    /// `error` as the client sees it: each instance's URL and kvx address replaced by its role
+    /// and number (`prefill 0`, `decode 1`); the whole of it goes to the proxy's log.
+    pub(super) fn public(&self, error: ApiError) -> ApiError {
+        eprintln!("kvx proxy: {}: {}", error.status, error.message);
+        let mut message = error.message;
+        for (role, pool) in [("prefill", &self.prefill), ("decode", &self.decode)] {
+            for (i, instance) in pool.iter().enumerate() {
+                message = message.replace(&instance.url, &format!("{role} {i}"));
+                if let Some(kvx) = &instance.kvx {
+                    message = message.replace(kvx.as_str(), &format!("{role} {i}'s kvx port"));
+                }
+            }
+        }
+        ApiError::new(error.status, message)
+    }
 }
 
 /// Decode's model list: from the first decode instance that answers, those passed over lately
@@ -94,7 +172,7 @@ async fn models(State(proxy): State<Arc<Proxy>>, headers: HeaderMap) -> Result<R
             let bytes = r
                 .bytes()
                 .await
-                .map_err(|e| ApiError::new(StatusCode::BAD_GATEWAY, e.to_string()))?;
+                .map_err(|e| proxy.public(ApiError::new(StatusCode::BAD_GATEWAY, e.to_string())))?;
             let mut resp = Response::new(Body::from(bytes));
             *resp.status_mut() = status;
             resp.headers_mut().insert(
@@ -115,12 +193,10 @@ async fn health() -> &'static str {
 }
 
 pub(super) fn app(proxy: Arc<Proxy>) -> Router {
-    let limit = DefaultBodyLimit::max(proxy.max_request_bytes);
     Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
         .route("/health", get(health))
-        .layer(limit)
         .with_state(proxy)
 }

@@ -28,13 +28,11 @@ mod http;
 mod route;
 mod stream;
 
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
-use axum::serve::ListenerExt as _;
 
 use abandon::ABANDONS_IN_FLIGHT;
 pub(crate) use args::{Mode, ProxyArgs};
@@ -111,6 +109,13 @@ struct Proxy {
     /// Bounds how many of those run at once (each holds a blocking thread): beyond it, the
     /// lease frees the KV.
     abandons: Arc<tokio::sync::Semaphore>,
+    /// Client requests served at once (`--max-requests`).
+    requests: Arc<tokio::sync::Semaphore>,
+    max_requests: usize,
+    /// Bound on receiving a request's headers (`--header-timeout-s`).
+    header_timeout: Duration,
+    /// Bound on receiving a request's body (`--body-timeout-s`).
+    body_timeout: Duration,
 }
 
 fn random_seed() -> u64 {
@@ -132,6 +137,13 @@ fn build(args: &ProxyArgs) -> anyhow::Result<Arc<Proxy>> {
         Duration::try_from_secs_f64(args.request_timeout_s).context("--request-timeout-s")?;
     let stream_idle = Duration::try_from_secs_f64(args.stream_idle_timeout_s)
         .context("--stream-idle-timeout-s")?;
+    let header_timeout =
+        Duration::try_from_secs_f64(args.header_timeout_s).context("--header-timeout-s")?;
+    let body_timeout =
+        Duration::try_from_secs_f64(args.body_timeout_s).context("--body-timeout-s")?;
+    if args.max_requests == 0 || header_timeout.is_zero() || body_timeout.is_zero() {
+        bail!("--max-requests, --header-timeout-s and --body-timeout-s must be above zero");
+    }
     let client = reqwest::Client::builder()
         .connect_timeout(connect)
         // Below vLLM's keep-alive (uvicorn's, `VLLM_HTTP_TIMEOUT_KEEP_ALIVE`, 5 s): a pooled
@@ -169,6 +181,10 @@ fn build(args: &ProxyArgs) -> anyhow::Result<Arc<Proxy>> {
         skip_unreachable,
         connect_timeout: connect,
         abandons: Arc::new(tokio::sync::Semaphore::new(ABANDONS_IN_FLIGHT)),
+        requests: Arc::new(tokio::sync::Semaphore::new(args.max_requests)),
+        max_requests: args.max_requests,
+        header_timeout,
+        body_timeout,
     }))
 }
 
@@ -195,29 +211,60 @@ pub(crate) fn run(args: &ProxyArgs) -> anyhow::Result<()> {
                 .collect::<Vec<_>>(),
             args.decode
         );
-        axum::serve(without_nagle(listener), app(proxy))
-            .with_graceful_shutdown(shutdown_signal())
-            .await
-            .context("server failed")
+        serve(listener, proxy).await;
+        Ok(())
     })
 }
 
-/// The proxy's listener, every accepted connection with Nagle's algorithm off (`TCP_NODELAY`).
+/// Serves the proxy's API on `listener` until interrupted, then lets the requests in flight
+/// finish. Each connection has Nagle's algorithm off, and a client gets `header_timeout` to send
+/// a request's headers (hyper's own bound, which `axum::serve` leaves unset).
 ///
 /// A streamed completion is a run of small writes: the headers, then an event per token. With
 /// Nagle's algorithm on, a small write waits while the one before it is unacknowledged, and
 /// the client acknowledges late (Linux delays an acknowledgement up to 40 ms): a first token
-/// waited behind the headers, and tokens behind each other (`axum::serve` leaves the option
-/// as the kernel sets it, on).
-fn without_nagle(
-    listener: tokio::net::TcpListener,
-) -> impl axum::serve::Listener<Io = tokio::net::TcpStream, Addr = SocketAddr> {
-    listener.tap_io(|stream| {
-        if let Err(e) = stream.set_nodelay(true) {
-            // The connection still works, only its small writes may wait.
-            eprintln!("kvx proxy: cannot turn Nagle's algorithm off on a connection: {e}");
-        }
-    })
+/// waited behind the headers, and tokens behind each other.
+async fn serve(listener: tokio::net::TcpListener, proxy: Arc<Proxy>) {
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    use hyper_util::service::TowerToHyperService;
+
+    let header_timeout = proxy.header_timeout;
+    let service = TowerToHyperService::new(app(proxy));
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let mut shutdown = std::pin::pin!(shutdown_signal());
+    loop {
+        let (stream, _) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    // Out of descriptors, say: the next accept may work.
+                    eprintln!("kvx proxy: accept failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        without_nagle(&stream);
+        let connection = hyper::server::conn::http1::Builder::new()
+            .timer(TokioTimer::new())
+            .header_read_timeout(header_timeout)
+            .serve_connection(TokioIo::new(stream), service.clone());
+        let connection = graceful.watch(connection);
+        tokio::spawn(async move {
+            // A client that goes away, or is too slow with its headers, ends its connection.
+            let _ = connection.await;
+        });
+    }
+    graceful.shutdown().await;
+}
+
+/// Turns Nagle's algorithm off on a client's connection (see [`serve`]).
+fn without_nagle(stream: &tokio::net::TcpStream) {
+    if let Err(e) = stream.set_nodelay(true) {
+        // The connection still works, only its small writes may wait.
+        eprintln!("kvx proxy: cannot turn Nagle's algorithm off on a connection: {e}");
+    }
 }
 
 async fn shutdown_signal() {

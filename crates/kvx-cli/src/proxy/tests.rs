@@ -77,6 +77,9 @@ fn proxy(n: usize) -> Proxy {
         stream_idle_timeout_s: 120.0,
         skip_unreachable_s: 2.0,
         max_request_mib: 1,
+        max_requests: 64,
+        header_timeout_s: 5.0,
+        body_timeout_s: 5.0,
     };
     Arc::into_inner(build(&args).unwrap()).unwrap()
 }
@@ -197,6 +200,9 @@ fn test_args(
         stream_idle_timeout_s: 120.0,
         skip_unreachable_s,
         max_request_mib: 1,
+        max_requests: 64,
+        header_timeout_s: 5.0,
+        body_timeout_s: 5.0,
     }
 }
 
@@ -288,20 +294,15 @@ async fn body_of(r: Response) -> String {
 /// kernel's default, which a plain listener keeps, is on.
 #[test]
 fn client_connections_have_nagles_algorithm_off() {
-    use axum::serve::Listener as _;
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         let plain = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = plain.local_addr().unwrap();
         let (accepted, _client) =
             tokio::join!(plain.accept(), tokio::net::TcpStream::connect(addr));
-        assert!(!accepted.unwrap().0.nodelay().unwrap());
-
-        let mut listener =
-            without_nagle(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap());
-        let addr = listener.local_addr().unwrap();
-        let ((accepted, _), _client) =
-            tokio::join!(listener.accept(), tokio::net::TcpStream::connect(addr));
+        let accepted = accepted.unwrap().0;
+        assert!(!accepted.nodelay().unwrap());
+        without_nagle(&accepted);
         assert!(accepted.nodelay().unwrap());
     });
 }
@@ -940,5 +941,129 @@ fn an_unreachable_instance_is_passed_over_for_a_while() {
             assert_eq!(e.status, StatusCode::SERVICE_UNAVAILABLE);
             assert_eq!(proxy.decode[0].unreachable.load(Ordering::Relaxed), tried);
         }
+    });
+}
+
+/// Serves `proxy` with its own accept loop on a free port; returns its URL.
+async fn serve_proxy(proxy: Arc<Proxy>) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(super::serve(listener, proxy));
+    url
+}
+
+/// What the client reads on a raw connection to `url` after sending `bytes`: an answer's
+/// status line and headers, or nothing, until the proxy answers, closes the connection or
+/// `within` passes; and how long that took.
+async fn raw_exchange(url: &str, bytes: &[u8], within: Duration) -> (String, Duration) {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut s = tokio::net::TcpStream::connect(url.trim_start_matches("http://"))
+        .await
+        .unwrap();
+    s.write_all(bytes).await.unwrap();
+    let started = std::time::Instant::now();
+    let mut got = Vec::new();
+    let _ = tokio::time::timeout(within, async {
+        let mut buf = [0u8; 1024];
+        while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+            match s.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+            }
+        }
+    })
+    .await;
+    (
+        String::from_utf8_lossy(&got).into_owned(),
+        started.elapsed(),
+    )
+}
+
+/// An instance's failure reaches the client without the instance's address (the proxy's log
+/// has it): `prefill 0` instead.
+#[test]
+fn error_bodies_name_no_internal_address() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let (p_url, _) = fake_instance(500, "engine died", Duration::ZERO).await;
+        let (d_url, _) = fake_instance(200, r#"{"text":"late"}"#, Duration::from_secs(2)).await;
+        let url = serve_proxy(push_proxy(&p_url, &d_url)).await;
+        let r = reqwest::Client::new()
+            .post(format!("{url}/v1/completions"))
+            .json(&json!({"prompt": "x"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 500);
+        let body = r.text().await.unwrap();
+        assert!(
+            body.contains("engine died") && body.contains("prefill 0"),
+            "{body}"
+        );
+        let port = p_url.rsplit(':').next().unwrap();
+        assert!(
+            !body.contains(port) && !body.contains("127.0.0.1"),
+            "{body}"
+        );
+    });
+}
+
+/// Past `--max-requests` in flight, a request is answered 503 at once; once one ends there is
+/// room again.
+#[test]
+fn requests_beyond_the_bound_are_refused_at_once() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let (p_url, _) = fake_instance(200, r#"{"kv_transfer_params":null}"#, Duration::ZERO).await;
+        let (d_url, _) = fake_instance(200, r#"{"text":"slow"}"#, Duration::from_millis(800)).await;
+        let proxy = build(&ProxyArgs {
+            max_requests: 1,
+            ..test_args(Mode::Push, &p_url, "127.0.0.1:1", &[&d_url], 2.0)
+        })
+        .unwrap();
+        let url = serve_proxy(proxy).await;
+        let client = reqwest::Client::new();
+        let send = || {
+            client
+                .post(format!("{url}/v1/completions"))
+                .json(&json!({"prompt": "x"}))
+                .send()
+        };
+        let first = tokio::spawn(send());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let started = std::time::Instant::now();
+        let second = send().await.unwrap();
+        assert_eq!(second.status().as_u16(), 503);
+        assert!(started.elapsed() < Duration::from_millis(500));
+        assert!(second.text().await.unwrap().contains("in flight"));
+        assert_eq!(first.await.unwrap().unwrap().status().as_u16(), 200);
+        assert_eq!(send().await.unwrap().status().as_u16(), 200);
+    });
+}
+
+/// A client that sends its headers slowly is disconnected at the header timeout, and one that
+/// sends its body slowly is answered 408 at the body timeout.
+#[test]
+fn slow_headers_and_bodies_are_cut_off() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let proxy = build(&ProxyArgs {
+            header_timeout_s: 0.3,
+            body_timeout_s: 0.3,
+            ..test_args(Mode::Push, &dead_url(), "127.0.0.1:1", &[&dead_url()], 2.0)
+        })
+        .unwrap();
+        let url = serve_proxy(proxy).await;
+        let (got, took) = raw_exchange(&url, b"POST /v1/compl", Duration::from_secs(5)).await;
+        assert!(took < Duration::from_secs(2), "headers waited {took:?}: {got}");
+        assert!(!got.contains("200 OK"), "{got}");
+        let (got, took) = raw_exchange(
+            &url,
+            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"pro",
+            Duration::from_secs(5),
+        )
+        .await;
+        assert!(got.starts_with("HTTP/1.1 408"), "{got}");
+        assert!(took < Duration::from_secs(2), "the body waited {took:?}");
     });
 }
