@@ -64,7 +64,7 @@ impl Driver {
         }
         let sender = control::start(stream, format!("kvx-ctl-{addr}"), move |result| {
             let command = match result {
-                Ok(m) => Command::Peer(instance, rank, id, m),
+                Ok((m, queued)) => Command::Peer(instance, rank, id, m, queued),
                 Err(e) => Command::PeerClosed(instance, rank, id, e.to_string()),
             };
             tx.send(command).is_ok()

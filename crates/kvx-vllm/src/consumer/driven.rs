@@ -210,7 +210,7 @@ impl Driver {
             Command::Handshaken(instance, rank, result) => {
                 self.handshaken(instance, rank, result);
             }
-            Command::Peer(addr, rank, conn, message) => {
+            Command::Peer(addr, rank, conn, message, _queued) => {
                 if self.is_current(addr, rank, conn) {
                     self.peer_message(addr, rank, message);
                 }

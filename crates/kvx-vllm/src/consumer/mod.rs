@@ -98,7 +98,8 @@ enum Command {
         transfer: TransferId,
     },
     /// A message from one rank of a prefill instance, over connection `ConnId`.
-    Peer(SocketAddr, Rank, ConnId, Message),
+    /// A producer rank's message, holding its connection's place in the queue until handled.
+    Peer(SocketAddr, Rank, ConnId, Message, control::Queued),
     /// That connection closed.
     PeerClosed(SocketAddr, Rank, ConnId, String),
     /// A helper thread's handshake with one rank of a prefill instance ended.

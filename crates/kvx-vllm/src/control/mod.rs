@@ -13,6 +13,7 @@ use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::Duration;
@@ -298,10 +299,14 @@ pub(crate) fn sender(stream: &ControlStream) -> io::Result<ControlSender> {
 /// the connection) to `deliver`; stops early when `deliver` returns false.
 pub(crate) fn read_loop(
     mut reader: ControlStream,
-    mut deliver: impl FnMut(Result<Message, ControlError>) -> bool,
+    mut deliver: impl FnMut(Result<(Message, Queued), ControlError>) -> bool,
 ) {
+    let budget = Budget::default();
     loop {
-        let result = read_message(&mut reader);
+        // Wait for room first: while the driver has not handled this connection's earlier
+        // messages, its socket is not read, and a peer that floods fills its own send buffer.
+        let room = budget.take();
+        let result = read_message(&mut reader).map(|m| (m, room));
         let failed = result.is_err();
         if !deliver(result) || failed {
             let _ = reader.shutdown(Shutdown::Both);
@@ -310,11 +315,49 @@ pub(crate) fn read_loop(
     }
 }
 
+/// Most messages of one control connection waiting in its driver's queue at once.
+pub(crate) const MAX_QUEUED_MESSAGES: usize = 1024;
+
+/// A control connection's room in its driver's queue: [`MAX_QUEUED_MESSAGES`] places.
+#[derive(Debug, Default)]
+struct Budget(Arc<AtomicUsize>);
+
+impl Budget {
+    /// A place, once one is free (waiting in short sleeps: only a connection whose peer sends
+    /// faster than the driver handles ever waits).
+    fn take(&self) -> Queued {
+        while self.0.load(Ordering::Acquire) >= MAX_QUEUED_MESSAGES {
+            thread::sleep(Duration::from_micros(200));
+        }
+        self.0.fetch_add(1, Ordering::AcqRel);
+        Queued(Arc::clone(&self.0))
+    }
+}
+
+/// A message's place in its driver's queue, given back when the command that carries it is
+/// handled or dropped.
+#[derive(Debug)]
+pub(crate) struct Queued(Arc<AtomicUsize>);
+
+impl Queued {
+    /// A place outside any budget (messages a test hands a state machine).
+    #[cfg(test)]
+    pub(crate) fn unbounded() -> Self {
+        Self(Arc::default())
+    }
+}
+
+impl Drop for Queued {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// Splits an established stream into a sender and a reader thread running [`read_loop`].
 pub(crate) fn start(
     stream: ControlStream,
     name: String,
-    deliver: impl FnMut(Result<Message, ControlError>) -> bool + Send + 'static,
+    deliver: impl FnMut(Result<(Message, Queued), ControlError>) -> bool + Send + 'static,
 ) -> io::Result<ControlSender> {
     let sender = sender(&stream)?;
     thread::Builder::new()
@@ -571,6 +614,62 @@ mod tests {
         });
         drop(a);
         assert_eq!(rx.recv_timeout(Duration::from_secs(5)), Ok(true));
+        reader.join().unwrap();
+    }
+
+    /// A peer that sends faster than its driver handles gets at most `MAX_QUEUED_MESSAGES` of
+    /// its messages queued: the reader then stops reading its socket until the driver has
+    /// handled some (here: until the held places are given back), and nothing is lost.
+    #[test]
+    fn a_flooding_peer_holds_a_bounded_share_of_the_queue() {
+        use kvx_core::wire::Heartbeat;
+        use kvx_core::{EngineId, Incarnation};
+        let (a, b) = UnixStream::pair().unwrap();
+        let total = 3 * MAX_QUEUED_MESSAGES;
+        let writer = thread::spawn(move || {
+            let sender = sender(&ControlStream::local(a)).unwrap();
+            let hb = Message::Heartbeat(Heartbeat {
+                engine: EngineId(1),
+                incarnation: Incarnation(1),
+                transfers: Vec::new(),
+            });
+            for _ in 0..total {
+                sender.send(&hb).unwrap();
+            }
+        });
+        let held = Arc::new(Mutex::new(Vec::new()));
+        let delivered = Arc::new(AtomicUsize::new(0));
+        let (h, d) = (Arc::clone(&held), Arc::clone(&delivered));
+        let reader = thread::spawn(move || {
+            read_loop(ControlStream::local(b), |result| match result {
+                Ok((_, queued)) => {
+                    h.lock().unwrap().push(queued);
+                    d.fetch_add(1, Ordering::SeqCst) + 1 < total
+                }
+                Err(_) => false,
+            });
+        });
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while delivered.load(Ordering::SeqCst) < MAX_QUEUED_MESSAGES {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the reader stalled early"
+            );
+            thread::sleep(Duration::from_millis(5));
+        }
+        thread::sleep(Duration::from_millis(200));
+        assert_eq!(delivered.load(Ordering::SeqCst), MAX_QUEUED_MESSAGES);
+        // The driver handles them: the rest comes, none lost.
+        while delivered.load(Ordering::SeqCst) < total {
+            held.lock().unwrap().clear();
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the reader did not go on"
+            );
+            thread::sleep(Duration::from_millis(5));
+        }
+        held.lock().unwrap().clear();
+        writer.join().unwrap();
         reader.join().unwrap();
     }
 }

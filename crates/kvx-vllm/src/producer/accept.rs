@@ -193,7 +193,7 @@ impl Acceptor {
         }
         control::read_loop(stream, |result| {
             let command = match result {
-                Ok(message) => Command::Peer(conn, message),
+                Ok((message, queued)) => Command::Peer(conn, message, queued),
                 Err(e) => Command::PeerClosed(conn, e.to_string()),
             };
             tx.send(command).is_ok()

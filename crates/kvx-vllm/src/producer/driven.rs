@@ -143,7 +143,7 @@ impl Driver {
                 };
                 self.conns.insert(conn, Conn::new(sender, consumer));
             }
-            Command::Peer(conn, message) => self.peer_message(conn, message),
+            Command::Peer(conn, message, _queued) => self.peer_message(conn, message),
             Command::PeerClosed(conn, why) => {
                 if let Some(c) = self.conns.remove(&conn) {
                     debug!(conn, why, "control connection closed");

@@ -85,7 +85,8 @@ enum Command {
     },
     Preempted(AttemptKey),
     Accepted(ConnId, ControlSender, Box<Hello>),
-    Peer(ConnId, Message),
+    /// A consumer's message, holding its connection's place in the queue until handled.
+    Peer(ConnId, Message, control::Queued),
     PeerClosed(ConnId, String),
     Shutdown,
 }

@@ -99,7 +99,7 @@ impl Sim {
             notice,
             blocks,
         });
-        self.command(Command::Peer(1, registration));
+        self.command(Command::Peer(1, registration, control::Queued::unbounded()));
     }
 
     /// Prefill finished `key` on `blocks` (push).
