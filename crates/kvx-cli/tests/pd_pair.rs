@@ -11,7 +11,31 @@ use std::time::{Duration, Instant};
 
 const KVX: &str = env!("CARGO_BIN_EXE_kvx");
 
-struct Killer(Child);
+/// A child process, killed when dropped, whose standard error (if piped) is read as it comes,
+/// so that a chatty child never blocks on a full pipe.
+struct Killer(Child, Option<std::thread::JoinHandle<String>>);
+
+impl Killer {
+    fn new(mut child: Child) -> Self {
+        let drain = child.stderr.take().map(|mut stderr| {
+            std::thread::spawn(move || {
+                use std::io::Read as _;
+                let mut log = String::new();
+                let _ = stderr.read_to_string(&mut log);
+                log
+            })
+        });
+        Self(child, drain)
+    }
+
+    /// What the process wrote on its standard error (all of it once it has exited).
+    fn log(&mut self) -> String {
+        self.1
+            .take()
+            .map(|drain| drain.join().unwrap_or_default())
+            .unwrap_or_default()
+    }
+}
 
 impl Drop for Killer {
     fn drop(&mut self) {
@@ -20,16 +44,22 @@ impl Drop for Killer {
     }
 }
 
-fn wait_with_deadline(child: &mut Child, limit: Duration) -> std::process::ExitStatus {
+/// Waits for `child` to exit; past `limit` it is stopped and the test fails with what it
+/// wrote on its standard error (its log says where it was).
+fn wait_with_deadline(child: &mut Killer, limit: Duration) -> std::process::ExitStatus {
     let deadline = Instant::now() + limit;
     loop {
-        if let Some(status) = child.try_wait().unwrap() {
+        if let Some(status) = child.0.try_wait().unwrap() {
             return status;
         }
-        assert!(
-            Instant::now() < deadline,
-            "process did not exit within {limit:?}"
-        );
+        if Instant::now() >= deadline {
+            let _ = child.0.kill();
+            let _ = child.0.wait();
+            panic!(
+                "process did not exit within {limit:?}; its log:\n{}",
+                child.log()
+            );
+        }
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -98,7 +128,7 @@ fn run_pair(run: &Run<'_>) -> (serde_json::Value, Output, String) {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut prefill = Killer(prefill);
+    let mut prefill = Killer::new(prefill);
     let decode = run
         .kvx(Host::B)
         .args([
@@ -144,8 +174,8 @@ fn run_pair(run: &Run<'_>) -> (serde_json::Value, Output, String) {
         String::from_utf8_lossy(&decode.stdout),
         String::from_utf8_lossy(&decode.stderr)
     );
-    let status = wait_with_deadline(&mut prefill.0, Duration::from_secs(30));
-    let prefill_err = prefill.0.wait_with_output_after_exit();
+    let status = wait_with_deadline(&mut prefill, Duration::from_secs(30));
+    let prefill_err = prefill.log();
     assert!(
         status.success(),
         "prefill exited with {status}: {prefill_err}"
@@ -478,11 +508,13 @@ fn killed_decode_leaves_nothing_held_on_prefill() {
             &bench.to_string(),
         ])
         .args(["--per-token-us", "50"])
+        // Its log, should it not exit in time, says what it still held.
+        .env("RUST_LOG", "warn,kvx_vllm=info")
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut prefill = Killer(prefill);
+    let mut prefill = Killer::new(prefill);
     let decode = Command::new(KVX)
         .args([
             "pd",
@@ -508,7 +540,7 @@ fn killed_decode_leaves_nothing_held_on_prefill() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut decode = Killer(decode);
+    let mut decode = Killer(decode, None);
     // Kill it once it is running (its start-up can be slow on a loaded machine).
     let stderr = decode.0.stderr.take().unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
@@ -530,8 +562,8 @@ fn killed_decode_leaves_nothing_held_on_prefill() {
     let _ = decode.0.wait();
     // Writes in flight to the dead decode end when the transport gives up on them (shm reports
     // nothing: its 30 s operation timeout bounds the wait); everything else within the lease.
-    let status = wait_with_deadline(&mut prefill.0, Duration::from_secs(90));
-    let out = prefill.0.wait_with_output_after_exit();
+    let status = wait_with_deadline(&mut prefill, Duration::from_secs(90));
+    let out = prefill.log();
     assert!(status.success(), "prefill exited with {status}: {out}");
     // "served N requests; per-rank releases: S sent, U not sent" with S + U == N.
     let (line, numbers) = summary_numbers(&out, "served");
@@ -542,21 +574,6 @@ fn killed_decode_leaves_nothing_held_on_prefill() {
         served,
         "every held request released exactly once: {line}"
     );
-}
-
-trait OutputAfterExit {
-    fn wait_with_output_after_exit(&mut self) -> String;
-}
-
-impl OutputAfterExit for Child {
-    fn wait_with_output_after_exit(&mut self) -> String {
-        use std::io::Read as _;
-        let mut s = String::new();
-        if let Some(mut e) = self.stderr.take() {
-            let _ = e.read_to_string(&mut s);
-        }
-        s
-    }
 }
 
 #[test]
@@ -660,7 +677,7 @@ fn mismatched_transports_fail_at_the_handshake_naming_both() {
             .stderr(Stdio::null())
             .spawn()
             .unwrap();
-        let _prefill = Killer(prefill);
+        let _prefill = Killer::new(prefill);
         let started = Instant::now();
         let decode = Command::new(KVX)
             .args(["pd", "decode", "--model", "tiny", "--blocks", "64"])

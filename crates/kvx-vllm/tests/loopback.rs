@@ -2666,8 +2666,7 @@ fn with_a_notice_board_requests_do_not_wake_decodes_driver() {
 /// other instance speaks the protocol by hand (its hello, then aborts).
 #[test]
 fn an_abort_from_another_decode_instance_is_ignored() {
-    use kvx_core::wire::{Abort, Hello, Message, Role};
-    use kvx_core::Incarnation;
+    use kvx_core::wire::{Abort, Message, Role};
     use std::io::Write as _;
     use std::net::TcpStream;
 
@@ -2685,18 +2684,7 @@ fn an_abort_from_another_decode_instance_is_ignored() {
         endpoint.register(region).unwrap();
     }
     let desc = endpoint.local_desc();
-    let hello = Message::Hello(Hello {
-        compat_hash: other_spec.compat_hash(),
-        engine: EngineId(9),
-        incarnation: Incarnation(9),
-        role: Role::Consumer,
-        layout: other_spec,
-        regions: desc.regions.clone(),
-        transport: desc.backend.clone(),
-        transport_addr: desc.to_bytes(),
-        finishing_hints: false,
-        write_timeout_ms: 0,
-    });
+    let hello = hand_hello(Role::Consumer, 9, other_spec, &desc, 0);
     let mut rogue = TcpStream::connect(pre.base).unwrap();
     let abort = |transfer: TransferId| {
         Message::Abort(Abort {
@@ -3132,8 +3120,7 @@ fn a_hello_of_another_protocol_version_is_answered_with_this_sides_version() {
 /// it, and the prefill rank goes on serving its real decode.
 #[test]
 fn a_hello_with_an_absurd_tp_size_is_refused() {
-    use kvx_core::wire::{Hello, Message, Role};
-    use kvx_core::Incarnation;
+    use kvx_core::wire::Role;
     use std::io::{Read as _, Write as _};
     use std::net::TcpStream;
 
@@ -3145,18 +3132,7 @@ fn a_hello_with_an_absurd_tp_size_is_refused() {
     rogue_spec.tp_size = 1 << 31;
     let endpoint = fabric.endpoint();
     let desc = endpoint.local_desc();
-    let hello = Message::Hello(Hello {
-        compat_hash: rogue_spec.compat_hash(),
-        engine: EngineId(66),
-        incarnation: Incarnation(66),
-        role: Role::Consumer,
-        layout: rogue_spec,
-        regions: desc.regions.clone(),
-        transport: desc.backend.clone(),
-        transport_addr: desc.to_bytes(),
-        finishing_hints: false,
-        write_timeout_ms: 0,
-    });
+    let hello = hand_hello(Role::Consumer, 66, rogue_spec, &desc, 0);
     let mut rogue = TcpStream::connect(pre.base).unwrap();
     rogue
         .set_read_timeout(Some(Duration::from_secs(10)))
@@ -3179,8 +3155,7 @@ fn a_hello_with_an_absurd_tp_size_is_refused() {
 /// prefill instance that decode is connected to cannot fail a request registered elsewhere.
 #[test]
 fn a_failure_notice_from_another_prefill_instance_is_ignored() {
-    use kvx_core::wire::{FailureNotice, FailureReason, Hello, Message, Role};
-    use kvx_core::Incarnation;
+    use kvx_core::wire::{FailureNotice, FailureReason, Message, Role};
     use std::io::Write as _;
 
     let fabric = LoopbackFabric::new();
@@ -3207,18 +3182,7 @@ fn a_failure_notice_from_another_prefill_instance_is_ignored() {
     );
     let (mut rogue, _) = listener.accept().unwrap();
     let _ = read_frame(&mut rogue);
-    let hello = Message::Hello(Hello {
-        compat_hash: rogue_spec.compat_hash(),
-        engine: EngineId(77),
-        incarnation: Incarnation(77),
-        role: Role::Producer,
-        layout: rogue_spec,
-        regions: desc.regions.clone(),
-        transport: desc.backend.clone(),
-        transport_addr: desc.to_bytes(),
-        finishing_hints: false,
-        write_timeout_ms: 1_000,
-    });
+    let hello = hand_hello(Role::Producer, 77, rogue_spec, &desc, 1_000);
     rogue.write_all(&hello.to_bytes().unwrap()).unwrap();
     let forged = Message::Failure(FailureNotice {
         transfer: real.transfer,
@@ -3321,8 +3285,7 @@ fn a_local_control_socket_squatted_by_another_user_is_refused() {
 /// as `nobody`); elsewhere it says that it was skipped.
 #[test]
 fn a_local_peer_of_another_user_is_refused() {
-    use kvx_core::wire::{Hello, Message, Role};
-    use kvx_core::Incarnation;
+    use kvx_core::wire::Role;
     use std::os::unix::process::CommandExt as _;
 
     // SAFETY: geteuid has no preconditions.
@@ -3336,20 +3299,9 @@ fn a_local_peer_of_another_user_is_refused() {
     // A valid consumer hello, which the producer would answer with its own.
     let peer_spec = spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit);
     let desc = fabric.endpoint().local_desc();
-    let hello = Message::Hello(Hello {
-        compat_hash: peer_spec.compat_hash(),
-        engine: EngineId(67),
-        incarnation: Incarnation(67),
-        role: Role::Consumer,
-        layout: peer_spec,
-        regions: desc.regions.clone(),
-        transport: desc.backend.clone(),
-        transport_addr: desc.to_bytes(),
-        finishing_hints: false,
-        write_timeout_ms: 0,
-    })
-    .to_bytes()
-    .unwrap();
+    let hello = hand_hello(Role::Consumer, 67, peer_spec, &desc, 0)
+        .to_bytes()
+        .unwrap();
     let hex: String = hello.iter().map(|b| format!("{b:02x}")).collect();
     // Connects to the local socket, sends the hello, and prints how much comes back.
     let peer = format!(
@@ -3379,4 +3331,27 @@ fn a_local_peer_of_another_user_is_refused() {
         "0",
         "the peer got an answer"
     );
+}
+
+/// The hello of a peer that speaks the protocol by hand: `role`, engine and incarnation
+/// `engine`, layout `spec`, endpoint `desc`, no finishing hints.
+fn hand_hello(
+    role: kvx_core::wire::Role,
+    engine: u64,
+    spec: LayoutSpec,
+    desc: &kvx_rdma::EndpointDesc,
+    write_timeout_ms: u32,
+) -> kvx_core::wire::Message {
+    kvx_core::wire::Message::Hello(kvx_core::wire::Hello {
+        compat_hash: spec.compat_hash(),
+        engine: EngineId(engine),
+        incarnation: kvx_core::Incarnation(engine),
+        role,
+        layout: spec,
+        regions: desc.regions.clone(),
+        transport: desc.backend.clone(),
+        transport_addr: desc.to_bytes(),
+        finishing_hints: false,
+        write_timeout_ms,
+    })
 }

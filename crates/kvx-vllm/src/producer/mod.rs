@@ -169,16 +169,20 @@ impl Conn {
     /// Whether this connection may register one more: below `quota` live registrations (the
     /// ended ones forgotten first when the set looks full).
     fn below_quota<P, R>(&mut self, quota: usize, matcher: &Matcher<P, R>, stats: &Stats) -> bool {
-        if self.keys.len() < quota {
-            return true;
+        if self.keys.len() >= quota {
+            self.forget_ended(matcher, stats);
         }
+        self.keys.len() < quota
+    }
+
+    /// Forgets the keys the matcher no longer has.
+    fn forget_ended<P, R>(&mut self, matcher: &Matcher<P, R>, stats: &Stats) {
         let before = self.keys.len();
         self.keys.retain(|k| matcher.is_live(*k));
         stats
             .remembered_registrations
             .fetch_sub((before - self.keys.len()) as u64, Ordering::Relaxed);
         self.forget_at = (2 * self.keys.len()).max(FORGET_AT_LEAST);
-        self.keys.len() < quota
     }
 
     /// Remembers `key`, first forgetting the keys the matcher no longer has once the set has
@@ -186,12 +190,7 @@ impl Conn {
     /// connection's live registrations (or [`FORGET_AT_LEAST`]) however long it lives.
     fn remember<P, R>(&mut self, key: AttemptKey, matcher: &Matcher<P, R>, stats: &Stats) {
         if self.keys.len() >= self.forget_at {
-            let before = self.keys.len();
-            self.keys.retain(|k| matcher.is_live(*k));
-            stats
-                .remembered_registrations
-                .fetch_sub((before - self.keys.len()) as u64, Ordering::Relaxed);
-            self.forget_at = (2 * self.keys.len()).max(FORGET_AT_LEAST);
+            self.forget_ended(matcher, stats);
         }
         if self.keys.insert(key) {
             stats
