@@ -77,6 +77,7 @@ pub mod error;
 mod ids;
 #[cfg(feature = "libfabric")]
 pub mod libfabric;
+pub mod local_peer;
 pub mod loopback;
 pub mod netif;
 #[cfg(feature = "neuron")]

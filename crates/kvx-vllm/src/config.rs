@@ -134,7 +134,13 @@ pub const MAX_TRANSFER_TIMEOUT: Duration = Duration::from_secs(3600);
 /// A random incarnation, from the standard library's per-process random hash keys.
 #[must_use]
 pub fn random_incarnation() -> Incarnation {
+    Incarnation(random_seed())
+}
+
+/// A number no peer can know, from the standard library's per-process random hash keys (mixed
+/// with the process id): incarnations, and the seeds of the tables keyed by peers' ids.
+pub(crate) fn random_seed() -> u64 {
     let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
     hasher.write_u32(std::process::id());
-    Incarnation(hasher.finish())
+    hasher.finish()
 }

@@ -107,7 +107,8 @@ struct StartArgs {
 }
 
 /// The transport a side opens: its name, the CUDA device of the cache (`None`: host memory)
-/// and where the NIXL runtime is (what the Python glue found; else `KVX_NIXL_LIB_DIR`).
+/// and where the NIXL runtime is (what the Python glue found: `KVX_NIXL_LIB_DIR`, else the
+/// installed wheel's).
 struct TransportArgs<'a> {
     name: &'a str,
     cuda_device: Option<u32>,
@@ -170,14 +171,9 @@ fn start_args(
         nixl_library,
         rails,
     } = transport;
-    // The `rails` setting, else KVX_RAILS (the plugin maps the environment; the library reads
-    // none).
-    let rails = if rails.trim().is_empty() {
-        RailOverrides::from_env_value(std::env::var_os(RailOverrides::ENV_VAR))
-    } else {
-        rails.parse()
-    }
-    .map_err(value_err)?;
+    // The `rails` setting, else KVX_RAILS (the plugin maps the environment).
+    let rails = crate::transport::rail_overrides(rails, std::env::var_os(RailOverrides::ENV_VAR))
+        .map_err(value_err)?;
     let transport: TransportSpec = name.parse().map_err(value_err)?;
     // The memory kind is the cache's (the Python glue resolved the transport for it, so
     // `cuda-ipc:N` names the cache's device N).

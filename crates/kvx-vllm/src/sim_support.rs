@@ -77,3 +77,22 @@ pub(crate) fn transport_events(driver: &mut impl Driven) {
         driver.transport_event(event);
     }
 }
+
+/// Hands `driver` `command` and lets its time pass, as one turn of the driver loop does.
+pub(crate) fn turn<D: Driven>(driver: &mut D, command: D::Command) {
+    driver.command(command);
+    driver.tick(driver.clock().now());
+}
+
+/// Moves the virtual clock `now` to `at` after the start and lets `driver` see it.
+pub(crate) fn advance(
+    driver: &mut impl Driven,
+    now: &std::sync::atomic::AtomicU64,
+    at: std::time::Duration,
+) {
+    now.store(
+        u64::try_from(at.as_nanos()).unwrap_or(u64::MAX),
+        std::sync::atomic::Ordering::SeqCst,
+    );
+    driver.tick(driver.clock().now());
+}

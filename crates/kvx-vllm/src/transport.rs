@@ -382,6 +382,23 @@ impl OpenOptions {
     }
 }
 
+/// The rail overrides of a `rails` setting (`GPU=NIC,NIC;…`), or, where it is empty, of
+/// `env_value`: the value of `KVX_RAILS` (`RailOverrides::ENV_VAR`) that the caller took from its
+/// environment (the `kvx` binary and the vLLM plugin; this crate reads none).
+///
+/// # Errors
+/// A malformed mapping, naming the entry.
+pub fn rail_overrides(
+    setting: &str,
+    env_value: Option<std::ffi::OsString>,
+) -> Result<RailOverrides, kvx_rdma::topology::RailSpecError> {
+    if setting.trim().is_empty() {
+        RailOverrides::from_env_value(env_value)
+    } else {
+        setting.parse()
+    }
+}
+
 /// The environment variable naming the directory of the NIXL runtime (`libnixl_capi.so`) for
 /// [`OpenOptions::nixl_library`] in the `kvx` binary and the vLLM plugin.
 pub const NIXL_LIB_DIR_ENV: &str = "KVX_NIXL_LIB_DIR";

@@ -3226,13 +3226,12 @@ fn read_frame(stream: &mut std::net::TcpStream) -> Vec<u8> {
 #[test]
 fn a_local_control_socket_squatted_by_another_user_is_refused() {
     use std::io::BufRead as _;
-    use std::os::unix::process::CommandExt as _;
 
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        println!("SKIPPED a_local_control_socket_squatted_by_another_user_is_refused: not root");
+    let Some(mut nobody) =
+        python_as_nobody("a_local_control_socket_squatted_by_another_user_is_refused")
+    else {
         return;
-    }
+    };
     let fabric = LoopbackFabric::new();
     let base = free_ports(1);
     let squat = format!(
@@ -3243,10 +3242,8 @@ fn a_local_control_socket_squatted_by_another_user_is_refused() {
          print('bound', flush=True)\n\
          time.sleep(60)\n"
     );
-    let mut squatter = std::process::Command::new("python3")
+    let mut squatter = nobody
         .args(["-c", &squat])
-        .uid(65534)
-        .gid(65534)
         .stdout(std::process::Stdio::piped())
         .spawn()
         .expect("python3 for the squatter");
@@ -3286,13 +3283,10 @@ fn a_local_control_socket_squatted_by_another_user_is_refused() {
 #[test]
 fn a_local_peer_of_another_user_is_refused() {
     use kvx_core::wire::Role;
-    use std::os::unix::process::CommandExt as _;
 
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        println!("SKIPPED a_local_peer_of_another_user_is_refused: not root");
+    let Some(mut nobody) = python_as_nobody("a_local_peer_of_another_user_is_refused") else {
         return;
-    }
+    };
     let fabric = LoopbackFabric::new();
     let pre = tp1_prefill(&fabric);
     let base = pre.base;
@@ -3315,10 +3309,8 @@ fn a_local_peer_of_another_user_is_refused() {
          except (BrokenPipeError, ConnectionResetError):\n\
          \x20   print(0, flush=True)\n"
     );
-    let out = std::process::Command::new("python3")
+    let out = nobody
         .args(["-c", &peer])
-        .uid(65534)
-        .gid(65534)
         .output()
         .expect("python3 for the peer");
     assert!(
@@ -3354,4 +3346,17 @@ fn hand_hello(
         finishing_hints: false,
         write_timeout_ms,
     })
+}
+
+/// `python3` to run as `nobody`, for a test of what another user's process may do; `None`
+/// (after saying the test was skipped) where this process cannot switch users (not root).
+fn python_as_nobody(test: &str) -> Option<std::process::Command> {
+    use std::os::unix::process::CommandExt as _;
+    if kvx_rdma::local_peer::own_uid() != 0 {
+        println!("SKIPPED {test}: not root");
+        return None;
+    }
+    let mut command = std::process::Command::new("python3");
+    command.uid(65534).gid(65534);
+    Some(command)
 }

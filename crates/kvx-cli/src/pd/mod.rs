@@ -32,13 +32,8 @@ pub(crate) fn open_transport(
 
 /// The rail overrides of `--rails`, else of `KVX_RAILS`.
 pub(crate) fn rail_overrides(rails: &str) -> anyhow::Result<kvx_rdma::topology::RailOverrides> {
-    use kvx_rdma::topology::RailOverrides;
-    let overrides = if rails.trim().is_empty() {
-        RailOverrides::from_env_value(std::env::var_os(RailOverrides::ENV_VAR))
-    } else {
-        rails.parse()
-    };
-    overrides.context("--rails (or KVX_RAILS)")
+    let env = std::env::var_os(kvx_rdma::topology::RailOverrides::ENV_VAR);
+    kvx_vllm::transport::rail_overrides(rails, env).context("--rails (or KVX_RAILS)")
 }
 
 /// Arguments of `kvx pd`.

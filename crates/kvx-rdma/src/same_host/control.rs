@@ -276,7 +276,7 @@ impl Control {
             while let Ok((conn, _)) = self.listener.accept() {
                 // Only processes of this user may send notices and messages here (the socket's
                 // name is visible to every process of the network namespace).
-                if same_user(&conn) && conn.set_nonblocking(true).is_ok() {
+                if crate::local_peer::same_user(&conn) && conn.set_nonblocking(true).is_ok() {
                     self.inbound.push(Inbound {
                         conn,
                         buf: Vec::new(),
@@ -362,28 +362,6 @@ impl Readiness {
             inbound: vec![true; connections],
         }
     }
-}
-
-/// Whether the process at the other end of `conn` runs as this process's effective user.
-fn same_user(conn: &UnixStream) -> bool {
-    let mut cred = libc::ucred {
-        pid: 0,
-        uid: u32::MAX,
-        gid: u32::MAX,
-    };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: SO_PEERCRED writes a `ucred` into the live local `cred`, whose size is passed.
-    let ok = unsafe {
-        libc::getsockopt(
-            conn.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            (&raw mut cred).cast(),
-            &raw mut len,
-        )
-    } == 0;
-    // SAFETY: geteuid has no preconditions.
-    ok && cred.uid == unsafe { libc::geteuid() }
 }
 
 /// Parses complete frames off the front of `buf` into events; true when the stream is malformed

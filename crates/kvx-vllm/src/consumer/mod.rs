@@ -639,7 +639,7 @@ impl Driver {
         waiter_config.max_waiting = config.max_entries;
         waiter_config.max_lease = config.registration_lease;
         // Transfer ids reach the waiter's table from peers too: a seed of this process's own.
-        waiter_config.hash_seed = driver::random_seed();
+        waiter_config.hash_seed = crate::config::random_seed();
         let waiter = Waiter::new(waiter_config)?;
         let caps = transport.capabilities();
         // With a board, notices need nothing from this side, so no hints are asked for.

@@ -37,44 +37,9 @@ fn abstract_addr(_name: &str) -> io::Result<std::os::unix::net::SocketAddr> {
     ))
 }
 
-/// The effective user id of the process at the other end of `stream` (`SO_PEERCRED`: as it
-/// was when that process connected or listened).
-///
-/// # Errors
-/// When the kernel does not say.
-pub(crate) fn peer_uid(stream: &UnixStream) -> io::Result<u32> {
-    use std::os::fd::AsRawFd as _;
-    let mut cred = libc::ucred {
-        pid: 0,
-        uid: 0,
-        gid: 0,
-    };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: `cred` and `len` are valid for writes of a `ucred` and its length; the descriptor
-    // is the stream's own, open for the call.
-    let ret = unsafe {
-        libc::getsockopt(
-            stream.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            std::ptr::addr_of_mut!(cred).cast(),
-            &mut len,
-        )
-    };
-    if ret != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(cred.uid)
-}
-
-/// This process's effective user id.
-fn own_uid() -> u32 {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    unsafe { libc::geteuid() }
-}
-
 /// Whether the process at the other end of `stream` runs as this process's user.
 pub(crate) fn same_user(stream: &UnixStream) -> bool {
+    use kvx_rdma::local_peer::{own_uid, peer_uid};
     match peer_uid(stream) {
         Ok(uid) if uid == own_uid() => true,
         Ok(uid) => {

@@ -16,15 +16,6 @@ mod queue;
 pub(crate) use mailbox::Mailbox;
 pub(crate) use queue::{command_queue, wait_commands, wait_turn, CommandReceiver, CommandSender};
 
-/// A seed for the tables keyed by peers' ids that no peer can know: from the standard
-/// library's per-process random hash keys.
-pub(crate) fn random_seed() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    std::collections::hash_map::RandomState::new()
-        .build_hasher()
-        .finish()
-}
-
 /// Monotonic time since the side started, as the state machines want it; in the state-machine
 /// tests, a virtual clock that moves only when the test moves it.
 #[derive(Clone, Copy, Debug)]

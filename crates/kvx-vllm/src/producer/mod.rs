@@ -771,7 +771,7 @@ impl Driver {
         matcher_config.transfer_timeout = config.transfer_timeout;
         // Transfer ids reach the matcher's table from peers: a seed of this process's own keeps
         // its layout unknown to them (no built collisions).
-        matcher_config.hash_seed = driver::random_seed();
+        matcher_config.hash_seed = crate::config::random_seed();
         let matcher = Matcher::new(matcher_config)?;
         let peer_rma_unassisted = transport.capabilities().peer_rma_unassisted;
         Ok(Self {

@@ -73,15 +73,12 @@ impl Sim {
     /// Hands the state machine `command` and lets its time pass, as one turn of the driver
     /// loop does.
     fn command(&mut self, command: Command) {
-        self.driver.command(command);
-        self.driver.tick(self.driver.clock.now());
+        crate::sim_support::turn(&mut self.driver, command);
     }
 
     /// Moves the virtual clock to `at` after the start and lets the state machine see it.
     fn at(&mut self, at: Duration) {
-        self.now
-            .store(at.as_nanos() as u64, std::sync::atomic::Ordering::SeqCst);
-        self.driver.tick(self.driver.clock.now());
+        crate::sim_support::advance(&mut self.driver, self.now, at);
     }
 
     /// The consumer registers `blocks` for `key`.
