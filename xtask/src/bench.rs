@@ -29,16 +29,23 @@ pub(crate) const BENCHES: &[(&str, &str, &str, &str)] = &[
 /// Runs the named benchmarks (all when `names` is empty, except `vllm`, which runs only when
 /// named: it needs the vLLM venv and takes about 35 minutes).
 pub(crate) fn run(names: &[String], quick: bool) -> anyhow::Result<()> {
-    crate::setup::ensure_packages()?;
     for name in names {
-        if name != "pd" && name != "vllm" && !BENCHES.iter().any(|(n, ..)| n == name) {
+        if !["pd", "gpu-pd", "vllm"].contains(&name.as_str())
+            && !BENCHES.iter().any(|(n, ..)| n == name)
+        {
             let known: Vec<&str> = BENCHES.iter().map(|(n, ..)| *n).collect();
             bail!(
-                "unknown benchmark `{name}` (known: pd, vllm, {})",
+                "unknown benchmark `{name}` (known: pd, gpu-pd, vllm, {})",
                 known.join(", ")
             );
         }
     }
+    // The GPU sweep alone needs no toolchain set-up when given a built `kvx` (KVX_BIN): it runs
+    // on GPU machines that have none.
+    if names.len() == 1 && names[0] == "gpu-pd" {
+        return crate::gpu_pd::run_sweep(quick);
+    }
+    crate::setup::ensure_packages()?;
     let out_dir = root().join("target/kvx-bench");
     fs::create_dir_all(&out_dir).with_context(|| format!("cannot create {}", out_dir.display()))?;
     for (name, package, target, group) in BENCHES {
@@ -103,6 +110,9 @@ pub(crate) fn run(names: &[String], quick: bool) -> anyhow::Result<()> {
     }
     if names.is_empty() || names.iter().any(|n| n == "pd") {
         crate::pd::run_sweep(quick)?;
+    }
+    if names.iter().any(|n| n == "gpu-pd") {
+        crate::gpu_pd::run_sweep(quick)?;
     }
     if names.iter().any(|n| n == "vllm") {
         vllm_bench::run_sweep(quick)?;

@@ -16,6 +16,7 @@ use clap::{Parser, Subcommand};
 
 mod against;
 mod bench;
+mod gpu_pd;
 mod nixl;
 mod pd;
 mod plot;
@@ -41,7 +42,8 @@ enum Task {
     },
     /// Run benchmarks and write results under target/kvx-bench/.
     Bench {
-        /// Which benchmarks (default: all). Known: pd (push vs pull), plan, codec, rendezvous, transfer,
+        /// Which benchmarks (default: all). Known: pd (push vs pull), gpu-pd (push vs pull on a GPU;
+        /// skipped without one; only when named), plan, codec, rendezvous, transfer,
         /// gpu (CUDA IPC and kernels; skipped without a GPU), vllm (kvx against vLLM's NIXL
         /// connectors on real vLLM; only when named).
         names: Vec<String>,
@@ -167,6 +169,15 @@ fn test(no_lint: bool) -> anyhow::Result<()> {
         "kvx-vllm",
         "--test",
         "gpu_connector",
+        "--",
+        "--nocapture",
+    ]))?;
+    run(cargo().args([
+        "test",
+        "-p",
+        "kvx-cli",
+        "--test",
+        "gpu_pd",
         "--",
         "--nocapture",
     ]))?;

@@ -34,11 +34,11 @@ struct Sweep {
     requests: u32,
 }
 
-fn free_port() -> anyhow::Result<SocketAddr> {
+pub(crate) fn free_port() -> anyhow::Result<SocketAddr> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?)
 }
 
-struct Guard(Child);
+pub(crate) struct Guard(pub(crate) Child);
 
 impl Drop for Guard {
     fn drop(&mut self) {
@@ -47,9 +47,38 @@ impl Drop for Guard {
     }
 }
 
-fn point(
+/// What one side of a point runs with besides the stream's flags: the model, cache and transport
+/// flags of each process.
+pub(crate) struct PairArgs {
+    pub(crate) prefill: Vec<String>,
+    pub(crate) decode: Vec<String>,
+}
+
+/// The pair's arguments for the CPU sweep's `length`-token point over `transport`.
+fn cpu_pair(transport: &str, length: u64) -> PairArgs {
+    let model: Vec<String> = [
+        "--model",
+        "qwen2.5-0.5b",
+        "--blocks",
+        &blocks_for(length).to_string(),
+        "--transport",
+        transport,
+    ]
+    .map(str::to_owned)
+    .into();
+    let mut prefill = model.clone();
+    prefill.extend(["--per-token-us", "10", "--chunk-tokens", CHUNK_TOKENS].map(str::to_owned));
+    let mut decode = model;
+    decode.extend(["--output-tokens", "32", "--step-ms", "5"].map(str::to_owned));
+    PairArgs { prefill, decode }
+}
+
+/// Runs one point: a fresh prefill and decode, `requests` Poisson arrivals at `rate` of
+/// `length`-token prompts after a warm-up, in `mode`; returns decode's report.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn point(
     kvx: &Path,
-    transport: &str,
+    pair: &PairArgs,
     mode: &str,
     length: u64,
     rate: f64,
@@ -58,25 +87,15 @@ fn point(
 ) -> anyhow::Result<Value> {
     let control = free_port()?;
     let side = free_port()?;
-    let blocks = blocks_for(length).to_string();
-    let model = [
-        "--model",
-        "qwen2.5-0.5b",
-        "--blocks",
-        &blocks,
-        "--transport",
-        transport,
-    ];
     let prefill = Command::new(kvx)
         .args(["pd", "prefill"])
-        .args(model)
+        .args(&pair.prefill)
         .args([
             "--listen",
             &control.to_string(),
             "--bench-listen",
             &side.to_string(),
         ])
-        .args(["--per-token-us", "10", "--chunk-tokens", CHUNK_TOKENS])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -84,7 +103,7 @@ fn point(
     let mut prefill = Guard(prefill);
     let status = Command::new(kvx)
         .args(["pd", "decode"])
-        .args(model)
+        .args(&pair.decode)
         .args([
             "--prefill",
             &control.to_string(),
@@ -103,14 +122,7 @@ fn point(
             "--warmup",
             WARMUP_REQUESTS,
         ])
-        .args([
-            "--input-tokens",
-            &length.to_string(),
-            "--output-tokens",
-            "32",
-            "--step-ms",
-            "5",
-        ])
+        .args(["--input-tokens", &length.to_string()])
         .arg("--out")
         .arg(out)
         .stdout(Stdio::null())
@@ -141,7 +153,7 @@ fn blocks_for(length: u64) -> u64 {
     (length.div_ceil(16) * 8).max(8192)
 }
 
-fn get(v: &Value, path: &[&str]) -> f64 {
+pub(crate) fn get(v: &Value, path: &[&str]) -> f64 {
     path.iter()
         .fold(v, |v, k| &v[*k])
         .as_f64()
@@ -233,30 +245,23 @@ pub(crate) fn run_sweep(quick: bool) -> anyhow::Result<()> {
         );
         // A short unmeasured run first: the bare transfers above allocate and free gigabytes,
         // and the kernel's clean-up after them slowed whichever point came next.
-        point(&kvx, transport, "push", sweep.lengths[0], 4.0, 8, &scratch)?;
+        point(
+            &kvx,
+            &cpu_pair(transport, sweep.lengths[0]),
+            "push",
+            sweep.lengths[0],
+            4.0,
+            8,
+            &scratch,
+        )?;
         let mut points = Vec::new();
         for &length in &sweep.lengths {
             let raw_ms = get(&raw[&length][0], &["transfer_ms_p50"]);
             let fresh_ms = get(&raw[&length][1], &["transfer_ms_p50"]);
             for &rate in &sweep.rates {
-                let push = point(
-                    &kvx,
-                    transport,
-                    "push",
-                    length,
-                    rate,
-                    sweep.requests,
-                    &scratch,
-                )?;
-                let pull = point(
-                    &kvx,
-                    transport,
-                    "pull",
-                    length,
-                    rate,
-                    sweep.requests,
-                    &scratch,
-                )?;
+                let pair = cpu_pair(transport, length);
+                let push = point(&kvx, &pair, "push", length, rate, sweep.requests, &scratch)?;
+                let pull = point(&kvx, &pair, "pull", length, rate, sweep.requests, &scratch)?;
                 let s = |v: &Value, k: &str, q: &str| get(v, &["summary", k, q]);
                 // Decode's CPU on transfer work per step: the engine loop's own (its thread's
                 // CPU clock, not wall time) and the connector threads'.

@@ -723,3 +723,149 @@ fn batched_copy_kernel_matches_the_cpu_model() {
     // SAFETY: as above; refused before launching.
     assert!(unsafe { kernels.copy_ops(&[too_far], &lookup, &lookup) }.is_err());
 }
+
+/// The device's synthetic KV is the CPU's, byte for byte, in every memory order the kernels
+/// take, and its check finds a single wrong byte.
+#[test]
+fn synthetic_kv_on_the_gpu_matches_the_cpu_pattern() {
+    use kvx_rdma::cuda::synth::SynthKv;
+    use kvx_rdma::cuda::Stream;
+    let Some(_) = gpus("synthetic_kv_on_the_gpu_matches_the_cpu_pattern", 1) else {
+        return;
+    };
+    let gpu = Gpu::open(0).expect("gpu");
+    for (order, tp, rank, block) in [
+        (MemoryOrder::Hnd, 1, 0, 16),
+        (MemoryOrder::Nhd, 2, 1, 32),
+        (MemoryOrder::Hnd, 4, 2, 64),
+    ] {
+        let layout = layout(tp, rank, block, order);
+        let regions = alloc_regions(&gpu, &layout);
+        let stream = Stream::new(&gpu).expect("stream");
+        let mut synth = match SynthKv::new(&layout, regions.clone()) {
+            Ok(s) => s,
+            Err(CudaError::NvrtcMissing) => {
+                eprintln!("SKIPPED synthetic KV kernels: NVRTC is not installed");
+                return;
+            }
+            Err(e) => panic!("{e}"),
+        };
+        let tokens = 300;
+        let ids = blocks(&layout, tokens);
+        synth.load_blocks(&stream, &ids).expect("blocks");
+        // Layer by layer and in two token ranges, as a chunked, layer-wise engine writes.
+        for layer in 0..layout.spec().num_layers {
+            synth
+                .fill(&stream, 0..200, layer..layer + 1, SEED)
+                .expect("fill");
+        }
+        synth
+            .fill(&stream, 200..tokens, 0..layout.spec().num_layers, SEED)
+            .expect("fill");
+        stream.synchronize().expect("sync");
+        // The CPU's check of the GPU's bytes.
+        let mut host: Vec<Vec<u8>> = regions.iter().map(|r| r.to_vec().expect("read")).collect();
+        let views: Vec<&[u8]> = host.iter().map(Vec::as_slice).collect();
+        synth::verify_request(&layout, &views, &ids, 0, tokens, SEED)
+            .unwrap_or_else(|m| panic!("{order:?} tp {tp}: {m}"));
+        assert_eq!(synth.verify(&stream, tokens, SEED).expect("verify"), 0);
+        assert!(synth.verify(&stream, tokens, SEED + 1).expect("verify") > 0);
+        // The GPU's check of the CPU's bytes, and of one wrong byte.
+        for h in &mut host {
+            h.fill(0);
+        }
+        {
+            let mut views: Vec<&mut [u8]> = host.iter_mut().map(Vec::as_mut_slice).collect();
+            synth::fill_request(&layout, &mut views, &ids, tokens, SEED + 7);
+        }
+        for (r, h) in regions.iter().zip(&host) {
+            r.write_at(0, h).expect("write");
+        }
+        assert_eq!(synth.verify(&stream, tokens, SEED + 7).expect("verify"), 0);
+        let (region, offset) = layout.head_vector(3, 1, ids[5], 2, 0);
+        let mut byte = [0u8];
+        regions[region as usize]
+            .read_at(offset + 9, &mut byte)
+            .expect("read");
+        regions[region as usize]
+            .write_at(offset + 9, &[byte[0] ^ 0x40])
+            .expect("write");
+        assert_eq!(synth.verify(&stream, tokens, SEED + 7).expect("verify"), 1);
+        // Block ids past the cache, and tokens past the loaded blocks, are refused.
+        let past = BlockId(layout.spec().num_blocks);
+        assert!(matches!(
+            synth.load_blocks(&stream, &[past]),
+            Err(CudaError::Invalid(_))
+        ));
+        assert!(matches!(
+            synth.fill(&stream, 0..tokens + 1000, 0..1, SEED),
+            Err(CudaError::Invalid(_))
+        ));
+    }
+}
+
+/// cuBLAS products through `gemm::Blas` match a CPU product (small integers are exact in bf16),
+/// batched with a shared operand too; operands past their buffers are refused.
+#[cfg(feature = "cublas")]
+#[test]
+fn bf16_products_match_the_cpu() {
+    use kvx_rdma::cuda::gemm::{Blas, Operand};
+    use kvx_rdma::cuda::Stream;
+    let Some(_) = gpus("bf16_products_match_the_cpu", 1) else {
+        return;
+    };
+    let gpu = Gpu::open(0).expect("gpu");
+    let stream = Stream::new(&gpu).expect("stream");
+    let blas = match Blas::new(&stream) {
+        Ok(b) => b,
+        Err(e) if std::env::var_os("KVX_REQUIRE_GPU").is_none() => {
+            eprintln!("SKIPPED bf16 products: {e}");
+            return;
+        }
+        Err(e) => panic!("{e}"),
+    };
+    let bf16 = |v: f32| ((v.to_bits() >> 16) as u16).to_le_bytes();
+    let from_bf16 = |b: &[u8]| f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16);
+    let (m, n, k, batch) = (5u64, 7u64, 3u64, 2u64);
+    let a: Vec<f32> = (0..batch * m * k).map(|i| (i % 5) as f32 - 2.0).collect();
+    let b: Vec<f32> = (0..k * n).map(|i| (i % 3) as f32).collect();
+    let upload = |v: &[f32]| {
+        let bytes: Vec<u8> = v.iter().flat_map(|&x| bf16(x)).collect();
+        let buf = DeviceBuffer::new(&gpu, bytes.len() as u64).expect("alloc");
+        buf.write_at(0, &bytes).expect("write");
+        buf
+    };
+    let (da, db) = (upload(&a), upload(&b));
+    let dc = DeviceBuffer::new(&gpu, batch * m * n * 2).expect("alloc");
+    blas.matmul(
+        (m, n, k),
+        batch,
+        Operand::batched(&da, m * k),
+        Operand::whole(&db),
+        Operand::batched(&dc, m * n),
+    )
+    .expect("matmul");
+    stream.synchronize().expect("sync");
+    let c = dc.to_vec().expect("read");
+    for p in 0..batch {
+        for i in 0..m {
+            for j in 0..n {
+                let want: f32 = (0..k)
+                    .map(|x| a[(p * m * k + i * k + x) as usize] * b[(x * n + j) as usize])
+                    .sum();
+                let at = ((p * m * n + i * n + j) * 2) as usize;
+                assert_eq!(from_bf16(&c[at..at + 2]), want, "batch {p} ({i},{j})");
+            }
+        }
+    }
+    let err = blas
+        .matmul(
+            (m, n, k),
+            batch + 1,
+            Operand::batched(&da, m * k),
+            Operand::whole(&db),
+            Operand::batched(&dc, m * n),
+        )
+        .unwrap_err();
+    assert!(matches!(err, CudaError::Invalid(_)), "{err}");
+}

@@ -14,7 +14,11 @@ use kvx_rendezvous::AttemptKey;
 use kvx_vllm::{ConnectorConfig, Consumer, PullRequest, PushRequest, RecvEvent, TransportSpec};
 use serde_json::json;
 
+use super::gpu::{Device, GpuEngine};
 use super::prefill::{connect_router, kv_seed, RankMemory};
+
+/// The largest decode batch the GPU engine computes in one pass (larger ones take several).
+const MAX_BATCH: u64 = 64;
 use super::{unix_micros, BlockPool, ModelArgs};
 
 /// Arguments of `kvx pd decode`.
@@ -45,7 +49,7 @@ pub(crate) struct DecodeArgs {
     /// Tokens generated per request.
     #[arg(long, default_value_t = 16)]
     output_tokens: u32,
-    /// Duration of one simulated decode step.
+    /// Duration of one simulated decode step (host; on a GPU a step is the model's products).
     #[arg(long, default_value_t = 5.0)]
     step_ms: f64,
     /// Seconds a request may wait for its KV.
@@ -139,11 +143,12 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
     if args.input_tokens.is_empty() || args.rate <= 0.0 {
         bail!("need at least one input length and a positive rate");
     }
-    let spec: TransportSpec = args.model.transport.parse()?;
+    let spec: TransportSpec = args.model.transport()?;
+    let device = args.model.device()?;
     let mut memories = Vec::new();
     let mut consumers = Vec::new();
     for rank in 0..args.model.tp {
-        let (memory, cache) = RankMemory::new(args.model.layout(rank)?)?;
+        let (memory, cache) = RankMemory::new(args.model.layout(rank)?, device)?;
         let mut config = ConnectorConfig::new(EngineId(2));
         config.registration_lease = Duration::from_secs(args.lease_s);
         config.notice_board = args.notice_board == "on";
@@ -159,7 +164,9 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
                 config,
                 cache,
                 super::open_transport(&spec, |o| {
-                    o.with_peer(args.prefill.ip()).with_rail_overrides(rails)
+                    o.with_peer(args.prefill.ip())
+                        .with_rail_overrides(rails)
+                        .for_cuda_device(device.cuda())
                 })?,
             )
             .context("cannot start the consumer")?,
@@ -167,6 +174,20 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
         memories.push(memory);
     }
     let memories = Arc::new(memories);
+    // On a GPU, decode steps are the model's products for the running batch.
+    let engine = match device {
+        Device::Host => None,
+        Device::Cuda(ordinal) => {
+            let longest = args.input_tokens.iter().copied().max().unwrap_or(0);
+            Some(GpuEngine::new(
+                &kvx_rdma::cuda::Gpu::open(ordinal)?,
+                args.model.shape()?,
+                MAX_BATCH,
+                longest + u64::from(args.output_tokens),
+                MAX_BATCH,
+            )?)
+        }
+    };
     let stream = connect_router(args.prefill_bench, Duration::from_secs(60))?;
     eprintln!(
         "kvx pd decode: running {} requests ({} mode)",
@@ -418,7 +439,15 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
                 loop_cpu.push(transfer_work.cpu.as_secs_f64() * 1e6);
                 clock_warm_ups.push(clock_warm_up.cpu.as_secs_f64() * 1e6);
             }
-            std::thread::sleep(step);
+            if let Some(engine) = &engine {
+                let contexts: Vec<u64> = running
+                    .iter()
+                    .map(|&i| requests[i].tokens + u64::from(requests[i].emitted))
+                    .collect();
+                engine.decode_step(&contexts)?;
+            } else {
+                std::thread::sleep(step);
+            }
             let now = Instant::now();
             for &index in &running {
                 let r = &mut requests[index];
@@ -600,7 +629,8 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
         "requests": args.requests,
         "input_tokens": args.input_tokens,
         "output_tokens": args.output_tokens,
-        "step_ms": args.step_ms,
+        "step_ms": engine.is_none().then_some(args.step_ms),
+        "device": args.model.device,
         "summary": summary,
         "per_request": rows,
     });

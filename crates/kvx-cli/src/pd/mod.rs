@@ -13,8 +13,11 @@ use anyhow::{bail, Context as _};
 use kvx_core::{Arrangement, Dtype, LayoutSpec, MemoryOrder};
 
 pub(crate) mod decode;
+pub(crate) mod gpu;
 pub(crate) mod prefill;
 pub(crate) mod raw;
+
+use gpu::{ComputeShape, Device};
 
 /// Opens `spec` with what the operator asks for in the environment (`KVX_SHM_SWEEP=1`: sweep
 /// stale `shm` regions first; `KVX_NIXL_LIB_DIR`: where the NIXL runtime is) and with `adjust`
@@ -51,6 +54,39 @@ enum PdRole {
     Decode(decode::DecodeArgs),
     /// Time the bare transfer of one request's KV on the transport (no connector, no engine).
     Raw(raw::RawArgs),
+    /// Measure the synthetic engine on a GPU: the bf16 product rate, a prefill against its FLOP
+    /// count at that rate, decode steps (one JSON object).
+    Engine(EngineArgs),
+}
+
+/// Arguments of `kvx pd engine`.
+#[derive(clap::Args, Debug)]
+pub(crate) struct EngineArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Prompt tokens of the timed prefill.
+    #[arg(long, default_value_t = 1024)]
+    input_tokens: u64,
+    /// Tokens per prefill chunk.
+    #[arg(long, default_value_t = 1024)]
+    chunk_tokens: u64,
+}
+
+fn engine(args: &EngineArgs) -> anyhow::Result<()> {
+    let Device::Cuda(ordinal) = args.model.device()? else {
+        bail!("kvx pd engine measures the GPU engine: pass --device cuda[:N]");
+    };
+    let gpu = kvx_rdma::cuda::Gpu::open(ordinal).context("opening the GPU")?;
+    let engine = gpu::GpuEngine::new(
+        &gpu,
+        args.model.shape()?,
+        args.chunk_tokens.max(8192),
+        args.input_tokens.max(1024),
+        32,
+    )?;
+    let report = engine.calibrate(args.input_tokens, args.chunk_tokens)?;
+    println!("{}", serde_json::to_string(&report)?);
+    Ok(())
 }
 
 /// Runs `kvx pd`.
@@ -59,16 +95,44 @@ pub(crate) fn run(args: &PdArgs) -> anyhow::Result<()> {
         PdRole::Prefill(a) => prefill::run(a),
         PdRole::Decode(a) => decode::run(a),
         PdRole::Raw(a) => raw::run(a),
+        PdRole::Engine(a) => engine(a),
     }
 }
 
 /// The synthetic model's KV shape, shared by both processes' flags.
 #[derive(clap::Args, Debug, Clone)]
 pub(crate) struct ModelArgs {
-    /// KV shape: `qwen2.5-0.5b` (24 layers, 2 KV heads, head dim 64, bf16: 12 KiB per token) or
-    /// `tiny` (2 layers, 4 KV heads, head dim 16, f32: 1 KiB per token).
+    /// Model shape: `qwen2.5-0.5b` (24 layers, 2 KV heads, head dim 64, bf16: 12 KiB of KV per
+    /// token), `tiny` (2 layers, 4 KV heads, head dim 16, f32: 1 KiB), `qwen3-32b-tp8` (one rank
+    /// of Qwen3-32B at TP8: 64 layers, hidden 5120, 8 query heads and 1 KV head of 128, MLP
+    /// 25600/8, bf16: 32 KiB) or `qwen3-8b-tp1` (36 layers, hidden 4096, 32 query and 8 KV heads
+    /// of 128, MLP 12288, bf16: 144 KiB).
     #[arg(long, default_value = "qwen2.5-0.5b")]
     pub(crate) model: String,
+    /// Where the KV cache lives and the engine computes: `host` (compute simulated by
+    /// `--per-token-us` and `--step-ms`), or `cuda[:N]` (the cache in GPU memory, prefill and
+    /// decode steps as cuBLAS products at the model's shape, decode's checks on the GPU).
+    #[arg(long, default_value = "host")]
+    pub(crate) device: String,
+    /// Layers (overrides the model's).
+    #[arg(long)]
+    pub(crate) layers: Option<u32>,
+    /// KV heads of the instance, split over `--tp` (overrides the model's).
+    #[arg(long)]
+    pub(crate) kv_heads: Option<u32>,
+    /// Head dimension (overrides the model's).
+    #[arg(long)]
+    pub(crate) head_dim: Option<u32>,
+    /// Hidden size (overrides the model's; GPU compute only).
+    #[arg(long)]
+    pub(crate) hidden: Option<u64>,
+    /// Query heads of the instance, split over `--tp` (overrides the model's; GPU compute only).
+    #[arg(long)]
+    pub(crate) q_heads: Option<u64>,
+    /// MLP intermediate size of the instance, split over `--tp` (overrides the model's; GPU
+    /// compute only).
+    #[arg(long)]
+    pub(crate) mlp: Option<u64>,
     /// Tensor-parallel size of this instance (ranks run as threads of one process).
     #[arg(long, default_value_t = 1)]
     pub(crate) tp: u32,
@@ -113,19 +177,96 @@ impl ModelArgs {
         Ok(())
     }
 
+    /// The flags that give another process this model, cache and transport (not `--tp`,
+    /// `--rails` or `--set`).
+    pub(crate) fn to_args(&self) -> Vec<String> {
+        let mut out: Vec<String> = [
+            ("--model", self.model.clone()),
+            ("--device", self.device.clone()),
+            ("--transport", self.transport.clone()),
+            ("--blocks", self.blocks.to_string()),
+            ("--block-tokens", self.block_tokens.to_string()),
+            ("--order", self.order.clone()),
+        ]
+        .into_iter()
+        .flat_map(|(flag, value)| [flag.to_owned(), value])
+        .collect();
+        let overrides = [
+            ("--layers", self.layers.map(u64::from)),
+            ("--kv-heads", self.kv_heads.map(u64::from)),
+            ("--head-dim", self.head_dim.map(u64::from)),
+            ("--hidden", self.hidden),
+            ("--q-heads", self.q_heads),
+            ("--mlp", self.mlp),
+        ];
+        for (flag, value) in overrides {
+            if let Some(v) = value {
+                out.extend([flag.to_owned(), v.to_string()]);
+            }
+        }
+        out
+    }
+
+    /// The model preset, with the explicit flags applied.
+    fn preset(&self) -> anyhow::Result<Preset> {
+        let mut p = match self.model.as_str() {
+            "qwen2.5-0.5b" => Preset::new(24, 2, 64, Dtype::Bf16, 896, 14, 4864),
+            "tiny" => Preset::new(2, 4, 16, Dtype::F32, 64, 4, 128),
+            "qwen3-32b-tp8" => Preset::new(64, 1, 128, Dtype::Bf16, 5120, 8, 3200),
+            "qwen3-8b-tp1" => Preset::new(36, 8, 128, Dtype::Bf16, 4096, 32, 12288),
+            other => {
+                bail!("unknown model `{other}` (qwen2.5-0.5b, tiny, qwen3-32b-tp8, qwen3-8b-tp1)")
+            }
+        };
+        p.layers = self.layers.unwrap_or(p.layers);
+        p.kv_heads = self.kv_heads.unwrap_or(p.kv_heads);
+        p.head_dim = self.head_dim.unwrap_or(p.head_dim);
+        p.hidden = self.hidden.unwrap_or(p.hidden);
+        p.q_heads = self.q_heads.unwrap_or(p.q_heads);
+        p.mlp = self.mlp.unwrap_or(p.mlp);
+        if p.layers == 0 || p.kv_heads == 0 || p.head_dim == 0 || p.hidden == 0 || p.q_heads == 0 {
+            bail!("the model's layers, heads, head dimension and hidden size must not be 0");
+        }
+        Ok(p)
+    }
+
+    /// Where the cache lives (`--device`).
+    pub(crate) fn device(&self) -> anyhow::Result<Device> {
+        self.device.parse()
+    }
+
+    /// The transport for this cache: `--transport`, with `auto` and `cuda-ipc` resolved for the
+    /// device, and a transport that cannot move the cache's memory refused.
+    pub(crate) fn transport(&self) -> anyhow::Result<kvx_vllm::TransportSpec> {
+        let setting =
+            kvx_vllm::transport::resolve_for_cache(&self.transport, self.device()?.cuda())
+                .context("--transport")?;
+        Ok(setting.parse()?)
+    }
+
+    /// One rank's compute shape: the model's query heads, KV heads and MLP split over `--tp`.
+    pub(crate) fn shape(&self) -> anyhow::Result<ComputeShape> {
+        let p = self.preset()?;
+        let tp = u64::from(self.tp.max(1));
+        Ok(ComputeShape {
+            layers: p.layers,
+            hidden: p.hidden,
+            q_heads: p.q_heads.div_ceil(tp),
+            kv_heads: u64::from(p.kv_heads).div_ceil(tp),
+            head_dim: u64::from(p.head_dim),
+            mlp: p.mlp.div_ceil(tp),
+        })
+    }
+
     /// The layout of rank `rank`.
     pub(crate) fn layout(&self, rank: u32) -> anyhow::Result<LayoutSpec> {
-        let (num_layers, total_kv_heads, head_dim, dtype) = match self.model.as_str() {
-            "qwen2.5-0.5b" => (24, 2, 64, Dtype::Bf16),
-            "tiny" => (2, 4, 16, Dtype::F32),
-            other => bail!("unknown model `{other}` (qwen2.5-0.5b, tiny)"),
-        };
+        let p = self.preset()?;
         let order: MemoryOrder = self.order.parse()?;
         Ok(LayoutSpec {
-            num_layers,
-            total_kv_heads,
-            head_dim,
-            dtype,
+            num_layers: p.layers,
+            total_kv_heads: p.kv_heads,
+            head_dim: p.head_dim,
+            dtype: p.dtype,
             mla: false,
             block_tokens: self.block_tokens,
             num_blocks: self.blocks,
@@ -144,6 +285,41 @@ impl ModelArgs {
             * u64::from(l.total_kv_heads)
             * u64::from(l.head_dim)
             * u64::from(l.dtype.size()))
+    }
+}
+
+/// A model's shapes: the KV cache's and the compute's.
+#[derive(Clone, Copy, Debug)]
+struct Preset {
+    layers: u32,
+    kv_heads: u32,
+    head_dim: u32,
+    dtype: Dtype,
+    hidden: u64,
+    q_heads: u64,
+    mlp: u64,
+}
+
+impl Preset {
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        layers: u32,
+        kv_heads: u32,
+        head_dim: u32,
+        dtype: Dtype,
+        hidden: u64,
+        q_heads: u64,
+        mlp: u64,
+    ) -> Self {
+        Self {
+            layers,
+            kv_heads,
+            head_dim,
+            dtype,
+            hidden,
+            q_heads,
+            mlp,
+        }
     }
 }
 
@@ -187,6 +363,13 @@ mod tests {
     fn model(settings: &[&str]) -> ModelArgs {
         ModelArgs {
             model: "tiny".into(),
+            device: "host".into(),
+            layers: None,
+            kv_heads: None,
+            head_dim: None,
+            hidden: None,
+            q_heads: None,
+            mlp: None,
             tp: 1,
             block_tokens: 16,
             blocks: 64,

@@ -4,17 +4,20 @@ use std::collections::{HashMap, VecDeque};
 use std::io::{BufRead, BufReader, Write as _};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::mpsc;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
 use kvx_core::{Attempt, BlockId, EngineId, RequestId, TransferId};
 use kvx_layout::synth::{for_each_head_vector, for_each_head_vector_in, head_vector};
 use kvx_layout::Layout;
+use kvx_rdma::cuda::synth::SynthKv;
+use kvx_rdma::cuda::{DeviceBuffer, Event as GpuEvent, Gpu, Stream};
 use kvx_rdma::region::{HostBuffer, LocalRegion};
 use kvx_rendezvous::AttemptKey;
 use kvx_vllm::{ConnectorConfig, KvCache, Producer, TransportSpec};
 
+use super::gpu::{Device, GpuEngine};
 use super::{unix_micros, BlockPool, ModelArgs};
 
 /// Arguments of `kvx pd prefill`.
@@ -45,6 +48,9 @@ pub(crate) struct PrefillArgs {
     /// Seconds to wait for the router to connect before giving up.
     #[arg(long, default_value_t = 120)]
     pub(crate) router_timeout_s: u64,
+    /// The longest prompt the GPU engine is sized for (`--device cuda`).
+    #[arg(long, default_value_t = 16384)]
+    pub(crate) max_tokens: u64,
     #[command(flatten)]
     pub(crate) model: ModelArgs,
 }
@@ -52,28 +58,79 @@ pub(crate) struct PrefillArgs {
 /// A rank's cache memory, kept for the synthetic engine to write into.
 pub(crate) struct RankMemory {
     pub(crate) layout: Layout,
-    pub(crate) buffers: Vec<Arc<HostBuffer>>,
+    memory: Memory,
+}
+
+enum Memory {
+    Host(Vec<Arc<HostBuffer>>),
+    Cuda(Box<GpuCache>),
+}
+
+/// A cache in GPU memory with its pattern kernels and a stream of their own (decode's checks,
+/// `kvx pd raw --fresh-source`); the prefill engine launches them on its own stream.
+pub(crate) struct GpuCache {
+    pub(crate) synth: Mutex<SynthKv>,
+    stream: Mutex<Stream>,
 }
 
 impl RankMemory {
-    pub(crate) fn new(spec: kvx_core::LayoutSpec) -> anyhow::Result<(Self, KvCache)> {
+    /// Allocates a rank's cache for `spec` on `device`, every page touched (as an engine that
+    /// zeroes its cache does, so that page faults never land on a transfer's critical path).
+    pub(crate) fn new(
+        spec: kvx_core::LayoutSpec,
+        device: Device,
+    ) -> anyhow::Result<(Self, KvCache)> {
         let layout = Layout::new(spec.clone()).context("invalid layout")?;
-        let buffers = (0..layout.region_count())
-            .map(|_| HostBuffer::new(layout.region_len() as usize).map(Arc::new))
-            .collect::<Result<Vec<_>, _>>()
-            .context("cannot allocate the KV cache")?;
-        // Touch every page now, as an engine that zeroes its cache does, so that page faults
-        // never land on a transfer's critical path.
-        for b in &buffers {
-            b.fill_with(|_| 0);
-        }
-        let regions = buffers
-            .iter()
-            .enumerate()
-            .map(|(i, b)| LocalRegion::host(i as u32, Arc::clone(b)))
-            .collect();
+        let (memory, regions) = match device {
+            Device::Host => {
+                let buffers = (0..layout.region_count())
+                    .map(|_| HostBuffer::new(layout.region_len() as usize).map(Arc::new))
+                    .collect::<Result<Vec<_>, _>>()
+                    .context("cannot allocate the KV cache")?;
+                for b in &buffers {
+                    b.fill_with(|_| 0);
+                }
+                let regions = buffers
+                    .iter()
+                    .enumerate()
+                    .map(|(i, b)| LocalRegion::host(i as u32, Arc::clone(b)))
+                    .collect();
+                (Memory::Host(buffers), regions)
+            }
+            Device::Cuda(ordinal) => {
+                let gpu =
+                    Gpu::open(ordinal).with_context(|| format!("opening CUDA device {ordinal}"))?;
+                let need = layout.region_len() * u64::from(layout.region_count());
+                let (free, total) = gpu.memory_info()?;
+                if need > free {
+                    bail!(
+                        "the KV cache of {} blocks needs {:.1} GiB on CUDA device {ordinal}, which \
+                         has {:.1} GiB free of {:.1}: lower --blocks",
+                        spec.num_blocks,
+                        need as f64 / f64::from(1 << 30),
+                        free as f64 / f64::from(1 << 30),
+                        total as f64 / f64::from(1 << 30)
+                    );
+                }
+                let buffers = (0..layout.region_count())
+                    .map(|_| DeviceBuffer::new(&gpu, layout.region_len()).map(Arc::new))
+                    .collect::<Result<Vec<_>, _>>()
+                    .context("cannot allocate the KV cache in GPU memory")?;
+                let regions = buffers
+                    .iter()
+                    .enumerate()
+                    .map(|(i, b)| LocalRegion::cuda(i as u32, Arc::clone(b)))
+                    .collect();
+                let synth = SynthKv::new(&layout, buffers).context("the synthetic KV kernels")?;
+                let cache = GpuCache {
+                    synth: Mutex::new(synth),
+                    stream: Mutex::new(Stream::new(&gpu)?),
+                };
+                (Memory::Cuda(Box::new(cache)), regions)
+            }
+        };
         Ok((
-            Self { layout, buffers },
+            Self { layout, memory },
             KvCache {
                 layout: spec,
                 regions,
@@ -81,7 +138,16 @@ impl RankMemory {
         ))
     }
 
-    /// Writes the synthetic KV of `tokens` in `layers` into `blocks` (this rank's heads).
+    /// The cache's GPU side, when it is in GPU memory.
+    pub(crate) fn gpu(&self) -> Option<&GpuCache> {
+        match &self.memory {
+            Memory::Cuda(c) => Some(c),
+            Memory::Host(_) => None,
+        }
+    }
+
+    /// Writes the synthetic KV of `tokens` in `layers` into `blocks` (this rank's heads), and
+    /// waits for it.
     pub(crate) fn fill(
         &self,
         blocks: &[BlockId],
@@ -89,12 +155,23 @@ impl RankMemory {
         layers: std::ops::Range<u32>,
         seed: u64,
     ) -> anyhow::Result<()> {
+        let buffers = match &self.memory {
+            Memory::Host(b) => b,
+            Memory::Cuda(c) => {
+                let stream = lock(&c.stream);
+                let mut synth = lock(&c.synth);
+                synth.load_blocks(&stream, blocks)?;
+                synth.fill(&stream, tokens, layers, seed)?;
+                stream.synchronize()?;
+                return Ok(());
+            }
+        };
         let hb = self.layout.head_bytes();
         let mut vector = vec![0u8; hb as usize];
         let mut result = Ok(());
         for_each_head_vector_in(&self.layout, blocks, tokens, layers, |v| {
             head_vector(seed, v.layer, v.kv, v.token, v.head, &mut vector);
-            let buffer = &self.buffers[v.region as usize];
+            let buffer = &buffers[v.region as usize];
             result = v.runs(hb).try_for_each(|(at, from, len)| {
                 buffer.write_at(at as usize, &vector[from as usize..(from + len) as usize])
             });
@@ -104,15 +181,34 @@ impl RankMemory {
     }
 
     /// Checks the synthetic KV of tokens `0..tokens` in `blocks`; returns the bytes checked, or
-    /// the first wrong head vector.
+    /// the first wrong head vector (host memory) or the count of wrong words (GPU memory, where
+    /// one kernel checks every byte and only its count comes back).
     pub(crate) fn verify(&self, blocks: &[BlockId], tokens: u64, seed: u64) -> anyhow::Result<u64> {
         let hb = self.layout.head_bytes() as usize;
+        let buffers = match &self.memory {
+            Memory::Host(b) => b,
+            Memory::Cuda(c) => {
+                let stream = lock(&c.stream);
+                let mut synth = lock(&c.synth);
+                synth.load_blocks(&stream, blocks)?;
+                let bad = synth.verify(&stream, tokens, seed)?;
+                if bad > 0 {
+                    bail!("wrong KV: {bad} 8-byte words differ from the pattern");
+                }
+                let l = &self.layout;
+                return Ok(tokens
+                    * u64::from(l.spec().num_layers)
+                    * u64::from(l.kv_parts())
+                    * u64::from(l.local_heads())
+                    * hb as u64);
+            }
+        };
         let (mut expected, mut found) = (vec![0u8; hb], vec![0u8; hb]);
         let mut bytes = 0;
         let mut result = Ok(());
         for_each_head_vector(&self.layout, blocks, 0..tokens, |v| {
             head_vector(seed, v.layer, v.kv, v.token, v.head, &mut expected);
-            let buffer = &self.buffers[v.region as usize];
+            let buffer = &buffers[v.region as usize];
             result = v
                 .runs(hb as u64)
                 .try_for_each(|(at, to, len)| {
@@ -131,6 +227,12 @@ impl RankMemory {
         });
         result.map(|()| bytes)
     }
+}
+
+/// Locks `m`, whatever an earlier holder's panic left (the kernels' state stays consistent:
+/// each call loads what it uses).
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// The seed of a transfer's synthetic KV.
@@ -165,23 +267,43 @@ fn parse_job(line: &str) -> anyhow::Result<Job> {
 
 /// Runs the prefill instance until the router disconnects.
 pub(crate) fn run(args: &PrefillArgs) -> anyhow::Result<()> {
-    let spec: TransportSpec = args.model.transport.parse()?;
+    let spec: TransportSpec = args.model.transport()?;
+    let device = args.model.device()?;
     let mut memories = Vec::new();
     let mut producers = Vec::new();
     for rank in 0..args.model.tp {
-        let (memory, cache) = RankMemory::new(args.model.layout(rank)?)?;
+        let (memory, cache) = RankMemory::new(args.model.layout(rank)?, device)?;
         let mut config = ConnectorConfig::new(EngineId(1));
         config.listen = kvx_vllm::rank_addr(args.listen, kvx_core::Rank(rank));
         config.producer_lease = Duration::from_secs(args.lease_s);
         args.model.apply_settings(&mut config)?;
         let listen = config.listen.ip();
         let rails = super::rail_overrides(&args.model.rails)?;
-        let transport =
-            super::open_transport(&spec, |o| o.reached_at(listen).with_rail_overrides(rails))?;
+        let transport = super::open_transport(&spec, |o| {
+            o.reached_at(listen)
+                .with_rail_overrides(rails)
+                .for_cuda_device(device.cuda())
+        })?;
         producers
             .push(Producer::start(config, cache, transport).context("cannot start the producer")?);
         memories.push(memory);
     }
+    let engine = match device {
+        Device::Host => None,
+        Device::Cuda(ordinal) => {
+            let gpu = Gpu::open(ordinal)?;
+            let chunk = if args.chunk_tokens == 0 {
+                args.max_tokens
+            } else {
+                args.chunk_tokens
+            };
+            let engine = GpuEngine::new(&gpu, args.model.shape()?, chunk, args.max_tokens, 1)?;
+            let events = (0..engine.shape().layers)
+                .map(|_| GpuEvent::new(&gpu))
+                .collect::<Result<Vec<_>, _>>()?;
+            Some((engine, events))
+        }
+    };
     let listener = TcpListener::bind(args.bench_listen)
         .with_context(|| format!("cannot listen on {}", args.bench_listen))?;
     eprintln!(
@@ -303,6 +425,27 @@ pub(crate) fn run(args: &PrefillArgs) -> anyhow::Result<()> {
         let layered = args.layer_progress && !job.pull;
         let parts = if layered { num_layers } else { 1 };
         let mut computed = 0;
+        if let Some((engine, events)) = &engine {
+            if job.tokens > args.max_tokens {
+                bail!(
+                    "a {}-token request is longer than the GPU engine's --max-tokens {}",
+                    job.tokens,
+                    args.max_tokens
+                );
+            }
+            let step = GpuStep {
+                engine,
+                events,
+                memories: &memories,
+                producers: &producers,
+                job: &job,
+                blocks: &blocks,
+                block_tokens: u64::from(args.model.block_tokens),
+                layered,
+            };
+            step.run(chunk)?;
+            computed = job.tokens;
+        }
         while computed < job.tokens {
             let started = Instant::now();
             let next = (computed + chunk).min(job.tokens);
@@ -421,4 +564,71 @@ struct Outstanding {
     push: bool,
     delivered: bool,
     landed: std::time::SystemTime,
+}
+
+/// One request's prefill on the GPU engine: per chunk, every layer's products then its KV
+/// (the pattern, where the model's K and V projections would write it), each layer followed by
+/// an event; the chunk's layers are reported to the producers as their events complete
+/// (push), while the GPU computes the next ones.
+struct GpuStep<'a> {
+    engine: &'a GpuEngine,
+    events: &'a [GpuEvent],
+    memories: &'a [RankMemory],
+    producers: &'a [Producer],
+    job: &'a Job,
+    blocks: &'a [BlockId],
+    block_tokens: u64,
+    layered: bool,
+}
+
+impl GpuStep<'_> {
+    fn run(&self, chunk: u64) -> anyhow::Result<()> {
+        let stream = self.engine.stream();
+        let seed = kv_seed(self.job.key.transfer);
+        let mut synths = Vec::new();
+        for memory in self.memories {
+            let cache = memory.gpu().context("a host cache with the GPU engine")?;
+            let mut synth = lock(&cache.synth);
+            synth.load_blocks(stream, self.blocks)?;
+            synths.push(synth);
+        }
+        let num_layers = self.engine.shape().layers;
+        let mut computed = 0;
+        while computed < self.job.tokens {
+            let next = (computed + chunk).min(self.job.tokens);
+            for layer in 0..num_layers {
+                for synth in &synths {
+                    self.engine.layer(next - computed, 1, next)?;
+                    synth.fill(stream, computed..next, layer..layer + 1, seed)?;
+                }
+                self.events[layer as usize].record(stream)?;
+            }
+            let used = next.div_ceil(self.block_tokens) as usize;
+            if self.layered {
+                for layer in 0..num_layers - 1 {
+                    self.events[layer as usize].synchronize()?;
+                    for producer in self.producers {
+                        producer.request_layer_progress(
+                            self.job.key,
+                            self.blocks[..used].to_vec(),
+                            next,
+                            layer + 1,
+                        )?;
+                    }
+                }
+            }
+            stream.synchronize()?;
+            computed = next;
+            if !self.job.pull && computed < self.job.tokens {
+                for producer in self.producers {
+                    producer.request_progress(
+                        self.job.key,
+                        self.blocks[..used].to_vec(),
+                        computed,
+                    )?;
+                }
+            }
+        }
+        Ok(())
+    }
 }

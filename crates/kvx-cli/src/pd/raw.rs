@@ -13,16 +13,16 @@
 //! engine's pattern) right before each transfer, as `kvx pd prefill` does when it computes a
 //! request: on a CPU the copy then competes with the write-back of the just-written bytes.
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
 use kvx_core::{BlockId, Rank};
 use kvx_layout::{Layout, PlanRequest};
-use kvx_rdma::{Event, HostBuffer, LocalRegion, Notice, Transport};
+use kvx_rdma::{Event, Notice, Transport};
 use kvx_vllm::TransportSpec;
 use serde_json::json;
 
+use super::gpu::Device;
 use super::ModelArgs;
 
 /// Arguments of `kvx pd raw`.
@@ -47,15 +47,12 @@ pub(crate) struct RawArgs {
 
 /// Registers a cache like the sender's (every page touched, as an engine's), prints its
 /// description, and reports each notice's arrival (Unix microseconds) until stdin closes.
-fn serve(layout: &Layout, spec: &TransportSpec) -> anyhow::Result<()> {
+fn serve(layout: &Layout, spec: &TransportSpec, device: Device) -> anyhow::Result<()> {
     use std::io::Write as _;
-    let mut transport = super::open_transport(spec, |o| o)?;
-    let mut buffers = Vec::new();
-    for index in 0..layout.region_count() {
-        let buffer = Arc::new(HostBuffer::new(layout.region_len() as usize)?);
-        buffer.fill_with(|_| 0);
-        transport.register(LocalRegion::host(index, Arc::clone(&buffer)))?;
-        buffers.push(buffer);
+    let mut transport = super::open_transport(spec, |o| o.for_cuda_device(device.cuda()))?;
+    let (_memory, cache) = super::prefill::RankMemory::new(layout.spec().clone(), device)?;
+    for region in cache.regions {
+        transport.register(region)?;
     }
     let mut out = std::io::stdout().lock();
     writeln!(out, "DESC {}", transport.local_desc().to_hex())?;
@@ -112,6 +109,7 @@ fn time_into(
     tokens: u64,
     repeats: usize,
     fresh_source: bool,
+    device: Device,
 ) -> anyhow::Result<Vec<f64>> {
     use std::io::BufRead as _;
     let stdout = child.stdout.take().context("no stdout from the receiver")?;
@@ -122,10 +120,10 @@ fn time_into(
             break kvx_rdma::EndpointDesc::from_hex(h)?;
         }
     };
-    let mut producer = super::open_transport(spec, |o| o)?;
+    let mut producer = super::open_transport(spec, |o| o.for_cuda_device(device.cuda()))?;
     // The prefill engine's memory (every page touched), so that `--fresh-source` writes the same
     // pattern the same way.
-    let (memory, cache) = super::prefill::RankMemory::new(layout.spec().clone())?;
+    let (memory, cache) = super::prefill::RankMemory::new(layout.spec().clone(), device)?;
     for region in cache.regions {
         producer.register(region)?;
     }
@@ -189,7 +187,8 @@ fn plan_at(
 
 /// Runs `kvx pd raw` and prints one JSON line.
 pub(crate) fn run(args: &RawArgs) -> anyhow::Result<()> {
-    let spec: TransportSpec = args.model.transport.parse()?;
+    let spec: TransportSpec = args.model.transport()?;
+    let device = args.model.device()?;
     let layout = Layout::new(args.model.layout(0)?).context("model layout")?;
     let tokens = args.input_tokens;
     let blocks = tokens.div_ceil(u64::from(layout.spec().block_tokens)) as u32;
@@ -210,14 +209,11 @@ pub(crate) fn run(args: &RawArgs) -> anyhow::Result<()> {
         );
     }
     if args.serve {
-        return serve(&layout, &spec);
+        return serve(&layout, &spec, device);
     }
     let mut child = std::process::Command::new(std::env::current_exe()?)
-        .args(["pd", "raw", "--serve", "--model", &args.model.model])
-        .args(["--transport", &args.model.transport])
-        .args(["--blocks", &args.model.blocks.to_string()])
-        .args(["--block-tokens", &args.model.block_tokens.to_string()])
-        .args(["--order", &args.model.order])
+        .args(["pd", "raw", "--serve"])
+        .args(args.model.to_args())
         .args(["--input-tokens", &tokens.to_string()])
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
@@ -230,6 +226,7 @@ pub(crate) fn run(args: &RawArgs) -> anyhow::Result<()> {
         tokens,
         args.repeats,
         args.fresh_source,
+        device,
     );
     drop(child.stdin.take());
     let _ = child.wait();

@@ -250,6 +250,20 @@ impl Gpu {
         self.max_shared_optin
     }
 
+    /// Free and total bytes of device memory, as the driver counts them now.
+    ///
+    /// # Errors
+    /// The failing driver call.
+    pub fn memory_info(&self) -> Result<(u64, u64), CudaError> {
+        self.bind()?;
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: bound context, valid out-pointers.
+        check("cuMemGetInfo", unsafe {
+            sys::cuMemGetInfo_v2(&raw mut free, &raw mut total)
+        })?;
+        Ok((free as u64, total as u64))
+    }
+
     /// Whether this device can map `other`'s memory directly (peer access over NVLink or PCIe).
     ///
     /// # Errors

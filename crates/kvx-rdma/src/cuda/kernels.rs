@@ -317,15 +317,19 @@ fn nvrtc_check(call: &str, result: nvrtc::nvrtcResult) -> Result<(), CudaError> 
     }
 }
 
-/// Compiles [`SOURCE`] to machine code for `gpu` with NVRTC and loads it.
-fn compile(gpu: &Arc<Gpu>) -> Result<Module, CudaError> {
+/// Compiles `source` (named `name` in NVRTC's messages) to machine code for `gpu` with NVRTC
+/// and loads it into the device's primary context; the caller unloads it.
+pub(crate) fn load_module(
+    gpu: &Arc<Gpu>,
+    source: &str,
+    name: &std::ffi::CStr,
+) -> Result<sys::CUmodule, CudaError> {
     // SAFETY: only probes whether the library can be loaded.
     if !unsafe { nvrtc::is_culib_present() } {
         return Err(CudaError::NvrtcMissing);
     }
     let (major, minor) = gpu.compute_capability();
-    let source = CString::new(SOURCE).map_err(|e| CudaError::Compile { log: e.to_string() })?;
-    let name = c"kvx_kernels.cu";
+    let source = CString::new(source).map_err(|e| CudaError::Compile { log: e.to_string() })?;
     let mut program: nvrtc::nvrtcProgram = std::ptr::null_mut();
     // SAFETY: valid NUL-terminated source and name; no headers; valid out-pointer.
     nvrtc_check("nvrtcCreateProgram", unsafe {
@@ -385,6 +389,24 @@ fn compile(gpu: &Arc<Gpu>) -> Result<Module, CudaError> {
     check("cuModuleLoadData", unsafe {
         sys::cuModuleLoadData(&raw mut raw, cubin.as_ptr().cast())
     })?;
+    Ok(raw)
+}
+
+/// The function `name` of a loaded module.
+pub(crate) fn function(module: sys::CUmodule, name: &str) -> Result<sys::CUfunction, CudaError> {
+    let cname = CString::new(name).map_err(|e| CudaError::Invalid(e.to_string()))?;
+    let mut function = std::ptr::null_mut();
+    // SAFETY: live module, NUL-terminated name, valid out-pointer.
+    check("cuModuleGetFunction", unsafe {
+        sys::cuModuleGetFunction(&raw mut function, module, cname.as_ptr())
+    })?;
+    Ok(function)
+}
+
+/// Compiles [`SOURCE`] to machine code for `gpu` with NVRTC and loads it.
+fn compile(gpu: &Arc<Gpu>) -> Result<Module, CudaError> {
+    let (major, _) = gpu.compute_capability();
+    let raw = load_module(gpu, SOURCE, c"kvx_kernels.cu")?;
     let mut module = Module {
         gpu: Arc::clone(gpu),
         raw,
@@ -395,11 +417,7 @@ fn compile(gpu: &Arc<Gpu>) -> Result<Module, CudaError> {
         if i >= CLUSTER && major < 9 {
             continue; // compiled out: no thread block clusters before Hopper
         }
-        let cname = CString::new(name).unwrap_or_default();
-        // SAFETY: live module, NUL-terminated name, valid out-pointer.
-        check("cuModuleGetFunction", unsafe {
-            sys::cuModuleGetFunction(slot, raw, cname.as_ptr())
-        })?;
+        *slot = function(raw, name)?;
     }
     Ok(module)
 }
