@@ -177,6 +177,15 @@ pub(crate) fn run_sweep(quick: bool) -> anyhow::Result<()> {
         &["cuda-ipc".to_owned(), "nixl".to_owned()],
     )?;
     let scratch = out_dir.join("gpu-pd-point.json");
+    let meta = json!({
+        "what": "kvx pd on a GPU: push vs pull, side by side at every point, per transport",
+        "model": model,
+        "engine": engine,
+        "output_tokens": OUTPUT_TOKENS,
+        "prefill_chunk_tokens": CHUNK_TOKENS,
+        "requests_per_point": requests,
+        "one_gpu_shared": true,
+    });
     let mut sections = Vec::new();
     let mut table = String::new();
     for transport in &transports {
@@ -252,8 +261,11 @@ pub(crate) fn run_sweep(quick: bool) -> anyhow::Result<()> {
                 println!("{row}");
                 table.push_str(&row);
                 table.push('\n');
-                // Written as it grows: a sweep cut short keeps its finished rows.
+                // Written as it grows: a sweep cut short keeps its finished points.
                 std::fs::write(out_dir.join("gpu-pd.md"), &table)?;
+                let mut so_far = sections.clone();
+                so_far.push(json!({ "transport": transport, "points": points }));
+                write_report(&out_dir, &meta, &so_far)?;
                 points.push(json!({
                     "input_tokens": length,
                     "rate": rate,
@@ -273,25 +285,23 @@ pub(crate) fn run_sweep(quick: bool) -> anyhow::Result<()> {
         sections.push(section);
     }
     let _ = std::fs::remove_file(&scratch);
-    let report = json!({
-        "what": "kvx pd on a GPU: push vs pull, side by side at every point, per transport",
-        "model": model,
-        "engine": engine,
-        "output_tokens": OUTPUT_TOKENS,
-        "prefill_chunk_tokens": CHUNK_TOKENS,
-        "requests_per_point": requests,
-        "one_gpu_shared": true,
-        "transports": sections,
-    });
-    std::fs::write(
-        out_dir.join("gpu-pd.json"),
-        serde_json::to_string_pretty(&report)?,
-    )?;
+    write_report(&out_dir, &meta, &sections)?;
     std::fs::write(out_dir.join("gpu-pd.md"), &table)?;
     println!(
         "    results: {} (and gpu-pd.md, gpu-pd-<transport>.svg beside it)",
         out_dir.join("gpu-pd.json").display()
     );
+    Ok(())
+}
+
+/// Writes `gpu-pd.json`: `meta` with the transports' sections.
+fn write_report(out_dir: &Path, meta: &Value, sections: &[Value]) -> anyhow::Result<()> {
+    let mut report = meta.clone();
+    report["transports"] = json!(sections);
+    std::fs::write(
+        out_dir.join("gpu-pd.json"),
+        serde_json::to_string_pretty(&report)?,
+    )?;
     Ok(())
 }
 

@@ -131,6 +131,74 @@ pub struct SynthKv {
 // after binding it; the buffers are `Send`.
 unsafe impl Send for SynthKv {}
 
+/// Where one (layer, K/V) part's chunks start: region and offset.
+#[derive(Clone, Copy, Debug)]
+struct Place {
+    region: u32,
+    offset: u64,
+    element_stride: u64,
+    layer: u32,
+    kv: u32,
+}
+
+/// The kernel's view of `layout`: each part's place, and the strides of blocks, slots and heads
+/// (offsets in a chunk are linear in the slot and the head: every order starts its first head
+/// vector at the chunk's first byte). Every byte the pattern reaches is checked to lie inside
+/// its region, for every block id below the cache's size.
+fn geometry(layout: &Layout) -> Result<(Vec<Place>, Geo), CudaError> {
+    let spec = layout.spec();
+    let element_bytes = u64::from(spec.dtype.size());
+    let order = spec.order;
+    let slot_stride = layout.inner_offset(order, 0, 1, 0);
+    let head_stride = layout.inner_offset(order, 0, 0, 1);
+    let head_bytes = layout.head_bytes();
+    // The K part of `hnd-kt` spaces its slots by one element.
+    if !(0..layout.kv_parts()).all(|kv| layout.inner_offset(order, kv, 1, 0) == slot_stride) {
+        return Err(CudaError::Invalid(format!(
+            "the GPU synthetic KV needs one token spacing for K and V (order {order:?})"
+        )));
+    }
+    let mut places = Vec::new();
+    for layer in 0..spec.num_layers {
+        for kv in 0..layout.kv_parts() {
+            let (region, offset) = layout.head_vector(layer, kv, BlockId(0), 0, 0);
+            let element_stride = layout.element_stride(kv);
+            let last = offset
+                + u64::from(spec.num_blocks - 1) * layout.block_stride()
+                + u64::from(spec.block_tokens - 1) * slot_stride
+                + u64::from(layout.local_heads() - 1) * head_stride
+                + (head_bytes / element_bytes - 1) * element_stride
+                + element_bytes;
+            if last > layout.region_len() {
+                return Err(CudaError::Invalid(format!(
+                    "layer {layer} part {kv} reaches byte {last} of a {}-byte region",
+                    layout.region_len()
+                )));
+            }
+            places.push(Place {
+                region,
+                offset,
+                element_stride,
+                layer,
+                kv,
+            });
+        }
+    }
+    let geo = Geo {
+        block_stride: layout.block_stride(),
+        slot_stride,
+        head_stride,
+        block_tokens: spec.block_tokens,
+        local_heads: layout.local_heads(),
+        first_head: layout.first_head(),
+        head_bytes: head_bytes as u32,
+        element_bytes: element_bytes as u32,
+        words: head_bytes.div_ceil(8) as u32,
+        ..Geo::default()
+    };
+    Ok((places, geo))
+}
+
 impl SynthKv {
     /// Compiles the kernels for `layout`'s cache, held in `regions` (one per region of the
     /// layout, in order, on one device).
@@ -157,48 +225,16 @@ impl SynthKv {
                 layout.region_len()
             )));
         }
-        let element_bytes = u64::from(spec.dtype.size());
-        let order = spec.order;
-        // Offsets within a chunk are linear in the slot and the head (every order starts its
-        // first head vector at the chunk's first byte).
-        let slot_stride = layout.inner_offset(order, 0, 1, 0);
-        let head_stride = layout.inner_offset(order, 0, 0, 1);
-        let head_bytes = layout.head_bytes();
-        let mut parts = Vec::new();
-        for layer in 0..spec.num_layers {
-            for kv in 0..layout.kv_parts() {
-                let (region, base) = layout.head_vector(layer, kv, BlockId(0), 0, 0);
-                let element_stride = layout.element_stride(kv);
-                // The farthest byte this part's pattern reaches, for the bounds check.
-                let kv_slot = layout.inner_offset(order, kv, 1, 0);
-                let last = base
-                    + u64::from(spec.num_blocks - 1) * layout.block_stride()
-                    + u64::from(spec.block_tokens - 1) * kv_slot
-                    + u64::from(layout.local_heads() - 1) * head_stride
-                    + (head_bytes / element_bytes - 1) * element_stride
-                    + element_bytes;
-                if last > layout.region_len() {
-                    return Err(CudaError::Invalid(format!(
-                        "layer {layer} part {kv} reaches byte {last} of a {}-byte region",
-                        layout.region_len()
-                    )));
-                }
-                parts.push(Part {
-                    base: regions[region as usize].device_ptr() + base,
-                    element_stride,
-                    layer,
-                    kv,
-                });
-            }
-        }
-        // The K part of `hnd-kt` spaces its slots by one element: each part carries its own.
-        let uniform_slots =
-            (0..layout.kv_parts()).all(|kv| layout.inner_offset(order, kv, 1, 0) == slot_stride);
-        if !uniform_slots {
-            return Err(CudaError::Invalid(format!(
-                "the GPU synthetic KV needs one token spacing for K and V (order {order:?})"
-            )));
-        }
+        let (places, geo) = geometry(layout)?;
+        let parts: Vec<Part> = places
+            .iter()
+            .map(|p| Part {
+                base: regions[p.region as usize].device_ptr() + p.offset,
+                element_stride: p.element_stride,
+                layer: p.layer,
+                kv: p.kv,
+            })
+            .collect();
         let module = load_module(&gpu, SOURCE, c"kvx_synth.cu")?;
         let kernel = match function(module, "kvx_synth") {
             Ok(k) => k,
@@ -228,18 +264,7 @@ impl SynthKv {
             blocks: DeviceBuffer::new(&gpu, u64::from(spec.num_blocks) * 4)?,
             loaded_blocks: 0,
             bad: DeviceBuffer::new(&gpu, 8)?,
-            geo: Geo {
-                block_stride: layout.block_stride(),
-                slot_stride,
-                head_stride,
-                block_tokens: spec.block_tokens,
-                local_heads: layout.local_heads(),
-                first_head: layout.first_head(),
-                head_bytes: head_bytes as u32,
-                element_bytes: element_bytes as u32,
-                words: head_bytes.div_ceil(8) as u32,
-                ..Geo::default()
-            },
+            geo,
             gpu,
             module,
             kernel,
@@ -384,5 +409,114 @@ impl std::fmt::Debug for SynthKv {
             .field("layers", &self.num_layers)
             .field("loaded_blocks", &self.loaded_blocks)
             .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvx_core::{Arrangement, Dtype, LayoutSpec, MemoryOrder};
+
+    const GOLDEN: u64 = 0x9e37_79b9_7f4a_7c15;
+
+    fn mix(mut z: u64) -> u64 {
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// The kernel's loop, thread by thread, on host memory.
+    fn kernel(places: &[Place], g: &Geo, blocks: &[BlockId], regions: &mut [Vec<u8>]) {
+        let per_part = g.tokens * u64::from(g.local_heads) * u64::from(g.words);
+        for i in 0..per_part * places.len() as u64 {
+            let p = places[(i / per_part) as usize];
+            let mut r = i % per_part;
+            let w = (r % u64::from(g.words)) as u32;
+            r /= u64::from(g.words);
+            let h = r % u64::from(g.local_heads);
+            let t = g.first_token + r / u64::from(g.local_heads);
+            let key = mix(g.seed
+                ^ mix((u64::from(p.layer) << 40)
+                    ^ (u64::from(p.kv) << 32)
+                    ^ (u64::from(g.first_head) + h)))
+                ^ mix(t.wrapping_add(GOLDEN));
+            let state = key.wrapping_add((u64::from(w) + 1).wrapping_mul(GOLDEN));
+            let word = state ^ (state >> 29);
+            let block = u64::from(blocks[(t / u64::from(g.block_tokens)) as usize].0);
+            let slot = t % u64::from(g.block_tokens);
+            let at = p.offset + block * g.block_stride + slot * g.slot_stride + h * g.head_stride;
+            let from = w * 8;
+            let len = (g.head_bytes - from).min(8);
+            for b in 0..len {
+                let k = u64::from(from + b);
+                let e = u64::from(g.element_bytes);
+                let byte = at + (k / e) * p.element_stride + k % e;
+                regions[p.region as usize][byte as usize] = (word >> (8 * b)) as u8;
+            }
+        }
+    }
+
+    /// The kernel's addressing and pattern, run on the CPU, give what `kvx_layout::synth`
+    /// checks, in every order and arrangement the kernel takes; `hnd-kt` is refused.
+    #[test]
+    fn the_kernels_pattern_is_the_cpus() {
+        for (order, arrangement, tp, rank, block, dtype) in [
+            (MemoryOrder::Hnd, Arrangement::PerLayerSplit, 1, 0, 16, Dtype::Bf16),
+            (MemoryOrder::Nhd, Arrangement::PerLayerSplit, 2, 1, 32, Dtype::Bf16),
+            (MemoryOrder::Hnd, Arrangement::PerLayerSplit, 4, 2, 64, Dtype::F32),
+            (MemoryOrder::Nhd, Arrangement::PerLayerKvHalves, 1, 0, 16, Dtype::Bf16),
+            (MemoryOrder::Hnd, Arrangement::PerLayerCellKv, 2, 0, 16, Dtype::Bf16),
+        ] {
+            let layout = Layout::new(LayoutSpec {
+                num_layers: 3,
+                total_kv_heads: 4,
+                head_dim: 12,
+                dtype,
+                mla: false,
+                block_tokens: block,
+                num_blocks: 16,
+                tp_size: tp,
+                tp_rank: rank,
+                order,
+                arrangement,
+            })
+            .unwrap();
+            let (places, geo) = geometry(&layout).unwrap();
+            let tokens: u64 = 70;
+            let blocks: Vec<BlockId> = (0..tokens.div_ceil(u64::from(block)))
+                .map(|i| BlockId((i as u32 * 7 + 3) % 16))
+                .collect();
+            let mut regions =
+                vec![vec![0u8; layout.region_len() as usize]; layout.region_count() as usize];
+            for layer in 0..3 {
+                let part = &places[(layer * layout.kv_parts()) as usize..]
+                    [..layout.kv_parts() as usize];
+                let g = Geo {
+                    seed: 99,
+                    first_token: 0,
+                    tokens,
+                    ..geo
+                };
+                kernel(part, &g, &blocks, &mut regions);
+            }
+            let views: Vec<&[u8]> = regions.iter().map(Vec::as_slice).collect();
+            kvx_layout::synth::verify_request(&layout, &views, &blocks, 0, tokens, 99)
+                .unwrap_or_else(|m| panic!("{order:?} {arrangement:?}: {m}"));
+        }
+        let kt = Layout::new(LayoutSpec {
+            num_layers: 1,
+            total_kv_heads: 1,
+            head_dim: 8,
+            dtype: Dtype::Bf16,
+            mla: false,
+            block_tokens: 16,
+            num_blocks: 4,
+            tp_size: 1,
+            tp_rank: 0,
+            order: MemoryOrder::HndKt,
+            arrangement: Arrangement::PerLayerSplit,
+        })
+        .unwrap();
+        assert!(matches!(geometry(&kt), Err(CudaError::Invalid(_))));
     }
 }
