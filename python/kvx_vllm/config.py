@@ -51,6 +51,11 @@ class KvxConfig:
         values["log"] = os.environ.get("KVX_LOG", values["log"])
         return cls(values, extra)
 
+    def key_file(self) -> str | None:
+        """The deployment key file: the ``auth_key_file`` setting, else ``KVX_AUTH_KEY_FILE``,
+        else none."""
+        return self.auth_key_file or os.environ.get("KVX_AUTH_KEY_FILE") or None
+
     def rank_listen(self, rank: int) -> str:
         """The control address of tensor-parallel rank ``rank``."""
         return _native.rank_listen(self.listen, rank)

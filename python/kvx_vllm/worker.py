@@ -112,6 +112,8 @@ class _Worker:
             cuda_device=cuda_device,
             nixl_library=nixl_library() if self.transport.startswith("nixl") else None,
             rails=self.cfg.rails,
+            auth_key_file=self.cfg.key_file(),
+            allow_unauthenticated=self.cfg.allow_unauthenticated,
         )
         if self.is_producer:
             self.producer = _native.Producer(

@@ -5,7 +5,8 @@
 //! - `kvx pd prefill|decode`: a prefill/decode pair with a synthetic engine (`--set KEY=VALUE`
 //!   for any connector setting);
 //! - `kvx proxy`: the router in front of vLLM instances;
-//! - `kvx settings`: the connector's settings, from the one table.
+//! - `kvx settings`: the connector's settings, from the one table;
+//! - `kvx keygen PATH`: a deployment key for authenticated control connections.
 
 use clap::{Parser, Subcommand};
 
@@ -37,6 +38,12 @@ enum Command {
     Proxy(proxy::ProxyArgs),
     /// List the connector's settings: key, what it takes, default, meaning.
     Settings(settings_cmd::SettingsArgs),
+    /// Make a deployment key: 32 random bytes in a new file of mode 0600, for every prefill,
+    /// decode and router of one deployment (`--auth-key-file`, `auth_key_file`).
+    Keygen {
+        /// The new key file (never overwritten).
+        path: std::path::PathBuf,
+    },
 }
 
 fn main() -> anyhow::Result<()> {
@@ -57,5 +64,14 @@ fn main() -> anyhow::Result<()> {
         Command::Pd(args) => pd::run(args),
         Command::Proxy(args) => proxy::run(args),
         Command::Settings(args) => settings_cmd::run(args),
+        Command::Keygen { path } => {
+            kvx_vllm::AuthKey::generate(path)?;
+            println!(
+                "kvx: a deployment key is in {} (mode 0600): copy it to every prefill, decode \
+                 and router host of the deployment",
+                path.display()
+            );
+            Ok(())
+        }
     }
 }

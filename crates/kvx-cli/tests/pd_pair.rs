@@ -378,12 +378,15 @@ fn across_two_hosts(test: &str, transport: &str) {
     let Some(hosts) = TwoHosts::for_test(test) else {
         return;
     };
+    // Prefill listens on the network: the pair shares a deployment key.
+    let key = keygen(&format!("{test}-{transport}"));
+    let keyed = ["--auth-key-file", key.to_str().unwrap()];
     for mode in ["push", "pull"] {
         let (report, decode, prefill) = run_pair(&Run {
             transport,
             mode,
-            prefill: &[],
-            decode: &[],
+            prefill: &keyed,
+            decode: &keyed,
             requests: 4,
             hosts: Some(&hosts),
             tokens: "100",
@@ -454,4 +457,101 @@ fn mismatched_transports_fail_at_the_handshake_naming_both() {
             started.elapsed()
         );
     }
+}
+
+/// A new deployment key made by `kvx keygen`, in a fresh folder named after `name`.
+fn keygen(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("kvx-keys-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("key");
+    let out = Command::new(kvx_bin())
+        .args(["keygen", path.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    path
+}
+
+/// With a deployment key on both sides, push and pull verify every byte (the control
+/// connections, Unix sockets here, are authenticated and encrypted); a decode with another key
+/// fails and says why; `kvx keygen` never overwrites a key; and a prefill that would listen on
+/// the network without a key does not start.
+#[test]
+fn with_a_deployment_key_push_and_pull_verify_and_another_key_is_refused() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let key = keygen("auth");
+    let other = keygen("auth-other");
+    let mode = std::fs::metadata(&key).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600);
+    let again = Command::new(kvx_bin())
+        .args(["keygen", key.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(!again.status.success());
+    let keyed = ["--auth-key-file", key.to_str().unwrap()];
+    for mode in ["push", "pull"] {
+        let (report, _, _) = run_pair(&Run {
+            transport: "libfabric:shm",
+            mode,
+            prefill: &keyed,
+            decode: &keyed,
+            requests: 4,
+            tokens: "100",
+            hosts: None,
+        });
+        check(&report, 4, 400);
+    }
+    // Decode with another key: its requests fail, naming the key; prefill refuses it.
+    let kvx = free_ports(1);
+    let bench = free_ports(1);
+    let model = ["--model", "tiny", "--blocks", "64"];
+    let prefill = Command::new(kvx_bin())
+        .args(["pd", "prefill"])
+        .args(model)
+        .args(keyed)
+        .args(["--listen", &kvx.to_string()])
+        .args(["--bench-listen", &bench.to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut prefill = Killer::new(prefill);
+    let decode = Command::new(kvx_bin())
+        .args(["pd", "decode"])
+        .args(model)
+        .args(["--auth-key-file", other.to_str().unwrap()])
+        .args(["--prefill", &kvx.to_string()])
+        .args(["--prefill-bench", &bench.to_string()])
+        .args(["--requests", "2", "--rate", "40", "--output-tokens", "2"])
+        .args(["--step-ms", "1", "--lease-s", "5"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&decode.stderr);
+    assert!(!decode.status.success(), "{stderr}");
+    assert!(stderr.contains("deployment key"), "{stderr}");
+    let status = wait_with_deadline(&mut prefill, Duration::from_secs(30));
+    let log = prefill.log();
+    assert!(status.success(), "{log}");
+    assert!(log.contains("refused a control connection"), "{log}");
+    // A prefill on the network without a key does not start, and says how to make one.
+    let open = Command::new(kvx_bin())
+        .args(["pd", "prefill"])
+        .args(model)
+        .args([
+            "--listen",
+            "0.0.0.0:0",
+            "--bench-listen",
+            &free_ports(1).to_string(),
+        ])
+        .env_remove("KVX_AUTH_KEY_FILE")
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&open.stderr);
+    assert!(!open.status.success(), "{said}");
+    assert!(said.contains("kvx keygen"), "{said}");
 }

@@ -64,6 +64,13 @@ pub struct ConnectorConfig {
     /// producer's address is one of this host's tries it first. True by default; false: TCP
     /// only.
     pub local_sockets: bool,
+    /// The deployment key: every control connection proves both ends hold it, then is
+    /// encrypted (`docs/security.md`). `None`: no authentication, which a producer accepts
+    /// only on a loopback address unless [`ConnectorConfig::allow_unauthenticated`].
+    pub auth_key: Option<std::sync::Arc<crate::AuthKey>>,
+    /// Producer: listen on a non-loopback address without a key (anyone who reaches the port
+    /// then gets the region table and can register for transfers); warned about at start.
+    pub allow_unauthenticated: bool,
 }
 
 impl ConnectorConfig {
@@ -88,6 +95,8 @@ impl ConnectorConfig {
             finishing_hints: None,
             notice_board: true,
             local_sockets: true,
+            auth_key: None,
+            allow_unauthenticated: false,
         };
         for setting in crate::settings::SETTINGS
             .iter()
@@ -115,6 +124,18 @@ impl ConnectorConfig {
         }
         if self.max_entries == 0 {
             return Err(crate::StartError::ZeroSetting("max_entries"));
+        }
+        if self.auth_key.is_none() && !self.listen.ip().is_loopback() {
+            if !self.allow_unauthenticated {
+                return Err(crate::StartError::Unauthenticated {
+                    listen: self.listen,
+                });
+            }
+            tracing::warn!(
+                listen = %self.listen,
+                "kvx: the control address is open to the network without authentication \
+                 (allow_unauthenticated)"
+            );
         }
         if self.transfer_timeout > MAX_TRANSFER_TIMEOUT {
             return Err(crate::StartError::TooLong {

@@ -64,6 +64,18 @@ pub enum StartError {
         /// The most allowed.
         max: std::time::Duration,
     },
+    /// A producer would listen on a non-loopback address without a deployment key.
+    #[error(
+        "kvx: the control address {listen} is reachable from the network but no deployment key \
+         is set: make one with `kvx keygen PATH` (mode 0600), copy it to every prefill, decode \
+         and router of the deployment, and pass it as auth_key_file (vLLM extra config), \
+         --auth-key-file or KVX_AUTH_KEY_FILE; or accept an open control plane with \
+         allow_unauthenticated"
+    )]
+    Unauthenticated {
+        /// The control address.
+        listen: std::net::SocketAddr,
+    },
     /// Binding the control address failed.
     #[error("cannot listen on the control address: {0}")]
     Listen(#[source] io::Error),
@@ -108,6 +120,13 @@ pub(crate) enum LinkError {
     /// A connecting peer's first message is not a hello.
     #[error("the first message was not a hello")]
     FirstNotHello,
+    #[error("cannot authenticate with {addr}: {source} (both sides need the same deployment key: auth_key_file)")]
+    Authenticate {
+        addr: SocketAddr,
+        source: crate::control::secure::HandshakeError,
+    },
+    #[error("the peer did not authenticate: {0}")]
+    Unauthenticated(crate::control::secure::HandshakeError),
     /// The handshake's helper thread could not be started.
     #[error("cannot start a handshake with {addr}: {source}")]
     HandshakeThread {

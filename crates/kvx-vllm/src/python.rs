@@ -127,6 +127,7 @@ fn start_args(
     token_unit: u64,
     timings: &Bound<'_, PyDict>,
     max_entries: Option<usize>,
+    auth: (Option<std::path::PathBuf>, bool),
 ) -> PyResult<StartArgs> {
     fn get<'py, T: FromPyObjectOwned<'py>>(d: &Bound<'py, PyDict>, k: &str) -> PyResult<T> {
         let item = d
@@ -165,6 +166,12 @@ fn start_args(
         let value = settings::Value::Count(m as u64);
         settings::apply(&mut config, "max_entries", &value).map_err(value_err)?;
     }
+    let (auth_key_file, allow_unauthenticated) = auth;
+    if let Some(path) = auth_key_file {
+        let key = crate::AuthKey::load(&path).map_err(value_err)?;
+        config.auth_key = Some(std::sync::Arc::new(key));
+    }
+    config.allow_unauthenticated = allow_unauthenticated;
     let TransportArgs {
         name,
         cuda_device,
@@ -335,7 +342,7 @@ impl PyProducer {
     /// Registers the cache's memory with the transport and starts listening on `listen` (this
     /// rank's kvx control address; port 0 picks one).
     #[new]
-    #[pyo3(signature = (engine_id, layout, regions, *, transport = "libfabric:shm", listen = "127.0.0.1:0", token_unit = 1, timings = None, max_entries = None, cuda_device = None, nixl_library = None, rails = ""))]
+    #[pyo3(signature = (engine_id, layout, regions, *, transport = "libfabric:shm", listen = "127.0.0.1:0", token_unit = 1, timings = None, max_entries = None, cuda_device = None, nixl_library = None, rails = "", auth_key_file = None, allow_unauthenticated = false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -350,6 +357,8 @@ impl PyProducer {
         cuda_device: Option<u32>,
         nixl_library: Option<std::path::PathBuf>,
         rails: &str,
+        auth_key_file: Option<std::path::PathBuf>,
+        allow_unauthenticated: bool,
     ) -> PyResult<Self> {
         let empty = PyDict::new(py);
         let args = start_args(
@@ -366,6 +375,7 @@ impl PyProducer {
             token_unit,
             timings.unwrap_or(&empty),
             max_entries,
+            (auth_key_file, allow_unauthenticated),
         )?;
         let StartArgs {
             config,
@@ -600,7 +610,7 @@ impl PyConsumer {
 impl PyConsumer {
     /// Registers the cache's memory with the transport and starts the driver thread.
     #[new]
-    #[pyo3(signature = (engine_id, layout, regions, *, transport = "libfabric:shm", token_unit = 1, timings = None, max_entries = None, cuda_device = None, nixl_library = None, rails = ""))]
+    #[pyo3(signature = (engine_id, layout, regions, *, transport = "libfabric:shm", token_unit = 1, timings = None, max_entries = None, cuda_device = None, nixl_library = None, rails = "", auth_key_file = None, allow_unauthenticated = false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -614,6 +624,8 @@ impl PyConsumer {
         cuda_device: Option<u32>,
         nixl_library: Option<std::path::PathBuf>,
         rails: &str,
+        auth_key_file: Option<std::path::PathBuf>,
+        allow_unauthenticated: bool,
     ) -> PyResult<Self> {
         let empty = PyDict::new(py);
         let StartArgs {
@@ -636,6 +648,7 @@ impl PyConsumer {
             token_unit,
             timings.unwrap_or(&empty),
             max_entries,
+            (auth_key_file, allow_unauthenticated),
         )?;
         let consumer = py.detach(move || -> Result<Consumer, PluginStartError> {
             let t = transport.open_with(&options)?;

@@ -43,7 +43,8 @@ pub enum RouterError {
 
 /// Tells every rank of the prefill instance whose rank 0 listens at `instance` to give the KV
 /// of `transfer` (the router's transfer id, as in `kv_transfer_params`) back now. Each step is
-/// bounded by `timeout`; returns how many ranks were told. A router must only abandon ids it
+/// bounded by `timeout`, authenticated with the deployment key `key` where the deployment has
+/// one; returns how many ranks were told. A router must only abandon ids it
 /// never handed to a decode instance: a prefill rank cannot tell a pull read in progress from
 /// an orphan (see wire-protocol.md, "Routers").
 ///
@@ -55,6 +56,7 @@ pub fn abandon(
     transfer: &str,
     reason: &str,
     timeout: Duration,
+    key: Option<&crate::AuthKey>,
 ) -> Result<u32, RouterError> {
     let abort = Message::Abort(Abort {
         transfer: TransferId::from_str_hash(transfer),
@@ -65,10 +67,10 @@ pub fn abandon(
         EngineId(u64::from(std::process::id())),
         Incarnation(0),
     ));
-    let ranks = tell(instance, Rank(0), &hello, &abort, timeout)?;
+    let ranks = tell(instance, Rank(0), &hello, &abort, timeout, key)?;
     let mut first_error = None;
     for rank in 1..ranks {
-        if let Err(e) = tell(instance, Rank(rank), &hello, &abort, timeout) {
+        if let Err(e) = tell(instance, Rank(rank), &hello, &abort, timeout, key) {
             first_error.get_or_insert(e);
         }
     }
@@ -83,10 +85,11 @@ fn tell(
     hello: &Message,
     abort: &Message,
     timeout: Duration,
+    key: Option<&crate::AuthKey>,
 ) -> Result<u32, RouterError> {
     let addr = rank_addr(instance, rank);
     let (mut stream, theirs) =
-        control::handshake(addr, hello, timeout, true).map_err(|e| RouterError::Control {
+        control::handshake(addr, hello, timeout, true, key).map_err(|e| RouterError::Control {
             rank,
             addr,
             detail: e.to_string(),

@@ -288,6 +288,26 @@ pub const SETTINGS: &[Setting] = &[
         doc: "Most requests held or waited for on one side.",
     },
     Setting {
+        key: "auth_key_file",
+        field: None,
+        kind: Kind::Text,
+        default: text(""),
+        doc: "The deployment key file (32 random bytes, mode 0600: `kvx keygen PATH`), the same \
+              on every prefill, decode and router of the deployment: each control connection \
+              proves both ends hold it, then is encrypted (docs/security.md). Empty: \
+              KVX_AUTH_KEY_FILE, else none, which prefill accepts only on a loopback listen \
+              address unless allow_unauthenticated.",
+    },
+    Setting {
+        key: "allow_unauthenticated",
+        field: Some("allow_unauthenticated"),
+        kind: Kind::Flag,
+        default: Value::Flag(false),
+        doc: "Prefill: listen on a non-loopback address without a deployment key (anyone who \
+              reaches the port gets the region table and can join transfers); warned about at \
+              start.",
+    },
+    Setting {
         key: "log",
         field: None,
         kind: Kind::Text,
@@ -484,6 +504,12 @@ pub fn apply(config: &mut ConnectorConfig, name: &str, value: &Value) -> Result<
                 _ => Some(seconds()?),
             }
         }
+        "allow_unauthenticated" => {
+            config.allow_unauthenticated = match value {
+                Value::Flag(b) => *b,
+                _ => return Err(invalid()),
+            }
+        }
         "max_entries" => {
             config.max_entries = match value {
                 Value::Count(n) => usize::try_from(*n).map_err(|_| invalid())?,
@@ -560,8 +586,12 @@ mod tests {
             find("max_entries").unwrap().default,
             Value::Count(config.max_entries as u64)
         );
+        assert_eq!(
+            find("allow_unauthenticated").unwrap().default,
+            Value::Flag(config.allow_unauthenticated)
+        );
         // Every ConnectorConfig setting of the table was looked at above.
-        assert_eq!(SETTINGS.iter().filter(|s| s.field.is_some()).count(), 7);
+        assert_eq!(SETTINGS.iter().filter(|s| s.field.is_some()).count(), 8);
     }
 
     #[test]

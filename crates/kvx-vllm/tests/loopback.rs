@@ -699,12 +699,12 @@ fn a_router_gives_a_dispatch_it_gave_up_back_on_every_prefill_rank() {
     pre.finish(routed("kvx-a"), &p_blocks, 16);
     wait_held(&pre, 1);
     let abandoned = Instant::now();
-    let told = router::abandon(pre.base, "kvx-a", "decode unreachable", LONG).unwrap();
+    let told = router::abandon(pre.base, "kvx-a", "decode unreachable", LONG, None).unwrap();
     assert_eq!(told, 2, "both ranks of the prefill instance");
     expect_given_back(&pre, abandoned);
     // Abandoned while prefill still computes (the abort handled first): given back as soon as
     // it finishes.
-    router::abandon(pre.base, "kvx-b", "decode unreachable", LONG).unwrap();
+    router::abandon(pre.base, "kvx-b", "decode unreachable", LONG, None).unwrap();
     wait_router_aborts(&pre, 2);
     let finished = Instant::now();
     pre.finish(routed("kvx-b"), &p_blocks, 16);
@@ -730,7 +730,7 @@ fn remembered_aborts_are_bounded() {
         base,
     };
     for (n, id) in ["kvx-e1", "kvx-e2", "kvx-e3"].into_iter().enumerate() {
-        router::abandon(base, id, "decode unreachable", LONG).unwrap();
+        router::abandon(base, id, "decode unreachable", LONG, None).unwrap();
         wait_router_aborts(&pre, n as u64 + 1);
     }
     // Remembered: given back at once.
@@ -754,7 +754,7 @@ fn a_router_cannot_abandon_what_a_decode_registered_and_an_absent_prefill_is_an_
     let k = routed("kvx-c");
     register(&consumer, pre.base, k, 16, c_blocks);
     wait_registered(&pre);
-    router::abandon(pre.base, "kvx-c", "a confused router", LONG).unwrap();
+    router::abandon(pre.base, "kvx-c", "a confused router", LONG, None).unwrap();
     wait_router_aborts(&pre, 1);
     pre.finish(k, &p_blocks, 16);
     expect_ready(&consumer, k, RequestId(1));
@@ -763,7 +763,7 @@ fn a_router_cannot_abandon_what_a_decode_registered_and_an_absent_prefill_is_an_
         .unwrap()
         .local_addr()
         .unwrap();
-    let err = router::abandon(closed, "kvx-d", "x", Duration::from_secs(2)).unwrap_err();
+    let err = router::abandon(closed, "kvx-d", "x", Duration::from_secs(2), None).unwrap_err();
     assert!(
         matches!(err, RouterError::Control { addr, .. } if addr == closed),
         "{err}"
@@ -803,7 +803,7 @@ fn a_router_cannot_abandon_a_pull_transfer_a_decode_reads() {
     // The producer learns of the first read's end from its completion message, sent as the
     // read ended (decode's Ready comes after it): a generous margin for the message.
     std::thread::sleep(Duration::from_millis(300));
-    router::abandon(pre.base, "kvx-p", "a confused router", LONG).unwrap();
+    router::abandon(pre.base, "kvx-p", "a confused router", LONG, None).unwrap();
     wait_router_aborts(&pre, 1);
     pull(&decoders[1].1);
     for (side, _) in &decoders {
@@ -3359,4 +3359,178 @@ fn python_as_nobody(test: &str) -> Option<std::process::Command> {
     let mut command = std::process::Command::new("python3");
     command.uid(65534).gid(65534);
     Some(command)
+}
+
+/// A prefill rank and a decode rank (the simple pair's layout) with deployment keys
+/// `prefill_key` and `decode_key`.
+fn keyed_pair(
+    fabric: &LoopbackFabric,
+    prefill_key: Option<kvx_vllm::AuthKey>,
+    decode_key: Option<kvx_vllm::AuthKey>,
+) -> (Prefill, Side, Consumer) {
+    let s = spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit);
+    let base = free_ports(1);
+    let (side, cache) = Side::new(s.clone());
+    let mut c = config(1);
+    c.listen = base;
+    c.producer_lease = LONG;
+    c.auth_key = prefill_key.map(Arc::new);
+    let producer = Producer::start(c, cache, Box::new(fabric.endpoint())).unwrap();
+    let (dec, cache) = Side::new(s);
+    let mut c = config(2);
+    c.registration_lease = LONG;
+    c.auth_key = decode_key.map(Arc::new);
+    let consumer = Consumer::start(c, cache, Box::new(fabric.endpoint())).unwrap();
+    (
+        Prefill {
+            sides: vec![side],
+            producers: vec![producer],
+            base,
+        },
+        dec,
+        consumer,
+    )
+}
+
+/// Everything a rogue peer reads before the producer closes the connection.
+fn read_until_closed(peer: &mut std::net::TcpStream) -> Vec<u8> {
+    use std::io::Read as _;
+    peer.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut got = Vec::new();
+    let _ = peer.read_to_end(&mut got);
+    got
+}
+
+/// A Noise first message made with `key`, length-prefixed as on the wire.
+fn noise_first_message(key: &[u8; 32]) -> Vec<u8> {
+    let params = "Noise_NNpsk0_25519_ChaChaPoly_BLAKE2s".parse().unwrap();
+    let mut hs = snow::Builder::new(params)
+        .psk(0, key)
+        .unwrap()
+        .prologue(b"kvx control v1")
+        .unwrap()
+        .build_initiator()
+        .unwrap();
+    let mut buf = [0u8; 128];
+    let n = hs.write_message(&[], &mut buf).unwrap();
+    let mut out = (n as u16).to_be_bytes().to_vec();
+    out.extend_from_slice(&buf[..n]);
+    out
+}
+
+/// With a deployment key, a peer that lacks it gets no byte: not with a plain hello, not with
+/// garbage, not with a handshake under another key; one that replays a first message made with
+/// the key gets only the handshake's answer, never the hello with the region table. Meanwhile
+/// a decode with the key is served and its bytes verify.
+#[test]
+fn with_a_deployment_key_a_peer_without_it_gets_no_byte() {
+    use kvx_core::wire::Role;
+    use std::io::Write as _;
+    use std::net::TcpStream;
+
+    let secret = [0x5a; 32];
+    let fabric = LoopbackFabric::new();
+    let (pre, dec, consumer) = keyed_pair(
+        &fabric,
+        Some(kvx_vllm::AuthKey::from_bytes(secret)),
+        Some(kvx_vllm::AuthKey::from_bytes(secret)),
+    );
+    let (p_blocks, c_blocks) = request_blocks(&pre, 12, 4, 4);
+    let k = key(906, 0);
+    register(&consumer, pre.base, k, 12, c_blocks.clone());
+    // A plain hello, as a kvx without the key sends it.
+    let endpoint = fabric.endpoint();
+    let desc = endpoint.local_desc();
+    let s = spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit);
+    let hello = hand_hello(Role::Consumer, 67, s, &desc, 0)
+        .to_bytes()
+        .unwrap();
+    let wrong = noise_first_message(&[0xa5; 32]);
+    let replayed = noise_first_message(&secret);
+    let garbage: Vec<u8> = [0u8, 48]
+        .into_iter()
+        .chain((0..48u8).map(|b| b ^ 0x77))
+        .collect();
+    for (what, first) in [
+        ("a plain hello", &hello),
+        ("garbage", &garbage),
+        ("another key's handshake", &wrong),
+    ] {
+        let mut rogue = TcpStream::connect(pre.base).unwrap();
+        rogue.write_all(first).unwrap();
+        let got = read_until_closed(&mut rogue);
+        assert!(
+            got.is_empty(),
+            "{what}: the producer sent {} bytes",
+            got.len()
+        );
+    }
+    let mut rogue = TcpStream::connect(pre.base).unwrap();
+    rogue.write_all(&replayed).unwrap();
+    // What a replayer would send next: it cannot make a message the producer accepts.
+    rogue.write_all(&garbage).unwrap();
+    let got = read_until_closed(&mut rogue);
+    assert_eq!(
+        got.len(),
+        2 + 48,
+        "more than the handshake's answer: {got:?}"
+    );
+    pre.finish(k, &p_blocks, 12);
+    expect_ready(&consumer, k, RequestId(1));
+    dec.verify(&c_blocks, 0, 12);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while pre.producers[0].stats().handshakes_failed < 4 {
+        assert!(
+            Instant::now() < deadline,
+            "the rogue handshakes were not counted"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// A decode whose key is not prefill's fails its request, saying why; so does one without a
+/// key at a prefill that has one.
+#[test]
+fn a_decode_with_another_key_or_none_fails_naming_the_key() {
+    for decode_key in [Some(kvx_vllm::AuthKey::from_bytes([2; 32])), None] {
+        let fabric = LoopbackFabric::new();
+        let keyless = decode_key.is_none();
+        let (pre, _dec, consumer) = keyed_pair(
+            &fabric,
+            Some(kvx_vllm::AuthKey::from_bytes([1; 32])),
+            decode_key,
+        );
+        let (_, c_blocks) = request_blocks(&pre, 12, 4, 4);
+        register(&consumer, pre.base, key(907, 0), 12, c_blocks);
+        let events = wait_events(&consumer, 1);
+        match &events[0] {
+            RecvEvent::Failed { detail, .. } => {
+                let says = if keyless { "hello" } else { "deployment key" };
+                assert!(detail.contains(says), "{detail}");
+            }
+            other => panic!("expected a failure, got {other:?}"),
+        }
+    }
+}
+
+/// A prefill rank that would listen on the network without a key does not start, and says how
+/// to make one; with allow_unauthenticated it starts.
+#[test]
+fn a_producer_on_the_network_without_a_key_does_not_start() {
+    let fabric = LoopbackFabric::new();
+    let s = spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit);
+    let mut c = config(1);
+    c.listen = SocketAddr::from(([0, 0, 0, 0], 0));
+    let (_side, cache) = Side::new(s.clone());
+    let err = Producer::start(c.clone(), cache, Box::new(fabric.endpoint()))
+        .err()
+        .expect("refused");
+    let text = err.to_string();
+    assert!(text.contains("kvx keygen"), "{text}");
+    assert!(text.contains("allow_unauthenticated"), "{text}");
+    c.allow_unauthenticated = true;
+    let (_side, cache) = Side::new(s);
+    let mut producer = Producer::start(c, cache, Box::new(fabric.endpoint())).unwrap();
+    producer.shutdown();
 }

@@ -154,6 +154,15 @@ pub(crate) struct ModelArgs {
     /// Empty: KVX_RAILS, else the rule everywhere.
     #[arg(long, default_value = "")]
     pub(crate) rails: String,
+    /// The deployment key (`kvx keygen PATH`): every control connection is authenticated and
+    /// encrypted with it. Needed (or `--allow-unauthenticated`) where prefill listens on a
+    /// non-loopback address.
+    #[arg(long, env = "KVX_AUTH_KEY_FILE")]
+    pub(crate) auth_key_file: Option<std::path::PathBuf>,
+    /// Prefill: listen on a non-loopback address without a key (anyone who reaches it can
+    /// join the transfers).
+    #[arg(long)]
+    pub(crate) allow_unauthenticated: bool,
     /// A connector setting, KEY=VALUE (`kvx settings` lists them; those of the vLLM plugin's
     /// own are refused); repeatable, applied after the other flags.
     #[arg(long = "set", value_name = "KEY=VALUE")]
@@ -161,12 +170,16 @@ pub(crate) struct ModelArgs {
 }
 
 impl ModelArgs {
-    /// Applies the `--set` settings to `config`.
+    /// Applies the key flags and the `--set` settings to `config`.
     pub(crate) fn apply_settings(
         &self,
         config: &mut kvx_vllm::ConnectorConfig,
     ) -> anyhow::Result<()> {
         use kvx_vllm::settings;
+        if let Some(path) = &self.auth_key_file {
+            config.auth_key = Some(std::sync::Arc::new(kvx_vllm::AuthKey::load(path)?));
+        }
+        config.allow_unauthenticated = self.allow_unauthenticated;
         for entry in &self.settings {
             let (key, value) = entry
                 .split_once('=')
@@ -191,6 +204,9 @@ impl ModelArgs {
         .into_iter()
         .flat_map(|(flag, value)| [flag.to_owned(), value])
         .collect();
+        if let Some(path) = &self.auth_key_file {
+            out.extend(["--auth-key-file".to_owned(), path.display().to_string()]);
+        }
         let overrides = [
             ("--layers", self.layers.map(u64::from)),
             ("--kv-heads", self.kv_heads.map(u64::from)),
@@ -376,6 +392,8 @@ mod tests {
             order: "hnd".into(),
             transport: "loopback".into(),
             rails: String::new(),
+            auth_key_file: None,
+            allow_unauthenticated: false,
             settings: settings.iter().map(|s| (*s).to_owned()).collect(),
         }
     }

@@ -21,6 +21,8 @@ pub(super) struct Abandoner {
     /// Bounds how many abandons run at once (each holds a blocking thread): beyond it, the
     /// lease frees the KV.
     pub(super) abandons: Arc<tokio::sync::Semaphore>,
+    /// The deployment key, where the control ports ask for one.
+    pub(super) key: Option<Arc<kvx_vllm::AuthKey>>,
 }
 
 impl Abandoner {
@@ -39,9 +41,10 @@ impl Abandoner {
             return;
         };
         let timeout = self.timeout;
+        let key = self.key.clone();
         runtime.spawn_blocking(move || {
             let _permit = permit;
-            let told = abandon_at(&kvx, &transfer, timeout);
+            let told = abandon_at(&kvx, &transfer, timeout, key.as_deref());
             if let Err(why) = told {
                 eprintln!(
                     "kvx proxy: cannot tell prefill {kvx} to give back the KV of {transfer} \
@@ -94,7 +97,12 @@ impl Drop for Unclaimed {
 /// Tells the prefill instance at `kvx` (`HOST:PORT`) to give back the KV of `transfer`: at its
 /// first IPv4 address, as decode reaches it (a name such as `localhost` often lists `::1` first
 /// while prefill listens on IPv4), then at the others.
-fn abandon_at(kvx: &str, transfer: &str, timeout: Duration) -> Result<u32, String> {
+fn abandon_at(
+    kvx: &str,
+    transfer: &str,
+    timeout: Duration,
+    key: Option<&kvx_vllm::AuthKey>,
+) -> Result<u32, String> {
     let mut addrs: Vec<SocketAddr> = std::net::ToSocketAddrs::to_socket_addrs(kvx)
         .map_err(|e| e.to_string())?
         .collect();
@@ -106,6 +114,7 @@ fn abandon_at(kvx: &str, transfer: &str, timeout: Duration) -> Result<u32, Strin
             transfer,
             "the router gave the dispatch up: no decode instance took it in",
             timeout,
+            key,
         ) {
             Ok(ranks) => return Ok(ranks),
             Err(e) => last = e.to_string(),

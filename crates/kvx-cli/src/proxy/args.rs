@@ -50,6 +50,10 @@ pub(crate) struct ProxyArgs {
     /// Bound on receiving a request's body once its headers came, in seconds (408 then).
     #[arg(long, default_value_t = 60.0)]
     pub(crate) body_timeout_s: f64,
+    /// The deployment key (`kvx keygen PATH`) with which the proxy reaches the prefill
+    /// instances' kvx control ports (to give back the KV of a dispatch no decode took).
+    #[arg(long, env = "KVX_AUTH_KEY_FILE")]
+    pub(crate) auth_key_file: Option<std::path::PathBuf>,
 }
 
 /// Transfer mode.

@@ -109,6 +109,8 @@ struct Proxy {
     /// Bounds how many of those run at once (each holds a blocking thread): beyond it, the
     /// lease frees the KV.
     abandons: Arc<tokio::sync::Semaphore>,
+    /// The deployment key the prefill instances' control ports ask for (`--auth-key-file`).
+    auth_key: Option<Arc<kvx_vllm::AuthKey>>,
     /// Client requests served at once (`--max-requests`).
     requests: Arc<tokio::sync::Semaphore>,
     max_requests: usize,
@@ -181,6 +183,12 @@ fn build(args: &ProxyArgs) -> anyhow::Result<Arc<Proxy>> {
         skip_unreachable,
         connect_timeout: connect,
         abandons: Arc::new(tokio::sync::Semaphore::new(ABANDONS_IN_FLIGHT)),
+        auth_key: args
+            .auth_key_file
+            .as_deref()
+            .map(kvx_vllm::AuthKey::load)
+            .transpose()?
+            .map(Arc::new),
         requests: Arc::new(tokio::sync::Semaphore::new(args.max_requests)),
         max_requests: args.max_requests,
         header_timeout,

@@ -85,6 +85,7 @@ impl Proxy {
             kvx,
             timeout: self.connect_timeout,
             abandons: Arc::clone(&self.abandons),
+            key: self.auth_key.clone(),
         });
         Unclaimed {
             abandoner,

@@ -80,6 +80,7 @@ fn proxy(n: usize) -> Proxy {
         max_requests: 64,
         header_timeout_s: 5.0,
         body_timeout_s: 5.0,
+        auth_key_file: None,
     };
     Arc::into_inner(build(&args).unwrap()).unwrap()
 }
@@ -203,6 +204,7 @@ fn test_args(
         max_requests: 64,
         header_timeout_s: 5.0,
         body_timeout_s: 5.0,
+        auth_key_file: None,
     }
 }
 

@@ -461,11 +461,46 @@ mod tests {
     #[test]
     fn the_kernels_pattern_is_the_cpus() {
         for (order, arrangement, tp, rank, block, dtype) in [
-            (MemoryOrder::Hnd, Arrangement::PerLayerSplit, 1, 0, 16, Dtype::Bf16),
-            (MemoryOrder::Nhd, Arrangement::PerLayerSplit, 2, 1, 32, Dtype::Bf16),
-            (MemoryOrder::Hnd, Arrangement::PerLayerSplit, 4, 2, 64, Dtype::F32),
-            (MemoryOrder::Nhd, Arrangement::PerLayerKvHalves, 1, 0, 16, Dtype::Bf16),
-            (MemoryOrder::Hnd, Arrangement::PerLayerCellKv, 2, 0, 16, Dtype::Bf16),
+            (
+                MemoryOrder::Hnd,
+                Arrangement::PerLayerSplit,
+                1,
+                0,
+                16,
+                Dtype::Bf16,
+            ),
+            (
+                MemoryOrder::Nhd,
+                Arrangement::PerLayerSplit,
+                2,
+                1,
+                32,
+                Dtype::Bf16,
+            ),
+            (
+                MemoryOrder::Hnd,
+                Arrangement::PerLayerSplit,
+                4,
+                2,
+                64,
+                Dtype::F32,
+            ),
+            (
+                MemoryOrder::Nhd,
+                Arrangement::PerLayerKvHalves,
+                1,
+                0,
+                16,
+                Dtype::Bf16,
+            ),
+            (
+                MemoryOrder::Hnd,
+                Arrangement::PerLayerCellKv,
+                2,
+                0,
+                16,
+                Dtype::Bf16,
+            ),
         ] {
             let layout = Layout::new(LayoutSpec {
                 num_layers: 3,
@@ -489,8 +524,8 @@ mod tests {
             let mut regions =
                 vec![vec![0u8; layout.region_len() as usize]; layout.region_count() as usize];
             for layer in 0..3 {
-                let part = &places[(layer * layout.kv_parts()) as usize..]
-                    [..layout.kv_parts() as usize];
+                let part =
+                    &places[(layer * layout.kv_parts()) as usize..][..layout.kv_parts() as usize];
                 let g = Geo {
                     seed: 99,
                     first_token: 0,

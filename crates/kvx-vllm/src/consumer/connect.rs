@@ -126,11 +126,12 @@ impl Driver {
         let hello = Message::Hello(self.hello.clone());
         let timeout = self.config.connect_timeout;
         let local = self.config.local_sockets;
+        let key = self.config.auth_key.clone();
         let tx = self.tx.clone();
         let spawned = thread::Builder::new()
             .name(format!("kvx-hs-{addr}"))
             .spawn(move || {
-                let result = control::handshake(addr, &hello, timeout, local);
+                let result = control::handshake(addr, &hello, timeout, local, key.as_deref());
                 let _ = tx.send(Command::Handshaken(instance, rank, result));
             });
         if let Err(e) = spawned {

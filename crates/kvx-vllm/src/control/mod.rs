@@ -29,8 +29,10 @@ use crate::config::ConnectorConfig;
 use crate::error::LinkError;
 
 mod local;
+pub(crate) mod secure;
 
 pub(crate) use local::{connect_local, listen_local, same_user};
+use secure::{AuthKey, Cipher, HandshakeError, Received};
 
 /// Why a control connection failed.
 #[derive(Debug, thiserror::Error)]
@@ -59,11 +61,14 @@ pub enum ControlError {
 }
 
 /// A control connection's stream: a TCP connection, or a Unix socket to a peer on this host.
-/// One [`Socket`] holds either.
+/// One [`Socket`] holds either. Once authenticated ([`ControlStream::authenticate`]) its
+/// reads and writes carry the connection's encrypted messages.
 #[derive(Debug)]
 pub(crate) struct ControlStream {
     socket: Socket,
     local: bool,
+    cipher: Option<Arc<Cipher>>,
+    received: Received,
 }
 
 impl ControlStream {
@@ -72,6 +77,8 @@ impl ControlStream {
         Self {
             socket: stream.into(),
             local: false,
+            cipher: None,
+            received: Received::default(),
         }
     }
 
@@ -80,14 +87,57 @@ impl ControlStream {
         Self {
             socket: stream.into(),
             local: true,
+            cipher: None,
+            received: Received::default(),
         }
     }
 
-    /// Another handle on the same connection.
+    /// Runs the authentication handshake with `key` (as the side that connected, or the side
+    /// that accepted); from then on every byte is encrypted and authenticated. The socket's
+    /// timeouts bound each step.
+    pub(crate) fn authenticate(
+        &mut self,
+        key: &AuthKey,
+        initiator: bool,
+    ) -> Result<(), HandshakeError> {
+        let mut raw = &self.socket;
+        let cipher = if initiator {
+            secure::initiate(key, &mut raw)?
+        } else {
+            secure::respond(key, &mut raw)?
+        };
+        self.cipher = Some(Arc::new(cipher));
+        Ok(())
+    }
+
+    /// The bytes to put on the wire for `plaintext`: sealed on an authenticated connection.
+    fn seal(&self, plaintext: Vec<u8>) -> io::Result<Vec<u8>> {
+        match &self.cipher {
+            Some(cipher) => cipher.seal(&plaintext),
+            None => Ok(plaintext),
+        }
+    }
+
+    /// The peer, for logs: its address (TCP) or `this host`.
+    pub(crate) fn peer(&self) -> String {
+        if self.local {
+            return "this host".to_owned();
+        }
+        self.socket
+            .peer_addr()
+            .ok()
+            .and_then(|a| a.as_socket())
+            .map_or_else(|| "an unknown peer".to_owned(), |a| a.ip().to_string())
+    }
+
+    /// Another handle on the connection (sharing its encryption state; each handle's reads
+    /// are its own, so only one handle reads).
     pub(crate) fn try_clone(&self) -> io::Result<Self> {
         Ok(Self {
             socket: self.socket.try_clone()?,
             local: self.local,
+            cipher: self.cipher.clone(),
+            received: Received::default(),
         })
     }
 
@@ -114,13 +164,29 @@ impl ControlStream {
 
 impl Read for ControlStream {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        (&self.socket).read(buf)
+        let Self {
+            socket,
+            cipher,
+            received,
+            ..
+        } = self;
+        match cipher {
+            Some(cipher) => received.read(cipher, &mut &*socket, buf),
+            None => (&*socket).read(buf),
+        }
     }
 }
 
 impl Write for ControlStream {
+    /// Takes all of `buf` or nothing: on an authenticated connection it goes out as whole
+    /// sealed messages.
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        (&self.socket).write(buf)
+        if self.cipher.is_none() {
+            return (&self.socket).write(buf);
+        }
+        let sealed = self.seal(buf.to_vec())?;
+        (&self.socket).write_all(&sealed)?;
+        Ok(buf.len())
     }
 
     fn flush(&mut self) -> io::Result<()> {
@@ -156,10 +222,10 @@ pub(crate) fn read_message(stream: &mut impl Read) -> Result<Message, ControlErr
 /// Reads one frame from `stream`, all of it before `deadline` (however the peer spaces its
 /// bytes out: each read waits only for what is left of the time).
 pub(crate) fn read_message_before(
-    stream: &ControlStream,
+    stream: &mut ControlStream,
     deadline: std::time::Instant,
 ) -> Result<Message, ControlError> {
-    struct Before<'a>(&'a ControlStream, std::time::Instant);
+    struct Before<'a>(&'a mut ControlStream, std::time::Instant);
     impl Read for Before<'_> {
         fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
             let left = self.1.saturating_duration_since(std::time::Instant::now());
@@ -170,7 +236,7 @@ pub(crate) fn read_message_before(
                 ));
             }
             self.0.set_read_timeout(Some(left))?;
-            (&self.0.socket).read(buf)
+            self.0.read(buf)
         }
     }
     read_message(&mut Before(stream, deadline))
@@ -196,7 +262,10 @@ impl Outgoing {
             return Ok(());
         }
         let backlog = std::mem::take(&mut self.backlog);
-        self.stream.write_all(&backlog).map_err(ControlError::Write)
+        // Already sealed: straight to the socket.
+        (&self.stream.socket)
+            .write_all(&backlog)
+            .map_err(ControlError::Write)
     }
 }
 
@@ -212,7 +281,11 @@ impl ControlSender {
         let bytes = message.to_bytes()?;
         let mut out = self.lock();
         out.flush()?;
-        out.stream.write_all(&bytes).map_err(ControlError::Write)
+        // Sealed under the lock: the messages' counters follow their order on the wire.
+        let sealed = out.stream.seal(bytes).map_err(ControlError::Write)?;
+        (&out.stream.socket)
+            .write_all(&sealed)
+            .map_err(ControlError::Write)
     }
 
     /// Sends one message without ever blocking: what the kernel does not take at once (its
@@ -221,6 +294,7 @@ impl ControlSender {
     pub(crate) fn send_or_queue(&self, message: &Message) -> Result<bool, ControlError> {
         let bytes = message.to_bytes()?;
         let mut out = self.lock();
+        let bytes = out.stream.seal(bytes).map_err(ControlError::Write)?;
         if !out.backlog.is_empty() {
             out.backlog.extend_from_slice(&bytes);
             return Ok(true);
@@ -381,13 +455,15 @@ pub(crate) fn connect(
         .map_err(|source| ControlError::Connect { addr, source })
 }
 
-/// Connects to `addr` and exchanges hellos (ours first), each step bounded by `timeout`; the
-/// stream is left blocking without a timeout.
+/// Connects to `addr`, authenticates with `key` (where there is one) and exchanges hellos
+/// (ours first), each step bounded by `timeout`; the stream is left blocking without a
+/// timeout.
 pub(crate) fn handshake(
     addr: SocketAddr,
     hello: &Message,
     timeout: Duration,
     local: bool,
+    key: Option<&AuthKey>,
 ) -> Result<(ControlStream, Hello), LinkError> {
     use std::io::Write as _;
     let mut stream = connect(addr, timeout, local)?;
@@ -395,6 +471,11 @@ pub(crate) fn handshake(
         .set_read_timeout(Some(timeout))
         .and_then(|()| stream.set_write_timeout(Some(timeout)))
         .map_err(LinkError::Timeouts)?;
+    if let Some(key) = key {
+        stream
+            .authenticate(key, true)
+            .map_err(|source| LinkError::Authenticate { addr, source })?;
+    }
     let bytes = hello.to_bytes().map_err(ControlError::Encode)?;
     stream
         .write_all(&bytes)

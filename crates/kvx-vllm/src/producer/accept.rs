@@ -27,6 +27,40 @@ pub(super) struct Acceptor {
     pub(super) open: Arc<AtomicUsize>,
     pub(super) waiting: Arc<Handshakes>,
     pub(super) stats: Arc<Stats>,
+    /// The deployment key every connection must prove it holds.
+    pub(super) auth_key: Option<Arc<crate::AuthKey>>,
+    /// When each peer's failed authentication was last warned about.
+    pub(super) refused: Arc<Refused>,
+}
+
+/// How often one peer's failed authentications are warned about, at most.
+const REFUSED_WARNING_EVERY: Duration = Duration::from_secs(60);
+
+/// The peers whose authentication failed, and when that was last said (a warning per peer and
+/// minute: a peer that retries in a loop does not flood the log).
+#[derive(Default)]
+pub(super) struct Refused(std::sync::Mutex<std::collections::HashMap<String, std::time::Instant>>);
+
+impl Refused {
+    /// Whether a failure of `peer` now is to be warned about.
+    fn warn_now(&self, peer: &str) -> bool {
+        let mut seen = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let now = std::time::Instant::now();
+        // Bounded: forget peers not seen for a while once the table grows.
+        if seen.len() > 4096 {
+            seen.retain(|_, at| now.duration_since(*at) < REFUSED_WARNING_EVERY);
+        }
+        match seen.get(peer) {
+            Some(at) if now.duration_since(*at) < REFUSED_WARNING_EVERY => false,
+            _ => {
+                seen.insert(peer.to_owned(), now);
+                true
+            }
+        }
+    }
 }
 
 /// The connections whose hello has not arrived yet, oldest first (see
@@ -152,10 +186,23 @@ impl Acceptor {
     /// must arrive within the handshake timeout. A hello of another protocol version is
     /// answered with this side's (so the peer's error names both versions) and refused, with a
     /// warning naming both.
-    fn serve_connection(&self, conn: ConnId, stream: ControlStream) {
+    fn serve_connection(&self, conn: ConnId, mut stream: ControlStream) {
         let deadline = std::time::Instant::now() + self.handshake_timeout;
         let handshake = (|| -> Result<(ControlSender, Hello), LinkError> {
-            let theirs = match control::read_message_before(&stream, deadline) {
+            if let Some(key) = &self.auth_key {
+                // Nothing is sent before the peer proved it holds the key.
+                stream
+                    .set_read_timeout(Some(self.handshake_timeout))
+                    .and_then(|()| stream.set_write_timeout(Some(self.handshake_timeout)))
+                    .map_err(LinkError::Timeouts)?;
+                stream
+                    .authenticate(key, false)
+                    .map_err(LinkError::Unauthenticated)?;
+                stream
+                    .set_write_timeout(None)
+                    .map_err(LinkError::Timeouts)?;
+            }
+            let theirs = match control::read_message_before(&mut stream, deadline) {
                 Ok(Message::Hello(h)) => h,
                 Ok(_) => return Err(LinkError::FirstNotHello),
                 Err(
@@ -177,6 +224,17 @@ impl Acceptor {
         self.waiting.done(conn);
         let (sender, theirs) = match handshake {
             Ok(h) => h,
+            Err(why @ LinkError::Unauthenticated(_)) => {
+                let peer = stream.peer();
+                if self.refused.warn_now(&peer) {
+                    warn!(conn, %peer, %why, "kvx: refused a control connection");
+                } else {
+                    debug!(conn, %peer, %why, "kvx: refused a control connection");
+                }
+                self.stats.handshakes_failed.fetch_add(1, Ordering::Relaxed);
+                let _ = stream.shutdown(std::net::Shutdown::Both);
+                return;
+            }
             Err(why) => {
                 debug!(conn, %why, "handshake failed");
                 self.stats.handshakes_failed.fetch_add(1, Ordering::Relaxed);

@@ -302,6 +302,8 @@ impl Producer {
             open: Arc::new(AtomicUsize::new(0)),
             waiting: Arc::default(),
             stats: Arc::clone(&stats),
+            auth_key: config.auth_key.clone(),
+            refused: Arc::default(),
         };
         let local_listening = local.is_some();
         if let Some(local) = local {
