@@ -315,9 +315,11 @@ pub(crate) fn run_sweep(quick: bool) -> anyhow::Result<()> {
         )?;
         sections.push(section);
     }
+    let authentication = auth_cost(&kvx, &transports[0], &sweep, &scratch, &out_dir)?;
     let _ = std::fs::remove_file(&scratch);
     let report = json!({
         "what": "kvx pd pair, push vs pull, side by side in one run, per transport",
+        "authentication": authentication,
         "model_kv": "Qwen2.5-0.5B shape: 24 layers, 2 KV heads, head dim 64, bf16 (12 KiB per token)",
         "prefill_compute_us_per_token": 10,
         "prefill_chunk_tokens": CHUNK_TOKENS.parse::<u64>()?,
@@ -333,6 +335,62 @@ pub(crate) fn run_sweep(quick: bool) -> anyhow::Result<()> {
         json_path.display()
     );
     Ok(())
+}
+
+/// What the deployment key costs: push at the first length and 4 requests/s over `transport`,
+/// with and without a key, alternating (two of each), side by side; TTFT p50 and the control
+/// plane's share of it.
+fn auth_cost(
+    kvx: &Path,
+    transport: &str,
+    sweep: &Sweep,
+    scratch: &Path,
+    out_dir: &Path,
+) -> anyhow::Result<Value> {
+    step(&format!("benchmark pd: authentication's cost over {transport}"));
+    let key = out_dir.join("pd-auth.key");
+    let _ = std::fs::remove_file(&key);
+    let made = Command::new(kvx)
+        .args(["keygen"])
+        .arg(&key)
+        .output()
+        .context("cannot run kvx keygen")?;
+    if !made.status.success() {
+        bail!("kvx keygen: {}", String::from_utf8_lossy(&made.stderr));
+    }
+    let length = sweep.lengths[0];
+    let mut runs: Vec<(bool, f64)> = Vec::new();
+    for round in 0..4 {
+        let keyed = round % 2 == 1;
+        let mut pair = cpu_pair(transport, length);
+        if keyed {
+            for side in [&mut pair.prefill, &mut pair.decode] {
+                side.extend(["--auth-key-file".to_owned(), key.display().to_string()]);
+            }
+        }
+        let v = point(kvx, &pair, "push", length, 4.0, sweep.requests, scratch)?;
+        runs.push((keyed, get(&v, &["summary", "ttft_ms", "p50"])));
+    }
+    let _ = std::fs::remove_file(&key);
+    let mean = |keyed: bool| {
+        let v: Vec<f64> = runs.iter().filter(|r| r.0 == keyed).map(|r| r.1).collect();
+        v.iter().sum::<f64>() / v.len() as f64
+    };
+    let (with, without) = (mean(true), mean(false));
+    println!(
+        "    push, {length} tokens, 4/s: TTFT p50 {with:.2} ms with a key, {without:.2} ms \
+         without ({:+.1} %)",
+        (with / without - 1.0) * 100.0
+    );
+    Ok(json!({
+        "transport": transport,
+        "input_tokens": length,
+        "rate": 4.0,
+        "ttft_p50_ms_runs": runs.iter().map(|(k, t)| json!({"key": k, "ttft_p50_ms": t})).collect::<Vec<_>>(),
+        "ttft_p50_ms_with_key": with,
+        "ttft_p50_ms_without_key": without,
+        "overhead_fraction": with / without - 1.0,
+    }))
 }
 
 fn plot(report: &Value, path: &PathBuf, metric: &str, label: &str) -> anyhow::Result<()> {
