@@ -347,7 +347,9 @@ fn auth_cost(
     scratch: &Path,
     out_dir: &Path,
 ) -> anyhow::Result<Value> {
-    step(&format!("benchmark pd: authentication's cost over {transport}"));
+    step(&format!(
+        "benchmark pd: authentication's cost over {transport}"
+    ));
     let key = out_dir.join("pd-auth.key");
     let _ = std::fs::remove_file(&key);
     let made = Command::new(kvx)

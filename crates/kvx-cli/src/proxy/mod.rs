@@ -94,9 +94,8 @@ struct Proxy {
     /// Round-robin turns among equally loaded instances, one per pool.
     prefill_turn: AtomicUsize,
     decode_turn: AtomicUsize,
-    /// Numbers transfer ids.
-    next: AtomicU64,
-    seed: u64,
+    /// Makes transfer ids.
+    ids: TransferIds,
     /// Bound on one whole client request.
     request_timeout: Duration,
     /// Bound on the silence between two pieces of a streamed answer (after its first).
@@ -120,11 +119,32 @@ struct Proxy {
     body_timeout: Duration,
 }
 
-fn random_seed() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u32(std::process::id());
-    h.finish()
+/// Transfer ids no one can predict: the dispatch counter under two secret, random SipHash keys
+/// (a pseudo-random function), 128 bits. An id seen in a log or an `X-Request-Id` says nothing
+/// of the next.
+pub(super) struct TransferIds {
+    next: AtomicU64,
+    keys: [std::collections::hash_map::RandomState; 2],
+}
+
+impl TransferIds {
+    fn new() -> Self {
+        Self {
+            next: AtomicU64::new(0),
+            keys: [
+                std::collections::hash_map::RandomState::new(),
+                std::collections::hash_map::RandomState::new(),
+            ],
+        }
+    }
+
+    /// A fresh id, unique per proxy process and dispatch.
+    pub(super) fn fresh(&self) -> String {
+        use std::hash::BuildHasher as _;
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        let [a, b] = &self.keys;
+        format!("kvx-{:016x}{:016x}", a.hash_one(n), b.hash_one(n))
+    }
 }
 
 fn build(args: &ProxyArgs) -> anyhow::Result<Arc<Proxy>> {
@@ -175,8 +195,7 @@ fn build(args: &ProxyArgs) -> anyhow::Result<Arc<Proxy>> {
         client,
         prefill_turn: AtomicUsize::new(0),
         decode_turn: AtomicUsize::new(0),
-        next: AtomicU64::new(0),
-        seed: random_seed(),
+        ids: TransferIds::new(),
         request_timeout: total,
         stream_idle: (!stream_idle.is_zero()).then_some(stream_idle),
         max_request_bytes: args.max_request_mib.saturating_mul(1 << 20),

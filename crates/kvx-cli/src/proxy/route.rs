@@ -95,8 +95,7 @@ impl Proxy {
 
     /// A fresh transfer id: unique per proxy process and dispatch.
     pub(super) fn transfer_id(&self) -> String {
-        let n = self.next.fetch_add(1, Ordering::Relaxed);
-        format!("kvx-{:016x}-{n:x}", self.seed)
+        self.ids.fresh()
     }
 
     pub(super) async fn send(

@@ -1069,3 +1069,22 @@ fn slow_headers_and_bodies_are_cut_off() {
         assert!(took < Duration::from_secs(2), "the body waited {took:?}");
     });
 }
+
+/// Transfer ids are 128 bits, unique, and two proxies (two secret keys) make different ones
+/// for the same dispatch number: nothing in one id tells the next.
+#[test]
+fn transfer_ids_are_unique_and_unrelated_to_their_numbers() {
+    use super::TransferIds;
+    let (a, b) = (TransferIds::new(), TransferIds::new());
+    let ids: Vec<String> = (0..10_000).map(|_| a.fresh()).collect();
+    let unique: std::collections::HashSet<&String> = ids.iter().collect();
+    assert_eq!(unique.len(), ids.len());
+    for id in &ids[..3] {
+        let hex = id.strip_prefix("kvx-").unwrap();
+        assert_eq!(hex.len(), 32, "{id}");
+        assert!(hex.bytes().all(|c| c.is_ascii_hexdigit()), "{id}");
+    }
+    // Consecutive ids share no prefix a reader could extrapolate from.
+    assert_ne!(ids[0][..12], ids[1][..12]);
+    assert_ne!(b.fresh(), ids[0]);
+}

@@ -267,9 +267,8 @@ fn builder_error(e: snow::Error) -> HandshakeError {
 }
 
 fn handshake_state(key: &AuthKey, initiator: bool) -> Result<snow::HandshakeState, HandshakeError> {
-    let params: snow::params::NoiseParams = NOISE_PATTERN
-        .parse()
-        .map_err(HandshakeError::Rejected)?;
+    let params: snow::params::NoiseParams =
+        NOISE_PATTERN.parse().map_err(HandshakeError::Rejected)?;
     let builder = snow::Builder::new(params)
         .psk(0, &key.0)
         .and_then(|b| b.prologue(PROLOGUE))
