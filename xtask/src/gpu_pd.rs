@@ -2,7 +2,8 @@
 //! caches in GPU memory and the GPU engine (cuBLAS products at one rank of Qwen3-32B at TP8),
 //! push against pull, side by side at every point of the grid: input lengths × request rates
 //! (Poisson, the same arrivals for both modes), fresh processes and a warm-up per point, over
-//! each transport (`cuda-ipc`, `nixl`). On one GPU both processes share it.
+//! each transport (`cuda-ipc`, `nixl`). On one GPU both processes share it; with
+//! `KVX_GPU_PD_DEVICES` each has its own.
 //!
 //! Results go to `target/kvx-bench/` (`KVX_BENCH_OUT`): `gpu-pd.json`, `gpu-pd.md` (the table)
 //! and `gpu-pd-<transport>.svg` (TTFT and TPOT against the rate, one panel per input length).
@@ -11,7 +12,8 @@
 //!
 //! Knobs: `KVX_PD_LENGTHS`, `KVX_PD_RATES`, `KVX_PD_REQUESTS`, `KVX_GPU_PD_TRANSPORTS`
 //! (default `cuda-ipc,nixl`; `nixl` needs `KVX_NIXL_LIB_DIR`), `KVX_GPU_PD_MODEL` (default
-//! `qwen3-32b-tp8`).
+//! `qwen3-32b-tp8`), `KVX_GPU_PD_DEVICES` (prefill's and decode's device, default
+//! `cuda:0,cuda:0`: one GPU shared; `cuda:0,cuda:1` gives each its own).
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -60,14 +62,28 @@ fn cache_blocks(length: u64, rate: f64) -> (u64, u64) {
     (16 * per_request, in_flight * per_request)
 }
 
-fn gpu_pair(model: &str, transport: &str, length: u64, rate: f64) -> PairArgs {
+/// The devices of prefill and decode: `KVX_GPU_PD_DEVICES=PREFILL,DECODE` (e.g.
+/// `cuda:0,cuda:1`), else both on `cuda:0`.
+fn devices() -> anyhow::Result<(String, String)> {
+    let both: Vec<String> = list(
+        "KVX_GPU_PD_DEVICES",
+        &["cuda:0".to_owned(), "cuda:0".to_owned()],
+    )?;
+    match both.as_slice() {
+        [p, d] => Ok((p.clone(), d.clone())),
+        _ => bail!("KVX_GPU_PD_DEVICES must name two devices, PREFILL,DECODE"),
+    }
+}
+
+fn gpu_pair(model: &str, transport: &str, length: u64, rate: f64) -> anyhow::Result<PairArgs> {
     let (prefill_blocks, decode_blocks) = cache_blocks(length, rate);
-    let common = |blocks: u64| -> Vec<String> {
+    let (prefill_device, decode_device) = devices()?;
+    let common = |blocks: u64, device: &str| -> Vec<String> {
         [
             "--model",
             model,
             "--device",
-            "cuda",
+            device,
             "--transport",
             transport,
             "--block-tokens",
@@ -78,7 +94,7 @@ fn gpu_pair(model: &str, transport: &str, length: u64, rate: f64) -> PairArgs {
         .map(str::to_owned)
         .into()
     };
-    let mut prefill = common(prefill_blocks);
+    let mut prefill = common(prefill_blocks, &prefill_device);
     prefill.extend(
         [
             "--chunk-tokens",
@@ -88,9 +104,9 @@ fn gpu_pair(model: &str, transport: &str, length: u64, rate: f64) -> PairArgs {
         ]
         .map(str::to_owned),
     );
-    let mut decode = common(decode_blocks);
+    let mut decode = common(decode_blocks, &decode_device);
     decode.extend(["--output-tokens", &OUTPUT_TOKENS.to_string()].map(str::to_owned));
-    PairArgs { prefill, decode }
+    Ok(PairArgs { prefill, decode })
 }
 
 fn kvx_json(kvx: &Path, args: &[&str]) -> anyhow::Result<Value> {
@@ -184,7 +200,7 @@ pub(crate) fn run_sweep(quick: bool) -> anyhow::Result<()> {
         "output_tokens": OUTPUT_TOKENS,
         "prefill_chunk_tokens": CHUNK_TOKENS,
         "requests_per_point": requests,
-        "one_gpu_shared": true,
+        "devices": devices()?,
     });
     let mut sections = Vec::new();
     let mut table = String::new();
@@ -226,7 +242,7 @@ pub(crate) fn run_sweep(quick: bool) -> anyhow::Result<()> {
             let raw_ms = get(&raw, &["transfer_ms_p50"]);
             let layers = get(&engine[0], &["shape", "layers"]);
             for &rate in &rates {
-                let pair = gpu_pair(&model, transport, length, rate);
+                let pair = gpu_pair(&model, transport, length, rate)?;
                 let run_mode = |mode: &str| {
                     point(&kvx, &pair, mode, length, rate, requests, &scratch)
                         .with_context(|| format!("{transport} {mode} {length} tokens {rate}/s"))

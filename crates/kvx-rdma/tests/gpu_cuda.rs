@@ -782,7 +782,7 @@ fn synthetic_kv_on_the_gpu_matches_the_cpu_pattern() {
             r.write_at(0, h).expect("write");
         }
         assert_eq!(synth.verify(&stream, tokens, SEED + 7).expect("verify"), 0);
-        let (region, offset) = layout.head_vector(3, 1, ids[5], 2, 0);
+        let (region, offset) = layout.head_vector(3, 1, ids[ids.len() - 1], 2, 0);
         let mut byte = [0u8];
         regions[region as usize]
             .read_at(offset + 9, &mut byte)
