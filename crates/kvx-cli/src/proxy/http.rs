@@ -87,7 +87,11 @@ async fn serve_call(
     headers: HeaderMap,
     body: Body,
 ) -> Result<Response, ApiError> {
+    let started = Instant::now();
     let Ok(permit) = Arc::clone(&proxy.requests).try_acquire_owned() else {
+        proxy
+            .metrics
+            .request_ended(proxy.mode, StatusCode::SERVICE_UNAVAILABLE.as_u16());
         return Err(ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
             format!(
@@ -104,16 +108,35 @@ async fn serve_call(
     match answer.await {
         Ok(response) => {
             let (parts, body) = response.into_parts();
+            proxy
+                .metrics
+                .request_ended(proxy.mode, parts.status.as_u16());
+            // The time to the answer's first byte, as the client sees it.
+            let mut ttft = Some(
+                proxy
+                    .metrics
+                    .ttft
+                    .get_or_create(&super::metrics::ModeLabel {
+                        mode: super::metrics::mode_name(proxy.mode),
+                    })
+                    .clone(),
+            );
             let body = Body::from_stream(futures_util::StreamExt::map(
                 body.into_data_stream(),
                 move |chunk| {
                     let _held = &permit;
+                    if let Some(h) = ttft.take() {
+                        h.observe(started.elapsed().as_secs_f64());
+                    }
                     chunk
                 },
             ));
             Ok(Response::from_parts(parts, body))
         }
-        Err(e) => Err(proxy.public(e)),
+        Err(e) => {
+            proxy.metrics.request_ended(proxy.mode, e.status.as_u16());
+            Err(proxy.public(e))
+        }
     }
 }
 
@@ -192,11 +215,24 @@ async fn health() -> &'static str {
     "ok"
 }
 
+/// The proxy's series (see the `metrics` module), as OpenMetrics text.
+async fn metrics(State(proxy): State<Arc<Proxy>>) -> Response {
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        proxy.metrics.render(),
+    )
+        .into_response()
+}
+
 pub(super) fn app(proxy: Arc<Proxy>) -> Router {
     Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
         .route("/health", get(health))
+        .route("/metrics", get(metrics))
         .with_state(proxy)
 }

@@ -25,6 +25,7 @@
 mod abandon;
 mod args;
 mod http;
+mod metrics;
 mod route;
 mod stream;
 
@@ -44,6 +45,10 @@ struct Instance {
     url: String,
     kvx: Option<String>,
     in_flight: AtomicUsize,
+    /// Its series: requests in flight, times passed over, time to its answers.
+    in_flight_gauge: prometheus_client::metrics::gauge::Gauge,
+    passed_over: prometheus_client::metrics::counter::Counter,
+    first_byte: prometheus_client::metrics::histogram::Histogram,
     /// Until when it is passed over after a failed connection.
     skip_until: Mutex<Option<Instant>>,
     /// Connections to it that failed.
@@ -66,6 +71,7 @@ impl Instance {
             .lock()
             .unwrap_or_else(PoisonError::into_inner) = Instant::now().checked_add(skip);
         self.unreachable.fetch_add(1, Ordering::Relaxed);
+        self.passed_over.inc();
         eprintln!("kvx proxy: {why}; passing {} over for {skip:?}", self.url);
     }
 }
@@ -76,6 +82,7 @@ struct Load(Arc<Instance>);
 impl Load {
     fn new(i: &Arc<Instance>) -> Self {
         i.in_flight.fetch_add(1, Ordering::SeqCst);
+        i.in_flight_gauge.inc();
         Self(Arc::clone(i))
     }
 }
@@ -83,6 +90,7 @@ impl Load {
 impl Drop for Load {
     fn drop(&mut self) {
         self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
+        self.0.in_flight_gauge.dec();
     }
 }
 
@@ -96,6 +104,8 @@ struct Proxy {
     decode_turn: AtomicUsize,
     /// Makes transfer ids.
     ids: TransferIds,
+    /// The series `/metrics` serves.
+    metrics: metrics::Metrics,
     /// Bound on one whole client request.
     request_timeout: Duration,
     /// Bound on the silence between two pieces of a streamed answer (after its first).
@@ -175,9 +185,27 @@ fn build(args: &ProxyArgs) -> anyhow::Result<Arc<Proxy>> {
         .no_proxy()
         .build()
         .context("cannot build the HTTP client")?;
+    let metrics = metrics::Metrics::new();
     let instance = |url: &str, kvx: Option<String>| {
+        let role = if kvx.is_some() { "prefill" } else { "decode" };
+        let url = url.trim_end_matches('/').to_owned();
         Arc::new(Instance {
-            url: url.trim_end_matches('/').to_owned(),
+            in_flight_gauge: metrics
+                .in_flight
+                .get_or_create(&metrics::InstanceLabels {
+                    role,
+                    instance: url.clone(),
+                })
+                .clone(),
+            passed_over: metrics
+                .passed_over
+                .get_or_create(&metrics::RoleLabel { role })
+                .clone(),
+            first_byte: metrics
+                .first_byte
+                .get_or_create(&metrics::RoleLabel { role })
+                .clone(),
+            url,
             kvx,
             in_flight: AtomicUsize::new(0),
             skip_until: Mutex::new(None),
@@ -196,6 +224,7 @@ fn build(args: &ProxyArgs) -> anyhow::Result<Arc<Proxy>> {
         prefill_turn: AtomicUsize::new(0),
         decode_turn: AtomicUsize::new(0),
         ids: TransferIds::new(),
+        metrics,
         request_timeout: total,
         stream_idle: (!stream_idle.is_zero()).then_some(stream_idle),
         max_request_bytes: args.max_request_mib.saturating_mul(1 << 20),

@@ -51,6 +51,8 @@ pub(super) struct Call {
     pub(super) headers: HeaderMap,
     /// When the whole request must be over.
     pub(super) deadline: Instant,
+    /// When the client's request arrived.
+    pub(super) started: Instant,
 }
 
 impl Call {
@@ -61,10 +63,12 @@ impl Call {
                 headers.append(name, value.clone());
             }
         }
+        let started = Instant::now();
         Self {
             path,
             headers,
-            deadline: Instant::now() + timeout,
+            deadline: started + timeout,
+            started,
         }
     }
 }
@@ -151,6 +155,14 @@ impl Proxy {
                 Ok(r) => return Ok(r),
                 Err((which, LegError::Unreachable(why))) => {
                     last = why;
+                    let leg = match which {
+                        Leg::Prefill => "prefill",
+                        Leg::Decode => "decode",
+                    };
+                    self.metrics
+                        .retries
+                        .get_or_create(&super::metrics::LegLabel { leg })
+                        .inc();
                     match which {
                         Leg::Prefill => bad_prefill.push(p),
                         // The dispatch's `Unclaimed` has had prefill give its KV back (the
@@ -378,7 +390,12 @@ async fn send_leg(
         .send()
         .await;
     match result {
-        Ok(r) => Ok(r),
+        Ok(r) => {
+            instance
+                .first_byte
+                .observe(call.started.elapsed().as_secs_f64());
+            Ok(r)
+        }
         Err(e) if e.is_connect() => {
             let why = format!("{url}: {e}");
             instance.unreachable(skip, &why);

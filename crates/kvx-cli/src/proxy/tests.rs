@@ -1088,3 +1088,58 @@ fn transfer_ids_are_unique_and_unrelated_to_their_numbers() {
     assert_ne!(ids[0][..12], ids[1][..12]);
     assert_ne!(b.fresh(), ids[0]);
 }
+
+/// `/metrics` counts the client's requests by outcome and times them, counts the retry and the
+/// instance passed over after a failed connection, times each instance's answer, and leaves no
+/// request in flight; every series name follows Prometheus's rules.
+#[test]
+fn metrics_count_requests_retries_and_load() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let (p_url, _) = recording_instance().await;
+        let (d_url, _) = recording_instance().await;
+        let down = dead_url();
+        let proxy = test_proxy(Mode::Push, &p_url, &[&down, &d_url], 30.0);
+        let url = serve_proxy(Arc::clone(&proxy)).await;
+        let client = reqwest::Client::new();
+        for _ in 0..3 {
+            let r = client
+                .post(format!("{url}/v1/completions"))
+                .json(&json!({"prompt": "x"}))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), StatusCode::OK);
+            r.bytes().await.unwrap();
+        }
+        let r = client.get(format!("{url}/metrics")).send().await.unwrap();
+        let kind = r.headers()["content-type"].to_str().unwrap().to_owned();
+        assert!(kind.starts_with("application/openmetrics-text"), "{kind}");
+        let text = r.text().await.unwrap();
+        for want in [
+            r#"kvx_proxy_requests_total{mode="push",outcome="ok",code="200"} 3"#.to_owned(),
+            r#"kvx_proxy_ttft_seconds_count{mode="push"} 3"#.to_owned(),
+            r#"kvx_proxy_retries_total{leg="decode"} 1"#.to_owned(),
+            r#"kvx_proxy_instances_passed_over_total{role="decode"} 1"#.to_owned(),
+            r#"kvx_proxy_first_byte_seconds_count{role="decode"} 3"#.to_owned(),
+            format!(r#"kvx_proxy_in_flight{{role="decode",instance="{d_url}"}} 0"#),
+        ] {
+            assert!(text.contains(&want), "no `{want}` in\n{text}");
+        }
+        for line in text
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.is_empty())
+        {
+            let name = line.split(['{', ' ']).next().unwrap();
+            let mut chars = name.chars();
+            assert!(
+                chars
+                    .next()
+                    .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+                    && chars.all(|c| c.is_ascii_alphanumeric() || c == '_'),
+                "{name}"
+            );
+            assert!(name.starts_with("kvx_proxy_"), "{name}");
+        }
+    });
+}
