@@ -73,6 +73,19 @@ pub struct StatsSnapshot {
     pub handshakes_failed: u64,
 }
 
+/// A handle on a side's live counters that can go to another thread (a metrics endpoint reads
+/// it when scraped).
+#[derive(Clone, Debug)]
+pub struct StatsReader(pub(crate) std::sync::Arc<Stats>);
+
+impl StatsReader {
+    /// The counters now.
+    #[must_use]
+    pub fn snapshot(&self) -> StatsSnapshot {
+        self.0.snapshot()
+    }
+}
+
 impl Stats {
     pub(crate) fn snapshot(&self) -> StatsSnapshot {
         StatsSnapshot {

@@ -173,6 +173,11 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
         );
         memories.push(memory);
     }
+    super::serve_metrics(
+        &args.model,
+        "decode",
+        consumers.iter().map(Consumer::stats_reader),
+    )?;
     let memories = Arc::new(memories);
     // On a GPU, decode steps are the model's products for the running batch.
     let engine = match device {

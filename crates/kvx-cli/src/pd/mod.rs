@@ -14,6 +14,7 @@ use kvx_core::{Arrangement, Dtype, LayoutSpec, MemoryOrder};
 
 pub(crate) mod decode;
 pub(crate) mod gpu;
+pub(crate) mod metrics;
 pub(crate) mod prefill;
 pub(crate) mod raw;
 
@@ -31,6 +32,28 @@ pub(crate) fn open_transport(
     let nixl = std::env::var_os(kvx_vllm::transport::NIXL_LIB_DIR_ENV).map(Into::into);
     let options = kvx_vllm::OpenOptions::from_env_values(sweep.as_deref()).with_nixl_library(nixl);
     spec.open_with(&adjust(options))
+}
+
+/// Serves `--metrics-listen`, if given, for `side`'s ranks.
+pub(crate) fn serve_metrics(
+    model: &ModelArgs,
+    side: &'static str,
+    readers: impl Iterator<Item = kvx_vllm::StatsReader>,
+) -> anyhow::Result<()> {
+    let Some(listen) = model.metrics_listen else {
+        return Ok(());
+    };
+    let sides = readers
+        .enumerate()
+        .map(|(rank, stats)| metrics::Side {
+            side,
+            rank: rank as u32,
+            stats,
+        })
+        .collect();
+    let addr = metrics::serve(listen, sides)?;
+    eprintln!("kvx pd {side}: metrics at http://{addr}/metrics");
+    Ok(())
 }
 
 /// The rail overrides of `--rails`, else of `KVX_RAILS`.
@@ -163,6 +186,9 @@ pub(crate) struct ModelArgs {
     /// join the transfers).
     #[arg(long)]
     pub(crate) allow_unauthenticated: bool,
+    /// Serve the connector's counters as Prometheus series at `http://HOST:PORT/metrics`.
+    #[arg(long)]
+    pub(crate) metrics_listen: Option<std::net::SocketAddr>,
     /// A connector setting, KEY=VALUE (`kvx settings` lists them; those of the vLLM plugin's
     /// own are refused); repeatable, applied after the other flags.
     #[arg(long = "set", value_name = "KEY=VALUE")]
@@ -394,6 +420,7 @@ mod tests {
             rails: String::new(),
             auth_key_file: None,
             allow_unauthenticated: false,
+            metrics_listen: None,
             settings: settings.iter().map(|s| (*s).to_owned()).collect(),
         }
     }

@@ -288,6 +288,11 @@ pub(crate) fn run(args: &PrefillArgs) -> anyhow::Result<()> {
             .push(Producer::start(config, cache, transport).context("cannot start the producer")?);
         memories.push(memory);
     }
+    super::serve_metrics(
+        &args.model,
+        "prefill",
+        producers.iter().map(Producer::stats_reader),
+    )?;
     let engine = match device {
         Device::Host => None,
         Device::Cuda(ordinal) => {

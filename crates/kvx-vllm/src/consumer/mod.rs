@@ -455,6 +455,12 @@ impl Consumer {
         self.stats.snapshot()
     }
 
+    /// A handle on the live counters, for another thread (a metrics endpoint).
+    #[must_use]
+    pub fn stats_reader(&self) -> crate::StatsReader {
+        crate::StatsReader(std::sync::Arc::clone(&self.stats))
+    }
+
     fn send(&self, command: Command) -> Result<(), Closed> {
         self.tx.send(command).map_err(|_| Closed)
     }
