@@ -48,6 +48,10 @@ from kvx_vllm.worker import _Worker
 
 if KVConnectorStats is not None:
     from kvx_vllm.stats import KvxConnectorStats
+try:
+    from kvx_vllm.stats import KvxPromMetrics
+except ImportError:  # a vLLM before connector Prometheus metrics
+    KvxPromMetrics = None  # type: ignore[assignment,misc]
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -174,6 +178,14 @@ class _KvxConnector(KVConnectorBase_V1):
         if KVConnectorStats is None:
             return None
         return KvxConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        """kvx's counters on vLLM's ``/metrics`` (``KvxPromMetrics``)."""
+        if KvxPromMetrics is None:
+            return None
+        return KvxPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -1,24 +1,36 @@
 """kvx's transfer counters in vLLM's own connector stats: which counters, how often they are
-read, and ``KvxConnectorStats``, which vLLM sums over ranks (defined only where this vLLM has
-connector stats)."""
+read, ``KvxConnectorStats``, which vLLM sums over ranks, and ``KvxPromMetrics``, which puts
+them on vLLM's ``/metrics`` as ``vllm:kvx_…`` counters (each defined only where this vLLM has
+connector stats, resp. connector Prometheus metrics)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import Any
+
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 except ImportError:  # a vLLM before connector stats
     KVConnectorStats = None  # type: ignore[assignment,misc]
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
+except ImportError:  # a vLLM before connector Prometheus metrics
+    KVConnectorPromMetrics = None  # type: ignore[assignment,misc]
 
-# The native side's counters that vLLM logs with its own stats, as increments per interval.
-STATS_COUNTERS = (
-    "transfers_started",
-    "transfers_ok",
-    "transfers_failed",
-    "bytes_written",
-    "bytes_streamed",
-)
+# The native side's counters that vLLM logs with its own stats, as increments per interval,
+# and what each counts (the Prometheus counters' help).
+STATS_COUNTERS = {
+    "transfers_started": "kvx transfers started (prefill: writes in push; decode: reads in pull)",
+    "transfers_ok": "kvx transfers that delivered",
+    "transfers_failed": "kvx transfers that failed",
+    "bytes_written": "Bytes kvx posted (prefill in push, decode in pull)",
+    "bytes_streamed": "Of those, bytes written while their request was still computing",
+    "released_unconfirmed": "Failed requests whose blocks went back without every writer's "
+                            "confirmation that it writes no more",
+    "handshakes_failed": "kvx control connections refused at the handshake (no or another "
+                         "deployment key, no hello in time, another protocol version)",
+}
 # Seconds between two reads of the counters (vLLM asks every step).
 STATS_EVERY_S = 1.0
 
@@ -42,3 +54,31 @@ if KVConnectorStats is not None:
 
         def is_empty(self) -> bool:
             return not any(self.data.values())
+
+
+if KVConnectorPromMetrics is not None:
+
+    class KvxPromMetrics(KVConnectorPromMetrics):
+        """``STATS_COUNTERS`` as Prometheus counters ``vllm:kvx_<name>_total``, one child per
+        engine (vLLM's labels); each interval's increments, already summed over the ranks,
+        are added to them (a sum across ranks, never a last value)."""
+
+        def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                     per_engine_labelvalues: dict[int, list[object]]) -> None:
+            super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+            self.counters: dict[str, dict[int, Any]] = {}
+            for name, documentation in STATS_COUNTERS.items():
+                metric = self._counter_cls(
+                    name=f"vllm:kvx_{name}", documentation=documentation,
+                    labelnames=labelnames,
+                )
+                self.counters[name] = {
+                    engine: metric.labels(*values)
+                    for engine, values in per_engine_labelvalues.items()
+                }
+
+        def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+            for name, value in transfer_stats_data.items():
+                child = self.counters.get(name, {}).get(engine_idx)
+                if child is not None and value > 0:
+                    child.inc(value)

@@ -503,6 +503,17 @@ def check_pair_matches_reference(mode, model, workdir, reference, transport=None
         assert delta["local_compute"] == 0, delta
         assert delta["local_cache_hit"] == 0, delta
         assert chat_tokens > 0, delta
+        # kvx's own counters on vLLM's /metrics (build_prom_metrics): the side that writes
+        # (prefill in push, decode in pull) counted bytes, and nothing failed. The workers
+        # report at most once a second, at an engine step.
+        writer = p_url if mode == "push" else d_url
+        deadline = time.monotonic() + 20
+        while metric(writer, "vllm:kvx_bytes_written_total") == 0:
+            assert time.monotonic() < deadline, "no kvx bytes on the writer's /metrics"
+            complete(proxy_url, prompt(3, salt=7))
+        assert metric(writer, "vllm:kvx_transfers_ok_total") > 0
+        for base in (p_url, d_url):
+            assert metric(base, "vllm:kvx_transfers_failed_total") == 0, base
         texts = {}
         for s, cores in ((p, p_cores), (d, d_cores)):
             text = texts[s.name] = s.log.read_text(errors="replace")

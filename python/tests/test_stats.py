@@ -46,3 +46,28 @@ def test_vllm_sums_the_reports_of_every_rank():
     # What a worker sent, rebuilt on the logging side.
     again = KvxPushConnector.build_kv_connector_stats({"transfers_ok": 4})
     assert again.reduce() == {"transfers_ok": 4}
+
+
+def test_prometheus_counters_add_up_every_interval_per_engine():
+    """vLLM's ``/metrics`` carries kvx's counters as ``vllm:kvx_<name>_total``, one child per
+    engine: each interval's increments (summed over ranks) add up, never a last value."""
+    import functools
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+    registry = CollectorRegistry()
+    types = {kind: functools.partial(kind, registry=registry)
+             for kind in (Counter, Gauge, Histogram)}
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(kv_transfer_config=None)
+    prom = KvxPushConnector.build_prom_metrics(
+        config, types, ["model_name", "engine"], {0: ["tiny", "0"], 1: ["tiny", "1"]})
+    prom.observe({"transfers_ok": 2, "bytes_written": 100, "unknown": 5}, 0)
+    prom.observe({"transfers_ok": 1, "bytes_written": 50}, 0)
+    prom.observe({"handshakes_failed": 3}, 1)
+    text = generate_latest(registry).decode()
+    assert 'vllm:kvx_transfers_ok_total{engine="0",model_name="tiny"} 3.0' in text, text
+    assert 'vllm:kvx_bytes_written_total{engine="0",model_name="tiny"} 150.0' in text, text
+    assert 'vllm:kvx_handshakes_failed_total{engine="1",model_name="tiny"} 3.0' in text, text
+    assert 'vllm:kvx_transfers_ok_total{engine="1",model_name="tiny"} 0.0' in text, text
