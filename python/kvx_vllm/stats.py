@@ -31,6 +31,10 @@ STATS_COUNTERS = {
     "handshakes_failed": "kvx control connections refused at the handshake (no or another "
                          "deployment key, no hello in time, another protocol version)",
 }
+# Per-transfer samples a prefill worker reports with its counters (lists, concatenated over
+# ranks): seconds from the post of a push transfer's last writes to their completion, and
+# their bytes. vLLM's /metrics observes each into a histogram.
+STATS_SAMPLES = ("transfer_seconds", "transfer_bytes")
 # Seconds between two reads of the counters (vLLM asks every step).
 STATS_EVERY_S = 1.0
 
@@ -46,11 +50,18 @@ if KVConnectorStats is not None:
 
         def aggregate(self, other: KVConnectorStats) -> KvxConnectorStats:
             for name, value in other.data.items():
-                self.data[name] = self.data.get(name, 0) + value
+                if isinstance(value, list):
+                    self.data[name] = list(self.data.get(name, [])) + value
+                else:
+                    self.data[name] = self.data.get(name, 0) + value
             return self
 
         def reduce(self) -> dict[str, int | float]:
-            return dict(self.data)
+            out = {k: v for k, v in self.data.items() if not isinstance(v, list)}
+            seconds = self.data.get("transfer_seconds") or []
+            if seconds:
+                out["transfer_ms_mean"] = round(1e3 * sum(seconds) / len(seconds), 3)
+            return out
 
         def is_empty(self) -> bool:
             return not any(self.data.values())
@@ -76,9 +87,29 @@ if KVConnectorPromMetrics is not None:
                     engine: metric.labels(*values)
                     for engine, values in per_engine_labelvalues.items()
                 }
+            self.histograms: dict[str, dict[int, Any]] = {}
+            for name, documentation, buckets in (
+                ("transfer_seconds", "Push transfers: seconds from the post of their last "
+                 "writes to their completion", [1e-4 * 2 ** i for i in range(18)]),
+                ("transfer_bytes", "Push transfers: bytes of their last writes",
+                 [4096 * 4 ** i for i in range(13)]),
+            ):
+                metric = self._histogram_cls(
+                    name=f"vllm:kvx_{name}", documentation=documentation,
+                    labelnames=labelnames, buckets=buckets,
+                )
+                self.histograms[name] = {
+                    engine: metric.labels(*values)
+                    for engine, values in per_engine_labelvalues.items()
+                }
 
         def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
             for name, value in transfer_stats_data.items():
+                if isinstance(value, list):
+                    child = self.histograms.get(name, {}).get(engine_idx)
+                    for sample in value if child is not None else ():
+                        child.observe(sample)
+                    continue
                 child = self.counters.get(name, {}).get(engine_idx)
                 if child is not None and value > 0:
                     child.inc(value)

@@ -334,19 +334,24 @@ class _Worker:
         side = self.producer if self.producer is not None else self.consumer
         return dict(side.stats()) if side is not None else {}
 
-    def stats_increments(self) -> dict[str, int] | None:
-        """What ``STATS_COUNTERS`` grew by since the last report, at most every
-        ``STATS_EVERY_S``; ``None`` in between, and when nothing moved."""
+    def stats_increments(self) -> dict[str, Any] | None:
+        """What ``STATS_COUNTERS`` grew by since the last report, with the push transfers that
+        finished meanwhile (``STATS_SAMPLES``, prefill), at most every ``STATS_EVERY_S``;
+        ``None`` in between, and when nothing moved."""
         now = time.monotonic()
         if now < self.stats_due:
             return None
         self.stats_due = now + STATS_EVERY_S
         current = self.stats()
-        grown = {
+        grown: dict[str, Any] = {
             name: current.get(name, 0) - self.stats_reported.get(name, 0)
             for name in STATS_COUNTERS
         }
         self.stats_reported = current
+        samples = self.producer.take_transfer_samples() if self.producer is not None else []
+        if samples:
+            grown["transfer_seconds"] = [s for s, _ in samples]
+            grown["transfer_bytes"] = [b for _, b in samples]
         return grown if any(grown.values()) else None
 
     def shutdown(self) -> None:

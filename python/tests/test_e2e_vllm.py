@@ -512,6 +512,9 @@ def check_pair_matches_reference(mode, model, workdir, reference, transport=None
             assert time.monotonic() < deadline, "no kvx bytes on the writer's /metrics"
             complete(proxy_url, prompt(3, salt=7))
         assert metric(writer, "vllm:kvx_transfers_ok_total") > 0
+        if mode == "push":
+            # Each push transfer's time and bytes, observed into histograms.
+            assert metric(p_url, "vllm:kvx_transfer_seconds_count") > 0
         for base in (p_url, d_url):
             assert metric(base, "vllm:kvx_transfers_failed_total") == 0, base
         texts = {}

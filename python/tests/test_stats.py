@@ -28,6 +28,10 @@ def test_workers_report_what_their_counters_grew_by():
     w.stats_due = 0.0
     grown = w.stats_increments()
     assert grown is not None and grown["transfers_ok"] == 1 and grown["transfers_failed"] == 0
+    # The producer's side: the push transfer's time and bytes, taken once.
+    samples = producer.take_transfer_samples()
+    assert len(samples) == 1 and samples[0][0] > 0 and samples[0][1] > 0, samples
+    assert producer.take_transfer_samples() == []
     w.stats_due = 0.0
     assert w.stats_increments() is None, "reported twice"
     consumer.shutdown()
@@ -40,6 +44,11 @@ def test_vllm_sums_the_reports_of_every_rank():
     total.aggregate(KvxConnectorStats(data={"transfers_ok": 2, "bytes_written": 100}))
     total.aggregate(KvxConnectorStats(data={"transfers_ok": 1, "bytes_written": 50}))
     assert total.reduce() == {"transfers_ok": 3, "bytes_written": 150}
+    # Samples of every rank are kept (concatenated); the log line shows their mean.
+    total.aggregate(KvxConnectorStats(data={"transfer_seconds": [0.001]}))
+    total.aggregate(KvxConnectorStats(data={"transfer_seconds": [0.003]}))
+    assert total.data["transfer_seconds"] == [0.001, 0.003]
+    assert total.reduce()["transfer_ms_mean"] == 2.0
     assert not total.is_empty()
     total.reset()
     assert total.is_empty()
@@ -66,8 +75,11 @@ def test_prometheus_counters_add_up_every_interval_per_engine():
     prom.observe({"transfers_ok": 2, "bytes_written": 100, "unknown": 5}, 0)
     prom.observe({"transfers_ok": 1, "bytes_written": 50}, 0)
     prom.observe({"handshakes_failed": 3}, 1)
+    prom.observe({"transfer_seconds": [0.002, 0.004], "transfer_bytes": [1 << 20, 1 << 20]}, 0)
     text = generate_latest(registry).decode()
     assert 'vllm:kvx_transfers_ok_total{engine="0",model_name="tiny"} 3.0' in text, text
     assert 'vllm:kvx_bytes_written_total{engine="0",model_name="tiny"} 150.0' in text, text
     assert 'vllm:kvx_handshakes_failed_total{engine="1",model_name="tiny"} 3.0' in text, text
     assert 'vllm:kvx_transfers_ok_total{engine="1",model_name="tiny"} 0.0' in text, text
+    assert 'vllm:kvx_transfer_seconds_count{engine="0",model_name="tiny"} 2.0' in text, text
+    assert 'vllm:kvx_transfer_bytes_sum{engine="0",model_name="tiny"} 2.097152e+06' in text, text

@@ -78,7 +78,7 @@ pub use control::{rank_addr, rank_port};
 pub use error::{Closed, StartError};
 pub use producer::{FinishedSending, Producer, SendOutcome};
 pub use router::RouterError;
-pub use stats::{StatsReader, StatsSnapshot};
+pub use stats::{StatsReader, StatsSnapshot, TransferSample, MAX_TRANSFER_SAMPLES};
 pub use transport::{
     resolve_for_cache, CacheTransportError, OpenOptions, TransportError, TransportSpec,
 };

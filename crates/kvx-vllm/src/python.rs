@@ -533,6 +533,13 @@ impl PyProducer {
         stats_dict(py, s)
     }
 
+    /// The push transfers that finished since the last call, as `(seconds, bytes)` pairs: the
+    /// time from the post of each one's last writes to their completion, and their bytes.
+    fn take_transfer_samples(&self) -> PyResult<Vec<(f64, u64)>> {
+        let samples = self.with(Producer::take_transfer_samples)?;
+        Ok(samples.into_iter().map(|s| (s.seconds, s.bytes)).collect())
+    }
+
     /// Stops the threads; blocks still held are reported by a last `take_finished` (call it
     /// before this, or lose them).
     fn shutdown(&self, py: Python<'_>) {

@@ -1,6 +1,21 @@
 //! Counters a side keeps, readable at any time.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::Mutex;
+
+/// Most transfer samples kept between two reads; beyond it the oldest are dropped.
+pub const MAX_TRANSFER_SAMPLES: usize = 4096;
+
+/// One transfer this side posted, from its post to its completion.
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct TransferSample {
+    /// Seconds from the post of its (last) writes to their completion.
+    pub seconds: f64,
+    /// Bytes those writes moved.
+    pub bytes: u64,
+}
 
 /// Live counters.
 #[derive(Debug, Default)]
@@ -21,6 +36,9 @@ pub(crate) struct Stats {
     pub(crate) released_unconfirmed: AtomicU64,
     pub(crate) handshakes_evicted: AtomicU64,
     pub(crate) handshakes_failed: AtomicU64,
+    /// Transfers finished since the last [`Stats::take_samples`] (at most
+    /// [`MAX_TRANSFER_SAMPLES`], newest kept).
+    samples: Mutex<VecDeque<TransferSample>>,
 }
 
 /// A copy of a side's counters.
@@ -84,9 +102,35 @@ impl StatsReader {
     pub fn snapshot(&self) -> StatsSnapshot {
         self.0.snapshot()
     }
+
+    /// The transfers that finished since the last call (see [`TransferSample`]).
+    #[must_use]
+    pub fn take_samples(&self) -> Vec<TransferSample> {
+        self.0.take_samples()
+    }
 }
 
 impl Stats {
+    /// Records a finished transfer (off the hot path's locks: a short lock of its own).
+    pub(crate) fn record(&self, seconds: f64, bytes: u64) {
+        let mut samples = self
+            .samples
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if samples.len() == MAX_TRANSFER_SAMPLES {
+            samples.pop_front();
+        }
+        samples.push_back(TransferSample { seconds, bytes });
+    }
+
+    pub(crate) fn take_samples(&self) -> Vec<TransferSample> {
+        let mut samples = self
+            .samples
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        samples.drain(..).collect()
+    }
+
     pub(crate) fn snapshot(&self) -> StatsSnapshot {
         StatsSnapshot {
             held: self.held.load(Ordering::Relaxed),
@@ -106,5 +150,27 @@ impl Stats {
             handshakes_evicted: self.handshakes_evicted.load(Ordering::Relaxed),
             handshakes_failed: self.handshakes_failed.load(Ordering::Relaxed),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn samples_are_taken_once_and_bounded_newest_kept() {
+        let stats = Stats::default();
+        assert!(stats.take_samples().is_empty());
+        for i in 0..MAX_TRANSFER_SAMPLES + 10 {
+            stats.record(i as f64, i as u64);
+        }
+        let taken = stats.take_samples();
+        assert_eq!(taken.len(), MAX_TRANSFER_SAMPLES);
+        assert_eq!(taken[0].bytes, 10);
+        assert_eq!(
+            taken.last().unwrap().bytes,
+            (MAX_TRANSFER_SAMPLES + 9) as u64
+        );
+        assert!(stats.take_samples().is_empty());
     }
 }

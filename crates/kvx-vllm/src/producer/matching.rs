@@ -384,6 +384,8 @@ impl Driver {
                         self.matcher
                             .transfer_finished(now, flight.key, TransferOutcome::Succeeded);
                         self.stats.transfers_ok.fetch_add(1, Ordering::Relaxed);
+                        self.stats
+                            .record(flight.started.elapsed().as_secs_f64(), flight.bytes);
                         self.ticket_back(flight.ticket, SendOutcome::Sent);
                     }
                     Some(reason) => {

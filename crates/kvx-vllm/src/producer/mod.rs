@@ -506,6 +506,13 @@ impl Producer {
         self.stats.snapshot()
     }
 
+    /// The transfers (push writes) that finished since the last call: how long each took from
+    /// the post of its last writes and how many bytes those moved.
+    #[must_use]
+    pub fn take_transfer_samples(&self) -> Vec<crate::TransferSample> {
+        self.stats.take_samples()
+    }
+
     /// A handle on the live counters, for another thread (a metrics endpoint).
     #[must_use]
     pub fn stats_reader(&self) -> crate::StatsReader {
