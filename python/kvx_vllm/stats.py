@@ -31,10 +31,11 @@ STATS_COUNTERS = {
     "handshakes_failed": "kvx control connections refused at the handshake (no or another "
                          "deployment key, no hello in time, another protocol version)",
 }
-# Per-transfer samples a prefill worker reports with its counters (lists, concatenated over
-# ranks): seconds from the post of a push transfer's last writes to their completion, and
-# their bytes. vLLM's /metrics observes each into a histogram.
-STATS_SAMPLES = ("transfer_seconds", "transfer_bytes")
+# Samples a worker reports with its counters (lists, concatenated over ranks): on prefill,
+# seconds from the post of a push transfer's last writes to their completion, and their bytes;
+# on decode, seconds a request waited for its KV (registration, or the post of its reads, to
+# ready). vLLM's /metrics observes each into a histogram.
+STATS_SAMPLES = ("transfer_seconds", "transfer_bytes", "kv_wait_seconds")
 # Seconds between two reads of the counters (vLLM asks every step).
 STATS_EVERY_S = 1.0
 
@@ -58,9 +59,11 @@ if KVConnectorStats is not None:
 
         def reduce(self) -> dict[str, int | float]:
             out = {k: v for k, v in self.data.items() if not isinstance(v, list)}
-            seconds = self.data.get("transfer_seconds") or []
-            if seconds:
-                out["transfer_ms_mean"] = round(1e3 * sum(seconds) / len(seconds), 3)
+            for name, shown in (("transfer_seconds", "transfer_ms_mean"),
+                                ("kv_wait_seconds", "kv_wait_ms_mean")):
+                seconds = self.data.get(name) or []
+                if seconds:
+                    out[shown] = round(1e3 * sum(seconds) / len(seconds), 3)
             return out
 
         def is_empty(self) -> bool:
@@ -93,6 +96,9 @@ if KVConnectorPromMetrics is not None:
                  "writes to their completion", [1e-4 * 2 ** i for i in range(18)]),
                 ("transfer_bytes", "Push transfers: bytes of their last writes",
                  [4096 * 4 ** i for i in range(13)]),
+                ("kv_wait_seconds", "Decode: seconds a request waited for its KV, from its "
+                 "registration (push) or the post of its reads (pull) to ready",
+                 [1e-3 * 2 ** i for i in range(17)]),
             ):
                 metric = self._histogram_cls(
                     name=f"vllm:kvx_{name}", documentation=documentation,

@@ -335,9 +335,9 @@ class _Worker:
         return dict(side.stats()) if side is not None else {}
 
     def stats_increments(self) -> dict[str, Any] | None:
-        """What ``STATS_COUNTERS`` grew by since the last report, with the push transfers that
-        finished meanwhile (``STATS_SAMPLES``, prefill), at most every ``STATS_EVERY_S``;
-        ``None`` in between, and when nothing moved."""
+        """What ``STATS_COUNTERS`` grew by since the last report, with the samples taken
+        meanwhile (``STATS_SAMPLES``: push transfers on prefill, requests' waits for their KV on
+        decode), at most every ``STATS_EVERY_S``; ``None`` in between, and when nothing moved."""
         now = time.monotonic()
         if now < self.stats_due:
             return None
@@ -352,6 +352,9 @@ class _Worker:
         if samples:
             grown["transfer_seconds"] = [s for s, _ in samples]
             grown["transfer_bytes"] = [b for _, b in samples]
+        waits = self.consumer.take_wait_samples() if self.consumer is not None else []
+        if waits:
+            grown["kv_wait_seconds"] = waits
         return grown if any(grown.values()) else None
 
     def shutdown(self) -> None:

@@ -515,6 +515,8 @@ def check_pair_matches_reference(mode, model, workdir, reference, transport=None
         if mode == "push":
             # Each push transfer's time and bytes, observed into histograms.
             assert metric(p_url, "vllm:kvx_transfer_seconds_count") > 0
+        # How long decode's requests waited for their KV.
+        assert metric(d_url, "vllm:kvx_kv_wait_seconds_count") > 0
         for base in (p_url, d_url):
             assert metric(base, "vllm:kvx_transfers_failed_total") == 0, base
         texts = {}

@@ -28,6 +28,8 @@ def test_workers_report_what_their_counters_grew_by():
     w.stats_due = 0.0
     grown = w.stats_increments()
     assert grown is not None and grown["transfers_ok"] == 1 and grown["transfers_failed"] == 0
+    # Decode's side: how long the request waited for its KV.
+    assert len(grown["kv_wait_seconds"]) == 1 and grown["kv_wait_seconds"][0] > 0, grown
     # The producer's side: the push transfer's time and bytes, taken once.
     samples = producer.take_transfer_samples()
     assert len(samples) == 1 and samples[0][0] > 0 and samples[0][1] > 0, samples
@@ -76,10 +78,12 @@ def test_prometheus_counters_add_up_every_interval_per_engine():
     prom.observe({"transfers_ok": 1, "bytes_written": 50}, 0)
     prom.observe({"handshakes_failed": 3}, 1)
     prom.observe({"transfer_seconds": [0.002, 0.004], "transfer_bytes": [1 << 20, 1 << 20]}, 0)
+    prom.observe({"kv_wait_seconds": [0.05]}, 1)
     text = generate_latest(registry).decode()
     assert 'vllm:kvx_transfers_ok_total{engine="0",model_name="tiny"} 3.0' in text, text
     assert 'vllm:kvx_bytes_written_total{engine="0",model_name="tiny"} 150.0' in text, text
     assert 'vllm:kvx_handshakes_failed_total{engine="1",model_name="tiny"} 3.0' in text, text
     assert 'vllm:kvx_transfers_ok_total{engine="1",model_name="tiny"} 0.0' in text, text
     assert 'vllm:kvx_transfer_seconds_count{engine="0",model_name="tiny"} 2.0' in text, text
+    assert 'vllm:kvx_kv_wait_seconds_count{engine="1",model_name="tiny"} 1.0' in text, text
     assert 'vllm:kvx_transfer_bytes_sum{engine="0",model_name="tiny"} 2.097152e+06' in text, text

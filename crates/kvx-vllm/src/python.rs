@@ -781,6 +781,12 @@ impl PyConsumer {
         stats_dict(py, s)
     }
 
+    /// Seconds each request that became ready since the last call waited for its KV, from its
+    /// registration (push) or the post of its reads (pull).
+    fn take_wait_samples(&self) -> PyResult<Vec<f64>> {
+        self.with(Consumer::take_wait_samples)
+    }
+
     /// Stops the driver; waiting requests are reported failed by a last `take_events`.
     fn shutdown(&self, py: Python<'_>) {
         let consumer = self

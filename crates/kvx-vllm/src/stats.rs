@@ -36,9 +36,40 @@ pub(crate) struct Stats {
     pub(crate) released_unconfirmed: AtomicU64,
     pub(crate) handshakes_evicted: AtomicU64,
     pub(crate) handshakes_failed: AtomicU64,
-    /// Transfers finished since the last [`Stats::take_samples`] (at most
-    /// [`MAX_TRANSFER_SAMPLES`], newest kept).
-    samples: Mutex<VecDeque<TransferSample>>,
+    /// Transfers finished since the last [`Stats::take_samples`] (producer).
+    samples: Samples<TransferSample>,
+    /// Seconds requests waited for their KV, since the last [`Stats::take_waits`] (consumer).
+    waits: Samples<f64>,
+}
+
+/// Samples kept between two reads: at most [`MAX_TRANSFER_SAMPLES`], the newest.
+#[derive(Debug)]
+struct Samples<T>(Mutex<VecDeque<T>>);
+
+impl<T> Default for Samples<T> {
+    fn default() -> Self {
+        Self(Mutex::new(VecDeque::new()))
+    }
+}
+
+impl<T> Samples<T> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<T>> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn record(&self, sample: T) {
+        let mut samples = self.lock();
+        if samples.len() == MAX_TRANSFER_SAMPLES {
+            samples.pop_front();
+        }
+        samples.push_back(sample);
+    }
+
+    fn take(&self) -> Vec<T> {
+        self.lock().drain(..).collect()
+    }
 }
 
 /// A copy of a side's counters.
@@ -108,27 +139,32 @@ impl StatsReader {
     pub fn take_samples(&self) -> Vec<TransferSample> {
         self.0.take_samples()
     }
+
+    /// Seconds each request that became ready since the last call waited for its KV, from its
+    /// registration (consumer).
+    #[must_use]
+    pub fn take_waits(&self) -> Vec<f64> {
+        self.0.take_waits()
+    }
 }
 
 impl Stats {
     /// Records a finished transfer (off the hot path's locks: a short lock of its own).
     pub(crate) fn record(&self, seconds: f64, bytes: u64) {
-        let mut samples = self
-            .samples
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if samples.len() == MAX_TRANSFER_SAMPLES {
-            samples.pop_front();
-        }
-        samples.push_back(TransferSample { seconds, bytes });
+        self.samples.record(TransferSample { seconds, bytes });
     }
 
     pub(crate) fn take_samples(&self) -> Vec<TransferSample> {
-        let mut samples = self
-            .samples
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        samples.drain(..).collect()
+        self.samples.take()
+    }
+
+    /// Records how long a request waited for its KV, from its registration to ready.
+    pub(crate) fn record_wait(&self, seconds: f64) {
+        self.waits.record(seconds);
+    }
+
+    pub(crate) fn take_waits(&self) -> Vec<f64> {
+        self.waits.take()
     }
 
     pub(crate) fn snapshot(&self) -> StatsSnapshot {

@@ -41,6 +41,8 @@ pub(crate) struct ArmedRequest {
     ranks: Vec<Rank>,
     /// Notices not in the board yet.
     pending: Vec<u64>,
+    /// When it was armed (with its registration): how long it waited for its KV.
+    armed_at: std::time::Instant,
 }
 
 /// What the engine thread and the driver share.
@@ -163,6 +165,7 @@ impl SharedBoard {
             debug!(%key, "ready (notice board)");
             armed.ready.push((key, r.ranks));
             stats.transfers_ok.fetch_add(1, Ordering::Relaxed);
+            stats.record_wait(r.armed_at.elapsed().as_secs_f64());
             stats.board_ready.fetch_add(1, Ordering::Relaxed);
             stats.held.fetch_sub(1, Ordering::Relaxed);
         }
@@ -183,6 +186,7 @@ impl SharedBoard {
                 request,
                 ranks,
                 pending: notices.to_vec(),
+                armed_at: std::time::Instant::now(),
             },
         );
     }

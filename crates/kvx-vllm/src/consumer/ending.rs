@@ -92,6 +92,11 @@ impl Driver {
                         self.tell_producers(key, &payload, true);
                     }
                     self.stats.transfers_ok.fetch_add(1, Ordering::Relaxed);
+                    let waited = self
+                        .clock
+                        .now()
+                        .saturating_duration_since(payload.registered);
+                    self.stats.record_wait(waited.as_secs_f64());
                     debug!(%key, "ready");
                     self.push_event(RecvEvent::Ready {
                         key,

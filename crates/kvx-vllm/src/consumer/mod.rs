@@ -156,6 +156,8 @@ const RETRY_UNREACHABLE: Duration = Duration::from_secs(1);
 #[derive(Debug)]
 struct Waiting {
     request: RequestId,
+    /// When it was registered (push) or its reads posted (pull).
+    registered: Timestamp,
     instance: SocketAddr,
     writers: Vec<Rank>,
     notices: Vec<u64>,
@@ -453,6 +455,13 @@ impl Consumer {
     #[must_use]
     pub fn stats(&self) -> StatsSnapshot {
         self.stats.snapshot()
+    }
+
+    /// Seconds each request that became ready since the last call waited for its KV, from its
+    /// registration (push) or the post of its reads (pull).
+    #[must_use]
+    pub fn take_wait_samples(&self) -> Vec<f64> {
+        self.stats.take_waits()
     }
 
     /// A handle on the live counters, for another thread (a metrics endpoint).

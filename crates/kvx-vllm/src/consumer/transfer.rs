@@ -129,6 +129,7 @@ impl Driver {
         let pull = producer_blocks.is_some();
         let mut waiting = Waiting {
             request: request.request,
+            registered: now,
             instance,
             writers: writers.clone(),
             notices: Vec::new(),
