@@ -158,12 +158,10 @@ impl RankMemory {
         let buffers = match &self.memory {
             Memory::Host(b) => b,
             Memory::Cuda(c) => {
-                let stream = lock(&c.stream);
-                let mut synth = lock(&c.synth);
-                synth.load_blocks(&stream, blocks)?;
-                synth.fill(&stream, tokens, layers, seed)?;
-                stream.synchronize()?;
-                return Ok(());
+                return c.with_blocks(blocks, |stream, synth| {
+                    synth.fill(stream, tokens, layers, seed)?;
+                    Ok(stream.synchronize()?)
+                });
             }
         };
         let hb = self.layout.head_bytes();
@@ -188,10 +186,9 @@ impl RankMemory {
         let buffers = match &self.memory {
             Memory::Host(b) => b,
             Memory::Cuda(c) => {
-                let stream = lock(&c.stream);
-                let mut synth = lock(&c.synth);
-                synth.load_blocks(&stream, blocks)?;
-                let bad = synth.verify(&stream, tokens, seed)?;
+                let bad = c.with_blocks(blocks, |stream, synth| {
+                    Ok(synth.verify(stream, tokens, seed)?)
+                })?;
                 if bad > 0 {
                     bail!("wrong KV: {bad} 8-byte words differ from the pattern");
                 }
@@ -226,6 +223,20 @@ impl RankMemory {
             result.is_ok()
         });
         result.map(|()| bytes)
+    }
+}
+
+impl GpuCache {
+    /// Runs `f` on the cache's own stream with the kernels' block table set to `blocks`.
+    fn with_blocks<T>(
+        &self,
+        blocks: &[BlockId],
+        f: impl FnOnce(&Stream, &mut SynthKv) -> anyhow::Result<T>,
+    ) -> anyhow::Result<T> {
+        let stream = lock(&self.stream);
+        let mut synth = lock(&self.synth);
+        synth.load_blocks(&stream, blocks)?;
+        f(&stream, &mut synth)
     }
 }
 
