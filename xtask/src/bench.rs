@@ -23,6 +23,7 @@ pub(crate) const BENCHES: &[(&str, &str, &str, &str)] = &[
         "matcher,expiry,waiter",
     ),
     ("transfer", "kvx-rdma", "transfer", "transfer"),
+    ("auth", "kvx-vllm", "auth", "auth"),
     ("gpu", "kvx-rdma", "gpu", "gpu"),
 ];
 

@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 /// The Noise protocol of every authenticated control connection.
-pub(crate) const NOISE_PATTERN: &str = "Noise_NNpsk0_25519_ChaChaPoly_BLAKE2s";
+pub const NOISE_PATTERN: &str = "Noise_NNpsk0_25519_ChaChaPoly_BLAKE2s";
 /// Bound into the handshake: a peer of another protocol fails it.
 const PROLOGUE: &[u8] = b"kvx control v1";
 /// Largest Noise message.
