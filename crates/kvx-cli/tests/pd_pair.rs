@@ -554,4 +554,29 @@ fn with_a_deployment_key_push_and_pull_verify_and_another_key_is_refused() {
     let said = String::from_utf8_lossy(&open.stderr);
     assert!(!open.status.success(), "{said}");
     assert!(said.contains("kvx keygen"), "{said}");
+    // Key files that cannot be used stop the start, saying why.
+    let dir = key.parent().unwrap();
+    let loose = dir.join("loose");
+    std::fs::copy(&key, &loose).unwrap();
+    std::fs::set_permissions(&loose, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let short = dir.join("short");
+    std::fs::write(&short, [7u8; 31]).unwrap();
+    std::fs::set_permissions(&short, std::fs::Permissions::from_mode(0o600)).unwrap();
+    for (file, says) in [
+        (dir.join("missing"), "cannot read the kvx key file"),
+        (loose, "chmod 600"),
+        (short, "holds 31 bytes"),
+    ] {
+        let out = Command::new(kvx_bin())
+            .args(["pd", "prefill"])
+            .args(model)
+            .args(["--auth-key-file", file.to_str().unwrap()])
+            .args(["--listen", &free_ports(1).to_string()])
+            .args(["--bench-listen", &free_ports(1).to_string()])
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{said}");
+        assert!(said.contains(says), "{file:?}: {said}");
+    }
 }
