@@ -168,9 +168,10 @@ pub(crate) struct ModelArgs {
     /// Memory order: nhd, hnd or hnd-kt.
     #[arg(long, default_value = "hnd")]
     pub(crate) order: String,
-    /// Transport: libfabric:shm, cma, libfabric:tcp[@IFACE], libfabric:auto, nixl[:ucx|:libfabric]
-    /// [@IFACE], loopback.
-    #[arg(long, default_value = "libfabric:shm")]
+    /// Transport: auto (libfabric:shm for a host cache, cuda-ipc on the cache's GPU for a CUDA
+    /// one), libfabric:shm, cma, libfabric:tcp[@IFACE], libfabric:auto, nixl[:ucx|:libfabric]
+    /// [@IFACE], cuda-ipc[:N], loopback.
+    #[arg(long, default_value = "auto")]
     pub(crate) transport: String,
     /// RDMA NICs for named GPUs, `GPU=NIC,NIC;…` by PCI address (as `kvx topo --override`);
     /// the rule (NICs behind the GPU's PCIe switch, else its NUMA node's) for the others.
