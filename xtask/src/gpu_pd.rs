@@ -17,13 +17,12 @@
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use anyhow::{bail, Context as _};
 use plotters::prelude::*;
 use serde_json::{json, Value};
 
-use crate::pd::{get, point, PairArgs};
+use crate::pd::{get, kvx_json, point, PairArgs};
 use crate::{cargo, root, run, step};
 
 /// Tokens generated per request.
@@ -107,27 +106,6 @@ fn gpu_pair(model: &str, transport: &str, length: u64, rate: f64) -> anyhow::Res
     let mut decode = common(decode_blocks, &decode_device);
     decode.extend(["--output-tokens", &OUTPUT_TOKENS.to_string()].map(str::to_owned));
     Ok(PairArgs { prefill, decode })
-}
-
-fn kvx_json(kvx: &Path, args: &[&str]) -> anyhow::Result<Value> {
-    let out = Command::new(kvx)
-        .args(args)
-        .output()
-        .with_context(|| format!("cannot run {}", kvx.display()))?;
-    if !out.status.success() {
-        // The error and its causes, without a backtrace.
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        let why: Vec<&str> = stderr
-            .lines()
-            .take_while(|l| !l.starts_with("Stack backtrace"))
-            .map(str::trim)
-            .filter(|l| !l.is_empty() && *l != "Caused by:")
-            .collect();
-        bail!("kvx {}: {}", args.join(" "), why.join(": "));
-    }
-    let text = String::from_utf8_lossy(&out.stdout);
-    let line = text.lines().last().unwrap_or_default();
-    serde_json::from_str(line).with_context(|| format!("kvx {}: not JSON: {text}", args[1]))
 }
 
 /// Runs the sweep.

@@ -153,6 +153,29 @@ fn blocks_for(length: u64) -> u64 {
     (length.div_ceil(16) * 8).max(8192)
 }
 
+/// Runs `kvx ARGS` and returns the JSON of its last line of output; a failure names the
+/// command and the error with its causes (no backtrace).
+pub(crate) fn kvx_json(kvx: &Path, args: &[&str]) -> anyhow::Result<Value> {
+    let out = Command::new(kvx)
+        .args(args)
+        .output()
+        .with_context(|| format!("cannot run {}", kvx.display()))?;
+    if !out.status.success() {
+        // The error and its causes, without a backtrace.
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let why: Vec<&str> = stderr
+            .lines()
+            .take_while(|l| !l.starts_with("Stack backtrace"))
+            .map(str::trim)
+            .filter(|l| !l.is_empty() && *l != "Caused by:")
+            .collect();
+        bail!("kvx {}: {}", args.join(" "), why.join(": "));
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text.lines().last().unwrap_or_default();
+    serde_json::from_str(line).with_context(|| format!("kvx {}: not JSON: {text}", args[1]))
+}
+
 pub(crate) fn get(v: &Value, path: &[&str]) -> f64 {
     path.iter()
         .fold(v, |v, k| &v[*k])
@@ -205,27 +228,23 @@ pub(crate) fn run_sweep(quick: bool) -> anyhow::Result<()> {
         for &length in &sweep.lengths {
             let mut both = Vec::new();
             for fresh in [false, true] {
-                let mut command = Command::new(&kvx);
-                command
-                    .args(["pd", "raw", "--model", "qwen2.5-0.5b", "--blocks"])
-                    .arg(blocks_for(length).to_string())
-                    .args([
-                        "--transport",
-                        transport,
-                        "--input-tokens",
-                        &length.to_string(),
-                    ]);
+                let (blocks, tokens) = (blocks_for(length).to_string(), length.to_string());
+                let mut args = vec![
+                    "pd",
+                    "raw",
+                    "--model",
+                    "qwen2.5-0.5b",
+                    "--blocks",
+                    &blocks,
+                    "--transport",
+                    transport,
+                    "--input-tokens",
+                    &tokens,
+                ];
                 if fresh {
-                    command.arg("--fresh-source");
+                    args.push("--fresh-source");
                 }
-                let out = command.output().context("cannot run kvx pd raw")?;
-                if !out.status.success() {
-                    bail!(
-                        "kvx pd raw failed: {}",
-                        String::from_utf8_lossy(&out.stderr)
-                    );
-                }
-                both.push(serde_json::from_slice::<Value>(&out.stdout)?);
+                both.push(kvx_json(&kvx, &args)?);
             }
             raw.insert(length, both);
         }

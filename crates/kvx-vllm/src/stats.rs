@@ -133,19 +133,6 @@ impl StatsReader {
     pub fn snapshot(&self) -> StatsSnapshot {
         self.0.snapshot()
     }
-
-    /// The transfers that finished since the last call (see [`TransferSample`]).
-    #[must_use]
-    pub fn take_samples(&self) -> Vec<TransferSample> {
-        self.0.take_samples()
-    }
-
-    /// Seconds each request that became ready since the last call waited for its KV, from its
-    /// registration (consumer).
-    #[must_use]
-    pub fn take_waits(&self) -> Vec<f64> {
-        self.0.take_waits()
-    }
 }
 
 impl Stats {

@@ -196,15 +196,17 @@ impl Cipher {
     pub(crate) fn seal(&self, plaintext: &[u8]) -> io::Result<Vec<u8>> {
         let pieces = plaintext.len().div_ceil(MAX_PIECE).max(1);
         let mut out = Vec::with_capacity(plaintext.len() + pieces * (TAG + 2));
-        let mut buf = vec![0u8; MAX_MESSAGE];
         let state = self.lock();
         for piece in plaintext.chunks(MAX_PIECE) {
             let nonce = self.sent.fetch_add(1, Ordering::Relaxed);
-            let n = state
-                .write_message(nonce, piece, &mut buf)
-                .map_err(|e| io::Error::other(format!("encrypting a control message: {e}")))?;
+            // Sealed in place at the end of `out`, after its length.
+            let n = piece.len() + TAG;
             out.extend_from_slice(&(n as u16).to_be_bytes());
-            out.extend_from_slice(&buf[..n]);
+            let at = out.len();
+            out.resize(at + n, 0);
+            state
+                .write_message(nonce, piece, &mut out[at..])
+                .map_err(|e| io::Error::other(format!("encrypting a control message: {e}")))?;
         }
         Ok(out)
     }
@@ -226,6 +228,8 @@ pub(crate) struct Received {
     plain: Vec<u8>,
     at: usize,
     count: u64,
+    /// The last message as received (reused).
+    sealed: Vec<u8>,
 }
 
 impl Received {
@@ -247,10 +251,11 @@ impl Received {
                 r => r?,
             }
             let len = usize::from(u16::from_be_bytes(len));
-            let mut message = vec![0u8; len];
-            raw.read_exact(&mut message)?;
-            self.plain.resize(MAX_MESSAGE, 0);
-            let n = cipher.open(self.count, &message, &mut self.plain)?;
+            self.sealed.resize(len, 0);
+            raw.read_exact(&mut self.sealed)?;
+            // The plaintext is the message less its tag.
+            self.plain.resize(len, 0);
+            let n = cipher.open(self.count, &self.sealed, &mut self.plain)?;
             self.count += 1;
             self.plain.truncate(n);
             self.at = 0;
@@ -262,23 +267,19 @@ impl Received {
     }
 }
 
-fn builder_error(e: snow::Error) -> HandshakeError {
-    HandshakeError::Rejected(e)
-}
-
 fn handshake_state(key: &AuthKey, initiator: bool) -> Result<snow::HandshakeState, HandshakeError> {
     let params: snow::params::NoiseParams =
         NOISE_PATTERN.parse().map_err(HandshakeError::Rejected)?;
     let builder = snow::Builder::new(params)
         .psk(0, &key.0)
         .and_then(|b| b.prologue(PROLOGUE))
-        .map_err(builder_error)?;
+        .map_err(HandshakeError::Rejected)?;
     if initiator {
         builder.build_initiator()
     } else {
         builder.build_responder()
     }
-    .map_err(builder_error)
+    .map_err(HandshakeError::Rejected)
 }
 
 fn send_handshake(
@@ -286,7 +287,9 @@ fn send_handshake(
     stream: &mut impl Write,
 ) -> Result<(), HandshakeError> {
     let mut buf = [0u8; 256];
-    let n = hs.write_message(&[], &mut buf).map_err(builder_error)?;
+    let n = hs
+        .write_message(&[], &mut buf)
+        .map_err(HandshakeError::Rejected)?;
     let mut framed = Vec::with_capacity(n + 2);
     framed.extend_from_slice(&(n as u16).to_be_bytes());
     framed.extend_from_slice(&buf[..n]);
@@ -319,7 +322,10 @@ fn receive_handshake(
 
 fn finish(hs: snow::HandshakeState) -> Result<Cipher, HandshakeError> {
     Ok(Cipher {
-        state: Mutex::new(hs.into_stateless_transport_mode().map_err(builder_error)?),
+        state: Mutex::new(
+            hs.into_stateless_transport_mode()
+                .map_err(HandshakeError::Rejected)?,
+        ),
         sent: AtomicU64::new(0),
     })
 }
