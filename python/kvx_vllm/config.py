@@ -20,7 +20,8 @@ SETTINGS: list[dict[str, Any]] = _native.settings()
 #: key: (default, meaning).
 KEYS: dict[str, tuple[Any, str]] = {s["key"]: (s["default"], s["doc"]) for s in SETTINGS}
 
-_DURATIONS = ("seconds", "optional_seconds")
+# Settings of the connector's own that go to the native classes through ``timings``.
+_PASSED = ("seconds", "optional_seconds", "peers")
 
 
 class KvxConfig:
@@ -60,13 +61,13 @@ class KvxConfig:
         """The control address of tensor-parallel rank ``rank``."""
         return _native.rank_listen(self.listen, rank)
 
-    def timings(self) -> dict[str, float]:
-        """The connector's durations, by field name, as the native classes take them (an unset
-        optional one is left out)."""
+    def timings(self) -> dict[str, Any]:
+        """The connector's durations and its peers list, by field name, as the native classes
+        take them (an unset optional one is left out)."""
         return {
             s["field"]: self._values[s["key"]]
             for s in SETTINGS
-            if s["field"] and s["kind"] in _DURATIONS and self._values[s["key"]] is not None
+            if s["field"] and s["kind"] in _PASSED and self._values[s["key"]] is not None
         }
 
 

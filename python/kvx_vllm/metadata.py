@@ -58,6 +58,8 @@ class RecvSpec:
     # Index in ``block_ids`` of the first block the load writes: those before it hold decode's
     # own prefix-cache hit, which other requests may share.
     loads_from: int = 0
+    # The router's capability for the transfer (``kvx_capability``), if it gave one.
+    capability: str | None = None
 
     @property
     def loaded_block_ids(self) -> list[int]:
@@ -81,10 +83,10 @@ class KvxConnectorMetadata(KVConnectorMetadata):
     aborts: list[str] = field(default_factory=list)
     # Decode: transfers to give up (the request was aborted while waiting for its KV).
     cancels: list[str] = field(default_factory=list)
-    # Decode, push: (transfer id, prefill address) of requests that will never register
-    # (aborted while queued, or nothing to load): prefill gives their KV back now instead of
-    # at its lease.
-    abandons: list[tuple[str, str]] = field(default_factory=list)
+    # Decode, push: (transfer id, prefill address, capability) of requests that will never
+    # register (aborted while queued, or nothing to load): prefill gives their KV back now
+    # instead of at its lease.
+    abandons: list[tuple[str, str, str | None]] = field(default_factory=list)
 
     def has_work(self) -> bool:
         return any(

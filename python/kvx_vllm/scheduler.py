@@ -61,6 +61,15 @@ def _transfer_id(params: dict[str, Any]) -> str:
     return str(tid)
 
 
+def _capability(params: dict[str, Any]) -> str | None:
+    """The router's capability for the transfer (``kvx_capability``), if any; the native side
+    checks it (a deployment key makes it required)."""
+    capability = params.get("kvx_capability")
+    if capability is not None and not isinstance(capability, str):
+        raise ValueError(f"kvx_capability must be a string, not {type(capability).__name__}")
+    return capability
+
+
 def _recv_params(
     params: dict[str, Any], pull: bool, prompt_tokens: int
 ) -> tuple[str, str, list[int] | None, int]:
@@ -171,6 +180,7 @@ class _Scheduler:
             transfer_id, prefill, producer_blocks, num_tokens = _recv_params(
                 params, self.pull, request.num_prompt_tokens
             )
+            _capability(params)
         except ValueError as e:
             # The worker reports the load failed, and vLLM fails or recomputes the request
             # per its kv_load_failure_policy.
@@ -197,6 +207,7 @@ class _Scheduler:
                 block_ids=list(block_ids),
                 producer_block_ids=producer_blocks,
                 loads_from=loads_from,
+                capability=_capability(params),
             )
         )
         self.waiting[request.request_id] = transfer_id
@@ -211,9 +222,10 @@ class _Scheduler:
             return
         try:
             transfer_id, prefill, _, _ = _recv_params(params, False, 0)
+            capability = _capability(params)
         except ValueError:
             return  # nothing usable to name: its lease frees the KV
-        self.meta.abandons.append((transfer_id, prefill))
+        self.meta.abandons.append((transfer_id, prefill, capability))
 
     # -- both ------------------------------------------------------------------------------
 

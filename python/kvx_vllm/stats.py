@@ -30,6 +30,8 @@ STATS_COUNTERS = {
                             "confirmation that it writes no more",
     "handshakes_failed": "kvx control connections refused at the handshake (no or another "
                          "deployment key, no hello in time, another protocol version)",
+    "unauthorized": "kvx requests, registrations and aborts refused because their capability "
+                    "did not verify or named another engine, or their prefill is not a peer",
 }
 # Samples a worker reports with its counters (lists, concatenated over ranks): on prefill,
 # seconds from the post of a push transfer's last writes to their completion, and their bytes;

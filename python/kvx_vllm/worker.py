@@ -29,6 +29,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger("vllm.kvx")
 
 
+def _granted(capability: str | None, prefill: str) -> tuple[str, str] | None:
+    """A router's capability as the native consumer takes it: with the prefill address as the
+    router wrote it (``kvx_prefill``, before any lookup), which the capability names."""
+    return None if capability is None else (capability, prefill)
+
+
 class _Worker:
     """Worker-role state: this rank's native producer or consumer."""
 
@@ -196,7 +202,7 @@ class _Worker:
                     if rid is not None:
                         self.cancelled.add(rid)
                 self.consumer.cancel(tid)
-            for tid, prefill in meta.abandons:
+            for tid, prefill, capability in meta.abandons:
                 # Only an address known without a lookup (an IP address, or a name looked up
                 # for an earlier request): a lookup here would cost a thread, and a name no
                 # request of this decode used leaves the KV to prefill's lease.
@@ -204,7 +210,7 @@ class _Worker:
                 if addr is None:
                     continue
                 try:
-                    self.consumer.abandon(tid, addr)
+                    self.consumer.abandon(tid, addr, capability=_granted(capability, prefill))
                 except ValueError as e:
                     logger.debug("kvx: not telling %s about dropped transfer %s: %s",
                                  prefill, tid, e)
@@ -240,6 +246,7 @@ class _Worker:
             self.load_errors.update(r.loaded_block_ids)
 
     def _receive(self, r: RecvSpec, prefill: str) -> None:
+        capability = _granted(r.capability, r.prefill)
         if r.producer_block_ids is not None:
             self.consumer.pull(
                 r.transfer_id,
@@ -249,10 +256,17 @@ class _Worker:
                 r.skip_tokens,
                 r.block_ids,
                 r.producer_block_ids,
+                capability=capability,
             )
         else:
             self.consumer.request_allocated(
-                r.transfer_id, r.request_id, prefill, r.num_tokens, r.skip_tokens, r.block_ids
+                r.transfer_id,
+                r.request_id,
+                prefill,
+                r.num_tokens,
+                r.skip_tokens,
+                r.block_ids,
+                capability=capability,
             )
 
     def save_kv_layer(self, layer_name: str) -> None:

@@ -82,6 +82,15 @@ impl TransferId {
     }
 }
 
+impl EngineId {
+    /// An engine id from the engine's name (for example vLLM's `engine_id`), by a stable 64-bit
+    /// FNV-1a hash.
+    #[must_use]
+    pub fn from_name(name: &str) -> Self {
+        Self(fnv1a_64(name.as_bytes()))
+    }
+}
+
 impl RequestId {
     /// A request id from the engine's string id, by a stable 64-bit FNV-1a hash.
     #[must_use]

@@ -21,6 +21,7 @@
 //!     lease_ms: 30_000,
 //!     notice: 7,
 //!     blocks: vec![BlockId(3), BlockId(4), BlockId(9)],
+//!     capability: None,
 //! });
 //! let bytes = registration.to_bytes()?;
 //! assert_eq!(Message::decode_exact(&bytes)?, registration);

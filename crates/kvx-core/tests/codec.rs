@@ -1,9 +1,9 @@
 //! Round-trip and hostile-input properties of the wire codec.
 
 use kvx_core::wire::{
-    Abort, Completion, DecodeError, FailureNotice, FailureReason, Finishing, FrameHeader,
-    Heartbeat, Hello, Message, Registration, Role, HEADER_LEN, MAX_PAYLOAD, MAX_STRING,
-    PROTOCOL_VERSION,
+    Abort, Capability, Completion, DecodeError, FailureNotice, FailureReason, Finishing,
+    FrameHeader, Heartbeat, Hello, Message, Registration, Role, HEADER_LEN, MAX_PAYLOAD,
+    MAX_STRING, PROTOCOL_VERSION,
 };
 use kvx_core::{
     Arrangement, Attempt, BlockId, Dtype, EngineId, Incarnation, LayoutSpec, MemoryKind,
@@ -82,6 +82,23 @@ fn reason() -> impl Strategy<Value = FailureReason> {
     ]
 }
 
+fn capability() -> impl Strategy<Value = Option<Capability>> {
+    prop::option::of(
+        (
+            any::<u64>(),
+            "[a-z0-9.:-]{0,40}",
+            any::<u64>(),
+            any::<[u8; 16]>(),
+        )
+            .prop_map(|(decode, prefill, expires_unix_ms, tag)| Capability {
+                decode: EngineId(decode),
+                prefill,
+                expires_unix_ms,
+                tag,
+            }),
+    )
+}
+
 fn message() -> impl Strategy<Value = Message> {
     let hello = (
         (any::<u64>(), any::<u64>(), any::<u64>(), 0..3usize),
@@ -124,22 +141,26 @@ fn message() -> impl Strategy<Value = Message> {
         ),
         (any::<u32>(), any::<u32>(), any::<u32>(), any::<u32>()),
         prop::collection::vec(any::<u32>(), 0..100),
+        capability(),
     )
-        .prop_map(|((t, a, req, c, inc), (rank, n, skip, lease), blocks)| {
-            Message::Registration(Registration {
-                transfer: TransferId(t),
-                attempt: Attempt(a),
-                request: RequestId(req),
-                consumer: EngineId(c),
-                consumer_incarnation: Incarnation(inc),
-                consumer_rank: Rank(rank),
-                num_tokens: n,
-                skip_tokens: skip.min(n),
-                lease_ms: lease,
-                notice: (t as u64).rotate_left(7) ^ u64::from(lease),
-                blocks: blocks.into_iter().map(BlockId).collect(),
-            })
-        });
+        .prop_map(
+            |((t, a, req, c, inc), (rank, n, skip, lease), blocks, capability)| {
+                Message::Registration(Registration {
+                    transfer: TransferId(t),
+                    attempt: Attempt(a),
+                    request: RequestId(req),
+                    consumer: EngineId(c),
+                    consumer_incarnation: Incarnation(inc),
+                    consumer_rank: Rank(rank),
+                    num_tokens: n,
+                    skip_tokens: skip.min(n),
+                    lease_ms: lease,
+                    notice: (t as u64).rotate_left(7) ^ u64::from(lease),
+                    blocks: blocks.into_iter().map(BlockId).collect(),
+                    capability,
+                })
+            },
+        );
     let completion = (
         any::<u128>(),
         any::<u32>(),
@@ -172,13 +193,16 @@ fn message() -> impl Strategy<Value = Message> {
                 detail,
             })
         });
-    let abort = (any::<u128>(), any::<Option<u32>>(), ".{0,80}").prop_map(|(t, a, reason)| {
-        Message::Abort(Abort {
-            transfer: TransferId(t),
-            attempt: a.map(Attempt),
-            reason,
-        })
-    });
+    let abort = (any::<u128>(), any::<Option<u32>>(), ".{0,80}", capability()).prop_map(
+        |(t, a, reason, capability)| {
+            Message::Abort(Abort {
+                transfer: TransferId(t),
+                attempt: a.map(Attempt),
+                reason,
+                capability,
+            })
+        },
+    );
     let heartbeat = (
         any::<u64>(),
         any::<u64>(),
@@ -436,6 +460,7 @@ fn skip_beyond_tokens_is_rejected() {
         lease_ms: 0,
         notice: 0,
         blocks: vec![],
+        capability: None,
     };
     let mut bytes = Message::Registration(reg).to_bytes().unwrap();
     let skip_at = HEADER_LEN + 16 + 4 + 8 + 8 + 8 + 4 + 4;
@@ -455,6 +480,7 @@ fn overlong_fields_fail_to_encode_and_leave_the_buffer_alone() {
         transfer: TransferId(1),
         attempt: None,
         reason: "x".repeat(MAX_STRING + 1),
+        capability: None,
     });
     let mut out = vec![1, 2, 3];
     assert!(abort.encode(&mut out).is_err());

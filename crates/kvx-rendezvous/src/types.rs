@@ -126,6 +126,9 @@ pub enum Reason {
     NoProducers,
     /// The state machine was shut down by its driver.
     Shutdown,
+    /// The request's capability did not verify (forged, expired, for another engine), or its
+    /// peer is not one this side may reach.
+    Unauthorized,
 }
 
 impl Reason {
@@ -161,6 +164,7 @@ impl Reason {
             Self::PeerFailed => "peer_failed",
             Self::NoProducers => "no_producers",
             Self::Shutdown => "shutdown",
+            Self::Unauthorized => "unauthorized",
         }
     }
 }
@@ -180,7 +184,8 @@ impl From<Reason> for FailureReason {
             | Reason::Duplicate
             | Reason::Conflict
             | Reason::Capacity
-            | Reason::NoProducers => Self::Rejected,
+            | Reason::NoProducers
+            | Reason::Unauthorized => Self::Rejected,
             Reason::Superseded | Reason::Aborted | Reason::Shutdown => Self::Aborted,
             Reason::Preempted => Self::Preempted,
             Reason::TransferTimeout | Reason::TransferFailed | Reason::PeerFailed => {
@@ -230,6 +235,7 @@ mod tests {
             lease_ms: 1_000,
             notice: 0,
             blocks: vec![],
+            capability: None,
         };
         assert_eq!(
             AttemptKey::from(&registration),

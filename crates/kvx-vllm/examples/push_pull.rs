@@ -149,6 +149,7 @@ fn main() -> Result<(), Box<dyn Error>> {
         num_tokens: tokens,
         skip_tokens: 0,
         blocks: ids(20..25),
+        capability: None,
     })?;
     fill(&ids(2..5), tokens);
     producer.request_finished(key, RequestId(1), ids(2..5), tokens)?;
@@ -170,6 +171,7 @@ fn main() -> Result<(), Box<dyn Error>> {
             num_tokens: tokens,
             skip_tokens: 0,
             blocks: ids(26..30),
+            capability: None,
         },
         producer_blocks: ids(8..10),
     })?;

@@ -71,6 +71,68 @@ pub struct ConnectorConfig {
     /// Producer: listen on a non-loopback address without a key (anyone who reaches the port
     /// then gets the region table and can register for transfers); warned about at start.
     pub allow_unauthenticated: bool,
+    /// Consumer: the prefill instances it may connect to. Empty: those that the requests'
+    /// capabilities name (with a deployment key), any (without one).
+    pub peers: Peers,
+}
+
+/// The prefill instances a consumer may connect to: addresses (`IP:PORT`, rank 0's control
+/// address) or whole hosts (`IP`), written comma-separated. Empty: no list.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Peers(Vec<PeerEntry>);
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum PeerEntry {
+    Host(std::net::IpAddr),
+    Address(SocketAddr),
+}
+
+/// A `peers` entry that is neither `IP` nor `IP:PORT`.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "`{0}` is neither IP nor IP:PORT (peers are comma-separated addresses of prefill instances)"
+)]
+pub struct BadPeer(pub String);
+
+impl std::str::FromStr for Peers {
+    type Err = BadPeer;
+
+    fn from_str(s: &str) -> Result<Self, BadPeer> {
+        s.split(',')
+            .map(str::trim)
+            .filter(|e| !e.is_empty())
+            .map(|e| {
+                e.parse()
+                    .map(PeerEntry::Address)
+                    .or_else(|_| {
+                        e.trim_start_matches('[')
+                            .trim_end_matches(']')
+                            .parse()
+                            .map(PeerEntry::Host)
+                    })
+                    .map_err(|_| BadPeer(e.to_owned()))
+            })
+            .collect::<Result<_, _>>()
+            .map(Self)
+    }
+}
+
+impl Peers {
+    /// Whether the list is empty (no list).
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Whether the prefill instance at `prefill` is on the list (always, where there is none).
+    #[must_use]
+    pub fn allows(&self, prefill: SocketAddr) -> bool {
+        self.0.is_empty()
+            || self.0.iter().any(|e| match *e {
+                PeerEntry::Host(ip) => ip == prefill.ip(),
+                PeerEntry::Address(a) => a == prefill,
+            })
+    }
 }
 
 impl ConnectorConfig {
@@ -97,6 +159,7 @@ impl ConnectorConfig {
             local_sockets: true,
             auth_key: None,
             allow_unauthenticated: false,
+            peers: Peers::default(),
         };
         for setting in crate::settings::SETTINGS
             .iter()
@@ -164,4 +227,27 @@ pub(crate) fn random_seed() -> u64 {
     let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
     hasher.write_u32(std::process::id());
     hasher.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peers_allow_their_addresses_and_hosts_and_no_list_allows_all() {
+        let addr = |s: &str| s.parse::<SocketAddr>().unwrap();
+        let none = Peers::default();
+        assert!(none.allows(addr("10.9.9.9:1")));
+        let peers: Peers = " 10.0.0.1:7100, 10.0.0.2 ,[::1]".parse().unwrap();
+        assert!(peers.allows(addr("10.0.0.1:7100")));
+        assert!(!peers.allows(addr("10.0.0.1:7101")));
+        assert!(peers.allows(addr("10.0.0.2:9")));
+        assert!(peers.allows(addr("[::1]:7100")));
+        assert!(!peers.allows(addr("10.0.0.3:7100")));
+        assert_eq!(
+            "10.0.0.1:7100,prefill-0".parse::<Peers>(),
+            Err(BadPeer("prefill-0".into()))
+        );
+        assert!("".parse::<Peers>().unwrap().is_empty());
+    }
 }

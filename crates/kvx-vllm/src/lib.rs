@@ -72,6 +72,7 @@ pub mod transport;
 pub use cache::KvCache;
 pub use config::{ConnectorConfig, QUIESCE_MARGIN};
 pub use consumer::{Consumer, PullRequest, PushRequest, RecvEvent};
+pub use control::capability::{self, CapabilityError};
 pub use control::secure::{AuthKey, AuthKeyError, HandshakeError, NOISE_PATTERN};
 pub use control::ControlError;
 pub use control::{rank_addr, rank_port};

@@ -244,6 +244,7 @@ fn stats_dict<'py>(py: Python<'py>, s: StatsSnapshot) -> PyResult<Bound<'py, PyD
     d.set_item("released_unconfirmed", s.released_unconfirmed)?;
     d.set_item("handshakes_evicted", s.handshakes_evicted)?;
     d.set_item("handshakes_failed", s.handshakes_failed)?;
+    d.set_item("unauthorized", s.unauthorized)?;
     Ok(d)
 }
 
@@ -527,7 +528,7 @@ impl PyProducer {
     /// Counters: held, transfers_started, transfers_ok, transfers_failed, bytes_written,
     /// bytes_streamed, finishing_hints, nudges, handshakes_evicted (connections dropped before
     /// their hello for newer ones), handshakes_failed (hellos late, malformed or of another
-    /// protocol version).
+    /// protocol version), unauthorized (capabilities refused).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.with(Producer::stats)?;
         stats_dict(py, s)
@@ -597,6 +598,7 @@ impl PyConsumer {
             num_tokens: num_tokens.div_ceil(self.token_unit),
             skip_tokens: skip_tokens / self.token_unit,
             blocks: blocks(block_ids)?,
+            capability: None,
         })
     }
 
@@ -611,6 +613,18 @@ impl PyConsumer {
             closed_err()
         })
     }
+}
+
+/// A router's capability from its text and the prefill address it was written with.
+fn parse_capability(
+    capability: Option<(String, String)>,
+) -> PyResult<Option<kvx_core::wire::Capability>> {
+    capability
+        .map(|(text, prefill)| {
+            crate::capability::from_text(&text, &prefill)
+                .ok_or_else(|| value_err(format!("malformed kvx_capability `{text}`")))
+        })
+        .transpose()
 }
 
 #[pymethods]
@@ -672,7 +686,8 @@ impl PyConsumer {
 
     /// Decode allocated `block_ids` (from token 0) for a remotely prefilled request (push):
     /// registers them with the prefill instance whose rank 0 listens at `prefill`.
-    #[pyo3(signature = (transfer_id, request_id, prefill, num_tokens, skip_tokens, block_ids, attempt = 0))]
+    /// `capability`: the router's (`kvx_capability`, and `kvx_prefill` as the router wrote it).
+    #[pyo3(signature = (transfer_id, request_id, prefill, num_tokens, skip_tokens, block_ids, attempt = 0, capability = None))]
     #[allow(clippy::too_many_arguments)]
     fn request_allocated(
         &self,
@@ -683,8 +698,9 @@ impl PyConsumer {
         skip_tokens: u64,
         block_ids: Vec<i64>,
         attempt: u32,
+        capability: Option<(String, String)>,
     ) -> PyResult<()> {
-        let r = self.push_request(
+        let mut r = self.push_request(
             transfer_id,
             request_id,
             prefill,
@@ -693,12 +709,13 @@ impl PyConsumer {
             block_ids,
             attempt,
         )?;
+        r.capability = parse_capability(capability)?;
         self.submit(request_id, |c| c.request_allocated(r))
     }
 
     /// Reads a prefilled request's KV (pull): `producer_block_ids` are prefill's blocks, as its
     /// response's `kv_transfer_params` relayed them.
-    #[pyo3(signature = (transfer_id, request_id, prefill, num_tokens, skip_tokens, block_ids, producer_block_ids, attempt = 0))]
+    #[pyo3(signature = (transfer_id, request_id, prefill, num_tokens, skip_tokens, block_ids, producer_block_ids, attempt = 0, capability = None))]
     #[allow(clippy::too_many_arguments)]
     fn pull(
         &self,
@@ -710,8 +727,9 @@ impl PyConsumer {
         block_ids: Vec<i64>,
         producer_block_ids: Vec<i64>,
         attempt: u32,
+        capability: Option<(String, String)>,
     ) -> PyResult<()> {
-        let push = self.push_request(
+        let mut push = self.push_request(
             transfer_id,
             request_id,
             prefill,
@@ -720,6 +738,7 @@ impl PyConsumer {
             block_ids,
             attempt,
         )?;
+        push.capability = parse_capability(capability)?;
         let r = PullRequest {
             push,
             producer_blocks: blocks(producer_block_ids)?,
@@ -739,12 +758,20 @@ impl PyConsumer {
     /// allocated its blocks): the prefill instance whose rank 0 listens at `prefill` (an IP
     /// address and port) gives the transfer's KV back now rather than at its lease, if this
     /// consumer is connected to it.
-    fn abandon(&self, transfer_id: &str, prefill: &str) -> PyResult<()> {
+    #[pyo3(signature = (transfer_id, prefill, capability = None))]
+    fn abandon(
+        &self,
+        transfer_id: &str,
+        prefill: &str,
+        capability: Option<(String, String)>,
+    ) -> PyResult<()> {
         let addr: SocketAddr = prefill
             .parse()
             .map_err(|e| value_err(format!("bad address `{prefill}`: {e}")))?;
         let t = TransferId::from_str_hash(transfer_id);
-        self.with(|c| c.abandon(addr, t))?.map_err(|_| closed_err())
+        let capability = parse_capability(capability)?;
+        self.with(|c| c.abandon(addr, t, capability))?
+            .map_err(|_| closed_err())
     }
 
     /// What happened since the last call: `(request_id, ok, reason, detail)`.

@@ -17,6 +17,9 @@ use kvx_core::{EngineId, Incarnation, Rank, TransferId};
 use crate::control;
 use crate::control::rank_addr;
 
+/// How long the capability of a router's abandon stays valid at least.
+const ABANDON_GRANT: Duration = Duration::from_secs(60);
+
 /// Why a router could not tell a prefill instance to abandon a transfer.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -44,7 +47,8 @@ pub enum RouterError {
 /// Tells every rank of the prefill instance whose rank 0 listens at `instance` to give the KV
 /// of `transfer` (the router's transfer id, as in `kv_transfer_params`) back now. Each step is
 /// bounded by `timeout`, authenticated with the deployment key `key` where the deployment has
-/// one; returns how many ranks were told. A router must only abandon ids it
+/// one (the abort then carries a capability for the transfer, which prefill requires); returns
+/// how many ranks were told. A router must only abandon ids it
 /// never handed to a decode instance: a prefill rank cannot tell a pull read in progress from
 /// an orphan (see wire-protocol.md, "Routers").
 ///
@@ -58,10 +62,20 @@ pub fn abandon(
     timeout: Duration,
     key: Option<&crate::AuthKey>,
 ) -> Result<u32, RouterError> {
+    let transfer = TransferId::from_str_hash(transfer);
+    let capability = key.map(|key| {
+        key.grant(
+            transfer,
+            EngineId(0),
+            &instance.to_string(),
+            std::time::SystemTime::now() + timeout.max(ABANDON_GRANT),
+        )
+    });
     let abort = Message::Abort(Abort {
-        transfer: TransferId::from_str_hash(transfer),
+        transfer,
         attempt: None,
         reason: reason.to_owned(),
+        capability,
     });
     let hello = Message::Hello(Hello::router(
         EngineId(u64::from(std::process::id())),

@@ -54,6 +54,8 @@ pub enum Kind {
     Transport,
     /// Rails for named GPUs, `GPU=NIC,NIC;…` (`kvx_rdma::topology::RailOverrides`), or empty.
     Rails,
+    /// Comma-separated `IP` or `IP:PORT` ([`Peers`](crate::config::Peers)), or empty.
+    Peers,
 }
 
 impl Kind {
@@ -71,6 +73,7 @@ impl Kind {
             Self::Address => "address",
             Self::Transport => "transport",
             Self::Rails => "rails",
+            Self::Peers => "peers",
         }
     }
 }
@@ -308,6 +311,16 @@ pub const SETTINGS: &[Setting] = &[
               start.",
     },
     Setting {
+        key: "peers",
+        field: Some("peers"),
+        kind: Kind::Peers,
+        default: text(""),
+        doc: "Decode: the prefill instances it may connect to, comma-separated IP or IP:PORT \
+              (rank 0's control address); a request naming another is refused before any \
+              connection. Empty: with a deployment key, the instances the requests' \
+              capabilities name; without one, any.",
+    },
+    Setting {
         key: "log",
         field: None,
         kind: Kind::Text,
@@ -449,6 +462,13 @@ pub fn parse(name: &str, raw: Raw<'_>) -> Result<Value, SettingError> {
             },
             _ => Err(invalid("GPU=NIC,NIC;…".into())),
         },
+        Kind::Peers => match raw {
+            Raw::Text(t) => match t.parse::<crate::config::Peers>() {
+                Ok(_) => Ok(Value::Text(Cow::Owned(t.to_owned()))),
+                Err(e) => Err(invalid(e.to_string().into())),
+            },
+            _ => Err(invalid("IP or IP:PORT, comma-separated".into())),
+        },
     }
 }
 
@@ -507,6 +527,12 @@ pub fn apply(config: &mut ConnectorConfig, name: &str, value: &Value) -> Result<
         "allow_unauthenticated" => {
             config.allow_unauthenticated = match value {
                 Value::Flag(b) => *b,
+                _ => return Err(invalid()),
+            }
+        }
+        "peers" => {
+            config.peers = match value {
+                Value::Text(t) => t.parse().map_err(|_| invalid())?,
                 _ => return Err(invalid()),
             }
         }
@@ -590,8 +616,10 @@ mod tests {
             find("allow_unauthenticated").unwrap().default,
             Value::Flag(config.allow_unauthenticated)
         );
+        assert_eq!(find("peers").unwrap().default, text(""));
+        assert!(config.peers.is_empty());
         // Every ConnectorConfig setting of the table was looked at above.
-        assert_eq!(SETTINGS.iter().filter(|s| s.field.is_some()).count(), 8);
+        assert_eq!(SETTINGS.iter().filter(|s| s.field.is_some()).count(), 9);
     }
 
     #[test]
@@ -612,6 +640,8 @@ mod tests {
             ("listen", Raw::Text("no-port")),
             ("listen", Raw::Text("h:70000")),
             ("seal", Raw::Text("maybe")),
+            ("peers", Raw::Text("10.0.0.1:7100,prefill-0")),
+            ("peers", Raw::Int(1)),
             ("max_entries", Raw::Int(0)),
             ("producer_lease_s", Raw::Float(f64::NAN)),
             ("transport", Raw::Text("carrier-pigeon")),

@@ -36,6 +36,7 @@ pub(crate) struct Stats {
     pub(crate) released_unconfirmed: AtomicU64,
     pub(crate) handshakes_evicted: AtomicU64,
     pub(crate) handshakes_failed: AtomicU64,
+    pub(crate) unauthorized: AtomicU64,
     /// Transfers finished since the last [`Stats::take_samples`] (producer).
     samples: Samples<TransferSample>,
     /// Seconds requests waited for their KV, since the last [`Stats::take_waits`] (consumer).
@@ -120,6 +121,10 @@ pub struct StatsSnapshot {
     /// Control connections whose hello did not come in time, or was not a hello of this
     /// protocol version (producer).
     pub handshakes_failed: u64,
+    /// Requests refused before connecting (consumer), and registrations and aborts refused
+    /// (producer), because their capability did not verify or named another engine, or their
+    /// prefill is not on the `peers` list.
+    pub unauthorized: u64,
 }
 
 /// A handle on a side's live counters that can go to another thread (a metrics endpoint reads
@@ -172,6 +177,7 @@ impl Stats {
             released_unconfirmed: self.released_unconfirmed.load(Ordering::Relaxed),
             handshakes_evicted: self.handshakes_evicted.load(Ordering::Relaxed),
             handshakes_failed: self.handshakes_failed.load(Ordering::Relaxed),
+            unauthorized: self.unauthorized.load(Ordering::Relaxed),
         }
     }
 }

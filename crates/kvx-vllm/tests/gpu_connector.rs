@@ -166,6 +166,7 @@ fn push_tp2_into_tp1(test: &str, transport: &str) {
             num_tokens: tokens,
             skip_tokens: 0,
             blocks: c_blocks.clone(),
+            capability: None,
         })
         .expect("registration");
     // Chunked prefill: 200 of the 300 tokens are computed first; the whole 32-token blocks of

@@ -220,6 +220,7 @@ fn register_request(
             num_tokens: tokens,
             skip_tokens: 0,
             blocks,
+            capability: None,
         })
         .unwrap();
 }
@@ -494,6 +495,7 @@ fn pull_reads_then_frees_the_producer_blocks() {
                 num_tokens: tokens,
                 skip_tokens: 0,
                 blocks: c_blocks.clone(),
+                capability: None,
             },
             producer_blocks: p_blocks.clone(),
         })
@@ -645,11 +647,11 @@ fn an_abandoned_transfer_is_given_back_at_once_by_every_prefill_rank() {
     pre.finish(key(21, 0), &p_blocks, 16);
     wait_held(&pre, 1);
     let abandoned = Instant::now();
-    consumer.abandon(pre.base, TransferId(21)).unwrap();
+    consumer.abandon(pre.base, TransferId(21), None).unwrap();
     expect_given_back(&pre, abandoned);
 
     // Dropped at decode while prefill still computes: given back as soon as it finishes.
-    consumer.abandon(pre.base, TransferId(22)).unwrap();
+    consumer.abandon(pre.base, TransferId(22), None).unwrap();
     std::thread::sleep(Duration::from_millis(50));
     pre.finish(key(22, 0), &p_blocks, 16);
     for p in &pre.producers {
@@ -659,7 +661,9 @@ fn an_abandoned_transfer_is_given_back_at_once_by_every_prefill_rank() {
 
     // Nothing listens at that address: nobody to tell, and nothing fails; the consumer still
     // serves its prefill.
-    consumer.abandon(free_ports(1), TransferId(23)).unwrap();
+    consumer
+        .abandon(free_ports(1), TransferId(23), None)
+        .unwrap();
     register(&consumer, pre.base, key(24, 0), 16, c_blocks);
     pre.finish(key(24, 0), &p_blocks, 16);
     expect_ready(&consumer, key(24, 0), RequestId(1));
@@ -677,7 +681,7 @@ fn an_abandon_connects_to_a_prefill_that_decode_never_reached_before() {
     pre.finish(key(30, 0), &p_blocks, 16);
     wait_held(&pre, 1);
     let abandoned = Instant::now();
-    consumer.abandon(pre.base, TransferId(30)).unwrap();
+    consumer.abandon(pre.base, TransferId(30), None).unwrap();
     expect_given_back(&pre, abandoned);
     // The connection it made serves the next request.
     register(&consumer, pre.base, key(31, 0), 16, c_blocks);
@@ -793,6 +797,7 @@ fn a_router_cannot_abandon_a_pull_transfer_a_decode_reads() {
                     num_tokens: tokens,
                     skip_tokens: 0,
                     blocks: c_blocks.clone(),
+                    capability: None,
                 },
                 producer_blocks: p_blocks.clone(),
             })
@@ -854,6 +859,7 @@ fn preempted_request_reregisters_with_a_new_attempt() {
         num_tokens: tokens,
         skip_tokens: 0,
         blocks,
+        capability: None,
     };
     consumer.request_allocated(request(0, ids(10..13))).unwrap();
     std::thread::sleep(Duration::from_millis(30));
@@ -952,6 +958,7 @@ fn one_producer_two_consumers(pull: bool, registration_first: bool) {
         num_tokens: tokens,
         skip_tokens: 0,
         blocks: c_blocks.clone(),
+        capability: None,
     };
     let consumers_go = || {
         for (_, consumer) in &decoders {
@@ -1993,6 +2000,7 @@ fn a_lost_prefill_fails_a_pull_only_once_its_reads_ended() {
                 num_tokens: tokens,
                 skip_tokens: 0,
                 blocks: ids(20..22),
+                capability: None,
             },
             producer_blocks: ids(0..2),
         })
@@ -2691,6 +2699,7 @@ fn an_abort_from_another_decode_instance_is_ignored() {
             transfer,
             attempt: None,
             reason: "not mine".into(),
+            capability: None,
         })
         .to_bytes()
         .unwrap()
@@ -3438,7 +3447,24 @@ fn with_a_deployment_key_a_peer_without_it_gets_no_byte() {
     );
     let (p_blocks, c_blocks) = request_blocks(&pre, 12, 4, 4);
     let k = key(906, 0);
-    register(&consumer, pre.base, k, 12, c_blocks.clone());
+    // The router's grant for this transfer, which a keyed decode needs.
+    let capability = kvx_vllm::AuthKey::from_bytes(secret).grant(
+        k.transfer,
+        EngineId(2),
+        &pre.base.to_string(),
+        std::time::SystemTime::now() + LONG,
+    );
+    consumer
+        .request_allocated(PushRequest {
+            key: k,
+            request: RequestId(1),
+            prefill: pre.base,
+            num_tokens: 12,
+            skip_tokens: 0,
+            blocks: c_blocks.clone(),
+            capability: Some(capability),
+        })
+        .unwrap();
     // A plain hello, as a kvx without the key sends it.
     let endpoint = fabric.endpoint();
     let desc = endpoint.local_desc();
@@ -3502,7 +3528,26 @@ fn a_decode_with_another_key_or_none_fails_naming_the_key() {
             decode_key,
         );
         let (_, c_blocks) = request_blocks(&pre, 12, 4, 4);
-        register(&consumer, pre.base, key(907, 0), 12, c_blocks);
+        // A capability that passes decode's own check: the handshake is what fails.
+        let capability = (!keyless).then(|| {
+            kvx_vllm::AuthKey::from_bytes([2; 32]).grant(
+                key(907, 0).transfer,
+                EngineId(2),
+                &pre.base.to_string(),
+                std::time::SystemTime::now() + LONG,
+            )
+        });
+        consumer
+            .request_allocated(PushRequest {
+                key: key(907, 0),
+                request: RequestId(1),
+                prefill: pre.base,
+                num_tokens: 12,
+                skip_tokens: 0,
+                blocks: c_blocks,
+                capability,
+            })
+            .unwrap();
         let events = wait_events(&consumer, 1);
         match &events[0] {
             RecvEvent::Failed { detail, .. } => {

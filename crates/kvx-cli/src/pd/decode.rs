@@ -147,6 +147,8 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
     let device = args.model.device()?;
     let mut memories = Vec::new();
     let mut consumers = Vec::new();
+    // This run is its own router: with a deployment key it grants each request's capability.
+    let mut grant_key = None;
     for rank in 0..args.model.tp {
         let (memory, cache) = RankMemory::new(args.model.layout(rank)?, device)?;
         let mut config = ConnectorConfig::new(EngineId(2));
@@ -158,6 +160,7 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
             _ => None,
         };
         args.model.apply_settings(&mut config)?;
+        grant_key.clone_from(&config.auth_key);
         let rails = super::rail_overrides(&args.model.rails)?;
         consumers.push(
             Consumer::start(
@@ -173,6 +176,18 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
         );
         memories.push(memory);
     }
+    let prefill_name = args.prefill.to_string();
+    let grant_for = Duration::from_secs(args.lease_s) + Duration::from_secs(60);
+    let grant = |transfer| {
+        grant_key.as_ref().map(|k| {
+            k.grant(
+                transfer,
+                EngineId(2),
+                &prefill_name,
+                std::time::SystemTime::now() + grant_for,
+            )
+        })
+    };
     super::serve_metrics(
         &args.model,
         "decode",
@@ -326,6 +341,7 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
             by_key.insert(key, index);
             if !pull {
                 let t = StepWork::mark();
+                let capability = grant(key.transfer);
                 for consumer in &consumers {
                     consumer.request_allocated(PushRequest {
                         key,
@@ -334,6 +350,7 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
                         num_tokens: tokens,
                         skip_tokens: 0,
                         blocks: blocks.clone(),
+                        capability: capability.clone(),
                     })?;
                 }
                 transfer_work.add_since(t, &measuring);
@@ -372,6 +389,7 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
                     .collect::<Result<Vec<_>, _>>()?;
                 let r = &requests[index];
                 let t = StepWork::mark();
+                let capability = grant(key.transfer);
                 for consumer in &consumers {
                     consumer.pull(PullRequest {
                         push: PushRequest {
@@ -381,6 +399,7 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
                             num_tokens: r.tokens,
                             skip_tokens: 0,
                             blocks: r.blocks.clone(),
+                            capability: capability.clone(),
                         },
                         producer_blocks: producer_blocks.clone(),
                     })?;

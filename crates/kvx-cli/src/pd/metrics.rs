@@ -14,6 +14,7 @@
 //! | `kvx_released_unconfirmed_total` | counter | failed requests whose blocks went back without every writer's confirmation |
 //! | `kvx_handshakes_failed_total` | counter | control connections refused at the handshake (no or another key, no hello in time, another protocol) |
 //! | `kvx_handshakes_evicted_total` | counter | control connections dropped while too many handshakes waited |
+//! | `kvx_unauthorized_total` | counter | requests, registrations and aborts refused for their capability or peer |
 
 use std::net::SocketAddr;
 
@@ -68,6 +69,11 @@ const COUNTERS: &[Counter] = &[
         "handshakes_evicted",
         "Control connections dropped while too many handshakes waited",
         |s| s.handshakes_evicted,
+    ),
+    (
+        "unauthorized",
+        "Requests, registrations and aborts refused for their capability or peer",
+        |s| s.unauthorized,
     ),
 ];
 

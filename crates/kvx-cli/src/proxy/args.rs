@@ -15,8 +15,11 @@ pub(crate) struct ProxyArgs {
     /// `listen` key), as `URL@HOST:PORT`, e.g. `http://127.0.0.1:8100@127.0.0.1:7100`. Repeatable.
     #[arg(long = "prefill", required = true, value_parser = parse_prefill)]
     pub(crate) prefill: Vec<Prefill>,
-    /// A decode instance's HTTP base URL. Repeatable.
-    #[arg(long = "decode", required = true, value_parser = parse_url)]
+    /// A decode instance's HTTP base URL, optionally followed by `#ENGINE_ID`, its vLLM
+    /// `engine_id` (`kv_transfer_config`): with `--auth-key-file`, each dispatch's capability
+    /// then names that decode engine, and no other can use it (without it, any decode engine
+    /// of the deployment can). Repeatable.
+    #[arg(long = "decode", required = true, value_parser = parse_decode)]
     pub(crate) decode: Vec<String>,
     /// Bound on connecting to an instance, in seconds.
     #[arg(long, default_value_t = 5.0)]
@@ -87,6 +90,17 @@ pub(super) fn parse_url(url: &str) -> Result<String, String> {
         return Err(format!("`{url}`: no host"));
     }
     Ok(url.trim_end_matches('/').to_owned())
+}
+
+/// A decode instance: `URL[#ENGINE_ID]` (its URL checked as [`parse_url`]'s).
+pub(super) fn parse_decode(s: &str) -> Result<String, String> {
+    let (url, engine) = match s.split_once('#') {
+        Some((url, engine)) if !engine.is_empty() => (url, Some(engine)),
+        Some(_) => return Err(format!("`{s}`: an empty engine id after `#`")),
+        None => (s, None),
+    };
+    let url = parse_url(url)?;
+    Ok(engine.map_or_else(|| url.clone(), |e| format!("{url}#{e}")))
 }
 
 pub(super) fn parse_prefill(s: &str) -> Result<Prefill, String> {

@@ -44,6 +44,9 @@ use http::app;
 struct Instance {
     url: String,
     kvx: Option<String>,
+    /// A decode instance's engine, which the capabilities of its dispatches name
+    /// (`EngineId(0)`: not given, any decode engine).
+    engine: kvx_core::EngineId,
     in_flight: AtomicUsize,
     /// Its series: requests in flight, times passed over, time to its answers.
     in_flight_gauge: prometheus_client::metrics::gauge::Gauge,
@@ -188,6 +191,10 @@ fn build(args: &ProxyArgs) -> anyhow::Result<Arc<Proxy>> {
     let metrics = metrics::Metrics::new();
     let instance = |url: &str, kvx: Option<String>| {
         let role = if kvx.is_some() { "prefill" } else { "decode" };
+        let (url, engine) = match url.split_once('#') {
+            Some((url, engine)) => (url, kvx_core::EngineId::from_name(engine)),
+            None => (url, kvx_core::EngineId(0)),
+        };
         let url = url.trim_end_matches('/').to_owned();
         Arc::new(Instance {
             in_flight_gauge: metrics
@@ -207,6 +214,7 @@ fn build(args: &ProxyArgs) -> anyhow::Result<Arc<Proxy>> {
                 .clone(),
             url,
             kvx,
+            engine,
             in_flight: AtomicUsize::new(0),
             skip_until: Mutex::new(None),
             unreachable: AtomicU64::new(0),

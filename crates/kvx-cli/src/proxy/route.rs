@@ -97,6 +97,33 @@ impl Proxy {
         }
     }
 
+    /// The decode leg's `kv_transfer_params`: `params` with, where the proxy has the
+    /// deployment key, a capability for `transfer` naming decode instance `d` and the prefill
+    /// control address `kvx`, valid until the call's deadline.
+    pub(super) fn with_capability(
+        &self,
+        mut params: Map<String, Value>,
+        call: &Call,
+        d: usize,
+        kvx: &str,
+        transfer: &str,
+    ) -> Value {
+        if let Some(key) = &self.auth_key {
+            let left = call.deadline.saturating_duration_since(Instant::now());
+            let capability = key.grant(
+                kvx_core::TransferId::from_str_hash(transfer),
+                self.decode[d].engine,
+                kvx,
+                std::time::SystemTime::now() + left,
+            );
+            params.insert(
+                "kvx_capability".into(),
+                Value::String(kvx_vllm::capability::to_text(&capability)),
+            );
+        }
+        Value::Object(params)
+    }
+
     /// A fresh transfer id: unique per proxy process and dispatch.
     pub(super) fn transfer_id(&self) -> String {
         self.ids.fresh()
@@ -189,9 +216,14 @@ impl Proxy {
             request,
             json!({"do_remote_decode": true, "kvx_transfer_id": transfer}),
         );
+        let d_params =
+            json!({"do_remote_prefill": true, "kvx_transfer_id": transfer, "kvx_prefill": kvx});
+        let Value::Object(d_params) = d_params else {
+            unreachable!("an object")
+        };
         let d_body = decode_body(
             request,
-            json!({"do_remote_prefill": true, "kvx_transfer_id": transfer, "kvx_prefill": kvx}),
+            self.with_capability(d_params, call, d, &kvx, transfer),
         );
         let mut unclaimed = self.unclaimed(p, transfer);
         let p_load = Load::new(pi);
@@ -307,9 +339,16 @@ impl Proxy {
         if let Some(kvx) = &pi.kvx {
             params.insert("kvx_prefill".into(), Value::String(kvx.clone()));
         }
-        let d_body = decode_body(request, Value::Object(params));
+        // Only the proxy grants capabilities, for the id it dispatched.
+        params.remove("kvx_capability");
+        params.insert("kvx_transfer_id".into(), Value::String(transfer.to_owned()));
+        let kvx = pi.kvx.clone().unwrap_or_default();
         loop {
             let di = &self.decode[d];
+            let d_body = decode_body(
+                request,
+                self.with_capability(params.clone(), call, d, &kvx, transfer),
+            );
             let d_load = Load::new(di);
             // Claimed while a decode instance may have the parameters (a read in progress is
             // invisible to prefill): during the leg, so that a client leaving meanwhile gives

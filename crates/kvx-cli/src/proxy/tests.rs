@@ -8,7 +8,7 @@ use axum::Router;
 use futures_util::StreamExt as _;
 use serde_json::{json, Value};
 
-use super::args::{parse_prefill, parse_url, Prefill};
+use super::args::{parse_decode, parse_prefill, parse_url, Prefill};
 use super::http::ApiError;
 use super::route::{decode_body, prefill_body, Call};
 use super::*;
@@ -38,6 +38,13 @@ fn prefill_addresses_parse() {
     for bad in ["d:8200", "https://d:8200", "http://", "http://:8200"] {
         assert!(parse_url(bad).is_err(), "{bad}");
     }
+    assert_eq!(parse_decode("http://d:8200/").unwrap(), "http://d:8200");
+    assert_eq!(
+        parse_decode("http://d:8200/#decode-0").unwrap(),
+        "http://d:8200#decode-0"
+    );
+    assert!(parse_decode("http://d:8200#").is_err());
+    assert!(parse_decode("d:8200#x").is_err());
 }
 
 #[test]
@@ -1142,4 +1149,75 @@ fn metrics_count_requests_retries_and_load() {
             assert!(name.starts_with("kvx_proxy_"), "{name}");
         }
     });
+}
+
+/// An instance that answers `/v1/completions` with 200 and `answer`, and records each request's
+/// whole `kv_transfer_params`.
+async fn params_recorder(answer: Value) -> (String, Arc<std::sync::Mutex<Vec<Value>>>) {
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let log = Arc::clone(&seen);
+    let app = Router::new().route(
+        "/v1/completions",
+        post(move |axum::Json(body): axum::Json<Value>| {
+            let (log, answer) = (Arc::clone(&log), answer.clone());
+            async move {
+                log.lock().unwrap().push(body["kv_transfer_params"].clone());
+                axum::Json(answer)
+            }
+        }),
+    );
+    (serve(app).await, seen)
+}
+
+/// With the deployment key, every decode leg (push and pull) carries a capability for its
+/// transfer that names its decode engine (`#ENGINE_ID`) and its prefill's control address and
+/// verifies under the key; a client's or prefill's own `kvx_capability` never reaches decode.
+#[test]
+fn with_a_key_each_decode_leg_carries_a_capability_for_its_decode_and_prefill() {
+    use kvx_core::{EngineId, TransferId};
+    let dir = std::env::temp_dir().join(format!("kvx-proxy-cap-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let key_file = dir.join("key");
+    let _ = std::fs::remove_file(&key_file);
+    let key = kvx_vllm::AuthKey::generate(&key_file).unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        for mode in [Mode::Push, Mode::Pull] {
+            let (p_url, _) = params_recorder(json!({"choices": [], "kv_transfer_params": {
+                "do_remote_prefill": true, "kvx_capability": "1.0.0.forged"}}))
+            .await;
+            let (d_url, d_seen) = params_recorder(json!({"choices": []})).await;
+            let kvx = "127.0.0.1:7100";
+            let mut args = test_args(mode, &p_url, kvx, &[&format!("{d_url}#decode-0")], 2.0);
+            args.auth_key_file = Some(key_file.clone());
+            let proxy = build(&args).unwrap();
+            let client =
+                json!({"prompt": "x", "kv_transfer_params": {"kvx_capability": "1.0.0.client"}});
+            proxy.route("/v1/completions", client).await.unwrap();
+            let seen = d_seen.lock().unwrap().clone();
+            let [params] = seen.as_slice() else {
+                panic!("{mode:?}: {seen:?}")
+            };
+            let text = params["kvx_capability"].as_str().expect("a capability");
+            assert_eq!(params["kvx_prefill"], kvx, "{mode:?}");
+            let capability = kvx_vllm::capability::from_text(text, kvx).expect("well formed");
+            let transfer = TransferId::from_str_hash(params["kvx_transfer_id"].as_str().unwrap());
+            let now = std::time::SystemTime::now();
+            let decode = EngineId::from_name("decode-0");
+            assert_eq!(
+                key.check(transfer, Some(&capability), Some(decode), now),
+                Ok(())
+            );
+            assert!(matches!(
+                key.check(
+                    transfer,
+                    Some(&capability),
+                    Some(EngineId::from_name("decode-1")),
+                    now
+                ),
+                Err(kvx_vllm::CapabilityError::OtherDecode { .. })
+            ));
+        }
+    });
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -4,8 +4,8 @@
 use thiserror::Error;
 
 use super::messages::{
-    Abort, Completion, FailureNotice, FailureReason, Finishing, Heartbeat, Hello, Message,
-    MessageKind, Registration, Role,
+    Abort, Capability, Completion, FailureNotice, FailureReason, Finishing, Heartbeat, Hello,
+    Message, MessageKind, Registration, Role,
 };
 use super::{HEADER_LEN, MAGIC, MAX_PAYLOAD, MAX_STRING, MAX_TRANSPORT_ADDR, PROTOCOL_VERSION};
 use crate::ids::{Attempt, BlockId, EngineId, Incarnation, Rank, RequestId, TransferId};
@@ -169,10 +169,7 @@ impl Message {
         let mut w = Writer { out };
         let result = match self {
             Self::Hello(m) => w.hello(m),
-            Self::Registration(m) => {
-                w.registration(m);
-                Ok(())
-            }
+            Self::Registration(m) => w.registration(m),
             Self::Completion(m) => {
                 w.completion(m);
                 Ok(())
@@ -362,7 +359,19 @@ impl Writer<'_> {
         self.u32(m.write_timeout_ms);
         Ok(())
     }
-    fn registration(&mut self, m: &Registration) {
+    fn capability(&mut self, c: Option<&Capability>) -> Result<(), EncodeError> {
+        let Some(c) = c else {
+            self.u8(0);
+            return Ok(());
+        };
+        self.u8(1);
+        self.u64(c.decode.0);
+        self.string("capability.prefill", &c.prefill)?;
+        self.u64(c.expires_unix_ms);
+        self.out.extend_from_slice(&c.tag);
+        Ok(())
+    }
+    fn registration(&mut self, m: &Registration) -> Result<(), EncodeError> {
         self.u128(m.transfer.0);
         self.u32(m.attempt.0);
         self.u64(m.request.0);
@@ -382,6 +391,7 @@ impl Writer<'_> {
         for (slot, b) in self.out[start..].chunks_exact_mut(4).zip(&m.blocks) {
             slot.copy_from_slice(&b.0.to_le_bytes());
         }
+        self.capability(m.capability.as_ref())
     }
     fn completion(&mut self, m: &Completion) {
         self.u128(m.transfer.0);
@@ -406,7 +416,8 @@ impl Writer<'_> {
                 self.u32(a.0);
             }
         }
-        self.string("reason", &m.reason)
+        self.string("reason", &m.reason)?;
+        self.capability(m.capability.as_ref())
     }
     fn finishing(&mut self, m: &Finishing) {
         self.u128(m.transfer.0);
@@ -651,6 +662,7 @@ impl<'a> Reader<'a> {
             .chunks_exact(4)
             .map(|id| BlockId(u32::from_le_bytes([id[0], id[1], id[2], id[3]])))
             .collect();
+        let capability = self.capability()?;
         Ok(Registration {
             transfer,
             attempt,
@@ -663,7 +675,19 @@ impl<'a> Reader<'a> {
             lease_ms,
             notice,
             blocks,
+            capability,
         })
+    }
+    fn capability(&mut self) -> Result<Option<Capability>, DecodeError> {
+        if !self.flag("capability.present")? {
+            return Ok(None);
+        }
+        Ok(Some(Capability {
+            decode: EngineId(self.u64()?),
+            prefill: self.string("capability.prefill")?,
+            expires_unix_ms: self.u64()?,
+            tag: self.array()?,
+        }))
     }
     fn finishing(&mut self) -> Result<Finishing, DecodeError> {
         Ok(Finishing {
@@ -707,10 +731,12 @@ impl<'a> Reader<'a> {
             None
         };
         let reason = self.string("reason")?;
+        let capability = self.capability()?;
         Ok(Abort {
             transfer,
             attempt,
             reason,
+            capability,
         })
     }
     fn heartbeat(&mut self) -> Result<Heartbeat, DecodeError> {

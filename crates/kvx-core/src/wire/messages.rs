@@ -145,6 +145,24 @@ pub struct Registration {
     pub notice: u64,
     /// Destination blocks, in token order, covering tokens from 0.
     pub blocks: Vec<BlockId>,
+    /// The router's grant for this transfer (required by a producer that has a deployment
+    /// key).
+    pub capability: Option<Capability>,
+}
+
+/// A router's grant: one decode engine may take one transfer's KV from one prefill instance
+/// until a time. The router signs it with a MAC under (a key derived from) the deployment key;
+/// the transfer id is the message's own.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Capability {
+    /// The decode engine it names, or `EngineId(0)`: any decode engine of the deployment.
+    pub decode: EngineId,
+    /// The prefill instance's control address as the router named it (`HOST:PORT`).
+    pub prefill: String,
+    /// When it expires, in milliseconds since the Unix epoch.
+    pub expires_unix_ms: u64,
+    /// The MAC over the transfer id and the fields above.
+    pub tag: [u8; 16],
 }
 
 /// Prefill tells decode that one producer rank has written everything it will write for a
@@ -236,6 +254,8 @@ pub struct Abort {
     pub attempt: Option<Attempt>,
     /// Human-readable reason.
     pub reason: String,
+    /// The router's grant for the transfer (required by a producer that has a deployment key).
+    pub capability: Option<Capability>,
 }
 
 /// Keeps leases alive for the listed transfers.

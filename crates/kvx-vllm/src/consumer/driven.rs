@@ -206,7 +206,11 @@ impl Driver {
                     );
                 }
             }
-            Command::Abandon { prefill, transfer } => self.abandon(prefill, transfer),
+            Command::Abandon {
+                prefill,
+                transfer,
+                capability,
+            } => self.abandon(prefill, transfer, capability),
             Command::Handshaken(instance, rank, result) => {
                 self.handshaken(instance, rank, result);
             }

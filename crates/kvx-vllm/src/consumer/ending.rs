@@ -243,10 +243,20 @@ impl Driver {
 
     /// Tells every connected rank of `prefill` that the engine dropped `transfer` before
     /// registering it: each gives back what it holds for it.
-    pub(super) fn abandon(&mut self, prefill: SocketAddr, transfer: TransferId) {
+    pub(super) fn abandon(
+        &mut self,
+        prefill: SocketAddr,
+        transfer: TransferId,
+        capability: Option<Capability>,
+    ) {
+        if let Err(detail) = self.may_reach(prefill, transfer, capability.as_ref()) {
+            self.stats.unauthorized.fetch_add(1, Ordering::Relaxed);
+            warn!(%prefill, %transfer, %detail, "dropped before registration; not telling its prefill");
+            return;
+        }
         let missing = match self.missing_ranks(prefill) {
             Ok(missing) if missing.is_empty() => {
-                self.tell_abandoned(prefill, &[transfer]);
+                self.tell_abandoned(prefill, &[(transfer, capability)]);
                 return;
             }
             Ok(missing) => missing,
@@ -257,7 +267,7 @@ impl Driver {
         };
         match self.connect_ranks(prefill, missing) {
             Ok(connecting) => {
-                connecting.abandons.push(transfer);
+                connecting.abandons.push((transfer, capability));
                 debug!(%prefill, %transfer, "dropped before registration; connecting to its prefill to say so");
             }
             Err(why) => {
@@ -268,15 +278,21 @@ impl Driver {
 
     /// Tells every connected rank of `prefill` that the engine dropped `transfers` before
     /// registering them.
-    pub(super) fn tell_abandoned(&mut self, prefill: SocketAddr, transfers: &[TransferId]) {
+    pub(super) fn tell_abandoned(
+        &mut self,
+        prefill: SocketAddr,
+        transfers: &[(TransferId, Option<Capability>)],
+    ) {
         let Some(instance) = self.instances.get(&prefill) else {
             return;
         };
-        for &transfer in transfers {
+        for (transfer, capability) in transfers {
+            let transfer = *transfer;
             let message = Message::Abort(Abort {
                 transfer,
                 attempt: None,
                 reason: "decode dropped the request before registering it".into(),
+                capability: capability.clone(),
             });
             for conn in instance.ranks.values() {
                 if let Ok(queued) = conn.sender.send_or_queue(&message) {
@@ -308,6 +324,7 @@ impl Driver {
                     transfer: key.transfer,
                     attempt: Some(key.attempt),
                     reason: "consumer gave up".into(),
+                    capability: payload.capability.clone(),
                 })
             };
             // Never blocks: the engine thread may be the caller (a registration that failed

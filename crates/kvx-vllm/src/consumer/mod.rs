@@ -10,7 +10,9 @@ use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant, SystemTime};
 
-use kvx_core::wire::{Abort, Completion, Heartbeat, Hello, Message, Registration, Role};
+use kvx_core::wire::{
+    Abort, Capability, Completion, Heartbeat, Hello, Message, Registration, Role,
+};
 use kvx_core::{Attempt, BlockId, Rank, RequestId, TransferId};
 use kvx_layout::{permute_for, plan, writers_for, Layout, PermutePlan, PlanError, PlanRequest};
 use kvx_rdma::region::LocalRegion;
@@ -51,6 +53,10 @@ pub struct PushRequest {
     pub skip_tokens: u64,
     /// Decode's blocks for the request, in token order from token 0.
     pub blocks: Vec<BlockId>,
+    /// The router's grant for the transfer (`kvx_capability`): checked here before any
+    /// connection, then sent with the registration. Required where this side has a deployment
+    /// key.
+    pub capability: Option<Capability>,
 }
 
 /// A prefilled request to read from the prefill instance (pull mode).
@@ -96,6 +102,7 @@ enum Command {
     Abandon {
         prefill: SocketAddr,
         transfer: TransferId,
+        capability: Option<Capability>,
     },
     /// A message from one rank of a prefill instance, over connection `ConnId`.
     /// A producer rank's message, holding its connection's place in the queue until handled.
@@ -119,7 +126,7 @@ struct Connecting {
     queued: Vec<(PushRequest, Option<Vec<BlockId>>)>,
     /// Transfers the engine dropped before registering them, to tell every rank about once
     /// connected (see [`Consumer::abandon`]).
-    abandons: Vec<TransferId>,
+    abandons: Vec<(TransferId, Option<Capability>)>,
 }
 
 /// How often the driver reads the notice board while a failed request waits for a writer rank
@@ -163,6 +170,8 @@ struct Waiting {
     notices: Vec<u64>,
     permute: Option<PermutePlan>,
     pull: bool,
+    /// The router's grant, sent with the registration and with an abort.
+    capability: Option<Capability>,
 }
 
 /// A failed request whose blocks a write may still reach: push, a producer rank that has
@@ -375,8 +384,17 @@ impl Consumer {
     ///
     /// # Errors
     /// [`Closed`] after shutdown.
-    pub fn abandon(&self, prefill: SocketAddr, transfer: TransferId) -> Result<(), Closed> {
-        self.send(Command::Abandon { prefill, transfer })
+    pub fn abandon(
+        &self,
+        prefill: SocketAddr,
+        transfer: TransferId,
+        capability: Option<Capability>,
+    ) -> Result<(), Closed> {
+        self.send(Command::Abandon {
+            prefill,
+            transfer,
+            capability,
+        })
     }
 
     /// What happened since the last call. Call it every engine step: it is also where push

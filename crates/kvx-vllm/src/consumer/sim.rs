@@ -45,10 +45,18 @@ impl Sim {
     /// A consumer rank with registration lease `lease` and quiesce bound `quiesce` (`None`:
     /// its writers'), whose producer rank says its writes run at most `transfer_timeout`.
     fn with(lease: Duration, quiesce: Option<Duration>, transfer_timeout: Duration) -> Self {
+        Self::configured(transfer_timeout, |config| {
+            config.registration_lease = lease;
+            config.quiesce_timeout = quiesce;
+        })
+    }
+
+    /// A consumer rank of engine 2 whose configuration `edit` changes, whose producer rank says
+    /// its writes run at most `transfer_timeout`.
+    fn configured(transfer_timeout: Duration, edit: impl FnOnce(&mut ConnectorConfig)) -> Self {
         let fabric = LoopbackFabric::new();
         let mut config = ConnectorConfig::new(EngineId(2));
-        config.registration_lease = lease;
-        config.quiesce_timeout = quiesce;
+        edit(&mut config);
         // Notices come to the state machine as transport events, not through a board that
         // the engine thread reads.
         config.notice_board = false;
@@ -107,14 +115,18 @@ impl Sim {
     /// The engine allocated `blocks` for `key` (push), and prefill rank 0's handshake then
     /// ends; returns the registration the producer rank receives.
     fn register(&mut self, key: AttemptKey, tokens: u64, blocks: Vec<BlockId>) -> Registration {
-        self.command(Command::Push(PushRequest {
-            key,
-            request: RequestId(9),
-            prefill: INSTANCE,
-            num_tokens: tokens,
-            skip_tokens: 0,
-            blocks,
-        }));
+        self.register_granted(key, tokens, blocks, None)
+    }
+
+    /// [`Sim::register`] with the router's `capability`.
+    fn register_granted(
+        &mut self,
+        key: AttemptKey,
+        tokens: u64,
+        blocks: Vec<BlockId>,
+        capability: Option<Capability>,
+    ) -> Registration {
+        self.command(Command::Push(push_request(key, tokens, blocks, capability)));
         let (ours, theirs) = UnixStream::pair().unwrap();
         self.control = theirs;
         let hello = self.producer_hello.clone();
@@ -170,6 +182,124 @@ impl Sim {
     fn message(&mut self) -> Option<Message> {
         crate::sim_support::message(&mut self.control)
     }
+}
+
+/// The engine's push request for `key` at [`INSTANCE`].
+fn push_request(
+    key: AttemptKey,
+    tokens: u64,
+    blocks: Vec<BlockId>,
+    capability: Option<Capability>,
+) -> PushRequest {
+    PushRequest {
+        key,
+        request: RequestId(9),
+        prefill: INSTANCE,
+        num_tokens: tokens,
+        skip_tokens: 0,
+        blocks,
+        capability,
+    }
+}
+
+/// With a deployment key, a request reaches its prefill only with a router's capability that
+/// verifies, names this decode engine (or any) and that prefill, and has not expired; any other
+/// fails as unauthorized before a connection is even begun. With a `peers` list, a prefill not
+/// on it is refused the same way, key or not. The valid capability goes out with the
+/// registration.
+#[test]
+fn a_request_reaches_its_prefill_only_with_a_valid_capability_and_on_the_peers_list() {
+    let secret = crate::AuthKey::from_bytes([4; 32]);
+    let mut sim = Sim::configured(Duration::from_secs(60), |c| {
+        c.auth_key = Some(Arc::new(secret.clone()));
+        c.notice_board = false;
+    });
+    let wall = sim.driver.clock.wall();
+    let until = wall + Duration::from_secs(60);
+    let grant = |k: &crate::AuthKey, transfer, decode, prefill: &str, until| {
+        Some(k.grant(transfer, decode, prefill, until))
+    };
+    let me = EngineId(2);
+    let at = INSTANCE.to_string();
+    let cases = [
+        ("none", None, "no capability"),
+        (
+            "another key's",
+            grant(
+                &crate::AuthKey::from_bytes([5; 32]),
+                key(1).transfer,
+                me,
+                &at,
+                until,
+            ),
+            "does not verify",
+        ),
+        (
+            "another transfer's",
+            grant(&secret, key(2).transfer, me, &at, until),
+            "does not verify",
+        ),
+        (
+            "another decode's",
+            grant(&secret, key(1).transfer, EngineId(3), &at, until),
+            "names decode engine",
+        ),
+        (
+            "another prefill's",
+            grant(&secret, key(1).transfer, me, "127.0.0.1:2", until),
+            "names prefill",
+        ),
+        (
+            "an expired one",
+            grant(
+                &secret,
+                key(1).transfer,
+                me,
+                &at,
+                wall - crate::capability::CLOCK_SKEW - Duration::from_secs(1),
+            ),
+            "expired",
+        ),
+    ];
+    for (what, capability, says) in cases {
+        sim.command(Command::Push(push_request(
+            key(1),
+            8,
+            ids(3..5),
+            capability,
+        )));
+        match sim.events().as_slice() {
+            [RecvEvent::Failed {
+                reason: Reason::Unauthorized,
+                detail,
+                ..
+            }] if detail.contains(says) => {}
+            other => panic!("{what}: {other:?}"),
+        }
+        assert!(
+            sim.driver.connecting.is_empty() && sim.driver.instances.is_empty(),
+            "{what}: a connection was begun"
+        );
+    }
+    assert_eq!(sim.driver.stats.unauthorized.load(Ordering::Relaxed), 6);
+    let valid = grant(&secret, key(1).transfer, me, &at, until);
+    let registration = sim.register_granted(key(1), 8, ids(3..5), valid.clone());
+    assert_eq!(registration.capability, valid);
+
+    // A peers list: a prefill not on it is refused before connecting, even without a key.
+    let mut sim = Sim::configured(Duration::from_secs(60), |c| {
+        c.peers = "10.0.0.1:7100".parse().unwrap();
+    });
+    sim.command(Command::Push(push_request(key(3), 8, ids(3..5), None)));
+    match sim.events().as_slice() {
+        [RecvEvent::Failed {
+            reason: Reason::Unauthorized,
+            detail,
+            ..
+        }] if detail.contains("peers list") => {}
+        other => panic!("{other:?}"),
+    }
+    assert!(sim.driver.connecting.is_empty() && sim.driver.instances.is_empty());
 }
 
 #[test]

@@ -5,6 +5,15 @@ use super::*;
 
 impl Driver {
     pub(super) fn start(&mut self, request: PushRequest, producer_blocks: Option<Vec<BlockId>>) {
+        if let Err(detail) = self.may_reach(
+            request.prefill,
+            request.key.transfer,
+            request.capability.as_ref(),
+        ) {
+            self.stats.unauthorized.fetch_add(1, Ordering::Relaxed);
+            self.refuse(&request, Reason::Unauthorized, detail);
+            return;
+        }
         if let Some((reason, detail)) = self.refusal(request.key) {
             self.refuse(&request, reason, detail);
             return;
@@ -42,6 +51,33 @@ impl Driver {
         if let Err(detail) = self.try_start(&request, producer_blocks) {
             self.refuse(&request, Reason::PeerFailed, detail.to_string());
         }
+    }
+
+    /// Whether this side may connect to the prefill instance at `prefill` for `transfer`: it is
+    /// on the `peers` list (if there is one) and, with a deployment key, `capability` verifies
+    /// for this engine and names that instance. Checked before any connection is made.
+    pub(super) fn may_reach(
+        &self,
+        prefill: SocketAddr,
+        transfer: TransferId,
+        capability: Option<&Capability>,
+    ) -> Result<(), String> {
+        if !self.config.peers.allows(prefill) {
+            return Err(format!(
+                "prefill {prefill} is not on this decode's peers list"
+            ));
+        }
+        if let Some(key) = &self.config.auth_key {
+            key.check_before_connecting(
+                transfer,
+                capability,
+                self.config.engine,
+                prefill,
+                self.clock.wall(),
+            )
+            .map_err(|e| format!("refused before connecting to prefill {prefill}: {e}"))?;
+        }
+        Ok(())
     }
 
     /// The request fails before anything was registered for it.
@@ -135,6 +171,7 @@ impl Driver {
             notices: Vec::new(),
             permute,
             pull,
+            capability: request.capability.clone(),
         };
         let lease = self.config.registration_lease;
         // Prefill keeps a registration for a few heartbeats at a time: one whose decode went
@@ -196,6 +233,7 @@ impl Driver {
                     lease_ms: u32::try_from(producer_lease.as_millis()).unwrap_or(u32::MAX),
                     notice,
                     blocks: request.blocks.clone(),
+                    capability: request.capability.clone(),
                 });
                 // Never blocks (the engine thread may be the caller): a full send buffer
                 // leaves the registration for the driver to flush.

@@ -28,6 +28,7 @@ use socket2::Socket;
 use crate::config::ConnectorConfig;
 use crate::error::LinkError;
 
+pub mod capability;
 mod local;
 pub(crate) mod secure;
 
@@ -645,6 +646,7 @@ mod tests {
                 transfer: TransferId(t),
                 attempt: None,
                 reason: "test".into(),
+                capability: None,
             })
         };
         a.write_all(&message(1).to_bytes().unwrap()).unwrap();

@@ -95,6 +95,10 @@ impl AuthKey {
         Self(bytes)
     }
 
+    pub(crate) fn bytes(&self) -> &[u8; KEY_LEN] {
+        &self.0
+    }
+
     /// Reads a key file: exactly 32 bytes, readable and writable by its owner only.
     ///
     /// # Errors

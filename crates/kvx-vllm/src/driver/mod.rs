@@ -21,6 +21,8 @@ pub(crate) use queue::{command_queue, wait_commands, wait_turn, CommandReceiver,
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Clock {
     start: Instant,
+    /// The wall-clock time at `start` (capabilities expire by the wall clock).
+    wall_start: std::time::SystemTime,
     /// Nanoseconds of a virtual clock, which replaces the real one.
     #[cfg(test)]
     virtual_nanos: Option<&'static std::sync::atomic::AtomicU64>,
@@ -30,6 +32,7 @@ impl Clock {
     pub(crate) fn new() -> Self {
         Self {
             start: Instant::now(),
+            wall_start: std::time::SystemTime::now(),
             #[cfg(test)]
             virtual_nanos: None,
         }
@@ -40,6 +43,7 @@ impl Clock {
     pub(crate) fn virtual_at(nanos: &'static std::sync::atomic::AtomicU64) -> Self {
         Self {
             start: Instant::now(),
+            wall_start: std::time::SystemTime::now(),
             virtual_nanos: Some(nanos),
         }
     }
@@ -50,6 +54,16 @@ impl Clock {
             return Timestamp::from_nanos(nanos.load(std::sync::atomic::Ordering::SeqCst));
         }
         Timestamp::from_nanos(u64::try_from(self.start.elapsed().as_nanos()).unwrap_or(u64::MAX))
+    }
+
+    /// The wall-clock time now: the real one, or (virtual) the start's plus the virtual time.
+    pub(crate) fn wall(self) -> std::time::SystemTime {
+        #[cfg(test)]
+        if self.virtual_nanos.is_some() {
+            return self.wall_start + self.now().saturating_duration_since(Timestamp::ZERO);
+        }
+        let _ = self.wall_start;
+        std::time::SystemTime::now()
     }
 
     /// How long from now until `at` (zero if past).

@@ -11,7 +11,9 @@ use std::sync::Arc;
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, SystemTime};
 
-use kvx_core::wire::{FailureNotice, Finishing, Heartbeat, Hello, Message, Registration, Role};
+use kvx_core::wire::{
+    Capability, FailureNotice, Finishing, Heartbeat, Hello, Message, Registration, Role,
+};
 use kvx_core::{Attempt, BlockId, EngineId, Incarnation, Rank, RequestId, TransferId};
 use kvx_layout::{plan_layers, CopyOp, Layout, PlanError, PlanRequest};
 use kvx_rdma::transport::{Event, Notice, OpId, PeerId, Transport};
@@ -762,6 +764,8 @@ struct Driver {
     expiry: BinaryHeap<Reverse<(Timestamp, AttemptKey, ExpiryKind)>>,
     max_consumer_tp: u32,
     producer_lease: Duration,
+    /// The deployment key: registrations and aborts then need a router's capability.
+    auth_key: Option<Arc<crate::AuthKey>>,
     finished: Arc<Mailbox<(FinishedSending, SystemTime)>>,
     stats: Arc<Stats>,
 }
@@ -814,6 +818,7 @@ impl Driver {
             expiry: BinaryHeap::new(),
             max_consumer_tp: 1,
             producer_lease: config.producer_lease,
+            auth_key: config.auth_key.clone(),
             finished,
             stats,
         })

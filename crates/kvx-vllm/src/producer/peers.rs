@@ -52,6 +52,33 @@ fn check_destination(layout: &Layout, reg: &Registration) -> Result<(), BadDesti
 }
 
 impl Driver {
+    /// Whether `capability` allows the peer on `conn` to act on `transfer` (always, without a
+    /// deployment key); a refusal is counted and logged.
+    pub(super) fn authorized(
+        &self,
+        conn: ConnId,
+        transfer: TransferId,
+        capability: Option<&Capability>,
+        what: &str,
+    ) -> bool {
+        let Some(key) = &self.auth_key else {
+            return true;
+        };
+        let presenter = self
+            .conns
+            .get(&conn)
+            .and_then(|c| c.consumer.as_ref())
+            .map(|consumer| consumer.id.engine);
+        match key.check(transfer, capability, presenter, self.clock.wall()) {
+            Ok(()) => true,
+            Err(e) => {
+                self.stats.unauthorized.fetch_add(1, Ordering::Relaxed);
+                warn!(conn, %transfer, %e, "{what} refused");
+                false
+            }
+        }
+    }
+
     /// Whether the consumer or router on `conn` may abort `transfer`: unless registrations of
     /// it came from other consumers only. A transfer nobody registered (prefill finished first,
     /// or pull) may be aborted by any consumer or router: its owner is not known.
@@ -142,7 +169,10 @@ impl Driver {
         if c.router {
             match message {
                 Message::Abort(abort) => {
-                    if self.may_abort(conn, abort.transfer) && !self.being_read(abort.transfer) {
+                    if self.authorized(conn, abort.transfer, abort.capability.as_ref(), "abort")
+                        && self.may_abort(conn, abort.transfer)
+                        && !self.being_read(abort.transfer)
+                    {
                         debug!(conn, transfer = %abort.transfer, reason = abort.reason, "a router abandons a transfer");
                         self.abort(now, abort.transfer, abort.attempt, Reason::Aborted);
                     }
@@ -168,7 +198,9 @@ impl Driver {
                 }
             }
             Message::Abort(abort) => {
-                if self.may_abort(conn, abort.transfer) {
+                if self.authorized(conn, abort.transfer, abort.capability.as_ref(), "abort")
+                    && self.may_abort(conn, abort.transfer)
+                {
                     // Nothing of that attempt registered or in flight from this connection (a
                     // transfer that ended, a notice lost on the way): the consumer rank hears
                     // at once that nothing more will be written, instead of waiting for its
@@ -238,6 +270,24 @@ impl Driver {
             ));
             return;
         };
+        if let Some(key_) = &self.auth_key {
+            if let Err(e) = key_.check(
+                reg.transfer,
+                reg.capability.as_ref(),
+                Some(consumer.id.engine),
+                self.clock.wall(),
+            ) {
+                self.stats.unauthorized.fetch_add(1, Ordering::Relaxed);
+                warn!(conn, transfer = %reg.transfer, consumer = %consumer.id.engine, %e, "registration refused");
+                let _ = c.sender.send(&failure(
+                    key,
+                    self.rank,
+                    Reason::Unauthorized,
+                    &format!("registration refused: {e}"),
+                ));
+                return;
+            }
+        }
         if let Err(why) = check_destination(&consumer.layout, &reg) {
             let _ = c
                 .sender

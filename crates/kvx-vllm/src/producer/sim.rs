@@ -83,6 +83,18 @@ impl Sim {
 
     /// The consumer registers `blocks` for `key`.
     fn register(&mut self, key: AttemptKey, tokens: u32, blocks: Vec<BlockId>, notice: u64) {
+        self.register_granted(key, tokens, blocks, notice, None);
+    }
+
+    /// [`Sim::register`] with a router's `capability`.
+    fn register_granted(
+        &mut self,
+        key: AttemptKey,
+        tokens: u32,
+        blocks: Vec<BlockId>,
+        notice: u64,
+        capability: Option<Capability>,
+    ) {
         let registration = Message::Registration(Registration {
             transfer: key.transfer,
             attempt: key.attempt,
@@ -95,6 +107,7 @@ impl Sim {
             lease_ms: 60_000,
             notice,
             blocks,
+            capability,
         });
         self.command(Command::Peer(1, registration, control::Queued::unbounded()));
     }
@@ -185,6 +198,97 @@ fn a_registration_then_the_finish_writes_once_and_gives_the_blocks_back_when_don
     sim.at(Duration::from_secs(120));
     assert!(sim.notices().is_empty());
     assert!(sim.finished().is_empty());
+}
+
+/// With a deployment key, a registration needs a router's capability for its transfer that
+/// names the registering decode engine (or any) and has not expired: each other one is refused
+/// with a failure notice, counted, and never written to; an abort without a valid one changes
+/// nothing; the valid registration is served.
+#[test]
+fn with_a_deployment_key_only_a_valid_capability_registers_or_aborts() {
+    let secret = crate::AuthKey::from_bytes([9; 32]);
+    let mut config = ConnectorConfig::new(EngineId(1));
+    config.producer_lease = Duration::from_secs(30);
+    config.auth_key = Some(Arc::new(secret.clone()));
+    let mut sim = Sim::with(config);
+    let wall = sim.driver.clock.wall();
+    let until = wall + Duration::from_secs(60);
+    let grant = |k: &crate::AuthKey, transfer, decode, until| {
+        Some(k.grant(transfer, decode, "127.0.0.1:7100", until))
+    };
+    let t = key(8);
+    let other_key = crate::AuthKey::from_bytes([8; 32]);
+    let cases = [
+        ("none", None, "no capability"),
+        (
+            "another key's",
+            grant(&other_key, t.transfer, EngineId(2), until),
+            "does not verify",
+        ),
+        (
+            "another transfer's",
+            grant(&secret, key(9).transfer, EngineId(2), until),
+            "does not verify",
+        ),
+        (
+            "another decode's",
+            grant(&secret, t.transfer, EngineId(3), until),
+            "names decode engine",
+        ),
+        (
+            "an expired one",
+            grant(
+                &secret,
+                t.transfer,
+                EngineId(2),
+                wall - crate::capability::CLOCK_SKEW - Duration::from_millis(1),
+            ),
+            "expired",
+        ),
+    ];
+    for (i, (what, capability, says)) in cases.into_iter().enumerate() {
+        sim.register_granted(t, 8, ids(4..6), 0x100 + i as u64, capability);
+        sim.at(Duration::from_millis(1 + i as u64));
+        let refusal = sim.message();
+        assert!(
+            matches!(&refusal, Some(Message::Failure(f))
+                if f.reason == FailureReason::from(Reason::Unauthorized) && f.detail.contains(says)),
+            "{what}: {refusal:?}"
+        );
+    }
+    // The valid one holds; an abort without a capability does not touch it.
+    sim.register_granted(
+        t,
+        8,
+        ids(4..6),
+        0x77,
+        grant(&secret, t.transfer, EngineId(2), until),
+    );
+    let abort = |capability| {
+        Message::Abort(kvx_core::wire::Abort {
+            transfer: t.transfer,
+            attempt: None,
+            reason: "rogue".into(),
+            capability,
+        })
+    };
+    sim.command(Command::Peer(1, abort(None), control::Queued::unbounded()));
+    sim.at(Duration::from_millis(10));
+    assert!(
+        sim.message().is_none(),
+        "the valid registration was refused"
+    );
+    sim.finish(t, 8, ids(0..2));
+    sim.at(Duration::from_millis(11));
+    assert_eq!(
+        sim.notices(),
+        vec![0x77],
+        "only the valid registration is written to"
+    );
+    sim.transport_events();
+    sim.at(Duration::from_millis(12));
+    assert_eq!(sim.finished()[0].outcome, SendOutcome::Sent);
+    assert_eq!(sim.driver.stats.unauthorized.load(Ordering::Relaxed), 6);
 }
 
 #[test]
