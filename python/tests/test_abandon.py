@@ -23,10 +23,10 @@ def finished(s, params: dict, status: str = "FINISHED_ABORTED"):
 def test_the_scheduler_abandons_only_requests_it_never_allocated():
     s = decode_scheduler(pull=False)
     assert finished(s, dict(GOOD)) == (False, None)
-    assert s.meta.abandons == [("t-1", "127.0.0.1:7100")]
+    assert s.meta.abandons == [("t-1", "127.0.0.1:7100", None)]
     assert s.has_pending_work(), "the engine must step once more to tell the worker"
     assert s.build_connector_meta(NS(preempted_req_ids=set())).abandons == [
-        ("t-1", "127.0.0.1:7100")
+        ("t-1", "127.0.0.1:7100", None)
     ]
     # Allocated and registered, then loaded: finishing it abandons nothing.
     s = decode_scheduler(pull=False)
@@ -50,12 +50,16 @@ def test_the_scheduler_abandons_only_requests_it_never_allocated():
     # A transfer id that is not a string is named as the registration would name it.
     s = decode_scheduler(pull=False)
     finished(s, {**GOOD, "kvx_transfer_id": 17})
-    assert s.meta.abandons == [("17", "127.0.0.1:7100")]
+    assert s.meta.abandons == [("17", "127.0.0.1:7100", None)]
+    # The router's capability goes with it.
+    s = decode_scheduler(pull=False)
+    finished(s, {**GOOD, "kvx_capability": "1.0.5.00"})
+    assert s.meta.abandons == [("t-1", "127.0.0.1:7100", "1.0.5.00")]
     # Allocated with nothing to load (vLLM computes the prompt itself): never registers.
     s = decode_scheduler(pull=False)
     request = NS(request_id="r", kv_transfer_params=dict(GOOD), num_prompt_tokens=40)
     s.update_state_after_alloc(request, NS(get_block_ids=lambda: ([1],)), 0)
-    assert s.meta.recvs == [] and s.meta.abandons == [("t-1", "127.0.0.1:7100")]
+    assert s.meta.recvs == [] and s.meta.abandons == [("t-1", "127.0.0.1:7100", None)]
     # Still waiting for its KV: a cancel, as before.
     s = decode_scheduler(pull=False)
     allocate(s, GOOD)
@@ -82,12 +86,13 @@ def test_prefill_gives_an_abandoned_transfers_kv_back_at_once():
     w = decode_worker(consumer)
     started = time.monotonic()
     w.start_load_kv(KvxConnectorMetadata(abandons=[
-        ("t-2", producer.control_addr),
+        ("t-2", producer.control_addr, None),
         # Unusable or unknown prefill addresses are skipped, never raised into the engine; a
-        # name never looked up is not looked up now.
-        ("t-3", "no-port"),
-        ("t-4", "127.0.0.1:9"),
-        ("t-5", "prefill-never-seen:7100"),
+        # name never looked up is not looked up now; so is a malformed capability.
+        ("t-3", "no-port", None),
+        ("t-4", "127.0.0.1:9", None),
+        ("t-5", "prefill-never-seen:7100", None),
+        ("t-6", producer.control_addr, "not a capability"),
     ]))
     assert w.resolver._pending == {}
     got = []

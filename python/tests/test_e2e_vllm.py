@@ -690,7 +690,8 @@ def test_across_two_hosts_matches_a_single_instance(model, workdir, reference, t
     `libfabric:tcp` and NIXL (UCX over TCP), with decode's block size differing in some. No
     interface is named: each side's endpoint opens on the one the other reaches (the log says
     which), and nothing takes a same-host path (the control connection is TCP, the transport the
-    one named). Every control connection is authenticated with the deployment's key."""
+    one named). Every control connection is authenticated with the deployment's key, and every
+    transfer carries the proxy's capability for this decode engine."""
     if transport.startswith("nixl") and not os.environ.get("KVX_NIXL_LIB_DIR"):
         pytest.skip("KVX_NIXL_LIB_DIR is unset (cargo xtask test sets it)")
     from two_hosts import ADDR_A
@@ -703,8 +704,10 @@ def test_across_two_hosts_matches_a_single_instance(model, workdir, reference, t
     subprocess.run([str(KVX_BIN), "keygen", str(key)], check=True, capture_output=True)
     p_cfg = kv_config(connector, "kv_producer", f"p2h-{mode}", listen=f"{ADDR_A}:{kvx_port}",
                       transport=transport, auth_key_file=str(key))
+    # Decode connects only to the prefill host (`peers`), and only for a dispatch the proxy
+    # granted it by name (`#ENGINE_ID`: its capabilities name this decode's engine).
     d_cfg = kv_config(connector, "kv_consumer", f"d2h-{mode}", transport=transport,
-                      auth_key_file=str(key))
+                      auth_key_file=str(key), peers=ADDR_A)
     tag = f"{mode}-{transport.replace(':', '-')}-2h"
     p, p_url = start_vllm(f"prefill-{tag}", model, workdir, kv=p_cfg, cores=P_CORES,
                           host=ADDR_A, netns=two_hosts.a)
@@ -715,7 +718,7 @@ def test_across_two_hosts_matches_a_single_instance(model, workdir, reference, t
     proxy = Server(
         f"proxy-{tag}",
         [str(KVX_BIN), "proxy", "--mode", mode, "--listen", "127.0.0.1:7300",
-         "--prefill", f"{p_url}@{ADDR_A}:{kvx_port}", "--decode", d_url,
+         "--prefill", f"{p_url}@{ADDR_A}:{kvx_port}", "--decode", f"{d_url}#d2h-{mode}",
          "--auth-key-file", str(key)],
         workdir, dict(os.environ), f"{proxy_url}/health", netns=two_hosts.b,
     )

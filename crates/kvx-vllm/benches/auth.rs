@@ -1,7 +1,9 @@
 //! What authentication costs the control plane's CPU: the Noise handshake every control
 //! connection runs once (`kvx_vllm::NOISE_PATTERN`, both sides in one thread, in memory: the
 //! cryptography without the network), and sealing and opening one message after it (a
-//! registration is a few hundred bytes; a hello with a large region table, tens of KiB).
+//! registration is a few hundred bytes; a hello with a large region table, tens of KiB), and a
+//! router's capability granted and checked (once per request on each of router, decode and
+//! every prefill rank).
 //!
 //! Run: `cargo bench -p kvx-vllm --bench auth` (`cargo xtask bench auth` gathers the estimates).
 
@@ -67,6 +69,25 @@ fn auth(c: &mut Criterion) {
             });
         });
     }
+    g.throughput(Throughput::Elements(1));
+    let key = kvx_vllm::AuthKey::from_bytes(KEY);
+    let transfer = kvx_core::TransferId(0x1234_5678_9abc_def0);
+    let decode = kvx_core::EngineId::from_name("decode-0");
+    let until = std::time::SystemTime::now() + std::time::Duration::from_secs(600);
+    g.bench_function("capability_grant", |b| {
+        b.iter(|| black_box(key.grant(transfer, decode, "10.0.0.1:7100", until)));
+    });
+    let capability = key.grant(transfer, decode, "10.0.0.1:7100", until);
+    g.bench_function("capability_check", |b| {
+        b.iter(|| {
+            black_box(key.check(
+                transfer,
+                Some(&capability),
+                Some(decode),
+                std::time::SystemTime::now(),
+            ))
+        });
+    });
     g.finish();
 }
 

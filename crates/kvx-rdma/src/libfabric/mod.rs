@@ -49,7 +49,8 @@
 //! `FI_MR_PROV_KEY` and `FI_MR_ENDPOINT` the provider asks for: with `FI_MR_VIRT_ADDR` (`shm`,
 //! `efa`) a region's remote address is its virtual address, otherwise (`tcp;ofi_rxm`) it is 0 and
 //! operations address by offset; with `FI_MR_PROV_KEY` the key is the provider's, otherwise the
-//! transport chooses unique keys itself; with `FI_MR_ENDPOINT` registrations are bound to the
+//! transport chooses unique keys itself, from a random start within the provider's key size (a
+//! peer that was never sent a key cannot guess one); with `FI_MR_ENDPOINT` registrations are bound to the
 //! endpoint and enabled; local descriptors are always passed.
 //!
 //! # Waiting
@@ -126,8 +127,35 @@ const NOTICE_BYTES: usize = 64;
 const MAX_CHUNK: usize = 1 << 30;
 /// Completions read per call.
 const CQ_BATCH: usize = 64;
-/// First key the transport chooses itself (providers without `FI_MR_PROV_KEY`).
-const FIRST_KEY: u64 = 0x4b56_0000;
+/// Keys the transport chooses itself (providers without `FI_MR_PROV_KEY`) start at a random value
+/// that leaves this many above it.
+const KEY_ROOM: u64 = 1 << 20;
+
+/// The first key this transport chooses itself: random within the provider's key size (so that
+/// a peer that was never sent a key cannot guess one), with [`KEY_ROOM`] keys after it.
+fn first_key(key_size: usize) -> u64 {
+    use std::io::Read as _;
+    let bits = u32::try_from(key_size.clamp(1, 8) * 8).unwrap_or(64);
+    let max = if bits >= 64 {
+        u64::MAX
+    } else {
+        (1u64 << bits) - 1
+    };
+    let mut bytes = [0u8; 8];
+    let random = std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut bytes))
+        .map(|()| u64::from_ne_bytes(bytes))
+        .unwrap_or_else(|_| {
+            use std::hash::{BuildHasher as _, Hasher as _};
+            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+            h.write_u32(std::process::id());
+            h.finish()
+        });
+    if max <= KEY_ROOM {
+        return 1;
+    }
+    random % (max - KEY_ROOM) + 1
+}
 
 /// A libfabric endpoint implementing [`Transport`], over one rail or several.
 pub struct LibfabricTransport {
@@ -250,6 +278,7 @@ fn open_rail(
     let rail_info = RailInfo {
         provider: info.provider(),
         mr_mode: info.mr_mode(),
+        mr_key_size: info.mr_key_size(),
         cq_data: info.cq_data_size(),
         delivery_complete: info.delivery_complete(),
         max_msg: info.max_msg_size(),
@@ -296,7 +325,7 @@ fn open_rail(
                 | sys::FI_WRITE
                 | sys::FI_REMOTE_READ
                 | sys::FI_REMOTE_WRITE,
-            FIRST_KEY,
+            first_key(rail_info.mr_key_size),
             fi::Hmem::System,
         )
     }
@@ -395,6 +424,9 @@ impl LibfabricTransport {
             .then(|| posters::Posters::start(n))
             .transpose()
             .map_err(OpenError::Thread)?;
+        // Regions take the keys after the first rail's scratch buffer's (which is random where
+        // the transport chooses keys; another rail's domain has keys of its own).
+        let next_key = rails[0].scratch.mr.key().wrapping_add(1);
         let mut transport = Self {
             posters,
             regions: HashMap::new(),
@@ -412,7 +444,7 @@ impl LibfabricTransport {
             stripe_threshold: config.stripe_threshold,
             op_timeout: config.op_timeout,
             next_exit_check: Instant::now(),
-            next_key: FIRST_KEY + 1,
+            next_key,
             next_op: 0,
             next_rail: 0,
             peers: PeerTable::default(),

@@ -36,6 +36,7 @@ pub(super) struct Rail {
 pub(super) struct RailInfo {
     pub(super) provider: String,
     pub(super) mr_mode: u64,
+    pub(super) mr_key_size: usize,
     pub(super) cq_data: usize,
     pub(super) delivery_complete: bool,
     pub(super) max_msg: usize,

@@ -110,6 +110,47 @@ fn tcp_write_delivers_bytes_then_notice() {
     write_and_verify(&LibfabricConfig::tcp(Some("lo")));
 }
 
+/// Where the transport chooses registration keys (tcp and shm: no `FI_MR_PROV_KEY`), they start
+/// at a random value within the provider's key size: a peer never sent one cannot count its way
+/// to one, and two endpoints (two processes) do not share theirs.
+#[test]
+fn keys_the_transport_chooses_are_random_and_unique() {
+    for size in [1usize, 2, 4, 8] {
+        let k = first_key(size);
+        let max = if size == 8 {
+            u64::MAX
+        } else {
+            (1u64 << (8 * size)) - 1
+        };
+        assert!(
+            k >= 1 && (max <= KEY_ROOM || k <= max - KEY_ROOM),
+            "size {size}: {k:#x}"
+        );
+    }
+    assert_ne!(first_key(8), first_key(8));
+    for config in [shm_config(), LibfabricConfig::tcp(Some("lo"))] {
+        let (mut a, mut b) = pair(&config);
+        let region = |index| {
+            let buffer = Arc::new(HostBuffer::new(4096).unwrap());
+            LocalRegion::host(index, buffer)
+        };
+        let a0 = a.register(region(0)).unwrap().key;
+        let a1 = a.register(region(1)).unwrap().key;
+        let b0 = b.register(region(0)).unwrap().key;
+        assert_ne!(a0, a1, "{}", config.provider);
+        assert_ne!(
+            a0, b0,
+            "{}: two endpoints chose the same key",
+            config.provider
+        );
+        assert!(
+            a0 > KEY_ROOM || b0 > KEY_ROOM,
+            "{}: {a0:#x} {b0:#x}",
+            config.provider
+        );
+    }
+}
+
 #[test]
 fn modes_follow_the_provider() {
     let shm = LibfabricTransport::open(&shm_config()).unwrap();

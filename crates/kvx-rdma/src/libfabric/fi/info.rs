@@ -194,6 +194,12 @@ impl Info {
         u64::from(mode as u32)
     }
 
+    /// Bytes of a memory-registration key (`mr_key_size`).
+    pub(crate) fn mr_key_size(&self) -> usize {
+        // SAFETY: domain_attr is always allocated.
+        unsafe { (*self.raw().domain_attr).mr_key_size }
+    }
+
     /// Bytes of remote CQ data the provider carries.
     pub(crate) fn cq_data_size(&self) -> usize {
         // SAFETY: domain_attr is always allocated.
