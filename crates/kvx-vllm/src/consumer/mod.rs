@@ -231,6 +231,7 @@ struct Instance {
 ///     num_tokens: 20,
 ///     skip_tokens: 0,
 ///     blocks: vec![BlockId(10), BlockId(11)],
+///     capability: None,
 /// })?;
 /// // Each engine step:
 /// for event in consumer.take_events() {
