@@ -60,6 +60,8 @@ class RecvSpec:
     loads_from: int = 0
     # The router's capability for the transfer (``kvx_capability``), if it gave one.
     capability: str | None = None
+    # The request's W3C ``traceparent`` (``kvx_trace``), if the router gave one.
+    trace: str | None = None
 
     @property
     def loaded_block_ids(self) -> list[int]:
@@ -87,9 +89,12 @@ class KvxConnectorMetadata(KVConnectorMetadata):
     # register (aborted while queued, or nothing to load): prefill gives their KV back now
     # instead of at its lease.
     abandons: list[tuple[str, str, str | None]] = field(default_factory=list)
+    # Prefill: (transfer id, traceparent) of requests the router traces (``kvx_trace``), told
+    # to the producer before anything else of theirs.
+    traces: list[tuple[str, str]] = field(default_factory=list)
 
     def has_work(self) -> bool:
         return any(
             (self.sends, self.progress, self.layered, self.recvs, self.aborts, self.cancels,
-             self.abandons)
+             self.abandons, self.traces)
         )

@@ -61,6 +61,13 @@ def _transfer_id(params: dict[str, Any]) -> str:
     return str(tid)
 
 
+def _trace(params: dict[str, Any] | None) -> str | None:
+    """The request's W3C ``traceparent`` from the router (``kvx_trace``), if any: a value that
+    is not a string is ignored (the native side ignores a malformed one)."""
+    trace = (params or {}).get("kvx_trace")
+    return trace if isinstance(trace, str) and trace else None
+
+
 def _capability(params: dict[str, Any]) -> str | None:
     """The router's capability for the transfer (``kvx_capability``), if any; the native side
     checks it (a deployment key makes it required)."""
@@ -146,6 +153,10 @@ class _Scheduler:
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         params = request.kv_transfer_params
+        trace = _trace(params)
+        if trace is not None and params.get("do_remote_decode") and params.get("kvx_transfer_id"):
+            # Prefill: its producer span starts before any of its writes.
+            self.meta.traces.append((str(params["kvx_transfer_id"]), trace))
         if self.stream and params and params.get("do_remote_decode"):
             try:
                 transfer_id = _transfer_id(params)
@@ -208,6 +219,7 @@ class _Scheduler:
                 producer_block_ids=producer_blocks,
                 loads_from=loads_from,
                 capability=_capability(params),
+                trace=_trace(params),
             )
         )
         self.waiting[request.request_id] = transfer_id

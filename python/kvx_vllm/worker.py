@@ -80,7 +80,13 @@ class _Worker:
         # The counters last reported to vLLM, and when they may be read next.
         self.stats_reported: dict[str, int] = {}
         self.stats_due = 0.0
-        _native.init_logging(self.cfg.log)
+        # Request spans go to an OpenTelemetry collector where one is named (the setting, else
+        # OpenTelemetry's own variable).
+        _native.init_logging(
+            self.cfg.log,
+            otlp_endpoint=self.cfg.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"),
+            service="kvx-prefill" if self.is_producer else "kvx-decode",
+        )
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import (
@@ -164,6 +170,8 @@ class _Worker:
     def start_load_kv(self, meta: KvxConnectorMetadata, no_forward: bool = False) -> None:
         self.no_forward = no_forward
         if self.producer is not None:
+            for tid, trace in meta.traces:
+                self.producer.trace(tid, trace)
             self.layered = meta.layered if self.layer_index else []
             for tid in meta.aborts:
                 self.producer.abort(tid)
@@ -257,6 +265,7 @@ class _Worker:
                 r.block_ids,
                 r.producer_block_ids,
                 capability=capability,
+                trace=r.trace,
             )
         else:
             self.consumer.request_allocated(
@@ -267,6 +276,7 @@ class _Worker:
                 r.skip_tokens,
                 r.block_ids,
                 capability=capability,
+                trace=r.trace,
             )
 
     def save_kv_layer(self, layer_name: str) -> None:

@@ -22,6 +22,10 @@ mod topo;
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// An OpenTelemetry collector's OTLP/HTTP endpoint (`http://HOST:PORT`): request spans
+    /// (`kvx proxy`'s dispatches, `kvx pd`'s transfers) are exported there. None: not exported.
+    #[arg(long, global = true, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
+    otlp_endpoint: Option<String>,
 }
 
 // Parsed once per process: the variants' sizes do not matter.
@@ -47,17 +51,20 @@ enum Command {
 }
 
 fn main() -> anyhow::Result<()> {
-    // Logs go to stderr, filtered by RUST_LOG (default: warnings).
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
-        // Colour codes only on a terminal, not in redirected logs.
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
     let cli = Cli::parse();
+    let service = match &cli.command {
+        Command::Proxy(_) => "kvx-proxy",
+        Command::Pd(args) => args.service(),
+        _ => "kvx",
+    };
+    // Logs go to stderr, filtered by RUST_LOG (default: warnings); request spans to the OTLP
+    // endpoint, where one is named.
+    kvx_vllm::trace::otlp::init(
+        tracing_subscriber::EnvFilter::try_from_default_env()
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        cli.otlp_endpoint.as_deref().filter(|e| !e.is_empty()),
+        service,
+    )?;
     match &cli.command {
         Command::Plan(args) => plan_cmd::run(args),
         Command::Topo(args) => topo::run(args),

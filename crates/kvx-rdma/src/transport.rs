@@ -112,6 +112,12 @@ pub trait Transport: Send {
     /// Limits and abilities of this endpoint.
     fn capabilities(&self) -> Capabilities;
 
+    /// The rails the endpoint opened on: NIC or network-interface names (a libfabric domain per
+    /// rail, UCX's network devices); empty for same-host and in-process transports.
+    fn rails(&self) -> Vec<String> {
+        Vec::new()
+    }
+
     /// Registers a region of local memory under its layout index, and returns how peers see it.
     ///
     /// # Errors

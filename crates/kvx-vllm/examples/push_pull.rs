@@ -150,6 +150,7 @@ fn main() -> Result<(), Box<dyn Error>> {
         skip_tokens: 0,
         blocks: ids(20..25),
         capability: None,
+        trace: None,
     })?;
     fill(&ids(2..5), tokens);
     producer.request_finished(key, RequestId(1), ids(2..5), tokens)?;
@@ -172,6 +173,7 @@ fn main() -> Result<(), Box<dyn Error>> {
             skip_tokens: 0,
             blocks: ids(26..30),
             capability: None,
+            trace: None,
         },
         producer_blocks: ids(8..10),
     })?;

@@ -68,6 +68,7 @@ pub mod settings;
 #[cfg(test)]
 mod sim_support;
 mod stats;
+pub mod trace;
 pub mod transport;
 
 pub use cache::KvCache;

@@ -30,7 +30,7 @@ use pyo3::types::PyDict;
 use crate::settings;
 use crate::{
     ConnectorConfig, Consumer, KvCache, OpenOptions, Producer, PullRequest, PushRequest, RecvEvent,
-    SendOutcome, StatsSnapshot, TransportSpec,
+    SendOutcome, TransportSpec,
 };
 
 fn value_err(e: impl std::fmt::Display) -> PyErr {
@@ -227,7 +227,10 @@ fn start_args(
     })
 }
 
-fn stats_dict<'py>(py: Python<'py>, s: StatsSnapshot) -> PyResult<Bound<'py, PyDict>> {
+/// A side's counters and gauges, its failures by cause (`failed.CAUSE`) and its rails
+/// (`rail.NAME`: 1).
+fn stats_dict<'py>(py: Python<'py>, reader: &crate::StatsReader) -> PyResult<Bound<'py, PyDict>> {
+    let s = reader.snapshot();
     let d = PyDict::new(py);
     d.set_item("held", s.held)?;
     d.set_item("transfers_started", s.transfers_started)?;
@@ -245,6 +248,14 @@ fn stats_dict<'py>(py: Python<'py>, s: StatsSnapshot) -> PyResult<Bound<'py, PyD
     d.set_item("handshakes_evicted", s.handshakes_evicted)?;
     d.set_item("handshakes_failed", s.handshakes_failed)?;
     d.set_item("unauthorized", s.unauthorized)?;
+    d.set_item("ops_posted", s.ops_posted)?;
+    d.set_item("in_flight", s.in_flight)?;
+    for (cause, n) in reader.failures_by_cause() {
+        d.set_item(format!("failed.{cause}"), n)?;
+    }
+    for rail in reader.rails() {
+        d.set_item(format!("rail.{rail}"), 1)?;
+    }
     Ok(d)
 }
 
@@ -405,6 +416,16 @@ impl PyProducer {
         self.addr.to_string()
     }
 
+    /// The request of `transfer_id` belongs to the W3C trace `traceparent` (`kvx_trace`): this
+    /// rank keeps a `kvx.send` span for it. A malformed one is ignored (nothing is traced).
+    fn trace(&self, transfer_id: &str, traceparent: &str) -> PyResult<()> {
+        let Ok(trace) = traceparent.parse() else {
+            return Ok(());
+        };
+        let t = TransferId::from_str_hash(transfer_id);
+        self.with(|p| p.trace(t, trace))?.map_err(|_| closed_err())
+    }
+
     /// Prefill finished the request (push): its blocks are held until decode's registration
     /// arrives, then written; they come back through `take_finished`.
     #[pyo3(signature = (transfer_id, request_id, block_ids, num_tokens, attempt = 0))]
@@ -528,10 +549,11 @@ impl PyProducer {
     /// Counters: held, transfers_started, transfers_ok, transfers_failed, bytes_written,
     /// bytes_streamed, finishing_hints, nudges, handshakes_evicted (connections dropped before
     /// their hello for newer ones), handshakes_failed (hellos late, malformed or of another
-    /// protocol version), unauthorized (capabilities refused).
+    /// protocol version), unauthorized (capabilities refused), ops_posted, in_flight, and
+    /// `failed.CAUSE` and `rail.NAME` entries.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.with(Producer::stats)?;
-        stats_dict(py, s)
+        let reader = self.with(Producer::stats_reader)?;
+        stats_dict(py, &reader)
     }
 
     /// The push transfers that finished since the last call, as `(seconds, bytes)` pairs: the
@@ -599,6 +621,7 @@ impl PyConsumer {
             skip_tokens: skip_tokens / self.token_unit,
             blocks: blocks(block_ids)?,
             capability: None,
+            trace: None,
         })
     }
 
@@ -686,8 +709,9 @@ impl PyConsumer {
 
     /// Decode allocated `block_ids` (from token 0) for a remotely prefilled request (push):
     /// registers them with the prefill instance whose rank 0 listens at `prefill`.
-    /// `capability`: the router's (`kvx_capability`, and `kvx_prefill` as the router wrote it).
-    #[pyo3(signature = (transfer_id, request_id, prefill, num_tokens, skip_tokens, block_ids, attempt = 0, capability = None))]
+    /// `capability`: the router's (`kvx_capability`, and `kvx_prefill` as the router wrote it);
+    /// `trace`: the request's W3C `traceparent` (`kvx_trace`; a malformed one is ignored).
+    #[pyo3(signature = (transfer_id, request_id, prefill, num_tokens, skip_tokens, block_ids, attempt = 0, capability = None, trace = None))]
     #[allow(clippy::too_many_arguments)]
     fn request_allocated(
         &self,
@@ -699,6 +723,7 @@ impl PyConsumer {
         block_ids: Vec<i64>,
         attempt: u32,
         capability: Option<(String, String)>,
+        trace: Option<&str>,
     ) -> PyResult<()> {
         let mut r = self.push_request(
             transfer_id,
@@ -710,12 +735,13 @@ impl PyConsumer {
             attempt,
         )?;
         r.capability = parse_capability(capability)?;
+        r.trace = trace.and_then(|t| t.parse().ok());
         self.submit(request_id, |c| c.request_allocated(r))
     }
 
     /// Reads a prefilled request's KV (pull): `producer_block_ids` are prefill's blocks, as its
     /// response's `kv_transfer_params` relayed them.
-    #[pyo3(signature = (transfer_id, request_id, prefill, num_tokens, skip_tokens, block_ids, producer_block_ids, attempt = 0, capability = None))]
+    #[pyo3(signature = (transfer_id, request_id, prefill, num_tokens, skip_tokens, block_ids, producer_block_ids, attempt = 0, capability = None, trace = None))]
     #[allow(clippy::too_many_arguments)]
     fn pull(
         &self,
@@ -728,6 +754,7 @@ impl PyConsumer {
         producer_block_ids: Vec<i64>,
         attempt: u32,
         capability: Option<(String, String)>,
+        trace: Option<&str>,
     ) -> PyResult<()> {
         let mut push = self.push_request(
             transfer_id,
@@ -739,6 +766,7 @@ impl PyConsumer {
             attempt,
         )?;
         push.capability = parse_capability(capability)?;
+        push.trace = trace.and_then(|t| t.parse().ok());
         let r = PullRequest {
             push,
             producer_blocks: blocks(producer_block_ids)?,
@@ -802,10 +830,10 @@ impl PyConsumer {
     /// Counters: held (requests waiting), transfers_started, transfers_ok, transfers_failed,
     /// bytes_written, finishing_hints, board_ready (push requests found ready in the notice
     /// board), driver_turns (wake-ups of the driver thread), local_connections (control
-    /// connections made over a Unix socket).
+    /// connections made over a Unix socket), and the producer's other entries.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.with(Consumer::stats)?;
-        stats_dict(py, s)
+        let reader = self.with(Consumer::stats_reader)?;
+        stats_dict(py, &reader)
     }
 
     /// Seconds each request that became ready since the last call waited for its KV, from its
@@ -828,19 +856,16 @@ impl PyConsumer {
 }
 
 /// Sends the connector's logs (Rust `tracing`) to standard error, filtered by `filter` (the
-/// `RUST_LOG` syntax, e.g. `kvx_vllm=info`). Once per process; later calls return False.
+/// `RUST_LOG` syntax, e.g. `kvx_vllm=info`), and, with `otlp_endpoint` (`http://HOST:PORT`),
+/// its request spans to that OpenTelemetry collector as service `service`. Once per process;
+/// later calls return False. ValueError for a malformed endpoint.
 #[pyfunction]
-#[pyo3(signature = (filter = "warn"))]
-fn init_logging(filter: &str) -> bool {
+#[pyo3(signature = (filter = "warn", otlp_endpoint = None, service = "kvx"))]
+fn init_logging(filter: &str, otlp_endpoint: Option<&str>, service: &str) -> PyResult<bool> {
     let filter = tracing_subscriber::EnvFilter::try_new(filter)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        // Colour codes only on a terminal: vLLM's logs usually go to files.
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .try_init()
-        .is_ok()
+    crate::trace::otlp::init(filter, otlp_endpoint.filter(|e| !e.is_empty()), service)
+        .map_err(value_err)
 }
 
 /// The number of a transfer id string, as both engines derive it (hex), for logs and tests.

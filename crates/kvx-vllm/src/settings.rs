@@ -321,6 +321,15 @@ pub const SETTINGS: &[Setting] = &[
               capabilities name; without one, any.",
     },
     Setting {
+        key: "otlp_endpoint",
+        field: None,
+        kind: Kind::Text,
+        default: text(""),
+        doc: "An OpenTelemetry collector's OTLP/HTTP endpoint (http://HOST:PORT): each request's \
+              kvx.send (prefill) or kvx.receive (decode) span, under the trace kvx proxy hands \
+              on, is exported there. Empty: OTEL_EXPORTER_OTLP_ENDPOINT, else not exported.",
+    },
+    Setting {
         key: "log",
         field: None,
         kind: Kind::Text,

@@ -4,6 +4,8 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Mutex;
 
+use kvx_rendezvous::Reason;
+
 /// Most transfer samples kept between two reads; beyond it the oldest are dropped.
 pub const MAX_TRANSFER_SAMPLES: usize = 4096;
 
@@ -37,10 +39,20 @@ pub(crate) struct Stats {
     pub(crate) handshakes_evicted: AtomicU64,
     pub(crate) handshakes_failed: AtomicU64,
     pub(crate) unauthorized: AtomicU64,
+    pub(crate) ops_posted: AtomicU64,
+    pub(crate) in_flight: AtomicI64,
+    /// Requests that ended failed, by cause ([`Reason::as_str`]): a short lock, on failures only.
+    failures: Mutex<std::collections::BTreeMap<&'static str, u64>>,
+    /// The rails (NICs, or network interfaces) the transport opened on.
+    rails: Mutex<Vec<String>>,
     /// Transfers finished since the last [`Stats::take_samples`] (producer).
     samples: Samples<TransferSample>,
     /// Seconds requests waited for their KV, since the last [`Stats::take_waits`] (consumer).
     waits: Samples<f64>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Samples kept between two reads: at most [`MAX_TRANSFER_SAMPLES`], the newest.
@@ -125,6 +137,12 @@ pub struct StatsSnapshot {
     /// (producer), because their capability did not verify or named another engine, or their
     /// prefill is not on the `peers` list.
     pub unauthorized: u64,
+    /// Transport operations posted (writes and reads; a request's layers or chunks may take
+    /// several).
+    pub ops_posted: u64,
+    /// Transfers in flight right now: writes posted and not completed (producer), reads
+    /// (consumer, pull).
+    pub in_flight: i64,
 }
 
 /// A handle on a side's live counters that can go to another thread (a metrics endpoint reads
@@ -137,6 +155,20 @@ impl StatsReader {
     #[must_use]
     pub fn snapshot(&self) -> StatsSnapshot {
         self.0.snapshot()
+    }
+
+    /// Requests that ended failed so far, by cause (`lease_expired`, `peer_failed`, …: the
+    /// names of `kvx_rendezvous::Reason`), causes that never happened left out.
+    #[must_use]
+    pub fn failures_by_cause(&self) -> Vec<(&'static str, u64)> {
+        self.0.failures_by_cause()
+    }
+
+    /// The rails the side's transport opened on (NIC or interface names; empty for same-host
+    /// transports).
+    #[must_use]
+    pub fn rails(&self) -> Vec<String> {
+        self.0.rails()
     }
 }
 
@@ -159,6 +191,23 @@ impl Stats {
         self.waits.take()
     }
 
+    /// A request ended failed, for `reason`.
+    pub(crate) fn failed(&self, reason: Reason) {
+        *lock(&self.failures).entry(reason.as_str()).or_default() += 1;
+    }
+
+    pub(crate) fn failures_by_cause(&self) -> Vec<(&'static str, u64)> {
+        lock(&self.failures).iter().map(|(k, v)| (*k, *v)).collect()
+    }
+
+    pub(crate) fn set_rails(&self, rails: Vec<String>) {
+        *lock(&self.rails) = rails;
+    }
+
+    pub(crate) fn rails(&self) -> Vec<String> {
+        lock(&self.rails).clone()
+    }
+
     pub(crate) fn snapshot(&self) -> StatsSnapshot {
         StatsSnapshot {
             held: self.held.load(Ordering::Relaxed),
@@ -178,6 +227,8 @@ impl Stats {
             handshakes_evicted: self.handshakes_evicted.load(Ordering::Relaxed),
             handshakes_failed: self.handshakes_failed.load(Ordering::Relaxed),
             unauthorized: self.unauthorized.load(Ordering::Relaxed),
+            ops_posted: self.ops_posted.load(Ordering::Relaxed),
+            in_flight: self.in_flight.load(Ordering::Relaxed),
         }
     }
 }

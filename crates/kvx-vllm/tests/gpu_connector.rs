@@ -167,6 +167,7 @@ fn push_tp2_into_tp1(test: &str, transport: &str) {
             skip_tokens: 0,
             blocks: c_blocks.clone(),
             capability: None,
+            trace: None,
         })
         .expect("registration");
     // Chunked prefill: 200 of the 300 tokens are computed first; the whole 32-token blocks of

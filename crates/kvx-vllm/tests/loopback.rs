@@ -221,6 +221,7 @@ fn register_request(
             skip_tokens: 0,
             blocks,
             capability: None,
+            trace: None,
         })
         .unwrap();
 }
@@ -496,6 +497,7 @@ fn pull_reads_then_frees_the_producer_blocks() {
                 skip_tokens: 0,
                 blocks: c_blocks.clone(),
                 capability: None,
+                trace: None,
             },
             producer_blocks: p_blocks.clone(),
         })
@@ -798,6 +800,7 @@ fn a_router_cannot_abandon_a_pull_transfer_a_decode_reads() {
                     skip_tokens: 0,
                     blocks: c_blocks.clone(),
                     capability: None,
+                    trace: None,
                 },
                 producer_blocks: p_blocks.clone(),
             })
@@ -860,6 +863,7 @@ fn preempted_request_reregisters_with_a_new_attempt() {
         skip_tokens: 0,
         blocks,
         capability: None,
+        trace: None,
     };
     consumer.request_allocated(request(0, ids(10..13))).unwrap();
     std::thread::sleep(Duration::from_millis(30));
@@ -959,6 +963,7 @@ fn one_producer_two_consumers(pull: bool, registration_first: bool) {
         skip_tokens: 0,
         blocks: c_blocks.clone(),
         capability: None,
+        trace: None,
     };
     let consumers_go = || {
         for (_, consumer) in &decoders {
@@ -2001,6 +2006,7 @@ fn a_lost_prefill_fails_a_pull_only_once_its_reads_ended() {
                 skip_tokens: 0,
                 blocks: ids(20..22),
                 capability: None,
+                trace: None,
             },
             producer_blocks: ids(0..2),
         })
@@ -3463,6 +3469,7 @@ fn with_a_deployment_key_a_peer_without_it_gets_no_byte() {
             skip_tokens: 0,
             blocks: c_blocks.clone(),
             capability: Some(capability),
+            trace: None,
         })
         .unwrap();
     // A plain hello, as a kvx without the key sends it.
@@ -3546,6 +3553,7 @@ fn a_decode_with_another_key_or_none_fails_naming_the_key() {
                 skip_tokens: 0,
                 blocks: c_blocks,
                 capability,
+                trace: None,
             })
             .unwrap();
         let events = wait_events(&consumer, 1);

@@ -351,6 +351,7 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
                         skip_tokens: 0,
                         blocks: blocks.clone(),
                         capability: capability.clone(),
+                        trace: None,
                     })?;
                 }
                 transfer_work.add_since(t, &measuring);
@@ -400,6 +401,7 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
                             skip_tokens: 0,
                             blocks: r.blocks.clone(),
                             capability: capability.clone(),
+                            trace: None,
                         },
                         producer_blocks: producer_blocks.clone(),
                     })?;

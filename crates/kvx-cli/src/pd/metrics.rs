@@ -15,6 +15,10 @@
 //! | `kvx_handshakes_failed_total` | counter | control connections refused at the handshake (no or another key, no hello in time, another protocol) |
 //! | `kvx_handshakes_evicted_total` | counter | control connections dropped while too many handshakes waited |
 //! | `kvx_unauthorized_total` | counter | requests, registrations and aborts refused for their capability or peer |
+//! | `kvx_ops_posted_total` | counter | transport operations posted (writes, reads) |
+//! | `kvx_in_flight` | gauge | transfers in flight now (writes posted and not completed; reads in pull) |
+//! | `kvx_requests_failed_total` | counter | requests that ended failed, by `cause` (`lease_expired`, `peer_failed`, …) |
+//! | `kvx_rail` | gauge | 1 for each rail (NIC or interface, label `rail`) the rank's transport opened on |
 
 use std::net::SocketAddr;
 
@@ -75,6 +79,11 @@ const COUNTERS: &[Counter] = &[
         "Requests, registrations and aborts refused for their capability or peer",
         |s| s.unauthorized,
     ),
+    (
+        "ops_posted",
+        "Transport operations posted (writes, reads)",
+        |s| s.ops_posted,
+    ),
 ];
 
 #[derive(Debug)]
@@ -95,6 +104,50 @@ impl Collector for Connector {
             )?;
             for (side, snap) in &snapshots {
                 ConstGauge::new(snap.held).encode(family.encode_family(&labels(side))?)?;
+            }
+        }
+        {
+            let gauge = ConstGauge::new(0i64);
+            let mut family = encoder.encode_descriptor(
+                "in_flight",
+                "Transfers in flight now (writes posted and not completed; reads in pull)",
+                None,
+                gauge.metric_type(),
+            )?;
+            for (side, snap) in &snapshots {
+                ConstGauge::new(snap.in_flight).encode(family.encode_family(&labels(side))?)?;
+            }
+        }
+        {
+            let counter = ConstCounter::new(0u64);
+            let mut family = encoder.encode_descriptor(
+                "requests_failed",
+                "Requests that ended failed, by cause",
+                None,
+                counter.metric_type(),
+            )?;
+            for side in &self.0 {
+                for (cause, n) in side.stats.failures_by_cause() {
+                    let [s, r] = labels(side);
+                    let labels = [s, r, ("cause", cause.to_owned())];
+                    ConstCounter::new(n).encode(family.encode_family(&labels)?)?;
+                }
+            }
+        }
+        {
+            let gauge = ConstGauge::new(0i64);
+            let mut family = encoder.encode_descriptor(
+                "rail",
+                "1 for each rail (NIC or interface) the rank's transport opened on",
+                None,
+                gauge.metric_type(),
+            )?;
+            for side in &self.0 {
+                for rail in side.stats.rails() {
+                    let [s, r] = labels(side);
+                    let labels = [s, r, ("rail", rail)];
+                    ConstGauge::new(1i64).encode(family.encode_family(&labels)?)?;
+                }
             }
         }
         for (name, help, value) in COUNTERS {
@@ -181,12 +234,17 @@ mod tests {
         let (_memory, cache) =
             super::super::prefill::RankMemory::new(spec, super::super::gpu::Device::Host).unwrap();
         let fabric = kvx_rdma::loopback::LoopbackFabric::new();
-        let mut producer = kvx_vllm::Producer::start(
-            kvx_vllm::ConnectorConfig::new(kvx_core::EngineId(1)),
-            cache,
-            Box::new(fabric.endpoint()),
-        )
-        .unwrap();
+        let mut config = kvx_vllm::ConnectorConfig::new(kvx_core::EngineId(1));
+        config.producer_lease = std::time::Duration::from_millis(20);
+        let mut producer =
+            kvx_vllm::Producer::start(config, cache, Box::new(fabric.endpoint())).unwrap();
+        // A request nobody registers for: it fails at the producer lease.
+        let key = kvx_rendezvous::AttemptKey::new(kvx_core::TransferId(5), kvx_core::Attempt(0));
+        producer
+            .request_finished(key, kvx_core::RequestId(1), vec![kvx_core::BlockId(0)], 4)
+            .unwrap();
+        let done = producer.wait_finished(std::time::Duration::from_secs(10));
+        assert_eq!(done.len(), 1, "{done:?}");
         let sides = vec![Side {
             side: "prefill",
             rank: 0,
@@ -205,6 +263,9 @@ mod tests {
             r#"kvx_transfers_started_total{side="prefill",rank="0"} 0"#,
             r#"kvx_handshakes_failed_total{side="prefill",rank="0"} 0"#,
             "# TYPE kvx_bytes_written counter",
+            r#"kvx_in_flight{side="prefill",rank="0"} 0"#,
+            r#"kvx_ops_posted_total{side="prefill",rank="0"} 0"#,
+            r#"kvx_requests_failed_total{side="prefill",rank="0",cause="lease_expired"} 1"#,
         ] {
             assert!(answer.contains(want), "no `{want}` in {answer}");
         }

@@ -69,6 +69,17 @@ pub(crate) struct PdArgs {
     role: PdRole,
 }
 
+impl PdArgs {
+    /// The service name of this side's request spans (`--otlp-endpoint`).
+    pub(crate) fn service(&self) -> &'static str {
+        match self.role {
+            PdRole::Prefill(_) => "kvx-prefill",
+            PdRole::Decode(_) => "kvx-decode",
+            _ => "kvx",
+        }
+    }
+}
+
 #[derive(clap::Subcommand, Debug)]
 enum PdRole {
     /// Run the prefill instance (serves until decode disconnects).

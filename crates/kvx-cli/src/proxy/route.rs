@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
 use futures_util::StreamExt as _;
+use kvx_vllm::trace::TraceContext;
 use serde_json::{json, Map, Value};
+use tracing::Instrument as _;
 
 use super::abandon::{Abandoner, Unclaimed};
 use super::http::ApiError;
@@ -53,6 +55,13 @@ pub(super) struct Call {
     pub(super) deadline: Instant,
     /// When the client's request arrived.
     pub(super) started: Instant,
+    /// The trace the client's request belongs to (its `traceparent`, else a new one), and the
+    /// proxy's dispatch span in it: the parent of the instances' spans.
+    pub(super) trace: TraceContext,
+    /// The client's span (its `traceparent`'s), if it sent one.
+    pub(super) client_span: Option<u64>,
+    /// The proxy's dispatch span.
+    pub(super) span_id: u64,
 }
 
 impl Call {
@@ -64,12 +73,39 @@ impl Call {
             }
         }
         let started = Instant::now();
+        let client = client_headers
+            .get("traceparent")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<TraceContext>().ok());
+        let span_id = kvx_vllm::trace::random_span_id();
+        let trace =
+            client.map_or_else(|| TraceContext::new_trace(span_id), |c| c.child_of(span_id));
+        // The instances see the proxy's dispatch as the parent of their work.
+        if let Ok(value) = trace.to_string().parse() {
+            headers.insert("traceparent", value);
+        }
         Self {
             path,
             headers,
             deadline: started + timeout,
             started,
+            trace,
+            client_span: client.map(|c| c.parent_span),
+            span_id,
         }
+    }
+
+    /// The span of this dispatch (`kvx.dispatch`), under the client's trace.
+    pub(super) fn span(&self, mode: Mode) -> tracing::Span {
+        tracing::info_span!(
+            target: "kvx_trace",
+            "kvx.dispatch",
+            trace_id = %self.trace.trace_hex(),
+            parent_span_id = %self.client_span.map(|s| format!("{s:016x}")).unwrap_or_default(),
+            span_id = %format!("{:016x}", self.span_id),
+            mode = ?mode,
+            path = self.path,
+        )
     }
 }
 
@@ -148,6 +184,11 @@ impl Proxy {
     }
 
     pub(super) async fn dispatch(&self, call: Call, body: Value) -> Result<Response, ApiError> {
+        let span = call.span(self.mode);
+        self.dispatch_traced(call, body).instrument(span).await
+    }
+
+    async fn dispatch_traced(&self, call: Call, body: Value) -> Result<Response, ApiError> {
         let Value::Object(request) = body else {
             return Err(ApiError::new(
                 StatusCode::BAD_REQUEST,
@@ -212,12 +253,13 @@ impl Proxy {
     ) -> Result<Response, (Leg, LegError)> {
         let (pi, di) = (&self.prefill[p], &self.decode[d]);
         let kvx = pi.kvx.clone().unwrap_or_default();
+        let trace = call.trace.to_string();
         let p_body = prefill_body(
             request,
-            json!({"do_remote_decode": true, "kvx_transfer_id": transfer}),
+            json!({"do_remote_decode": true, "kvx_transfer_id": transfer, "kvx_trace": trace}),
         );
-        let d_params =
-            json!({"do_remote_prefill": true, "kvx_transfer_id": transfer, "kvx_prefill": kvx});
+        let d_params = json!({"do_remote_prefill": true, "kvx_transfer_id": transfer,
+            "kvx_prefill": kvx, "kvx_trace": trace});
         let Value::Object(d_params) = d_params else {
             unreachable!("an object")
         };
@@ -306,9 +348,10 @@ impl Proxy {
         transfer: &str,
     ) -> Result<Response, (Leg, LegError)> {
         let pi = &self.prefill[p];
+        let trace = call.trace.to_string();
         let p_body = prefill_body(
             request,
-            json!({"do_remote_decode": true, "kvx_transfer_id": transfer}),
+            json!({"do_remote_decode": true, "kvx_transfer_id": transfer, "kvx_trace": trace}),
         );
         // Unclaimed from the start: a client that leaves while prefill computes or answers
         // (its answer can come long after it finished), or a prefill leg that fails after
@@ -342,6 +385,7 @@ impl Proxy {
         // Only the proxy grants capabilities, for the id it dispatched.
         params.remove("kvx_capability");
         params.insert("kvx_transfer_id".into(), Value::String(transfer.to_owned()));
+        params.insert("kvx_trace".into(), Value::String(trace));
         let kvx = pi.kvx.clone().unwrap_or_default();
         loop {
             let di = &self.decode[d];

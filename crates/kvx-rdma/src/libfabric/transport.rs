@@ -29,6 +29,10 @@ impl Transport for LibfabricTransport {
         BACKEND
     }
 
+    fn rails(&self) -> Vec<String> {
+        self.rail_domains().into_iter().map(str::to_owned).collect()
+    }
+
     fn capabilities(&self) -> Capabilities {
         Capabilities {
             notice_bits: self.notice_bits,

@@ -159,6 +159,21 @@ impl Peer {
     }
 }
 
+/// The network devices `config` gives UCX: its rails, else the `NET_DEVICES` of its
+/// `engine_config` (an interface name), else none (UCX's own choice).
+fn net_devices(config: &NixlConfig) -> Vec<String> {
+    if let Some(devices) = &config.net_devices {
+        return devices.split(',').map(str::to_owned).collect();
+    }
+    config
+        .backend_params
+        .iter()
+        .filter_map(|(_, v)| v.split_once("NET_DEVICES=").map(|(_, d)| d))
+        .map(|d| d.split(',').next().unwrap_or_default().to_owned())
+        .filter(|d| !d.is_empty())
+        .collect()
+}
+
 /// A NIXL endpoint implementing [`Transport`].
 pub struct NixlTransport {
     // Field order is drop order: transfer requests are released before the registrations, and
@@ -169,6 +184,8 @@ pub struct NixlTransport {
     agent: sys::Agent,
     name: String,
     plugin: String,
+    /// UCX's network devices, as configured (`NET_DEVICES`).
+    rails: Vec<String>,
     /// This endpoint's address: name and metadata blob (see the module documentation).
     address: Vec<u8>,
     peers: PeerTable<Peer>,
@@ -265,6 +282,7 @@ impl NixlTransport {
             agent,
             name,
             plugin: config.plugin.clone(),
+            rails: net_devices(config),
             peers: PeerTable::default(),
             op_timeout: config.op_timeout,
             next_op: 0,

@@ -29,6 +29,10 @@ impl Transport for NixlTransport {
         BACKEND
     }
 
+    fn rails(&self) -> Vec<String> {
+        self.rails.clone()
+    }
+
     fn capabilities(&self) -> Capabilities {
         Capabilities {
             notice_bits: 64,

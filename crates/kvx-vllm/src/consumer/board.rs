@@ -43,6 +43,9 @@ pub(crate) struct ArmedRequest {
     pending: Vec<u64>,
     /// When it was armed (with its registration): how long it waited for its KV.
     armed_at: std::time::Instant,
+    /// Its `kvx.receive` span (disabled where it is not traced): the engine thread logs the
+    /// request ready in it.
+    span: tracing::Span,
 }
 
 /// What the engine thread and the driver share.
@@ -51,6 +54,9 @@ pub(crate) struct Armed {
     requests: HashMap<AttemptKey, ArmedRequest>,
     /// Found ready by the engine thread, with their writer ranks, for the driver to forget.
     ready: Vec<(AttemptKey, Vec<Rank>)>,
+    /// A traced request was found ready: the driver should take it over now, to end its span
+    /// (otherwise it does at its next turn).
+    wake_driver: bool,
 }
 
 /// The board and its armed requests, shared by the consumer's handle and its driver.
@@ -163,6 +169,10 @@ impl SharedBoard {
                 now,
             ));
             debug!(%key, "ready (notice board)");
+            if !r.span.is_disabled() {
+                tracing::info!(target: crate::trace::TARGET, parent: &r.span, "ready");
+                armed.wake_driver = true;
+            }
             armed.ready.push((key, r.ranks));
             stats.transfers_ok.fetch_add(1, Ordering::Relaxed);
             stats.record_wait(r.armed_at.elapsed().as_secs_f64());
@@ -179,6 +189,7 @@ impl SharedBoard {
         request: RequestId,
         ranks: Vec<Rank>,
         notices: &[u64],
+        span: tracing::Span,
     ) {
         self.lock().requests.insert(
             key,
@@ -187,8 +198,15 @@ impl SharedBoard {
                 ranks,
                 pending: notices.to_vec(),
                 armed_at: std::time::Instant::now(),
+                span,
             },
         );
+    }
+
+    /// Engine thread: whether a traced request was found ready since the last call (the
+    /// driver should be woken to end its span).
+    pub(crate) fn take_wake_driver(&self) -> bool {
+        std::mem::take(&mut self.lock().wake_driver)
     }
 
     /// Driver: the requests the engine thread found ready since the last call.
@@ -332,8 +350,20 @@ mod tests {
         let b = slots.take(now, 2).unwrap();
         assert!(slots.take(now, 1).is_none(), "4 slots, all taken");
         assert!(hints.idle(), "nothing armed yet");
-        shared.arm(key(1), RequestId(1), vec![Rank(0), Rank(1)], &a);
-        shared.arm(key(2), RequestId(2), vec![Rank(0), Rank(1)], &b);
+        shared.arm(
+            key(1),
+            RequestId(1),
+            vec![Rank(0), Rank(1)],
+            &a,
+            tracing::Span::none(),
+        );
+        shared.arm(
+            key(2),
+            RequestId(2),
+            vec![Rank(0), Rank(1)],
+            &b,
+            tracing::Span::none(),
+        );
         assert!(!hints.idle(), "the engine's poll must look at the board");
         let mut out = Vec::new();
         board.deliver(Notice(a[0])).unwrap();
@@ -373,7 +403,13 @@ mod tests {
         let board = Arc::new(NoticeBoard::new(2));
         let shared = SharedBoard::new(Arc::clone(&board), Arc::default());
         let notices = [board_notice(0, 1).unwrap().0, board_notice(1, 1).unwrap().0];
-        shared.arm(key(1), RequestId(1), vec![Rank(0), Rank(1)], &notices);
+        shared.arm(
+            key(1),
+            RequestId(1),
+            vec![Rank(0), Rank(1)],
+            &notices,
+            tracing::Span::none(),
+        );
         assert!(shared.seen_elsewhere(key(1), notices[0]));
         assert!(!shared.seen_elsewhere(key(2), notices[0]));
         board.deliver(Notice(notices[1])).unwrap();

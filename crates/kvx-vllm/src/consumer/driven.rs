@@ -35,6 +35,9 @@ impl driver::Driven for Driver {
 
     fn parking(&mut self, until: Option<Timestamp>, busy: bool) {
         self.transport_wanted = false;
+        self.stats
+            .in_flight
+            .store(self.reads.len() as i64, Ordering::Relaxed);
         self.parked = Some(Parked { until, busy });
     }
 

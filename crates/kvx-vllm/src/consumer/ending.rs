@@ -98,6 +98,7 @@ impl Driver {
                         .saturating_duration_since(payload.registered);
                     self.stats.record_wait(waited.as_secs_f64());
                     debug!(%key, "ready");
+                    tracing::info!(target: crate::trace::TARGET, parent: &payload.span, "ready");
                     self.push_event(RecvEvent::Ready {
                         key,
                         request: payload.request,
@@ -119,6 +120,7 @@ impl Driver {
     /// the engine hears of it once nothing can land in its blocks any more: push, every rank
     /// whose notice (or failure notice) has not come is waited for; pull, its own reads.
     pub(super) fn give_up(&mut self, key: AttemptKey, payload: Waiting, reason: Reason) {
+        tracing::info!(target: crate::trace::TARGET, parent: &payload.span, %reason, "failed");
         let ranks: HashSet<Rank> = payload
             .notices
             .iter()

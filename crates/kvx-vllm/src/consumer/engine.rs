@@ -17,7 +17,7 @@ pub(super) enum EngineRegistration {
     /// Registered; `wake`: the driver must look again.
     Registered { wake: bool },
     /// Not here: it goes through the driver's queue (a prefill rank still to connect).
-    ThroughQueue(PushRequest),
+    ThroughQueue(Box<PushRequest>),
     /// The driver has ended.
     Closed,
 }
@@ -31,7 +31,7 @@ impl Driver {
             return EngineRegistration::Closed;
         }
         if !self.registers_at_once(request.prefill) {
-            return EngineRegistration::ThroughQueue(request);
+            return EngineRegistration::ThroughQueue(Box::new(request));
         }
         self.start(request, None);
         EngineRegistration::Registered {

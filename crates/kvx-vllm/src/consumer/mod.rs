@@ -57,6 +57,9 @@ pub struct PushRequest {
     /// connection, then sent with the registration. Required where this side has a deployment
     /// key.
     pub capability: Option<Capability>,
+    /// The request's trace (`kvx_trace`, W3C): the consumer's `kvx.receive` span for it is a
+    /// child of it.
+    pub trace: Option<crate::trace::TraceContext>,
 }
 
 /// A prefilled request to read from the prefill instance (pull mode).
@@ -172,6 +175,8 @@ struct Waiting {
     pull: bool,
     /// The router's grant, sent with the registration and with an abort.
     capability: Option<Capability>,
+    /// The request's `kvx.receive` span (disabled without a trace): it ends with the request.
+    span: tracing::Span,
 }
 
 /// A failed request whose blocks a write may still reach: push, a producer rank that has
@@ -345,7 +350,7 @@ impl Consumer {
         drop(driver);
         let wake = match entry {
             EngineRegistration::Registered { wake } => wake,
-            EngineRegistration::ThroughQueue(request) => return self.send(Command::Push(request)),
+            EngineRegistration::ThroughQueue(request) => return self.send(Command::Push(*request)),
             EngineRegistration::Closed => return Err(Closed),
         };
         if wake {
@@ -459,6 +464,9 @@ impl Consumer {
             // time an interval after the wait began: until then the writes of a writer in
             // contact land without a read, in the queue's room that the last read left.
             let landed = events.len() > before;
+            if landed && board.take_wake_driver() {
+                let _ = self.tx.send(Command::Wake);
+            }
             let was_waiting = self.board_waiting.swap(waiting > 0, Ordering::Relaxed);
             if waiting > 0 && !was_waiting {
                 self.defer_engine_read();
@@ -675,6 +683,7 @@ impl Driver {
         // Transfer ids reach the waiter's table from peers too: a seed of this process's own.
         waiter_config.hash_seed = crate::config::random_seed();
         let waiter = Waiter::new(waiter_config)?;
+        stats.set_rails(transport.rails());
         let caps = transport.capabilities();
         // With a board, notices need nothing from this side, so no hints are asked for.
         let finishing_hints = config

@@ -199,6 +199,7 @@ fn push_request(
         skip_tokens: 0,
         blocks,
         capability,
+        trace: None,
     }
 }
 

@@ -83,6 +83,13 @@ impl Driver {
     /// The request fails before anything was registered for it.
     pub(super) fn refuse(&self, request: &PushRequest, reason: Reason, detail: String) {
         warn!(key = %request.key, detail, "request cannot be served");
+        let span = crate::trace::request_span(
+            "kvx.receive",
+            request.trace,
+            request.key.transfer,
+            self.layout.rank(),
+        );
+        tracing::info!(target: crate::trace::TARGET, parent: &span, %reason, detail, "failed");
         self.push_event(RecvEvent::Failed {
             key: request.key,
             request: request.request,
@@ -172,6 +179,12 @@ impl Driver {
             permute,
             pull,
             capability: request.capability.clone(),
+            span: crate::trace::request_span(
+                "kvx.receive",
+                request.trace,
+                key.transfer,
+                self.layout.rank(),
+            ),
         };
         let lease = self.config.registration_lease;
         // Prefill keeps a registration for a few heartbeats at a time: one whose decode went
@@ -198,9 +211,13 @@ impl Driver {
                 _ => None,
             };
             if let (Some(notices), Some(slots)) = (&on_board, &self.board) {
-                slots
-                    .shared
-                    .arm(key, request.request, writers.clone(), notices);
+                slots.shared.arm(
+                    key,
+                    request.request,
+                    writers.clone(),
+                    notices,
+                    waiting.span.clone(),
+                );
             }
             for (index, &rank) in writers.iter().enumerate() {
                 let notice = if let Some(notices) = &on_board {
@@ -271,6 +288,14 @@ impl Driver {
             .insert(key);
         self.stats.held.fetch_add(1, Ordering::Relaxed);
         debug!(%key, writers = writers.len(), pull, "registered");
+        tracing::info!(
+            target: crate::trace::TARGET,
+            parent: &waiting.span,
+            writers = writers.len(),
+            pull,
+            "{}",
+            if pull { "reads posted" } else { "registered" }
+        );
         self.waiter.expect(now, key, writers, lease, waiting);
         if self.next_heartbeat.is_none() {
             self.next_heartbeat = Some(now + self.config.heartbeat_interval);
@@ -322,6 +347,7 @@ impl Driver {
                 .read(peer, planned.ops_for(rank))
                 .map_err(|source| TransferError::Read { rank, source })?;
             self.reads.insert(op, (request.key, rank));
+            self.stats.ops_posted.fetch_add(1, Ordering::Relaxed);
             self.stats.bytes_written.fetch_add(
                 planned
                     .ops_for(rank)
@@ -471,6 +497,9 @@ impl Driver {
     }
 
     pub(super) fn push_event(&self, event: RecvEvent) {
+        if let RecvEvent::Failed { reason, .. } = &event {
+            self.stats.failed(*reason);
+        }
         self.events.push((event, SystemTime::now()));
     }
 }

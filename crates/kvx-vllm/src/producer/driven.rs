@@ -29,6 +29,13 @@ impl driver::Driven for Driver {
             || (!self.pull_held.is_empty() && !self.peer_rma_unassisted)
     }
 
+    fn parking(&mut self, _until: Option<Timestamp>, _busy: bool) {
+        let in_flight = self.flights.len() + self.partials.len();
+        self.stats
+            .in_flight
+            .store(in_flight as i64, Ordering::Relaxed);
+    }
+
     fn transport_slot(&mut self) -> &mut Option<Box<dyn Transport>> {
         &mut self.transport
     }
@@ -82,6 +89,9 @@ impl Driver {
         match command {
             Command::Finished { key, held, pull } => {
                 debug!(%key, tokens = held.num_tokens, pull, "request finished");
+                self.trace_event(key.transfer, |span| {
+                    tracing::info!(target: crate::trace::TARGET, parent: span, tokens = held.num_tokens, pull, "finished");
+                });
                 if !pull && self.finish_sealed(key) {
                     return;
                 }
@@ -110,6 +120,21 @@ impl Driver {
                 debug!(%transfer, ?attempt, "the engine aborted the request");
                 self.disown(transfer, attempt);
                 self.abort(now, transfer, attempt, Reason::Aborted);
+            }
+            Command::Trace(transfer, trace) => {
+                let span = crate::trace::request_span("kvx.send", Some(trace), transfer, self.rank);
+                if span.is_disabled() {
+                    return;
+                }
+                if self.traces.insert(transfer, span).is_none() {
+                    self.trace_order.push_back(transfer);
+                }
+                // Transfers that never end here (aborted before they finished) go at last.
+                while self.trace_order.len() > self.max_dead.max(1) {
+                    if let Some(old) = self.trace_order.pop_front() {
+                        self.traces.remove(&old);
+                    }
+                }
             }
             Command::Preempted(key) => {
                 self.streams.remove(&key);
@@ -194,6 +219,13 @@ impl Driver {
 
     /// The blocks of `key` are done with: reported to the engine, unless it sealed the request
     /// and has not finished it (then reported when it does) or aborted it since (never).
+    /// Logs an event in `transfer`'s `kvx.send` span, if it is traced.
+    pub(super) fn trace_event(&self, transfer: TransferId, event: impl FnOnce(&tracing::Span)) {
+        if let Some(span) = self.traces.get(&transfer) {
+            event(span);
+        }
+    }
+
     pub(super) fn give_back(
         &mut self,
         key: AttemptKey,
@@ -201,6 +233,12 @@ impl Driver {
         outcome: SendOutcome,
     ) {
         self.stats.held.fetch_sub(1, Ordering::Relaxed);
+        if let SendOutcome::NotSent(reason) = outcome {
+            self.stats.failed(reason);
+        }
+        if let Some(span) = self.traces.remove(&key.transfer) {
+            tracing::info!(target: crate::trace::TARGET, parent: &span, outcome = ?outcome, "released");
+        }
         let done = FinishedSending {
             request: held.request,
             key,

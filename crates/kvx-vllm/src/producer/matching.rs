@@ -290,6 +290,9 @@ impl Driver {
             Ok((op, bytes)) => {
                 self.stats.transfers_started.fetch_add(1, Ordering::Relaxed);
                 debug!(key = %dest.key, bytes, post_us = started.elapsed().as_micros() as u64, "writes posted");
+                self.trace_event(dest.key.transfer, |span| {
+                    tracing::info!(target: crate::trace::TARGET, parent: span, bytes, "writes posted");
+                });
                 self.flights.insert(
                     op,
                     Flight {
@@ -352,6 +355,7 @@ impl Driver {
         )
         .map_err(|source| TransferError::PlanOf { key, source })?;
         self.stats.bytes_written.fetch_add(bytes, Ordering::Relaxed);
+        self.stats.ops_posted.fetch_add(1, Ordering::Relaxed);
         self.transport
             .as_deref_mut()
             .expect(OPEN)
@@ -381,6 +385,9 @@ impl Driver {
                 );
                 match flight.cancelled {
                     None => {
+                        self.trace_event(flight.original.transfer, |span| {
+                            tracing::info!(target: crate::trace::TARGET, parent: span, bytes = flight.bytes, "written");
+                        });
                         self.matcher
                             .transfer_finished(now, flight.key, TransferOutcome::Succeeded);
                         self.stats.transfers_ok.fetch_add(1, Ordering::Relaxed);

@@ -86,6 +86,8 @@ enum Command {
         attempt: Option<Attempt>,
     },
     Preempted(AttemptKey),
+    /// The engine's trace of a transfer: its `kvx.send` span.
+    Trace(TransferId, crate::trace::TraceContext),
     Accepted(ConnId, ControlSender, Box<Hello>),
     /// A consumer's message, holding its connection's place in the queue until handled.
     Peer(ConnId, Message, control::Queued),
@@ -342,6 +344,21 @@ impl Producer {
     #[must_use]
     pub fn control_addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// The request of `transfer` belongs to `trace` (`kvx_trace`, W3C): this rank keeps a
+    /// `kvx.send` span for it, a child of the trace's span, with the request's steps as events
+    /// (registered, writes posted, written, released), until its blocks go back. Call it before
+    /// the request's other calls; without it nothing is traced.
+    ///
+    /// # Errors
+    /// [`Closed`] after shutdown.
+    pub fn trace(
+        &self,
+        transfer: TransferId,
+        trace: crate::trace::TraceContext,
+    ) -> Result<(), Closed> {
+        self.send(Command::Trace(transfer, trace))
     }
 
     /// Prefill finished `key` (push): hold `blocks` until the registration arrives (or has
@@ -766,6 +783,10 @@ struct Driver {
     producer_lease: Duration,
     /// The deployment key: registrations and aborts then need a router's capability.
     auth_key: Option<Arc<crate::AuthKey>>,
+    /// The `kvx.send` spans of traced transfers, and their order (the oldest go past
+    /// `max_entries`).
+    traces: HashMap<TransferId, tracing::Span>,
+    trace_order: std::collections::VecDeque<TransferId>,
     finished: Arc<Mailbox<(FinishedSending, SystemTime)>>,
     stats: Arc<Stats>,
 }
@@ -792,6 +813,7 @@ impl Driver {
         // its layout unknown to them (no built collisions).
         matcher_config.hash_seed = crate::config::random_seed();
         let matcher = Matcher::new(matcher_config)?;
+        stats.set_rails(transport.rails());
         let peer_rma_unassisted = transport.capabilities().peer_rma_unassisted;
         Ok(Self {
             clock,
@@ -819,6 +841,8 @@ impl Driver {
             max_consumer_tp: 1,
             producer_lease: config.producer_lease,
             auth_key: config.auth_key.clone(),
+            traces: HashMap::new(),
+            trace_order: std::collections::VecDeque::new(),
             finished,
             stats,
         })

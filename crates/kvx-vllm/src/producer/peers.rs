@@ -322,6 +322,9 @@ impl Driver {
             return;
         }
         c.remember(rkey, &self.matcher, &self.stats);
+        if let Some(span) = self.traces.get(&reg.transfer) {
+            tracing::info!(target: crate::trace::TARGET, parent: span, consumer_rank = reg.consumer_rank.0, "registered");
+        }
         let lease = Duration::from_millis(u64::from(reg.lease_ms));
         self.matcher.register(
             now,

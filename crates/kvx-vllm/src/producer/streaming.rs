@@ -160,6 +160,7 @@ impl Driver {
         )
         .map_err(|e| format!("cannot plan the early writes of {key}: {e}"))
         .and_then(|(ops, bytes)| {
+            self.stats.ops_posted.fetch_add(1, Ordering::Relaxed);
             self.transport
                 .as_deref_mut()
                 .expect(OPEN)
