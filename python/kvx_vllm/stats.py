@@ -30,6 +30,7 @@ STATS_COUNTERS = {
                             "confirmation that it writes no more",
     "handshakes_failed": "kvx control connections refused at the handshake (no or another "
                          "deployment key, no hello in time, another protocol version)",
+    "ops_posted": "kvx transport operations posted (writes, reads)",
     "unauthorized": "kvx requests, registrations and aborts refused because their capability "
                     "did not verify or named another engine, or their prefill is not a peer",
 }
@@ -38,6 +39,18 @@ STATS_COUNTERS = {
 # on decode, seconds a request waited for its KV (registration, or the post of its reads, to
 # ready). vLLM's /metrics observes each into a histogram.
 STATS_SAMPLES = ("transfer_seconds", "transfer_bytes", "kv_wait_seconds")
+# Gauges a worker reports with its counters, as ``gauge.<name>`` (values now, summed over
+# ranks): the native side's name, the series' name, and its help.
+STATS_GAUGES = {
+    "held": ("requests_held", "Requests whose blocks (prefill) or registrations (decode) kvx "
+                              "holds now"),
+    "in_flight": ("transfers_in_flight", "kvx transfers in flight now (writes posted and not "
+                                         "completed; reads in pull)"),
+}
+# Requests failed by cause come as ``failed.<cause>`` increments; the rails the transport
+# opened on as ``gauge.rail.<name>`` (ranks using it).
+FAILED_PREFIX = "failed."
+RAIL_PREFIX = "gauge.rail."
 # Seconds between two reads of the counters (vLLM asks every step).
 STATS_EVERY_S = 1.0
 
@@ -60,7 +73,9 @@ if KVConnectorStats is not None:
             return self
 
         def reduce(self) -> dict[str, int | float]:
-            out = {k: v for k, v in self.data.items() if not isinstance(v, list)}
+            # Gauges summed over intervals mean nothing: the log line shows counters.
+            out = {k: v for k, v in self.data.items()
+                   if not isinstance(v, list) and not k.startswith("gauge.")}
             for name, shown in (("transfer_seconds", "transfer_ms_mean"),
                                 ("kv_wait_seconds", "kv_wait_ms_mean")):
                 seconds = self.data.get(name) or []
@@ -92,6 +107,28 @@ if KVConnectorPromMetrics is not None:
                     engine: metric.labels(*values)
                     for engine, values in per_engine_labelvalues.items()
                 }
+            self.gauges: dict[str, dict[int, Any]] = {}
+            for name, (series, documentation) in STATS_GAUGES.items():
+                metric = self._gauge_cls(
+                    name=f"vllm:kvx_{series}", documentation=documentation,
+                    labelnames=labelnames, multiprocess_mode="mostrecent",
+                )
+                self.gauges[f"gauge.{name}"] = {
+                    engine: metric.labels(*values)
+                    for engine, values in per_engine_labelvalues.items()
+                }
+            # Labelled by cause, resp. rail: their children are made as they come.
+            self.failed = self._counter_cls(
+                name="vllm:kvx_requests_failed", documentation="kvx requests that ended "
+                "failed, by cause (lease_expired, peer_failed, unauthorized, ...)",
+                labelnames=[*labelnames, "cause"],
+            )
+            self.rails = self._gauge_cls(
+                name="vllm:kvx_rail_ranks", documentation="Ranks whose kvx transport opened "
+                "on each rail (NIC or network interface)",
+                labelnames=[*labelnames, "rail"], multiprocess_mode="mostrecent",
+            )
+            self.labelvalues = per_engine_labelvalues
             self.histograms: dict[str, dict[int, Any]] = {}
             for name, documentation, buckets in (
                 ("transfer_seconds", "Push transfers: seconds from the post of their last "
@@ -117,6 +154,18 @@ if KVConnectorPromMetrics is not None:
                     child = self.histograms.get(name, {}).get(engine_idx)
                     for sample in value if child is not None else ():
                         child.observe(sample)
+                    continue
+                labels = self.labelvalues.get(engine_idx)
+                if name.startswith(RAIL_PREFIX) and labels is not None:
+                    self.rails.labels(*labels, name[len(RAIL_PREFIX):]).set(value)
+                    continue
+                if name.startswith(FAILED_PREFIX) and labels is not None:
+                    if value > 0:
+                        self.failed.labels(*labels, name[len(FAILED_PREFIX):]).inc(value)
+                    continue
+                gauge = self.gauges.get(name, {}).get(engine_idx)
+                if gauge is not None:
+                    gauge.set(value)
                     continue
                 child = self.counters.get(name, {}).get(engine_idx)
                 if child is not None and value > 0:

@@ -19,7 +19,13 @@ from kvx_vllm.cpu_advice import cpu_attention_kernel, cpu_executor_advice
 from kvx_vllm.layout import CacheDescription, describe, ordered_layers
 from kvx_vllm.metadata import KvxConnectorMetadata, LayerSpec, RecvSpec
 from kvx_vllm.resolve import Resolver
-from kvx_vllm.stats import STATS_COUNTERS, STATS_EVERY_S
+from kvx_vllm.stats import (
+    FAILED_PREFIX,
+    RAIL_PREFIX,
+    STATS_COUNTERS,
+    STATS_EVERY_S,
+    STATS_GAUGES,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -79,6 +85,7 @@ class _Worker:
         self.handed: set[str] = set()
         # The counters last reported to vLLM, and when they may be read next.
         self.stats_reported: dict[str, int] = {}
+        self.gauges_reported: dict[str, int] = {f"gauge.{n}": 0 for n in STATS_GAUGES}
         self.stats_due = 0.0
         # Request spans go to an OpenTelemetry collector where one is named (the setting, else
         # OpenTelemetry's own variable).
@@ -367,11 +374,17 @@ class _Worker:
             return None
         self.stats_due = now + STATS_EVERY_S
         current = self.stats()
+        counters = [*STATS_COUNTERS, *(k for k in current if k.startswith(FAILED_PREFIX))]
         grown: dict[str, Any] = {
-            name: current.get(name, 0) - self.stats_reported.get(name, 0)
-            for name in STATS_COUNTERS
+            name: current.get(name, 0) - self.stats_reported.get(name, 0) for name in counters
         }
+        # Gauges: their values now, reported whenever one changed (or a counter grew).
+        gauges = {f"gauge.{name}": current.get(name, 0) for name in STATS_GAUGES}
+        gauges.update({RAIL_PREFIX + k[len("rail."):]: v
+                       for k, v in current.items() if k.startswith("rail.")})
+        gauges_moved = gauges != self.gauges_reported
         self.stats_reported = current
+        self.gauges_reported = gauges
         samples = self.producer.take_transfer_samples() if self.producer is not None else []
         if samples:
             grown["transfer_seconds"] = [s for s, _ in samples]
@@ -379,7 +392,10 @@ class _Worker:
         waits = self.consumer.take_wait_samples() if self.consumer is not None else []
         if waits:
             grown["kv_wait_seconds"] = waits
-        return grown if any(grown.values()) else None
+        if not any(grown.values()) and not gauges_moved:
+            return None
+        grown.update(gauges)
+        return grown
 
     def shutdown(self) -> None:
         for side in (self.producer, self.consumer):

@@ -120,6 +120,7 @@ def decode_worker(consumer, resolver: Resolver | None = None) -> _Worker:
     w.load_errors, w.refused = set(), []
     w.resolver, w.resolving, w.dropped = resolver or Resolver(), [], []
     w.stats_reported, w.stats_due = {}, 0.0
+    w.gauges_reported = {"gauge.held": 0, "gauge.in_flight": 0}
     return w
 
 

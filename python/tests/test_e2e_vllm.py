@@ -358,6 +358,48 @@ def chat_stream(base: str, text: str) -> list[str]:
     return pieces
 
 
+class OtlpReceiver:
+    """A minimal OpenTelemetry collector: takes OTLP/HTTP JSON posts (``/v1/traces``) on a free
+    port and keeps each span with its service's name."""
+
+    def __init__(self) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        spans: list[dict] = []
+        self.spans = spans
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (the library's name)
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                for resource in body["resourceSpans"]:
+                    service = {a["key"]: a["value"]["stringValue"]
+                               for a in resource["resource"]["attributes"]}["service.name"]
+                    for scope in resource["scopeSpans"]:
+                        spans.extend({**span, "service": service} for span in scope["spans"])
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def traces_across_all_three(self) -> list[dict]:
+        """Per trace the proxy dispatched: its dispatch span, and prefill's and decode's spans
+        that are its children."""
+        out = []
+        for d in [s for s in self.spans if s["name"] == "kvx.dispatch"]:
+            kids = [s for s in self.spans if s["traceId"] == d["traceId"]
+                    and s["parentSpanId"] == d["spanId"]]
+            by_name = {s["name"]: s for s in kids}
+            if "kvx.send" in by_name and "kvx.receive" in by_name:
+                out.append({"dispatch": d, **by_name})
+        return out
+
+
 def metric(base: str, name: str, labels: str = "") -> float:
     status, body = http("GET", f"{base}/metrics")
     assert status == 200
@@ -419,7 +461,7 @@ def reference(model, workdir) -> dict:
 def run_pair(mode: str, model: Path, workdir: Path, reference: dict, *, p_extra=None,
              d_extra=None, d_block=BLOCK, d_policy="fail", p_args=(), p_log=None, d_log=None,
              kvx_host="127.0.0.1", p_cores=P_CORES, p_tp=1, d_args=(), d_cores=D_CORES,
-             executor="mp"):
+             executor="mp", proxy_env=None):
     connector = "KvxPushConnector" if mode == "push" else "KvxPullConnector"
     kvx_port = free_port(p_tp)  # rank r of prefill listens on kvx_port + r
     p_cfg = kv_config(connector, "kv_producer", f"p-{mode}", listen=f"127.0.0.1:{kvx_port}",
@@ -436,22 +478,26 @@ def run_pair(mode: str, model: Path, workdir: Path, reference: dict, *, p_extra=
         f"proxy-{mode}",
         [str(KVX_BIN), "proxy", "--mode", mode, "--listen", f"127.0.0.1:{proxy_port}",
          "--prefill", f"{p_url}@{kvx_host}:{kvx_port}", "--decode", d_url],
-        workdir, dict(os.environ), f"{proxy_url}/health",
+        workdir, {**os.environ, **(proxy_env or {})}, f"{proxy_url}/health",
     )
     return p, p_url, d, d_url, proxy, proxy_url
 
 
 def check_pair_matches_reference(mode, model, workdir, reference, transport=None, d_block=BLOCK,
                                  chunk=None, d_log_expect=None, kvx_host="127.0.0.1", p_tp=1,
-                                 d_tp=1, d_log_absent=None, executor="mp"):
+                                 d_tp=1, d_log_absent=None, executor="mp", traced=False):
     """With `chunk`, prefill computes prompts in steps of that many tokens (chunked prefill),
     and push writes each step's finished blocks while the next step computes. With
     `d_log_expect`, decode logs kvx at debug level and that text must appear in its log (and
     `d_log_absent` must not).
     `kvx_host` names prefill's kvx address to the proxy (which hands it to decode in push).
     `p_tp`, `d_tp`: each side's tensor-parallel size. `executor`: vLLM's on both sides (`mp`,
-    vLLM's default, or `uni`)."""
-    extra = {"transport": transport} if transport else None
+    vLLM's default, or `uni`). With `traced`, the proxy, prefill and decode export their request
+    spans to an OTLP receiver the test runs, and each request is followed across the three."""
+    extra = {"transport": transport} if transport else {}
+    otlp = OtlpReceiver() if traced else None
+    if otlp is not None:
+        extra["otlp_endpoint"] = otlp.endpoint
     p_args = ("--max-num-batched-tokens", str(chunk)) if chunk else ()
     p_cores = P_CORES
     if p_tp > 1:
@@ -474,7 +520,9 @@ def check_pair_matches_reference(mode, model, workdir, reference, transport=None
                                                     d_log="kvx_vllm=debug" if d_log_expect else None,
                                                     kvx_host=kvx_host, p_cores=p_cores, p_tp=p_tp,
                                                     d_args=d_args, d_cores=d_cores,
-                                                    executor=executor)
+                                                    executor=executor,
+                                                    proxy_env={"OTEL_EXPORTER_OTLP_ENDPOINT":
+                                                               otlp.endpoint} if otlp else None)
     with running(p, d, proxy):
         for s in (p, d, proxy):
             s.wait_ready()
@@ -519,6 +567,22 @@ def check_pair_matches_reference(mode, model, workdir, reference, transport=None
         assert metric(d_url, "vllm:kvx_kv_wait_seconds_count") > 0
         for base in (p_url, d_url):
             assert metric(base, "vllm:kvx_transfers_failed_total") == 0, base
+        if otlp is not None:
+            # One trace per request across the three processes: the proxy's dispatch span, and
+            # prefill's and decode's spans as its children, with the request's steps.
+            deadline = time.monotonic() + 20
+            while len(otlp.traces_across_all_three()) < len(PROMPT_WORDS):
+                assert time.monotonic() < deadline, (
+                    f"{len(otlp.traces_across_all_three())} traces across proxy, prefill and "
+                    f"decode; spans: {[(s['service'], s['name']) for s in otlp.spans][:20]}")
+                time.sleep(0.2)
+            for t in otlp.traces_across_all_three():
+                assert t["dispatch"]["service"] == "kvx-proxy", t
+                assert t["kvx.send"]["service"] == "kvx-prefill", t
+                assert t["kvx.receive"]["service"] == "kvx-decode", t
+                sent = {e["name"] for e in t["kvx.send"]["events"]}
+                assert {"writes posted", "written", "released"} <= sent, sent
+                assert "ready" in {e["name"] for e in t["kvx.receive"]["events"]}, t
         texts = {}
         for s, cores in ((p, p_cores), (d, d_cores)):
             text = texts[s.name] = s.log.read_text(errors="replace")
@@ -575,12 +639,14 @@ def test_push_matches_a_single_instance(model, workdir, reference):
     computes (prefill's log shows those early writes), and seals each prompt's KV when the
     forward pass that computed its last token ends, before vLLM finishes the request. Where
     `shm` moves data by cross-memory attach, prefill writes each notice into decode's notice
-    board, and decode's engine finds the requests ready there (its log says so)."""
+    board, and decode's engine finds the requests ready there (its log says so). The proxy,
+    prefill and decode export their request spans to an OTLP receiver: each request is one
+    trace across the three."""
     from kvx_vllm import _native
 
     board = "ready (notice board)" if _native.shm_uses_cma() else None
     check_pair_matches_reference("push", model, workdir, reference, d_block=2 * BLOCK, chunk=32,
-                                 d_log_expect=board)
+                                 d_log_expect=board, traced=True)
 
 
 def test_push_with_vllms_uni_executor_matches_a_single_instance(model, workdir, reference):
@@ -912,6 +978,19 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
         while metric(dk_url, "vllm:kv_cache_usage_perc") > 0:
             assert time.monotonic() - t0 < 20, "decode kept the failed request's blocks"
             time.sleep(0.25)
+        # ... and decode's /metrics counts it by its cause (the workers report at most once a
+        # second, at an engine step: a request moves one along).
+        t0 = time.monotonic()
+        while True:
+            try:
+                failed = metric(dk_url, "vllm:kvx_requests_failed_total", 'cause="peer_failed"')
+            except AssertionError:
+                failed = 0
+            if failed >= 1:
+                break
+            assert time.monotonic() - t0 < 20, "no failure by cause on decode's /metrics"
+            http("POST", f"{dk_url}/v1/completions",
+                 {"model": "tiny", "prompt": "x", "max_tokens": 1}, timeout=60)
 
         # 2c. Decode registers, is killed, then prefill finishes: prefill's writes to the dead
         # decode fail at once (not at `transfer_timeout`), and its blocks come back.

@@ -36,6 +36,17 @@ def test_workers_report_what_their_counters_grew_by():
     assert producer.take_transfer_samples() == []
     w.stats_due = 0.0
     assert w.stats_increments() is None, "reported twice"
+    # A request given up: counted by its cause; held comes back to 0.
+    w.start_load_kv(KvxConnectorMetadata(recvs=[
+        RecvSpec("b", "t-b", producer.control_addr, 16, 0, [6]),
+    ]))
+    consumer.cancel("t-b")
+    [(rid, ok, reason, _)] = wait_events(consumer, 1)
+    assert (rid, ok, reason) == ("b", False, "aborted")
+    w.stats_due = 0.0
+    grown = w.stats_increments()
+    assert grown["failed.aborted"] == 1 and grown["transfers_failed"] == 1, grown
+    assert grown["gauge.held"] == 0 and grown["gauge.in_flight"] == 0, grown
     consumer.shutdown()
     producer.shutdown()
 
@@ -79,6 +90,8 @@ def test_prometheus_counters_add_up_every_interval_per_engine():
     prom.observe({"handshakes_failed": 3}, 1)
     prom.observe({"transfer_seconds": [0.002, 0.004], "transfer_bytes": [1 << 20, 1 << 20]}, 0)
     prom.observe({"kv_wait_seconds": [0.05]}, 1)
+    prom.observe({"failed.lease_expired": 2, "gauge.held": 3, "gauge.rail.eth0": 2}, 0)
+    prom.observe({"failed.lease_expired": 1, "gauge.held": 1}, 0)
     text = generate_latest(registry).decode()
     assert 'vllm:kvx_transfers_ok_total{engine="0",model_name="tiny"} 3.0' in text, text
     assert 'vllm:kvx_bytes_written_total{engine="0",model_name="tiny"} 150.0' in text, text
@@ -87,3 +100,18 @@ def test_prometheus_counters_add_up_every_interval_per_engine():
     assert 'vllm:kvx_transfer_seconds_count{engine="0",model_name="tiny"} 2.0' in text, text
     assert 'vllm:kvx_kv_wait_seconds_count{engine="1",model_name="tiny"} 1.0' in text, text
     assert 'vllm:kvx_transfer_bytes_sum{engine="0",model_name="tiny"} 2.097152e+06' in text, text
+    assert ('vllm:kvx_requests_failed_total{cause="lease_expired",engine="0",model_name="tiny"} '
+            '3.0') in text, text
+    assert 'vllm:kvx_requests_held{engine="0",model_name="tiny"} 1.0' in text, text
+    assert 'vllm:kvx_rail_ranks{engine="0",model_name="tiny",rail="eth0"} 2.0' in text, text
+    # Every series and label name follows Prometheus's rules.
+    import re
+
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, _, rest = line.partition("{")
+        assert re.fullmatch(r"[a-zA-Z_:][a-zA-Z0-9_:]*", name.split(" ")[0]), line
+        for label in re.findall(r'([^,{}]+)="', rest):
+            assert re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", label), line
+            assert not label.startswith("__"), line
