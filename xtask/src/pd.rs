@@ -335,10 +335,12 @@ pub(crate) fn run_sweep(quick: bool) -> anyhow::Result<()> {
         sections.push(section);
     }
     let authentication = auth_cost(&kvx, &transports[0], &sweep, &scratch, &out_dir)?;
+    let metrics = metrics_cost(&kvx, &transports[0], &sweep, &scratch)?;
     let _ = std::fs::remove_file(&scratch);
     let report = json!({
         "what": "kvx pd pair, push vs pull, side by side in one run, per transport",
         "authentication": authentication,
+        "metrics": metrics,
         "model_kv": "Qwen2.5-0.5B shape: 24 layers, 2 KV heads, head dim 64, bf16 (12 KiB per token)",
         "prefill_compute_us_per_token": 10,
         "prefill_chunk_tokens": CHUNK_TOKENS.parse::<u64>()?,
@@ -412,6 +414,111 @@ fn auth_cost(
         "ttft_p50_ms_without_key": without,
         "overhead_fraction": with / without - 1.0,
     }))
+}
+
+/// What serving and scraping the metrics costs the decode loop: push at the first length and 4
+/// requests/s over `transport`, with `--metrics-listen` on both sides and a scraper reading both
+/// every 50 ms (300 times Prometheus's default rate), and without, alternating (two of each);
+/// TPOT p50 (the decode step) and the connector's CPU per decode step.
+fn metrics_cost(kvx: &Path, transport: &str, sweep: &Sweep, scratch: &Path) -> anyhow::Result<Value> {
+    step(&format!("benchmark pd: the metrics' cost over {transport}"));
+    let length = sweep.lengths[0];
+    let mut runs = Vec::new();
+    for round in 0..4 {
+        let on = round % 2 == 1;
+        let mut pair = cpu_pair(transport, length);
+        let mut scraper = None;
+        if on {
+            let ports = [free_port()?, free_port()?];
+            pair.prefill
+                .extend(["--metrics-listen".to_owned(), ports[0].to_string()]);
+            pair.decode
+                .extend(["--metrics-listen".to_owned(), ports[1].to_string()]);
+            scraper = Some(Scraper::start(ports.to_vec()));
+        }
+        let v = point(kvx, &pair, "push", length, 4.0, sweep.requests, scratch)?;
+        let scrapes = scraper.map_or(0, Scraper::stop);
+        runs.push(json!({
+            "metrics": on,
+            "scrapes": scrapes,
+            "tpot_p50_ms": get(&v, &["summary", "tpot_ms", "p50"]),
+            "ttft_p50_ms": get(&v, &["summary", "ttft_ms", "p50"]),
+            "connector_cpu_us_per_step": get(&v, &["summary", "connector_cpu_us_per_step"]),
+        }));
+    }
+    let mean = |on: bool, key: &str| {
+        let v: Vec<f64> = runs
+            .iter()
+            .filter(|r| r["metrics"] == on)
+            .filter_map(|r| r[key].as_f64())
+            .collect();
+        v.iter().sum::<f64>() / v.len().max(1) as f64
+    };
+    let (tpot_on, tpot_off) = (mean(true, "tpot_p50_ms"), mean(false, "tpot_p50_ms"));
+    let (cpu_on, cpu_off) = (
+        mean(true, "connector_cpu_us_per_step"),
+        mean(false, "connector_cpu_us_per_step"),
+    );
+    println!(
+        "    push, {length} tokens, 4/s: TPOT p50 {tpot_on:.3} ms with metrics served and          scraped, {tpot_off:.3} ms without ({:+.1} %); connector CPU per step {cpu_on:.1} µs          against {cpu_off:.1} µs",
+        (tpot_on / tpot_off - 1.0) * 100.0
+    );
+    Ok(json!({
+        "transport": transport,
+        "input_tokens": length,
+        "rate": 4.0,
+        "runs": runs,
+        "tpot_p50_ms_on": tpot_on,
+        "tpot_p50_ms_off": tpot_off,
+        "tpot_overhead_fraction": tpot_on / tpot_off - 1.0,
+        "connector_cpu_us_per_step_on": cpu_on,
+        "connector_cpu_us_per_step_off": cpu_off,
+    }))
+}
+
+/// Reads `/metrics` at each address every 50 ms from a thread of its own until stopped.
+struct Scraper {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<u64>,
+}
+
+impl Scraper {
+    fn start(addrs: Vec<SocketAddr>) -> Self {
+        use std::io::{Read as _, Write as _};
+        use std::sync::atomic::Ordering;
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = std::sync::Arc::clone(&stop);
+        let thread = std::thread::spawn(move || {
+            let mut scrapes = 0;
+            while !flag.load(Ordering::Relaxed) {
+                for addr in &addrs {
+                    // The sides start after the scraper: a refused connection is tried again.
+                    let Ok(mut s) = std::net::TcpStream::connect(addr) else {
+                        continue;
+                    };
+                    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+                    let mut answer = Vec::new();
+                    if s
+                        .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                        .and_then(|()| s.read_to_end(&mut answer))
+                        .is_ok()
+                        && answer.starts_with(b"HTTP/1.1 200")
+                    {
+                        scrapes += 1;
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            scrapes
+        });
+        Self { stop, thread }
+    }
+
+    /// Stops it; returns how many scrapes succeeded.
+    fn stop(self) -> u64 {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.thread.join().unwrap_or(0)
+    }
 }
 
 fn plot(report: &Value, path: &PathBuf, metric: &str, label: &str) -> anyhow::Result<()> {
