@@ -420,7 +420,12 @@ fn auth_cost(
 /// requests/s over `transport`, with `--metrics-listen` on both sides and a scraper reading both
 /// every 50 ms (300 times Prometheus's default rate), and without, alternating (two of each);
 /// TPOT p50 (the decode step) and the connector's CPU per decode step.
-fn metrics_cost(kvx: &Path, transport: &str, sweep: &Sweep, scratch: &Path) -> anyhow::Result<Value> {
+fn metrics_cost(
+    kvx: &Path,
+    transport: &str,
+    sweep: &Sweep,
+    scratch: &Path,
+) -> anyhow::Result<Value> {
     step(&format!("benchmark pd: the metrics' cost over {transport}"));
     let length = sweep.lengths[0];
     let mut runs = Vec::new();
@@ -444,6 +449,7 @@ fn metrics_cost(kvx: &Path, transport: &str, sweep: &Sweep, scratch: &Path) -> a
             "tpot_p50_ms": get(&v, &["summary", "tpot_ms", "p50"]),
             "ttft_p50_ms": get(&v, &["summary", "ttft_ms", "p50"]),
             "connector_cpu_us_per_step": get(&v, &["summary", "connector_cpu_us_per_step"]),
+            "metrics_cpu_us_per_step": get(&v, &["summary", "metrics_cpu_us_per_step"]),
         }));
     }
     let mean = |on: bool, key: &str| {
@@ -459,8 +465,11 @@ fn metrics_cost(kvx: &Path, transport: &str, sweep: &Sweep, scratch: &Path) -> a
         mean(true, "connector_cpu_us_per_step"),
         mean(false, "connector_cpu_us_per_step"),
     );
+    let metrics_cpu = mean(true, "metrics_cpu_us_per_step");
     println!(
-        "    push, {length} tokens, 4/s: TPOT p50 {tpot_on:.3} ms with metrics served and          scraped, {tpot_off:.3} ms without ({:+.1} %); connector CPU per step {cpu_on:.1} µs          against {cpu_off:.1} µs",
+        "    push, {length} tokens, 4/s: TPOT p50 {tpot_on:.3} ms with metrics served and \
+         scraped, {tpot_off:.3} ms without ({:+.1} %); the connector's CPU per step {cpu_on:.2} µs \
+         against {cpu_off:.2} µs; the metrics thread's {metrics_cpu:.1} µs",
         (tpot_on / tpot_off - 1.0) * 100.0
     );
     Ok(json!({
@@ -473,6 +482,7 @@ fn metrics_cost(kvx: &Path, transport: &str, sweep: &Sweep, scratch: &Path) -> a
         "tpot_overhead_fraction": tpot_on / tpot_off - 1.0,
         "connector_cpu_us_per_step_on": cpu_on,
         "connector_cpu_us_per_step_off": cpu_off,
+        "metrics_thread_cpu_us_per_step": metrics_cpu,
     }))
 }
 
@@ -498,8 +508,7 @@ impl Scraper {
                     };
                     let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
                     let mut answer = Vec::new();
-                    if s
-                        .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                    if s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
                         .and_then(|()| s.read_to_end(&mut answer))
                         .is_ok()
                         && answer.starts_with(b"HTTP/1.1 200")

@@ -717,39 +717,6 @@ fn a_router_gives_a_dispatch_it_gave_up_back_on_every_prefill_rank() {
     expect_given_back(&pre, finished);
 }
 
-/// Aborts of transfers prefill has not finished are remembered (so that their finish gives the
-/// KV back at once) up to `max_entries`: a peer sending aborts of ever new ids cannot grow that
-/// memory without end; past the bound, a late finish waits for its lease instead.
-#[test]
-fn remembered_aborts_are_bounded() {
-    let fabric = LoopbackFabric::new();
-    let (side, cache) = Side::new(spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit));
-    let mut c = config(1);
-    let base = free_ports(1);
-    c.listen = base;
-    c.max_entries = 2;
-    c.producer_lease = Duration::from_millis(1500);
-    let producer = Producer::start(c, cache, Box::new(fabric.endpoint())).unwrap();
-    let pre = Prefill {
-        sides: vec![side],
-        producers: vec![producer],
-        base,
-    };
-    for (n, id) in ["kvx-e1", "kvx-e2", "kvx-e3"].into_iter().enumerate() {
-        router::abandon(base, id, "decode unreachable", LONG, None).unwrap();
-        wait_router_aborts(&pre, n as u64 + 1);
-    }
-    // Remembered: given back at once.
-    let finished = Instant::now();
-    pre.finish(routed("kvx-e1"), &ids(0..2), 8);
-    expect_given_back(&pre, finished);
-    // Past the bound: held until the lease.
-    pre.finish(routed("kvx-e3"), &ids(2..4), 8);
-    let done = wait_finished(&pre.producers[0], 1);
-    assert_eq!(done[0].outcome, SendOutcome::NotSent(Reason::LeaseExpired));
-    assert!(finished.elapsed() >= Duration::from_millis(1500));
-}
-
 #[test]
 fn a_router_cannot_abandon_what_a_decode_registered_and_an_absent_prefill_is_an_error() {
     let fabric = LoopbackFabric::new();
@@ -2372,70 +2339,6 @@ fn a_prefill_preempted_at_an_attempt_fails_it_and_serves_the_next() {
         SendOutcome::Sent
     );
     assert_eq!(pre.producers[0].stats().held, 0);
-}
-
-/// A one-rank decode (4-token blocks, NHD, K and V apart) with a long lease whose heartbeats
-/// come every `heartbeat`: they alone keep its registrations alive at prefill.
-fn heartbeating_decode(fabric: &LoopbackFabric, heartbeat: Duration) -> (Side, Consumer) {
-    let (dec, cache) = Side::new(spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit));
-    let mut c = config(2);
-    c.registration_lease = LONG;
-    c.heartbeat_interval = heartbeat;
-    (
-        dec,
-        Consumer::start(c, cache, Box::new(fabric.endpoint())).unwrap(),
-    )
-}
-
-#[test]
-fn heartbeats_keep_a_registration_alive_past_its_producer_side_lease() {
-    let fabric = LoopbackFabric::new();
-    let pre = tp1_prefill(&fabric);
-    let (dec, consumer) = heartbeating_decode(&fabric, Duration::from_millis(100));
-    let k = key(103, 0);
-    register(&consumer, pre.base, k, 8, ids(0..2));
-    // Prefill holds the registration for three heartbeat intervals at a time: only decode's
-    // heartbeats keep it for the second that prefill takes here.
-    std::thread::sleep(Duration::from_secs(1));
-    assert_eq!(consumer.take_events(), vec![]);
-    pre.sides[0].fill(&ids(4..6), 8);
-    pre.producers[0]
-        .request_finished(k, RequestId(9), ids(4..6), 8)
-        .unwrap();
-    expect_ready(&consumer, k, RequestId(1));
-    dec.verify(&ids(0..2), 0, 8);
-}
-
-/// A registration kept alive by heartbeats for longer than prefill's own lease still gets its
-/// KV when prefill finishes: prefill computing for longer than its lease after decode registered
-/// (a first step that compiles, a long queue) must not make it forget which decode ranks read.
-#[test]
-fn a_registration_older_than_the_producer_lease_still_gets_its_kv() {
-    let fabric = LoopbackFabric::new();
-    let lease = Duration::from_millis(600);
-    let pre = prefill(
-        &fabric,
-        2,
-        4,
-        MemoryOrder::Hnd,
-        Arrangement::PerLayerSplit,
-        lease,
-    );
-    let (dec, consumer) = heartbeating_decode(&fabric, Duration::from_millis(50));
-    let k = key(104, 0);
-    register(&consumer, pre.base, k, 8, ids(0..2));
-    std::thread::sleep(lease * 3);
-    assert_eq!(consumer.take_events(), vec![]);
-    for side in &pre.sides {
-        side.fill(&ids(4..6), 8);
-    }
-    pre.finish(k, &ids(4..6), 8);
-    expect_ready(&consumer, k, RequestId(1));
-    dec.verify(&ids(0..2), 0, 8);
-    wait_held(&pre, 0);
-    for p in &pre.producers {
-        assert_eq!(p.stats().transfers_ok, 1, "{:?}", p.stats());
-    }
 }
 
 #[test]

@@ -526,10 +526,25 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
                 })
                 .collect()
         });
-    let connector_cpu_us_per_step = connector_cpu_ms
-        .as_ref()
-        .filter(|_| !loop_work.is_empty())
-        .map(|by_thread| by_thread.values().sum::<f64>() * 1e3 / loop_work.len() as f64);
+    // The connector's own threads; the metrics endpoint's (`--metrics-listen`) apart.
+    let per_step = |observability: bool| {
+        connector_cpu_ms
+            .as_ref()
+            .filter(|_| !loop_work.is_empty())
+            .map(|by_thread| {
+                by_thread
+                    .iter()
+                    .filter(|(name, _)| {
+                        OBSERVABILITY_THREADS.contains(&name.as_str()) == observability
+                    })
+                    .map(|(_, ms)| ms)
+                    .sum::<f64>()
+                    * 1e3
+                    / loop_work.len() as f64
+            })
+    };
+    let connector_cpu_us_per_step = per_step(false);
+    let metrics_cpu_us_per_step = per_step(true);
     let finishing_hints: u64 = consumers.iter().map(|c| c.stats().finishing_hints).sum();
     let board_ready: u64 = consumers.iter().map(|c| c.stats().board_ready).sum();
     let driver_turns: u64 = consumers.iter().map(|c| c.stats().driver_turns).sum();
@@ -631,6 +646,7 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
         }),
         "loop_clock_warm_up_cpu_us": stats(clock_warm_ups),
         "connector_cpu_us_per_step": connector_cpu_us_per_step,
+        "metrics_cpu_us_per_step": metrics_cpu_us_per_step,
         "connector_cpu_ms_by_thread": connector_cpu_ms,
         "finishing_hints": finishing_hints,
         "board_ready": board_ready,
@@ -723,6 +739,9 @@ impl StepWork {
 /// name, from `/proc/self/task/*/schedstat`: the transfer work that competes with the engine
 /// loop for the decode instance's cores (threads that ended are no longer counted). `None`
 /// where the kernel does not say.
+/// Threads that serve or export what the connector records, not the connector.
+const OBSERVABILITY_THREADS: [&str; 2] = ["kvx-metrics", "kvx-otlp"];
+
 fn connector_cpu_ns() -> Option<HashMap<String, u64>> {
     let mut by_thread = HashMap::new();
     for task in std::fs::read_dir("/proc/self/task").ok()?.flatten() {

@@ -402,3 +402,129 @@ fn a_sealed_request_that_expired_is_reported_at_its_finish() {
     assert_eq!(done.len(), 1, "{done:?}");
     assert_eq!(done[0].outcome, SendOutcome::NotSent(Reason::LeaseExpired));
 }
+
+/// A registration `lease` long (as a decode with short heartbeats asks) for `key`.
+fn short_registration(sim: &Sim, key: AttemptKey, lease: Duration, notice: u64) -> Message {
+    Message::Registration(Registration {
+        transfer: key.transfer,
+        attempt: key.attempt,
+        request: RequestId(7),
+        consumer: EngineId(2),
+        consumer_incarnation: sim.config.incarnation,
+        consumer_rank: Rank(0),
+        num_tokens: 8,
+        skip_tokens: 0,
+        lease_ms: u32::try_from(lease.as_millis()).unwrap(),
+        notice,
+        blocks: ids(4..6),
+        capability: None,
+    })
+}
+
+/// The consumer's heartbeat for `transfers`.
+fn heartbeat(transfers: Vec<TransferId>) -> Command {
+    Command::Peer(
+        1,
+        Message::Heartbeat(Heartbeat {
+            engine: EngineId(2),
+            incarnation: kvx_core::Incarnation(0),
+            transfers,
+        }),
+        control::Queued::unbounded(),
+    )
+}
+
+/// Prefill holds a registration for its own lease (three of decode's heartbeat intervals) at a
+/// time: decode's heartbeats keep it, for as long as they come; without them it goes at that
+/// lease, and a finish after that waits for a registration that no longer is.
+#[test]
+fn heartbeats_keep_a_registration_alive_past_its_producer_side_lease() {
+    let mut sim = Sim::new(Duration::from_secs(30));
+    let lease = Duration::from_millis(300);
+    let (kept, dropped) = (key(20), key(21));
+    for (k, notice) in [(kept, 0x20), (dropped, 0x21)] {
+        let registration = short_registration(&sim, k, lease, notice);
+        sim.command(Command::Peer(1, registration, control::Queued::unbounded()));
+    }
+    // A heartbeat every 100 ms for `kept` only, for a second: more than three leases.
+    for step in 1..=10u64 {
+        sim.at(Duration::from_millis(100 * step));
+        sim.command(heartbeat(vec![kept.transfer]));
+    }
+    sim.finish(kept, 8, ids(0..2));
+    sim.finish(dropped, 8, ids(2..4));
+    sim.at(Duration::from_millis(1_001));
+    assert_eq!(
+        sim.notices(),
+        vec![0x20],
+        "only the registration kept alive is written to"
+    );
+    sim.transport_events();
+    sim.at(Duration::from_millis(1_002));
+    let done = sim.finished();
+    assert_eq!(done.len(), 1, "{done:?}");
+    assert_eq!((done[0].key, done[0].outcome), (kept, SendOutcome::Sent));
+}
+
+/// A registration kept alive by heartbeats for longer than prefill's own lease still gets its
+/// KV when prefill finishes: prefill computing for longer than its lease after decode
+/// registered (a first step that compiles, a long queue) must not make it forget which decode
+/// ranks read.
+#[test]
+fn a_registration_older_than_the_producer_lease_still_gets_its_kv() {
+    let mut sim = Sim::new(Duration::from_millis(600));
+    let k = key(22);
+    let registration = short_registration(&sim, k, Duration::from_millis(150), 0x22);
+    sim.command(Command::Peer(1, registration, control::Queued::unbounded()));
+    for step in 1..=36u64 {
+        sim.at(Duration::from_millis(50 * step));
+        sim.command(heartbeat(vec![k.transfer]));
+    }
+    sim.finish(k, 8, ids(0..2));
+    sim.at(Duration::from_millis(1_801));
+    assert_eq!(sim.notices(), vec![0x22]);
+    sim.transport_events();
+    sim.at(Duration::from_millis(1_802));
+    assert_eq!(sim.finished()[0].outcome, SendOutcome::Sent);
+    assert_eq!(sim.driver.stats.transfers_ok.load(Ordering::Relaxed), 1);
+}
+
+/// Aborts of transfers prefill has not finished are remembered (so that their finish gives the
+/// KV back at once) up to `max_entries`: a peer sending aborts of ever new ids cannot grow that
+/// memory without end; past the bound, a late finish waits for its lease instead.
+#[test]
+fn remembered_aborts_are_bounded() {
+    let mut config = ConnectorConfig::new(EngineId(1));
+    config.max_entries = 2;
+    config.producer_lease = Duration::from_millis(1_500);
+    let mut sim = Sim::with(config);
+    let (ours, _theirs) = UnixStream::pair().unwrap();
+    let sender = control::sender(&ControlStream::local(ours)).unwrap();
+    let router = Hello::router(EngineId(9), kvx_core::Incarnation(1));
+    sim.command(Command::Accepted(2, sender, Box::new(router)));
+    for t in [30, 31, 32] {
+        let abort = Message::Abort(kvx_core::wire::Abort {
+            transfer: key(t).transfer,
+            attempt: None,
+            reason: "decode unreachable".into(),
+            capability: None,
+        });
+        sim.command(Command::Peer(2, abort, control::Queued::unbounded()));
+    }
+    assert_eq!(sim.driver.stats.router_aborts.load(Ordering::Relaxed), 3);
+    // Remembered: given back at once.
+    sim.at(Duration::from_millis(1));
+    sim.finish(key(30), 8, ids(0..2));
+    sim.at(Duration::from_millis(2));
+    let done = sim.finished();
+    assert_eq!(done.len(), 1, "{done:?}");
+    assert_eq!(done[0].outcome, SendOutcome::NotSent(Reason::Aborted));
+    // Past the bound: held until the lease, to the millisecond.
+    sim.finish(key(32), 8, ids(2..4));
+    sim.at(Duration::from_millis(1_501));
+    assert!(sim.finished().is_empty(), "given back before its lease");
+    sim.at(Duration::from_millis(1_502));
+    let done = sim.finished();
+    assert_eq!(done.len(), 1, "{done:?}");
+    assert_eq!(done[0].outcome, SendOutcome::NotSent(Reason::LeaseExpired));
+}
