@@ -173,9 +173,9 @@ impl Driver {
                 let (from, upto) = span(&ranges);
                 let layers = ranges.iter().filter(|r| !r.is_empty()).count();
                 debug!(%key, from, upto, layers, bytes, "early writes posted");
-                self.trace_event(key.transfer, |span| {
+                if let Some(span) = self.traces.get(&key.transfer) {
                     tracing::info!(target: crate::trace::TARGET, parent: span, from, upto, layers, bytes, "early writes posted");
-                });
+                }
                 for (written, range) in early.written.iter_mut().zip(ranges) {
                     *written = (*written).max(range.end);
                 }
