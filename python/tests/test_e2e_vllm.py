@@ -74,6 +74,12 @@ def prompt(n_words: int, salt: int = 0) -> str:
     return " ".join(WORDS[(i * 5 + salt) % len(WORDS)] for i in range(n_words))
 
 
+def shared_prefix_prompts() -> dict[str, str]:
+    """Two prompts of some 10 blocks that share their first 8 or so."""
+    prefix = prompt(260, salt=11)
+    return {"shared-a": f"{prefix} {prompt(40, salt=1)}", "shared-b": f"{prefix} {prompt(40, salt=2)}"}
+
+
 def _ephemeral_low() -> int:
     try:
         return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
@@ -450,6 +456,8 @@ def reference(model, workdir) -> dict:
         out = {n: complete(url, prompt(n)) for n in PROMPT_WORDS}
         out["long"] = complete(url, prompt(LONG_WORDS, salt=5))
         out["chat"] = chat_stream(url, prompt(30, salt=3))
+        for name, text in shared_prefix_prompts().items():
+            out[name] = complete(url, text)
     finally:
         server.kill()
     lengths = [out[n]["prompt_tokens"] for n in PROMPT_WORDS]
@@ -461,7 +469,7 @@ def reference(model, workdir) -> dict:
 def run_pair(mode: str, model: Path, workdir: Path, reference: dict, *, p_extra=None,
              d_extra=None, d_block=BLOCK, d_policy="fail", p_args=(), p_log=None, d_log=None,
              kvx_host="127.0.0.1", p_cores=P_CORES, p_tp=1, d_args=(), d_cores=D_CORES,
-             executor="mp", proxy_env=None):
+             executor="mp", proxy_env=None, d_prefix_caching=False):
     connector = "KvxPushConnector" if mode == "push" else "KvxPullConnector"
     kvx_port = free_port(p_tp)  # rank r of prefill listens on kvx_port + r
     p_cfg = kv_config(connector, "kv_producer", f"p-{mode}", listen=f"127.0.0.1:{kvx_port}",
@@ -469,9 +477,9 @@ def run_pair(mode: str, model: Path, workdir: Path, reference: dict, *, p_extra=
     d_cfg = kv_config(connector, "kv_consumer", f"d-{mode}", _policy=d_policy, **(d_extra or {}))
     p, p_url = start_vllm(f"prefill-{mode}", model, workdir, kv=p_cfg, cores=p_cores,
                           args_extra=p_args, kvx_log=p_log, executor=executor)
-    d, d_url = start_vllm(f"decode-{mode}", model, workdir, kv=d_cfg, prefix_caching=False,
-                          block_size=d_block, cores=d_cores, args_extra=d_args, kvx_log=d_log,
-                          executor=executor)
+    d, d_url = start_vllm(f"decode-{mode}", model, workdir, kv=d_cfg,
+                          prefix_caching=d_prefix_caching, block_size=d_block, cores=d_cores,
+                          args_extra=d_args, kvx_log=d_log, executor=executor)
     proxy_port = free_port()
     proxy_url = f"http://127.0.0.1:{proxy_port}"
     proxy = Server(
@@ -647,6 +655,54 @@ def test_push_matches_a_single_instance(model, workdir, reference):
     board = "ready (notice board)" if _native.shm_uses_cma() else None
     check_pair_matches_reference("push", model, workdir, reference, d_block=2 * BLOCK, chunk=32,
                                  d_log_expect=board, traced=True)
+
+
+def test_decode_prefix_cache_hits_move_only_the_missing_blocks(model, workdir, reference):
+    """Decode with prefix caching on: a request whose leading blocks decode already holds (a
+    request before it shared them) registers only the rest (`skip_tokens`), prefill writes only
+    those, and the answer is still a single instance's. vLLM's own counters show the second
+    request's shared blocks as decode's cache hit and fewer tokens over kvx; prefill's kvx byte
+    counter shows it moved fewer bytes."""
+    p, p_url, d, d_url, proxy, proxy_url = run_pair("push", model, workdir, reference,
+                                                    d_prefix_caching=True)
+    prompts = shared_prefix_prompts()
+
+    def settled_bytes() -> float:
+        # The workers report at most once a second, at an engine step: a small request (not
+        # through kvx) makes one, until the counter holds still.
+        last = -1.0
+        while True:
+            now = metric(p_url, "vllm:kvx_bytes_written_total")
+            if now == last:
+                return now
+            last = now
+            time.sleep(1.2)
+            http("POST", f"{p_url}/v1/completions",
+                 {"model": "tiny", "prompt": "x", "max_tokens": 1}, timeout=60)
+
+    with running(p, d, proxy):
+        for s in (p, d, proxy):
+            s.wait_ready()
+        moved = {}
+        sources = {}
+        for name in ("shared-a", "shared-b"):
+            bytes_before, before = settled_bytes(), prompt_sources(d_url)
+            got = complete(proxy_url, prompts[name])
+            assert_same(got, reference[name], name)
+            after = prompt_sources(d_url)
+            sources[name] = {k: after[k] - before[k] for k in after}
+            moved[name] = settled_bytes() - bytes_before
+        a, b = sources["shared-a"], sources["shared-b"]
+        assert a["local_cache_hit"] == 0 and a["local_compute"] == 0, a
+        # The shared prefix (whole blocks) is decode's own; only the rest came over kvx.
+        assert b["local_cache_hit"] >= 8 * BLOCK, b
+        assert b["local_compute"] == 0, b
+        assert b["external_kv_transfer"] < a["external_kv_transfer"] - 7 * BLOCK, (a, b)
+        assert 0 < moved["shared-b"] < moved["shared-a"] / 2, moved
+        for base in (p_url, d_url):
+            assert metric(base, "vllm:kvx_transfers_failed_total") == 0, base
+        for s in (p, d):
+            assert "Traceback" not in s.log.read_text(errors="replace"), s.tail()
 
 
 def test_push_with_vllms_uni_executor_matches_a_single_instance(model, workdir, reference):

@@ -40,6 +40,7 @@
 //!     key, request: RequestId(1), prefill: producer.control_addr(),
 //!     num_tokens: 10, skip_tokens: 0, blocks: vec![BlockId(5), BlockId(6), BlockId(7)],
 //!     capability: None, // no deployment key here
+//!     trace: None,
 //! })?;
 //! producer.request_finished(key, RequestId(1), vec![BlockId(0), BlockId(1), BlockId(2)], 10)?;
 //!

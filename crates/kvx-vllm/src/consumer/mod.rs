@@ -237,6 +237,7 @@ struct Instance {
 ///     skip_tokens: 0,
 ///     blocks: vec![BlockId(10), BlockId(11)],
 ///     capability: None,
+///     trace: None,
 /// })?;
 /// // Each engine step:
 /// for event in consumer.take_events() {
