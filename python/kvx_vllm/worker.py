@@ -87,13 +87,18 @@ class _Worker:
         self.stats_reported: dict[str, int] = {}
         self.gauges_reported: dict[str, int] = {f"gauge.{n}": 0 for n in STATS_GAUGES}
         self.stats_due = 0.0
-        # Request spans go to an OpenTelemetry collector where one is named (the setting, else
-        # OpenTelemetry's own variable).
-        _native.init_logging(
-            self.cfg.log,
-            otlp_endpoint=self.cfg.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"),
-            service="kvx-prefill" if self.is_producer else "kvx-decode",
-        )
+        # Request spans go to an OpenTelemetry collector where one is named: the setting (a
+        # bad one is an error), else OpenTelemetry's own variable (set for other programs too:
+        # one kvx cannot use is passed over with a warning).
+        service = "kvx-prefill" if self.is_producer else "kvx-decode"
+        endpoint = self.cfg.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        try:
+            _native.init_logging(self.cfg.log, otlp_endpoint=endpoint, service=service)
+        except ValueError as e:
+            if self.cfg.otlp_endpoint:
+                raise
+            _native.init_logging(self.cfg.log, service=service)
+            logger.warning("kvx: request spans are not exported: %s", e)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed.parallel_state import (
@@ -261,30 +266,12 @@ class _Worker:
             self.load_errors.update(r.loaded_block_ids)
 
     def _receive(self, r: RecvSpec, prefill: str) -> None:
-        capability = _granted(r.capability, r.prefill)
+        request = (r.transfer_id, r.request_id, prefill, r.num_tokens, r.skip_tokens, r.block_ids)
+        given = {"capability": _granted(r.capability, r.prefill), "trace": r.trace}
         if r.producer_block_ids is not None:
-            self.consumer.pull(
-                r.transfer_id,
-                r.request_id,
-                prefill,
-                r.num_tokens,
-                r.skip_tokens,
-                r.block_ids,
-                r.producer_block_ids,
-                capability=capability,
-                trace=r.trace,
-            )
+            self.consumer.pull(*request, r.producer_block_ids, **given)
         else:
-            self.consumer.request_allocated(
-                r.transfer_id,
-                r.request_id,
-                prefill,
-                r.num_tokens,
-                r.skip_tokens,
-                r.block_ids,
-                capability=capability,
-                trace=r.trace,
-            )
+            self.consumer.request_allocated(*request, **given)
 
     def save_kv_layer(self, layer_name: str) -> None:
         index = self.layer_index.get(layer_name)

@@ -59,12 +59,16 @@ fn main() -> anyhow::Result<()> {
     };
     // Logs go to stderr, filtered by RUST_LOG (default: warnings); request spans to the OTLP
     // endpoint, where one is named.
-    kvx_vllm::trace::otlp::init(
+    let filter = || {
         tracing_subscriber::EnvFilter::try_from_default_env()
-            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        cli.otlp_endpoint.as_deref().filter(|e| !e.is_empty()),
-        service,
-    )?;
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"))
+    };
+    let endpoint = cli.otlp_endpoint.as_deref().filter(|e| !e.is_empty());
+    if let Err(e) = kvx_vllm::trace::otlp::init(filter(), endpoint, service) {
+        // The variable may be set for other programs: the run goes on without exporting.
+        kvx_vllm::trace::otlp::init(filter(), None, service)?;
+        tracing::warn!(%e, "request spans are not exported");
+    }
     match &cli.command {
         Command::Plan(args) => plan_cmd::run(args),
         Command::Topo(args) => topo::run(args),

@@ -86,6 +86,22 @@ const COUNTERS: &[Counter] = &[
     ),
 ];
 
+/// The gauges: name, help, value.
+type Gauge = (&'static str, &'static str, fn(&StatsSnapshot) -> i64);
+
+const GAUGES: [Gauge; 2] = [
+    (
+        "held",
+        "Requests whose blocks (prefill) or registrations (decode) are held now",
+        |s| s.held,
+    ),
+    (
+        "in_flight",
+        "Transfers in flight now (writes posted and not completed; reads in pull)",
+        |s| s.in_flight,
+    ),
+];
+
 #[derive(Debug)]
 struct Connector(Vec<Side>);
 
@@ -94,28 +110,11 @@ impl Collector for Connector {
         let snapshots: Vec<(&Side, StatsSnapshot)> =
             self.0.iter().map(|s| (s, s.stats.snapshot())).collect();
         let labels = |s: &Side| [("side", s.side.to_owned()), ("rank", s.rank.to_string())];
-        {
+        for (name, help, value) in GAUGES {
             let gauge = ConstGauge::new(0i64);
-            let mut family = encoder.encode_descriptor(
-                "held",
-                "Requests whose blocks (prefill) or registrations (decode) are held now",
-                None,
-                gauge.metric_type(),
-            )?;
+            let mut family = encoder.encode_descriptor(name, help, None, gauge.metric_type())?;
             for (side, snap) in &snapshots {
-                ConstGauge::new(snap.held).encode(family.encode_family(&labels(side))?)?;
-            }
-        }
-        {
-            let gauge = ConstGauge::new(0i64);
-            let mut family = encoder.encode_descriptor(
-                "in_flight",
-                "Transfers in flight now (writes posted and not completed; reads in pull)",
-                None,
-                gauge.metric_type(),
-            )?;
-            for (side, snap) in &snapshots {
-                ConstGauge::new(snap.in_flight).encode(family.encode_family(&labels(side))?)?;
+                ConstGauge::new(value(snap)).encode(family.encode_family(&labels(side))?)?;
             }
         }
         {

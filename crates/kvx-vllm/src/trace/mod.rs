@@ -26,25 +26,20 @@ pub fn request_span(
     let Some(t) = trace else {
         return tracing::Span::none();
     };
-    match name {
-        "kvx.send" => tracing::info_span!(
-            target: "kvx_trace",
-            "kvx.send",
-            trace_id = %t.trace_hex(),
-            parent_span_id = %t.parent_hex(),
-            transfer = %transfer,
-            rank = rank.0,
-        ),
-        _ => tracing::info_span!(
-            target: "kvx_trace",
-            "kvx.receive",
-            trace_id = %t.trace_hex(),
-            parent_span_id = %t.parent_hex(),
-            transfer = %transfer,
-            rank = rank.0,
-        ),
-    }
+    tracing::info_span!(
+        target: "kvx_trace",
+        "kvx.request",
+        otel.name = name,
+        trace_id = %t.trace_hex(),
+        parent_span_id = %t.parent_hex(),
+        transfer = %transfer,
+        rank = rank.0,
+    )
 }
+
+/// Name of the field that, where present, names a span for OpenTelemetry (the convention of
+/// `tracing-opentelemetry`): one call site serves spans of several names.
+pub const NAME_FIELD: &str = "otel.name";
 
 /// Name of the field that carries a span's trace id (32 hex digits).
 pub const TRACE_ID_FIELD: &str = "trace_id";

@@ -25,7 +25,7 @@ use tracing_subscriber::layer::Context;
 use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::Layer;
 
-use super::{random_span_id, PARENT_SPAN_FIELD, SPAN_ID_FIELD, TRACE_ID_FIELD};
+use super::{random_span_id, NAME_FIELD, PARENT_SPAN_FIELD, SPAN_ID_FIELD, TRACE_ID_FIELD};
 
 /// Spans waiting to be posted, at most.
 const QUEUE: usize = 8192;
@@ -164,13 +164,18 @@ where
             trace_id,
             span_id: field(SPAN_ID_FIELD).unwrap_or_else(|| format!("{:016x}", random_span_id())),
             parent_span_id: field(PARENT_SPAN_FIELD).unwrap_or_default(),
-            name: attrs.metadata().name().to_owned(),
+            name: fields
+                .0
+                .iter()
+                .find(|(k, _)| k == NAME_FIELD)
+                .map_or_else(|| attrs.metadata().name().to_owned(), |(_, v)| v.clone()),
             start_unix_nanos: unix_nanos(SystemTime::now()),
             attributes: fields
                 .0
                 .into_iter()
                 .filter(|(k, _)| {
-                    k != TRACE_ID_FIELD && k != PARENT_SPAN_FIELD && k != SPAN_ID_FIELD
+                    ![TRACE_ID_FIELD, PARENT_SPAN_FIELD, SPAN_ID_FIELD, NAME_FIELD]
+                        .contains(&k.as_str())
                 })
                 .collect(),
             ..SpanRecord::default()
