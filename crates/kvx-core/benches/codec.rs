@@ -45,6 +45,7 @@ fn bench(c: &mut Criterion) {
         producer: EngineId(1),
         producer_rank: Rank(3),
         bytes: 1 << 30,
+        capability: None,
     })
     .to_bytes()
     .expect("encodes");

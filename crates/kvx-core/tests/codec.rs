@@ -167,14 +167,16 @@ fn message() -> impl Strategy<Value = Message> {
         any::<u64>(),
         any::<u32>(),
         any::<u64>(),
+        capability(),
     )
-        .prop_map(|(t, a, p, r, b)| {
+        .prop_map(|(t, a, p, r, b, capability)| {
             Message::Completion(Completion {
                 transfer: TransferId(t),
                 attempt: Attempt(a),
                 producer: EngineId(p),
                 producer_rank: Rank(r),
                 bytes: b,
+                capability,
             })
         });
     let failure = (
@@ -294,6 +296,7 @@ fn sample() -> Vec<u8> {
         producer: EngineId(3),
         producer_rank: Rank(4),
         bytes: 5,
+        capability: None,
     })
     .to_bytes()
     .unwrap()

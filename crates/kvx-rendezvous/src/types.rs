@@ -254,6 +254,7 @@ mod tests {
             producer: EngineId(1),
             producer_rank: Rank(3),
             bytes: 0,
+            capability: None,
         };
         assert_eq!(
             AttemptKey::from(&completion),

@@ -170,10 +170,7 @@ impl Message {
         let result = match self {
             Self::Hello(m) => w.hello(m),
             Self::Registration(m) => w.registration(m),
-            Self::Completion(m) => {
-                w.completion(m);
-                Ok(())
-            }
+            Self::Completion(m) => w.completion(m),
             Self::Failure(m) => w.failure(m),
             Self::Abort(m) => w.abort(m),
             Self::Heartbeat(m) => {
@@ -393,12 +390,13 @@ impl Writer<'_> {
         }
         self.capability(m.capability.as_ref())
     }
-    fn completion(&mut self, m: &Completion) {
+    fn completion(&mut self, m: &Completion) -> Result<(), EncodeError> {
         self.u128(m.transfer.0);
         self.u32(m.attempt.0);
         self.u64(m.producer.0);
         self.u32(m.producer_rank.0);
         self.u64(m.bytes);
+        self.capability(m.capability.as_ref())
     }
     fn failure(&mut self, m: &FailureNotice) -> Result<(), EncodeError> {
         self.u128(m.transfer.0);
@@ -703,6 +701,7 @@ impl<'a> Reader<'a> {
             producer: EngineId(self.u64()?),
             producer_rank: Rank(self.u32()?),
             bytes: self.u64()?,
+            capability: self.capability()?,
         })
     }
     fn failure(&mut self) -> Result<FailureNotice, DecodeError> {

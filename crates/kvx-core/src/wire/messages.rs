@@ -179,6 +179,9 @@ pub struct Completion {
     pub producer_rank: Rank,
     /// Bytes written by this rank.
     pub bytes: u64,
+    /// From a consumer (pull: it has read the transfer's blocks): the router's grant, which a
+    /// producer with a deployment key requires before it frees them. Producers send `None`.
+    pub capability: Option<Capability>,
 }
 
 /// Prefill tells a decode rank that asked for it ([`Hello::finishing_hints`]) that one producer

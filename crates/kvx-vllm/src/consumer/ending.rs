@@ -320,6 +320,7 @@ impl Driver {
                     producer: self.config.engine,
                     producer_rank: *rank,
                     bytes: 0,
+                    capability: payload.capability.clone(),
                 })
             } else {
                 Message::Abort(Abort {

@@ -226,7 +226,15 @@ impl Driver {
                 }
             }
             Message::Completion(done) => {
-                self.pull_done(conn, AttemptKey::new(done.transfer, done.attempt))
+                // With a key, only the decode the router sent to read the transfer frees it.
+                if self.authorized(
+                    conn,
+                    done.transfer,
+                    done.capability.as_ref(),
+                    "read completion",
+                ) {
+                    self.pull_done(conn, AttemptKey::new(done.transfer, done.attempt));
+                }
             }
             _ => warn!(conn, "unexpected message from a consumer"),
         }

@@ -528,3 +528,58 @@ fn remembered_aborts_are_bounded() {
     assert_eq!(done.len(), 1, "{done:?}");
     assert_eq!(done[0].outcome, SendOutcome::NotSent(Reason::LeaseExpired));
 }
+
+/// Pull, with a deployment key: prefill frees a request's blocks on a decode rank's read
+/// completion only if it carries a capability naming that decode engine; one without (a peer
+/// that did not read, or guesses) leaves the blocks held for the real reader.
+#[test]
+fn with_a_deployment_key_only_the_granted_reader_frees_pulled_blocks() {
+    let secret = crate::AuthKey::from_bytes([7; 32]);
+    let mut config = ConnectorConfig::new(EngineId(1));
+    config.producer_lease = Duration::from_secs(30);
+    config.auth_key = Some(Arc::new(secret.clone()));
+    let mut sim = Sim::with(config);
+    let k = key(40);
+    sim.command(Command::Finished {
+        key: k,
+        held: FinishedBlocks::new(RequestId(1), ids(0..2), 8),
+        pull: true,
+    });
+    let done = |capability| {
+        Message::Completion(kvx_core::wire::Completion {
+            transfer: k.transfer,
+            attempt: k.attempt,
+            producer: EngineId(2),
+            producer_rank: Rank(0),
+            bytes: 0,
+            capability,
+        })
+    };
+    let until = sim.driver.clock.wall() + Duration::from_secs(60);
+    for capability in [
+        None,
+        Some(secret.grant(k.transfer, EngineId(3), "127.0.0.1:7100", until)),
+    ] {
+        sim.command(Command::Peer(
+            1,
+            done(capability),
+            control::Queued::unbounded(),
+        ));
+        sim.at(Duration::from_millis(1));
+        assert!(
+            sim.finished().is_empty(),
+            "freed on a completion that is not the reader's"
+        );
+    }
+    let granted = secret.grant(k.transfer, EngineId(2), "127.0.0.1:7100", until);
+    sim.command(Command::Peer(
+        1,
+        done(Some(granted)),
+        control::Queued::unbounded(),
+    ));
+    sim.at(Duration::from_millis(2));
+    let freed = sim.finished();
+    assert_eq!(freed.len(), 1, "{freed:?}");
+    assert_eq!(freed[0].outcome, SendOutcome::Sent);
+    assert_eq!(sim.driver.stats.unauthorized.load(Ordering::Relaxed), 2);
+}
