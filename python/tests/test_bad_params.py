@@ -191,3 +191,12 @@ def test_worker_looks_up_prefill_host_names_off_the_engine_thread():
     assert lookups.calls.count("prefill-0") == 1
     consumer.shutdown()
     producer.shutdown()
+
+
+@pytest.mark.parametrize("role", ["kv_both", None])
+def test_a_worker_of_another_role_than_producer_or_consumer_is_refused_at_start(role):
+    """`kv_both` (prefill for some requests, decode for others) is not a kvx role: the worker
+    refuses it at start, naming the roles it takes."""
+    ktc = NS(kv_connector_extra_config={}, kv_role=role, engine_id="e")
+    with pytest.raises(ValueError, match="kv_producer .prefill. or kv_consumer .decode."):
+        _Worker(NS(kv_transfer_config=ktc), pull=False)
