@@ -575,6 +575,21 @@ def check_pair_matches_reference(mode, model, workdir, reference, transport=None
         assert metric(d_url, "vllm:kvx_kv_wait_seconds_count") > 0
         for base in (p_url, d_url):
             assert metric(base, "vllm:kvx_transfers_failed_total") == 0, base
+        # Every byte kvx moved is the KV of a prompt token decode took over kvx: the writer's
+        # bytes are decode's tokens from kvx times a token's KV (2 layers, K and V, 2 heads of
+        # 32 float32s), once both counters have settled.
+        token_kv = 2 * 2 * 2 * 32 * 4
+        deadline = time.monotonic() + 30
+        while True:
+            moved = metric(writer, "vllm:kvx_bytes_written_total")
+            tokens = metric(d_url, "vllm:prompt_tokens_by_source_total",
+                            'source="external_kv_transfer"')
+            if moved == tokens * token_kv:
+                break
+            assert time.monotonic() < deadline, (moved, tokens, token_kv)
+            time.sleep(1.2)
+            http("POST", f"{writer}/v1/completions",
+                 {"model": "tiny", "prompt": "x", "max_tokens": 1}, timeout=60)
         if otlp is not None:
             # One trace per request across the three processes: the proxy's dispatch span, and
             # prefill's and decode's spans as its children, with the request's steps.
@@ -589,8 +604,13 @@ def check_pair_matches_reference(mode, model, workdir, reference, transport=None
                 assert t["kvx.send"]["service"] == "kvx-prefill", t
                 assert t["kvx.receive"]["service"] == "kvx-decode", t
                 sent = {e["name"] for e in t["kvx.send"]["events"]}
-                assert {"writes posted", "written", "released"} <= sent, sent
-                assert "ready" in {e["name"] for e in t["kvx.receive"]["events"]}, t
+                received = {e["name"] for e in t["kvx.receive"]["events"]}
+                if mode == "push":
+                    assert {"writes posted", "written", "released"} <= sent, sent
+                    assert {"registered", "ready"} <= received, received
+                else:
+                    assert {"finished", "released"} <= sent, sent
+                    assert {"reads posted", "ready"} <= received, received
         texts = {}
         for s, cores in ((p, p_cores), (d, d_cores)):
             text = texts[s.name] = s.log.read_text(errors="replace")
@@ -717,9 +737,9 @@ def test_pull_matches_a_single_instance(model, workdir, reference):
     """The same through pull mode (prefill first, decode reads), over the CMA transport (decode
     reads prefill's cache with process_vm_readv; push runs over the default libfabric shm), with
     decode's blocks three times prefill's (vLLM 0.32 refused 16-token blocks here:
-    `MultipleOf(32)`)."""
+    `MultipleOf(32)`). Traced like the push test: each request one trace across the three."""
     check_pair_matches_reference("pull", model, workdir, reference, transport="cma",
-                                 d_block=3 * BLOCK)
+                                 d_block=3 * BLOCK, traced=True)
 
 
 def test_push_from_a_two_rank_prefill_matches_a_single_instance(model, workdir, reference):

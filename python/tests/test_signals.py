@@ -54,10 +54,12 @@ deadline = time.monotonic() + 5
 while len(got) < 2 and time.monotonic() < deadline:
     time.sleep(0.01)
 producer.shutdown()
-print("handled", got)
+# CPython runs the handlers of signals that arrived before it looked in signal-number order
+# (SIGINT before SIGTERM), in the order sent otherwise: what matters is that both ran.
+print("handled", sorted(got))
 """)
     assert done.returncode == 0, (done.returncode, done.stdout, done.stderr[-2000:])
-    assert "handled ['term', 'int']" in done.stdout, done.stdout
+    assert "handled ['int', 'term']" in done.stdout, done.stdout
 
 
 def test_the_guard_puts_back_what_a_library_replaced_and_only_that():
