@@ -382,24 +382,16 @@ fn auth_cost(
         bail!("kvx keygen: {}", String::from_utf8_lossy(&made.stderr));
     }
     let length = sweep.lengths[0];
-    let mut runs: Vec<(bool, f64)> = Vec::new();
-    for round in 0..4 {
-        let keyed = round % 2 == 1;
-        let mut pair = cpu_pair(transport, length);
-        if keyed {
-            for side in [&mut pair.prefill, &mut pair.decode] {
-                side.extend(["--auth-key-file".to_owned(), key.display().to_string()]);
-            }
+    let runs = on_and_off(kvx, transport, sweep, scratch, |pair| {
+        for side in [&mut pair.prefill, &mut pair.decode] {
+            side.extend(["--auth-key-file".to_owned(), key.display().to_string()]);
         }
-        let v = point(kvx, &pair, "push", length, 4.0, sweep.requests, scratch)?;
-        runs.push((keyed, get(&v, &["summary", "ttft_ms", "p50"])));
-    }
+        Ok(None)
+    })?;
     let _ = std::fs::remove_file(&key);
-    let mean = |keyed: bool| {
-        let v: Vec<f64> = runs.iter().filter(|r| r.0 == keyed).map(|r| r.1).collect();
-        v.iter().sum::<f64>() / v.len() as f64
-    };
-    let (with, without) = (mean(true), mean(false));
+    let ttft = |v: &Value| get(v, &["summary", "ttft_ms", "p50"]);
+    let (with, without) = (mean_of(&runs, true, ttft), mean_of(&runs, false, ttft));
+    let runs: Vec<(bool, f64)> = runs.iter().map(|(on, v, _)| (*on, ttft(v))).collect();
     println!(
         "    push, {length} tokens, 4/s: TTFT p50 {with:.2} ms with a key, {without:.2} ms \
          without ({:+.1} %)",
@@ -428,44 +420,33 @@ fn metrics_cost(
 ) -> anyhow::Result<Value> {
     step(&format!("benchmark pd: the metrics' cost over {transport}"));
     let length = sweep.lengths[0];
-    let mut runs = Vec::new();
-    for round in 0..4 {
-        let on = round % 2 == 1;
-        let mut pair = cpu_pair(transport, length);
-        let mut scraper = None;
-        if on {
-            let ports = [free_port()?, free_port()?];
-            pair.prefill
-                .extend(["--metrics-listen".to_owned(), ports[0].to_string()]);
-            pair.decode
-                .extend(["--metrics-listen".to_owned(), ports[1].to_string()]);
-            scraper = Some(Scraper::start(ports.to_vec()));
-        }
-        let v = point(kvx, &pair, "push", length, 4.0, sweep.requests, scratch)?;
-        let scrapes = scraper.map_or(0, Scraper::stop);
-        runs.push(json!({
-            "metrics": on,
-            "scrapes": scrapes,
-            "tpot_p50_ms": get(&v, &["summary", "tpot_ms", "p50"]),
-            "ttft_p50_ms": get(&v, &["summary", "ttft_ms", "p50"]),
-            "connector_cpu_us_per_step": get(&v, &["summary", "connector_cpu_us_per_step"]),
-            "metrics_cpu_us_per_step": get(&v, &["summary", "metrics_cpu_us_per_step"]),
-        }));
-    }
-    let mean = |on: bool, key: &str| {
-        let v: Vec<f64> = runs
-            .iter()
-            .filter(|r| r["metrics"] == on)
-            .filter_map(|r| r[key].as_f64())
-            .collect();
-        v.iter().sum::<f64>() / v.len().max(1) as f64
-    };
-    let (tpot_on, tpot_off) = (mean(true, "tpot_p50_ms"), mean(false, "tpot_p50_ms"));
-    let (cpu_on, cpu_off) = (
-        mean(true, "connector_cpu_us_per_step"),
-        mean(false, "connector_cpu_us_per_step"),
-    );
-    let metrics_cpu = mean(true, "metrics_cpu_us_per_step");
+    let raw = on_and_off(kvx, transport, sweep, scratch, |pair| {
+        let ports = [free_port()?, free_port()?];
+        pair.prefill
+            .extend(["--metrics-listen".to_owned(), ports[0].to_string()]);
+        pair.decode
+            .extend(["--metrics-listen".to_owned(), ports[1].to_string()]);
+        Ok(Some(Scraper::start(ports.to_vec())))
+    })?;
+    let summary = |key: &'static str| move |v: &Value| get(v, &["summary", key]);
+    let tpot = |v: &Value| get(v, &["summary", "tpot_ms", "p50"]);
+    let (tpot_on, tpot_off) = (mean_of(&raw, true, tpot), mean_of(&raw, false, tpot));
+    let cpu = summary("connector_cpu_us_per_step");
+    let (cpu_on, cpu_off) = (mean_of(&raw, true, cpu), mean_of(&raw, false, cpu));
+    let metrics_cpu = mean_of(&raw, true, summary("metrics_cpu_us_per_step"));
+    let runs: Vec<Value> = raw
+        .iter()
+        .map(|(on, v, scrapes)| {
+            json!({
+                "metrics": on,
+                "scrapes": scrapes,
+                "tpot_p50_ms": tpot(v),
+                "ttft_p50_ms": get(v, &["summary", "ttft_ms", "p50"]),
+                "connector_cpu_us_per_step": cpu(v),
+                "metrics_cpu_us_per_step": get(v, &["summary", "metrics_cpu_us_per_step"]),
+            })
+        })
+        .collect();
     println!(
         "    push, {length} tokens, 4/s: TPOT p50 {tpot_on:.3} ms with metrics served and \
          scraped, {tpot_off:.3} ms without ({:+.1} %); the connector's CPU per step {cpu_on:.2} µs \
@@ -484,6 +465,39 @@ fn metrics_cost(
         "connector_cpu_us_per_step_off": cpu_off,
         "metrics_thread_cpu_us_per_step": metrics_cpu,
     }))
+}
+
+/// Push at the first length and 4 requests/s over `transport`, alternately without and with
+/// what `with` adds to the pair (two runs of each, without first), side by side: for each run,
+/// whether it had it, decode's report and the scrapes of the scraper `with` started, if any.
+fn on_and_off(
+    kvx: &Path,
+    transport: &str,
+    sweep: &Sweep,
+    scratch: &Path,
+    mut with: impl FnMut(&mut PairArgs) -> anyhow::Result<Option<Scraper>>,
+) -> anyhow::Result<Vec<(bool, Value, u64)>> {
+    let length = sweep.lengths[0];
+    let mut runs = Vec::new();
+    for round in 0..4 {
+        let on = round % 2 == 1;
+        let mut pair = cpu_pair(transport, length);
+        let scraper = if on { with(&mut pair)? } else { None };
+        let v = point(kvx, &pair, "push", length, 4.0, sweep.requests, scratch)?;
+        runs.push((on, v, scraper.map_or(0, Scraper::stop)));
+    }
+    Ok(runs)
+}
+
+/// The mean of `value` over the runs that had the thing compared (`on`), or did not.
+fn mean_of(runs: &[(bool, Value, u64)], on: bool, value: impl Fn(&Value) -> f64) -> f64 {
+    let v: Vec<f64> = runs
+        .iter()
+        .filter(|r| r.0 == on)
+        .map(|r| value(&r.1))
+        .filter(|x| x.is_finite())
+        .collect();
+    v.iter().sum::<f64>() / v.len().max(1) as f64
 }
 
 /// Reads `/metrics` at each address every 50 ms from a thread of its own until stopped.

@@ -154,7 +154,7 @@ fn start_args(
     if token_unit == 0 {
         return Err(value_err("token_unit must be at least 1"));
     }
-    let mut config = ConnectorConfig::new(EngineId(RequestId::from_str_hash(engine_id).0));
+    let mut config = ConnectorConfig::new(EngineId::from_name(engine_id));
     config.listen = parse_addr(listen)?;
     // Each named by its setting's key or its ConnectorConfig field, checked by the one table.
     for (k, v) in timings.iter() {

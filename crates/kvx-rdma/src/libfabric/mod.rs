@@ -134,23 +134,15 @@ const KEY_ROOM: u64 = 1 << 20;
 /// The first key this transport chooses itself: random within the provider's key size (so that
 /// a peer that was never sent a key cannot guess one), with [`KEY_ROOM`] keys after it.
 fn first_key(key_size: usize) -> u64 {
-    use std::io::Read as _;
     let bits = u32::try_from(key_size.clamp(1, 8) * 8).unwrap_or(64);
     let max = if bits >= 64 {
         u64::MAX
     } else {
         (1u64 << bits) - 1
     };
-    let mut bytes = [0u8; 8];
-    let random = std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut bytes))
-        .map(|()| u64::from_ne_bytes(bytes))
-        .unwrap_or_else(|_| {
-            use std::hash::{BuildHasher as _, Hasher as _};
-            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-            h.write_u32(std::process::id());
-            h.finish()
-        });
+    // The system's generator does not fail on Linux once booted; were it to, keys would start
+    // low, as any provider's may.
+    let random = getrandom::u64().unwrap_or(0);
     if max <= KEY_ROOM {
         return 1;
     }

@@ -54,9 +54,6 @@ pub(crate) struct Armed {
     requests: HashMap<AttemptKey, ArmedRequest>,
     /// Found ready by the engine thread, with their writer ranks, for the driver to forget.
     ready: Vec<(AttemptKey, Vec<Rank>)>,
-    /// A traced request was found ready: the driver should take it over now, to end its span
-    /// (otherwise it does at its next turn).
-    wake_driver: bool,
 }
 
 /// The board and its armed requests, shared by the consumer's handle and its driver.
@@ -137,16 +134,22 @@ impl SharedBoard {
     }
 
     /// Engine thread: the armed requests whose every notice is in the board, reported ready;
-    /// returns how many stay armed.
-    pub(crate) fn collect(&self, stats: &Stats, out: &mut Vec<(RecvEvent, SystemTime)>) -> usize {
+    /// returns how many stay armed, and whether a traced one was among the ready (the driver
+    /// should then be woken to end its span; otherwise it does at its next turn).
+    pub(crate) fn collect(
+        &self,
+        stats: &Stats,
+        out: &mut Vec<(RecvEvent, SystemTime)>,
+    ) -> (usize, bool) {
         // A request armed meanwhile is looked at in the next call.
         if self.hints.armed.load(Ordering::Acquire) == 0 {
-            return 0;
+            return (0, false);
         }
         let mut armed = self.lock();
         if armed.requests.is_empty() {
-            return 0;
+            return (0, false);
         }
+        let mut traced_ready = false;
         let board = &self.board;
         let done: Vec<AttemptKey> = armed
             .requests
@@ -171,7 +174,7 @@ impl SharedBoard {
             debug!(%key, "ready (notice board)");
             if !r.span.is_disabled() {
                 tracing::info!(target: crate::trace::TARGET, parent: &r.span, "ready");
-                armed.wake_driver = true;
+                traced_ready = true;
             }
             armed.ready.push((key, r.ranks));
             stats.transfers_ok.fetch_add(1, Ordering::Relaxed);
@@ -179,7 +182,7 @@ impl SharedBoard {
             stats.board_ready.fetch_add(1, Ordering::Relaxed);
             stats.held.fetch_sub(1, Ordering::Relaxed);
         }
-        armed.requests.len()
+        (armed.requests.len(), traced_ready)
     }
 
     /// Driver: arms a request before its registrations go out.
@@ -201,12 +204,6 @@ impl SharedBoard {
                 span,
             },
         );
-    }
-
-    /// Engine thread: whether a traced request was found ready since the last call (the
-    /// driver should be woken to end its span).
-    pub(crate) fn take_wake_driver(&self) -> bool {
-        std::mem::take(&mut self.lock().wake_driver)
     }
 
     /// Driver: the requests the engine thread found ready since the last call.

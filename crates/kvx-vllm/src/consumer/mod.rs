@@ -459,13 +459,13 @@ impl Consumer {
         let mut events = self.events.take();
         if let Some(board) = &self.board {
             let before = events.len();
-            let waiting = board.collect(&self.stats, &mut events);
+            let (waiting, traced_ready) = board.collect(&self.stats, &mut events);
             // Right after a request landed its writer is most likely idle; otherwise now and
             // then while requests wait (their early writes hold queue slots too), the first
             // time an interval after the wait began: until then the writes of a writer in
             // contact land without a read, in the queue's room that the last read left.
             let landed = events.len() > before;
-            if landed && board.take_wake_driver() {
+            if traced_ready {
                 let _ = self.tx.send(Command::Wake);
             }
             let was_waiting = self.board_waiting.swap(waiting > 0, Ordering::Relaxed);

@@ -137,9 +137,7 @@ impl AuthKey {
     pub fn generate(path: &Path) -> Result<Self, AuthKeyError> {
         use std::os::unix::fs::OpenOptionsExt as _;
         let mut key = [0u8; KEY_LEN];
-        std::fs::File::open("/dev/urandom")
-            .and_then(|mut f| f.read_exact(&mut key))
-            .map_err(|e| AuthKeyError::Random(e.to_string()))?;
+        getrandom::fill(&mut key).map_err(|e| AuthKeyError::Random(e.to_string()))?;
         let write = |source| AuthKeyError::Write {
             path: path.to_owned(),
             source,

@@ -21,7 +21,8 @@ pub(crate) use queue::{command_queue, wait_commands, wait_turn, CommandReceiver,
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Clock {
     start: Instant,
-    /// The wall-clock time at `start` (capabilities expire by the wall clock).
+    /// The wall-clock time at `start`, from which a virtual clock's wall time counts.
+    #[cfg(test)]
     wall_start: std::time::SystemTime,
     /// Nanoseconds of a virtual clock, which replaces the real one.
     #[cfg(test)]
@@ -32,6 +33,7 @@ impl Clock {
     pub(crate) fn new() -> Self {
         Self {
             start: Instant::now(),
+            #[cfg(test)]
             wall_start: std::time::SystemTime::now(),
             #[cfg(test)]
             virtual_nanos: None,
@@ -62,7 +64,6 @@ impl Clock {
         if self.virtual_nanos.is_some() {
             return self.wall_start + self.now().saturating_duration_since(Timestamp::ZERO);
         }
-        let _ = self.wall_start;
         std::time::SystemTime::now()
     }
 

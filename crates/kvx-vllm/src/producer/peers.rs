@@ -61,22 +61,30 @@ impl Driver {
         capability: Option<&Capability>,
         what: &str,
     ) -> bool {
+        self.authorize(conn, transfer, capability, what).is_ok()
+    }
+
+    /// [`Driver::authorized`], with why not.
+    pub(super) fn authorize(
+        &self,
+        conn: ConnId,
+        transfer: TransferId,
+        capability: Option<&Capability>,
+        what: &str,
+    ) -> Result<(), crate::CapabilityError> {
         let Some(key) = &self.auth_key else {
-            return true;
+            return Ok(());
         };
         let presenter = self
             .conns
             .get(&conn)
             .and_then(|c| c.consumer.as_ref())
             .map(|consumer| consumer.id.engine);
-        match key.check(transfer, capability, presenter, self.clock.wall()) {
-            Ok(()) => true,
-            Err(e) => {
+        key.check(transfer, capability, presenter, self.clock.wall())
+            .inspect_err(|e| {
                 self.stats.unauthorized.fetch_add(1, Ordering::Relaxed);
                 warn!(conn, %transfer, %e, "{what} refused");
-                false
-            }
-        }
+            })
     }
 
     /// Whether the consumer or router on `conn` may abort `transfer`: unless registrations of
@@ -265,6 +273,21 @@ impl Driver {
 
     pub(super) fn registration(&mut self, conn: ConnId, now: Timestamp, reg: Registration) {
         let producer_tp = self.layout.spec().tp_size;
+        let has_hello = self.conns.get(&conn).is_some_and(|c| c.consumer.is_some());
+        if has_hello {
+            if let Err(e) =
+                self.authorize(conn, reg.transfer, reg.capability.as_ref(), "registration")
+            {
+                let key = AttemptKey::new(reg.transfer, reg.attempt);
+                let detail = format!("registration refused: {e}");
+                if let Some(c) = self.conns.get(&conn) {
+                    let _ = c
+                        .sender
+                        .send(&failure(key, self.rank, Reason::Unauthorized, &detail));
+                }
+                return;
+            }
+        }
         let Some(c) = self.conns.get_mut(&conn) else {
             return;
         };
@@ -278,24 +301,6 @@ impl Driver {
             ));
             return;
         };
-        if let Some(key_) = &self.auth_key {
-            if let Err(e) = key_.check(
-                reg.transfer,
-                reg.capability.as_ref(),
-                Some(consumer.id.engine),
-                self.clock.wall(),
-            ) {
-                self.stats.unauthorized.fetch_add(1, Ordering::Relaxed);
-                warn!(conn, transfer = %reg.transfer, consumer = %consumer.id.engine, %e, "registration refused");
-                let _ = c.sender.send(&failure(
-                    key,
-                    self.rank,
-                    Reason::Unauthorized,
-                    &format!("registration refused: {e}"),
-                ));
-                return;
-            }
-        }
         if let Err(why) = check_destination(&consumer.layout, &reg) {
             let _ = c
                 .sender

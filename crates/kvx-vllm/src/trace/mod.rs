@@ -158,23 +158,12 @@ pub fn random_span_id() -> u64 {
     }
 }
 
-/// 128 random bits (not zero): from the system's generator, else from std's randomly keyed
-/// hasher.
+/// 128 random bits, not zero, from the system's generator (which does not fail on Linux once
+/// booted; an id is no secret, so a failure gives 1 rather than an error).
 fn random_u128() -> u128 {
-    use std::io::Read as _;
     let mut bytes = [0u8; 16];
-    let read = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut bytes));
-    let mut value = u128::from_ne_bytes(bytes);
-    if read.is_err() || value == 0 {
-        use std::hash::{BuildHasher as _, Hasher as _};
-        let state = std::collections::hash_map::RandomState::new();
-        let mut a = state.build_hasher();
-        a.write_u32(std::process::id());
-        let mut b = state.build_hasher();
-        b.write_u64(a.finish());
-        value = (u128::from(a.finish()) << 64 | u128::from(b.finish())).max(1);
-    }
-    value
+    let _ = getrandom::fill(&mut bytes);
+    u128::from_ne_bytes(bytes).max(1)
 }
 
 #[cfg(test)]
