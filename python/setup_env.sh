@@ -46,7 +46,8 @@ if [[ ! -x "$venv/bin/python" ]]; then
 fi
 rm -f "$stamp_file"
 vpy="$venv/bin/python"
-pip=("$vpy" -m pip --disable-pip-version-check)
+# No cache: the wheels (torch alone is hundreds of MiB) would stay on disk twice.
+pip=("$vpy" -m pip --disable-pip-version-check --no-cache-dir)
 
 log "upgrading pip and installing packaging"
 "${pip[@]}" install --quiet --upgrade pip packaging
