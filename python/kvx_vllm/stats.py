@@ -30,6 +30,8 @@ STATS_COUNTERS = {
                             "confirmation that it writes no more",
     "handshakes_failed": "kvx control connections refused at the handshake (no or another "
                          "deployment key, no hello in time, another protocol version)",
+    "idle_closed": "kvx control connections closed because their peer said nothing for the "
+                   "idle timeout",
     "ops_posted": "kvx transport operations posted (writes, reads)",
     "unauthorized": "kvx requests, registrations and aborts refused because their capability "
                     "did not verify or named another engine, or their prefill is not a peer",

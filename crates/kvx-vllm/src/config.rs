@@ -33,6 +33,11 @@ pub struct ConnectorConfig {
     pub heartbeat_interval: Duration,
     /// Bound on connecting to a peer's control address.
     pub connect_timeout: Duration,
+    /// Producer: a control connection that carries nothing from its peer for this long after
+    /// its handshake is closed (its registrations with it), so that idle connections cannot
+    /// hold the connection slots. Decode heartbeats every `heartbeat_interval` on each of its
+    /// connections, waiting or not: keep this several of decode's intervals.
+    pub idle_timeout: Duration,
     /// Producer: how long a started transfer may run.
     pub transfer_timeout: Duration,
     /// Most requests held or in flight on one side.
@@ -139,7 +144,7 @@ impl ConnectorConfig {
     /// Defaults for `engine`: control on 127.0.0.1 (free port), and every setting of
     /// [`settings::SETTINGS`](crate::settings::SETTINGS) at its default there (120 s for a
     /// request to arrive, 30 s for finished blocks to be claimed, 5 s heartbeats, 30 s to
-    /// connect, 60 s for a transfer).
+    /// connect, 60 s for a silent connection, 60 s for a transfer).
     #[must_use]
     pub fn new(engine: EngineId) -> Self {
         let mut config = Self {
@@ -151,6 +156,7 @@ impl ConnectorConfig {
             producer_lease: Duration::ZERO,
             heartbeat_interval: Duration::ZERO,
             connect_timeout: Duration::ZERO,
+            idle_timeout: Duration::ZERO,
             transfer_timeout: Duration::ZERO,
             max_entries: 0,
             quiesce_timeout: None,
@@ -180,6 +186,7 @@ impl ConnectorConfig {
             ("producer_lease", self.producer_lease),
             ("heartbeat_interval", self.heartbeat_interval),
             ("connect_timeout", self.connect_timeout),
+            ("idle_timeout", self.idle_timeout),
             ("transfer_timeout", self.transfer_timeout),
         ];
         if let Some((name, _)) = durations.iter().find(|(_, d)| d.is_zero()) {

@@ -247,6 +247,7 @@ fn stats_dict<'py>(py: Python<'py>, reader: &crate::StatsReader) -> PyResult<Bou
     d.set_item("released_unconfirmed", s.released_unconfirmed)?;
     d.set_item("handshakes_evicted", s.handshakes_evicted)?;
     d.set_item("handshakes_failed", s.handshakes_failed)?;
+    d.set_item("idle_closed", s.idle_closed)?;
     d.set_item("unauthorized", s.unauthorized)?;
     d.set_item("ops_posted", s.ops_posted)?;
     d.set_item("in_flight", s.in_flight)?;
@@ -549,7 +550,8 @@ impl PyProducer {
     /// Counters: held, transfers_started, transfers_ok, transfers_failed, bytes_written,
     /// bytes_streamed, finishing_hints, nudges, handshakes_evicted (connections dropped before
     /// their hello for newer ones), handshakes_failed (hellos late, malformed or of another
-    /// protocol version), unauthorized (capabilities refused), ops_posted, in_flight, and
+    /// protocol version), idle_closed (connections silent for the idle timeout), unauthorized
+    /// (capabilities refused), ops_posted, in_flight, and
     /// `failed.CAUSE` and `rail.NAME` entries.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let reader = self.with(Producer::stats_reader)?;

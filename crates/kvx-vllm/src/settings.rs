@@ -239,8 +239,9 @@ pub const SETTINGS: &[Setting] = &[
         field: Some("heartbeat_interval"),
         kind: Kind::Seconds,
         default: Value::Number(5.0),
-        doc: "Decode: heartbeat period for the transfers it waits for; prefill drops a \
-              registration after three periods without one.",
+        doc: "Decode: heartbeat period on each of its control connections (naming the \
+              transfers it waits for there); prefill drops a registration after three periods \
+              without one.",
     },
     Setting {
         key: "connect_timeout_s",
@@ -251,6 +252,17 @@ pub const SETTINGS: &[Setting] = &[
               on its handshake answer. Generous because vLLM's CPU workers pin themselves (and so \
               the connector's threads) to few cores, and an engine busy with its first forward \
               pass answers late.",
+    },
+    Setting {
+        key: "idle_timeout_s",
+        field: Some("idle_timeout"),
+        kind: Kind::Seconds,
+        default: Value::Number(60.0),
+        doc: "Prefill: a control connection over which nothing came for this long after its \
+              handshake is closed, and its registrations dropped (decode heartbeats on each \
+              connection every heartbeat_interval_s, so a live decode is never idle): idle or \
+              abandoned connections cannot hold prefill's connection slots. Keep it several of \
+              decode's heartbeat intervals.",
     },
     Setting {
         key: "transfer_timeout_s",
@@ -526,6 +538,7 @@ pub fn apply(config: &mut ConnectorConfig, name: &str, value: &Value) -> Result<
         "producer_lease" => config.producer_lease = seconds()?,
         "heartbeat_interval" => config.heartbeat_interval = seconds()?,
         "connect_timeout" => config.connect_timeout = seconds()?,
+        "idle_timeout" => config.idle_timeout = seconds()?,
         "transfer_timeout" => config.transfer_timeout = seconds()?,
         "quiesce_timeout" => {
             config.quiesce_timeout = match value {
@@ -614,6 +627,7 @@ mod tests {
         assert_eq!(config.producer_lease, seconds("producer_lease_s"));
         assert_eq!(config.heartbeat_interval, seconds("heartbeat_interval_s"));
         assert_eq!(config.connect_timeout, seconds("connect_timeout_s"));
+        assert_eq!(config.idle_timeout, seconds("idle_timeout_s"));
         assert_eq!(config.transfer_timeout, seconds("transfer_timeout_s"));
         assert_eq!(find("quiesce_timeout_s").unwrap().default, Value::Unset);
         assert_eq!(config.quiesce_timeout, None);
@@ -628,7 +642,7 @@ mod tests {
         assert_eq!(find("peers").unwrap().default, text(""));
         assert!(config.peers.is_empty());
         // Every ConnectorConfig setting of the table was looked at above.
-        assert_eq!(SETTINGS.iter().filter(|s| s.field.is_some()).count(), 9);
+        assert_eq!(SETTINGS.iter().filter(|s| s.field.is_some()).count(), 10);
     }
 
     #[test]

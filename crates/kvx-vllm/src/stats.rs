@@ -38,6 +38,7 @@ pub(crate) struct Stats {
     pub(crate) released_unconfirmed: AtomicU64,
     pub(crate) handshakes_evicted: AtomicU64,
     pub(crate) handshakes_failed: AtomicU64,
+    pub(crate) idle_closed: AtomicU64,
     pub(crate) unauthorized: AtomicU64,
     pub(crate) ops_posted: AtomicU64,
     pub(crate) in_flight: AtomicI64,
@@ -133,6 +134,9 @@ pub struct StatsSnapshot {
     /// Control connections whose hello did not come in time, or was not a hello of this
     /// protocol version (producer).
     pub handshakes_failed: u64,
+    /// Control connections closed because their peer said nothing for the idle timeout
+    /// (producer; `ConnectorConfig::idle_timeout`).
+    pub idle_closed: u64,
     /// Requests refused before connecting (consumer), and registrations and aborts refused
     /// (producer), because their capability did not verify or named another engine, or their
     /// prefill is not on the `peers` list.
@@ -226,6 +230,7 @@ impl Stats {
             released_unconfirmed: self.released_unconfirmed.load(Ordering::Relaxed),
             handshakes_evicted: self.handshakes_evicted.load(Ordering::Relaxed),
             handshakes_failed: self.handshakes_failed.load(Ordering::Relaxed),
+            idle_closed: self.idle_closed.load(Ordering::Relaxed),
             unauthorized: self.unauthorized.load(Ordering::Relaxed),
             ops_posted: self.ops_posted.load(Ordering::Relaxed),
             in_flight: self.in_flight.load(Ordering::Relaxed),

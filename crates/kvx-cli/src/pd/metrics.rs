@@ -13,6 +13,7 @@
 //! | `kvx_router_aborts_total` | counter | routers' aborts handled |
 //! | `kvx_released_unconfirmed_total` | counter | failed requests whose blocks went back without every writer's confirmation |
 //! | `kvx_handshakes_failed_total` | counter | control connections refused at the handshake (no or another key, no hello in time, another protocol) |
+//! | `kvx_idle_closed_total` | counter | control connections closed because their peer said nothing for the idle timeout |
 //! | `kvx_handshakes_evicted_total` | counter | control connections dropped while too many handshakes waited |
 //! | `kvx_unauthorized_total` | counter | requests, registrations and aborts refused for their capability or peer |
 //! | `kvx_ops_posted_total` | counter | transport operations posted (writes, reads) |
@@ -73,6 +74,11 @@ const COUNTERS: &[Counter] = &[
         "handshakes_evicted",
         "Control connections dropped while too many handshakes waited",
         |s| s.handshakes_evicted,
+    ),
+    (
+        "idle_closed",
+        "Control connections closed for saying nothing for the idle timeout",
+        |s| s.idle_closed,
     ),
     (
         "unauthorized",

@@ -87,6 +87,9 @@ impl Driver {
                 in_contact: false,
             },
         );
+        let interval = self.config.heartbeat_interval;
+        let now = self.clock.now();
+        self.next_heartbeat.get_or_insert(now + interval);
         Ok(())
     }
 
@@ -321,10 +324,10 @@ impl Driver {
         if now < at {
             return;
         }
+        // On every connection, naming the transfers that wait there: with none, it still tells
+        // the producer rank that this decode is alive, so that its idle timeout
+        // (`ConnectorConfig::idle_timeout`) keeps the connection for the next request.
         for instance in self.instances.values() {
-            if instance.waiting.is_empty() {
-                continue;
-            }
             let message = Message::Heartbeat(Heartbeat {
                 engine: self.config.engine,
                 incarnation: self.config.incarnation,
@@ -335,7 +338,7 @@ impl Driver {
             }
         }
         self.next_heartbeat =
-            (!self.waiter.is_empty()).then(|| now + self.config.heartbeat_interval);
+            (!self.instances.is_empty()).then(|| now + self.config.heartbeat_interval);
     }
 
     /// Writer ranks whose first board notice has landed are in contact: their later writes need

@@ -371,6 +371,32 @@ fn heartbeats_go_out_at_the_interval_while_a_request_waits() {
     );
 }
 
+/// Once its request is done, decode keeps heartbeating on the connection (naming no transfer)
+/// at every interval, so that prefill's idle timeout keeps it for the next request.
+#[test]
+fn an_idle_decode_keeps_its_connections_alive_with_heartbeats() {
+    let mut sim = Sim::new(Duration::from_secs(60), Duration::from_secs(1));
+    let registration = sim.register(key(5), 8, ids(0..2));
+    sim.write_with_notice(registration.notice);
+    sim.transport_events();
+    sim.at(Duration::from_millis(1));
+    assert_eq!(sim.events().len(), 1, "the request is not done");
+    let interval = ConnectorConfig::new(EngineId(2)).heartbeat_interval;
+    // Ten intervals with nothing waiting: a heartbeat naming no transfer at each.
+    for n in 1..=10u32 {
+        sim.at(interval * n - Duration::from_millis(1));
+        assert!(
+            sim.message().is_none(),
+            "a message before heartbeat {n} was due"
+        );
+        sim.at(interval * n + Duration::from_millis(1));
+        match sim.message() {
+            Some(Message::Heartbeat(hb)) => assert!(hb.transfers.is_empty(), "{hb:?}"),
+            other => panic!("expected heartbeat {n}, got {other:?}"),
+        }
+    }
+}
+
 /// Registers a request with a producer rank that never answers, cancels it at 10 ms, and
 /// checks that its failure is reported exactly `bound` later (its blocks held until then, as a
 /// write of that rank may still land), with `detail_has` in the detail.

@@ -15,6 +15,7 @@ impl driver::Driven for Driver {
             self.matcher.poll_timeout(),
             self.expiry.peek().map(|Reverse((at, ..))| *at),
             self.next_nudge(),
+            Some(self.next_idle_sweep),
         ]
         .into_iter()
         .flatten()
@@ -57,6 +58,7 @@ impl driver::Driven for Driver {
         self.expire(now);
         self.actions();
         self.nudge(now);
+        self.close_idle(now);
     }
 
     fn stopped(&mut self, left: Vec<Command>) {
@@ -79,6 +81,58 @@ impl driver::Driven for Driver {
 }
 
 impl Driver {
+    /// Forgets connection `conn`, which closed for `why`: its consumer's registrations will
+    /// never be served, and the transport forgets the consumer's endpoint (once its writes in
+    /// flight end) unless another connection of the same endpoint still uses it.
+    fn conn_closed(&mut self, now: Timestamp, conn: ConnId, why: &str) {
+        let Some(c) = self.conns.remove(&conn) else {
+            return;
+        };
+        debug!(conn, why, "control connection closed");
+        if let Some(gone) = &c.consumer {
+            let shared = self
+                .conns
+                .values()
+                .any(|o| o.consumer.as_ref().is_some_and(|x| x.peer == gone.peer));
+            if !shared {
+                self.transport
+                    .as_deref_mut()
+                    .expect(OPEN)
+                    .disconnect(gone.peer);
+            }
+        }
+        self.stats
+            .remembered_registrations
+            .fetch_sub(c.keys.len() as u64, Ordering::Relaxed);
+        for key in c.keys {
+            self.matcher
+                .abort(now, key.transfer, Some(key.attempt), Reason::Aborted);
+        }
+    }
+
+    /// Closes the connections whose peer has said nothing for the idle timeout (a decode
+    /// heartbeats on each of its connections well within it), at most every quarter timeout.
+    fn close_idle(&mut self, now: Timestamp) {
+        if now < self.next_idle_sweep {
+            return;
+        }
+        self.next_idle_sweep = now + self.idle_timeout / IDLE_SWEEPS_PER_TIMEOUT;
+        let idle: Vec<ConnId> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| now.saturating_duration_since(c.last_heard) >= self.idle_timeout)
+            .map(|(id, _)| *id)
+            .collect();
+        for conn in idle {
+            if let Some(c) = self.conns.get(&conn) {
+                warn!(conn, idle = ?self.idle_timeout, "kvx: closing a control connection that said nothing for the idle timeout");
+                c.sender.close();
+            }
+            self.stats.idle_closed.fetch_add(1, Ordering::Relaxed);
+            self.conn_closed(now, conn, "idle timeout");
+        }
+    }
+
     /// The driver thread.
     pub(super) fn run(self, rx: CommandReceiver<Command>) {
         driver::drive(&std::sync::Mutex::new(self), &rx);
@@ -147,7 +201,7 @@ impl Driver {
             }
             Command::Accepted(conn, sender, hello) if hello.role == Role::Router => {
                 debug!(conn, engine = hello.engine.0, "router connected");
-                self.conns.insert(conn, Conn::router(sender));
+                self.conns.insert(conn, Conn::router(sender, now));
             }
             Command::Accepted(conn, sender, hello) => {
                 let consumer = match accept_consumer(
@@ -166,36 +220,15 @@ impl Driver {
                         None
                     }
                 };
-                self.conns.insert(conn, Conn::new(sender, consumer));
+                self.conns.insert(conn, Conn::new(sender, consumer, now));
             }
-            Command::Peer(conn, message, _queued) => self.peer_message(conn, message),
-            Command::PeerClosed(conn, why) => {
-                if let Some(c) = self.conns.remove(&conn) {
-                    debug!(conn, why, "control connection closed");
-                    // The transport forgets the consumer's endpoint (once its writes in flight
-                    // end) unless another connection of the same endpoint still uses it.
-                    if let Some(gone) = &c.consumer {
-                        let shared = self
-                            .conns
-                            .values()
-                            .any(|o| o.consumer.as_ref().is_some_and(|x| x.peer == gone.peer));
-                        if !shared {
-                            self.transport
-                                .as_deref_mut()
-                                .expect(OPEN)
-                                .disconnect(gone.peer);
-                        }
-                    }
-                    // The consumer is gone: its registrations will never be served.
-                    self.stats
-                        .remembered_registrations
-                        .fetch_sub(c.keys.len() as u64, Ordering::Relaxed);
-                    for key in c.keys {
-                        self.matcher
-                            .abort(now, key.transfer, Some(key.attempt), Reason::Aborted);
-                    }
+            Command::Peer(conn, message, _queued) => {
+                if let Some(c) = self.conns.get_mut(&conn) {
+                    c.last_heard = now;
                 }
+                self.peer_message(conn, message);
             }
+            Command::PeerClosed(conn, why) => self.conn_closed(now, conn, &why),
             Command::Shutdown => {}
         }
     }

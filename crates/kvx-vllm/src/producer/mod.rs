@@ -143,6 +143,8 @@ struct Conn {
     keys: HashSet<AttemptKey>,
     /// The size at which [`Conn::remember`] next forgets the keys that ended.
     forget_at: usize,
+    /// When its peer last sent something (its hello, at first).
+    last_heard: Timestamp,
 }
 
 /// One consumer rank's connection may hold at most this share (1/N) of `max_entries` live
@@ -153,20 +155,21 @@ const REGISTRATION_QUOTA_SHARE: usize = 4;
 const FORGET_AT_LEAST: usize = 64;
 
 impl Conn {
-    fn new(sender: ControlSender, consumer: Option<ConsumerRank>) -> Self {
+    fn new(sender: ControlSender, consumer: Option<ConsumerRank>, now: Timestamp) -> Self {
         Self {
             sender,
             consumer,
             router: false,
             keys: HashSet::new(),
             forget_at: FORGET_AT_LEAST,
+            last_heard: now,
         }
     }
 
-    fn router(sender: ControlSender) -> Self {
+    fn router(sender: ControlSender, now: Timestamp) -> Self {
         Self {
             router: true,
-            ..Self::new(sender, None)
+            ..Self::new(sender, None, now)
         }
     }
 
@@ -730,6 +733,10 @@ struct Partial {
 /// of the consumer's command queue until the consumer reads, and a full queue stops the writes.
 const NUDGE_AFTER: Duration = Duration::from_millis(2);
 
+/// Connections are looked at for silence this many times per idle timeout: one is closed
+/// between one and 1¼ timeouts after its peer last spoke.
+const IDLE_SWEEPS_PER_TIMEOUT: u32 = 4;
+
 /// The transport is open from start until shutdown.
 const OPEN: &str = "the transport is open until shutdown";
 
@@ -781,6 +788,10 @@ struct Driver {
     expiry: BinaryHeap<Reverse<(Timestamp, AttemptKey, ExpiryKind)>>,
     max_consumer_tp: u32,
     producer_lease: Duration,
+    /// A connection silent for this long is closed ([`ConnectorConfig::idle_timeout`]).
+    idle_timeout: Duration,
+    /// When connections are next looked at for [`Driver::close_idle`].
+    next_idle_sweep: Timestamp,
     /// The deployment key: registrations and aborts then need a router's capability.
     auth_key: Option<Arc<crate::AuthKey>>,
     /// The `kvx.send` spans of traced transfers, and their order (the oldest go past
@@ -815,6 +826,7 @@ impl Driver {
         let matcher = Matcher::new(matcher_config)?;
         stats.set_rails(transport.rails());
         let peer_rma_unassisted = transport.capabilities().peer_rma_unassisted;
+        let next_idle_sweep = clock.now() + config.idle_timeout / IDLE_SWEEPS_PER_TIMEOUT;
         Ok(Self {
             clock,
             rank: layout.rank(),
@@ -840,6 +852,8 @@ impl Driver {
             expiry: BinaryHeap::new(),
             max_consumer_tp: 1,
             producer_lease: config.producer_lease,
+            idle_timeout: config.idle_timeout,
+            next_idle_sweep,
             auth_key: config.auth_key.clone(),
             traces: HashMap::new(),
             trace_order: std::collections::VecDeque::new(),

@@ -583,3 +583,59 @@ fn with_a_deployment_key_only_the_granted_reader_frees_pulled_blocks() {
     assert_eq!(freed[0].outcome, SendOutcome::Sent);
     assert_eq!(sim.driver.stats.unauthorized.load(Ordering::Relaxed), 2);
 }
+
+/// After its handshake, a connection whose peer says nothing for the idle timeout is closed and
+/// its registrations dropped (a peer cannot hold a connection slot by opening one and leaving
+/// it); one whose peer heartbeats, as a decode does on each connection whether it waits or not,
+/// stays however long.
+#[test]
+fn a_silent_connection_is_closed_at_the_idle_timeout_and_a_heartbeating_one_stays() {
+    let mut config = ConnectorConfig::new(EngineId(1));
+    config.idle_timeout = Duration::from_secs(8);
+    let mut sim = Sim::with(config);
+    // Empty heartbeats (nothing waits) every 2 s for a minute: more than seven idle timeouts.
+    for step in 1..=30u64 {
+        sim.at(Duration::from_secs(2 * step));
+        sim.command(heartbeat(Vec::new()));
+    }
+    assert!(
+        sim.driver.conns.contains_key(&1),
+        "a heartbeating peer's connection was closed"
+    );
+    // A registration at 60 s, then silence: the connection goes between one and 1¼ timeouts
+    // later (it is looked at every quarter timeout), not before.
+    sim.register(key(40), 8, ids(4..6), 0x40);
+    sim.at(Duration::from_millis(60_000 + 7_999));
+    assert!(
+        sim.driver.conns.contains_key(&1),
+        "closed before the idle timeout"
+    );
+    assert_eq!(sim.driver.stats.idle_closed.load(Ordering::Relaxed), 0);
+    sim.at(Duration::from_secs(60 + 10));
+    assert!(
+        !sim.driver.conns.contains_key(&1),
+        "a silent connection stayed open"
+    );
+    assert_eq!(sim.driver.stats.idle_closed.load(Ordering::Relaxed), 1);
+    // The peer's end sees the close: its read ends (no message, no more to come).
+    sim.control.set_nonblocking(false).unwrap();
+    sim.control
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let mut byte = [0u8; 1];
+    assert_eq!(std::io::Read::read(&mut sim.control, &mut byte).unwrap(), 0);
+    // Its registration went with it: a finish now waits for one, and nothing is written.
+    sim.finish(key(40), 8, ids(0..2));
+    sim.at(Duration::from_secs(71));
+    assert!(
+        sim.notices().is_empty(),
+        "written to a closed connection's registration"
+    );
+    assert_eq!(
+        sim.driver
+            .stats
+            .remembered_registrations
+            .load(Ordering::Relaxed),
+        0
+    );
+}
