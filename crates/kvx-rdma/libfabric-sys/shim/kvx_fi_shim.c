@@ -1,5 +1,128 @@
 /* See kvx_fi_shim.h. */
+
+/*
+ * The calls libfabric exports go through the pointers kvx_fi_load binds: the headers' own
+ * declarations (and the static-inline calls that use them, such as fi_allocinfo) are renamed to
+ * this file's forwarding functions, so that nothing here refers to a libfabric symbol.
+ */
+#define fi_getinfo kvx_dl_fi_getinfo
+#define fi_freeinfo kvx_dl_fi_freeinfo
+#define fi_dupinfo kvx_dl_fi_dupinfo
+#define fi_fabric kvx_dl_fi_fabric
+#define fi_version kvx_dl_fi_version
+#define fi_strerror kvx_dl_fi_strerror
+
 #include "kvx_fi_shim.h"
+
+#include <dlfcn.h>
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+
+static struct {
+	int (*getinfo)(uint32_t, const char *, const char *, uint64_t, const struct fi_info *,
+		       struct fi_info **);
+	void (*freeinfo)(struct fi_info *);
+	struct fi_info *(*dupinfo)(const struct fi_info *);
+	int (*fabric)(struct fi_fabric_attr *, struct fid_fabric **, void *);
+	uint32_t (*version)(void);
+	const char *(*strerror)(int);
+} lib;
+
+static int loaded;
+
+/*
+ * The standard signals (below 32). Opening libfabric runs its libraries' constructors, and one
+ * of them replaces the program's handlers: Debian's libfabric links libinfinipath (the PSM
+ * provider's library), whose constructor takes SIGSEGV, SIGBUS, SIGTERM, SIGINT, SIGABRT and
+ * SIGILL to print a backtrace and exit, so that an engine that shuts down in order on SIGTERM
+ * (vLLM's) died at once instead. The handlers are put back as they were before the load.
+ * Real-time signals are left as the libraries set them (one may take one for its timers), and so
+ * are the handlers libfabric's shm provider installs later, when an endpoint opens (they clean
+ * up its shared memory and then call the handler they replaced).
+ */
+#define KVX_STANDARD_SIGNALS 32
+
+static void keep_handlers(struct sigaction *saved, int *have)
+{
+	for (int sig = 1; sig < KVX_STANDARD_SIGNALS; sig++)
+		have[sig] = sigaction(sig, NULL, &saved[sig]) == 0;
+}
+
+static void put_back_handlers(const struct sigaction *saved, const int *have)
+{
+	for (int sig = 1; sig < KVX_STANDARD_SIGNALS; sig++) {
+		struct sigaction now;
+		if (!have[sig] || sig == SIGKILL || sig == SIGSTOP || sigaction(sig, NULL, &now) != 0)
+			continue;
+		if (memcmp(&now.sa_handler, &saved[sig].sa_handler, sizeof(now.sa_handler)) != 0 ||
+		    now.sa_flags != saved[sig].sa_flags)
+			sigaction(sig, &saved[sig], NULL);
+	}
+}
+
+int kvx_fi_load(const char *path, char *err, size_t err_len)
+{
+	if (loaded)
+		return 0;
+	struct sigaction saved[KVX_STANDARD_SIGNALS];
+	int have[KVX_STANDARD_SIGNALS] = {0};
+	keep_handlers(saved, have);
+	void *handle = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+	put_back_handlers(saved, have);
+	if (!handle) {
+		snprintf(err, err_len, "%s", dlerror());
+		return -1;
+	}
+	/* dlsym returns void *; POSIX guarantees it converts to a function pointer. */
+#define KVX_BIND(field, name)                                                             \
+	do {                                                                              \
+		*(void **)&lib.field = dlsym(handle, name);                               \
+		if (!lib.field) {                                                         \
+			snprintf(err, err_len, "%s exports no %s", path, name);           \
+			dlclose(handle);                                                  \
+			return -1;                                                        \
+		}                                                                         \
+	} while (0)
+	KVX_BIND(getinfo, "fi_getinfo");
+	KVX_BIND(freeinfo, "fi_freeinfo");
+	KVX_BIND(dupinfo, "fi_dupinfo");
+	KVX_BIND(fabric, "fi_fabric");
+	KVX_BIND(version, "fi_version");
+	KVX_BIND(strerror, "fi_strerror");
+#undef KVX_BIND
+	loaded = 1;
+	return 0;
+}
+
+int kvx_fi_loaded(void) { return loaded; }
+
+int kvx_dl_fi_getinfo(uint32_t version, const char *node, const char *service, uint64_t flags,
+		      const struct fi_info *hints, struct fi_info **info)
+{
+	return lib.getinfo(version, node, service, flags, hints, info);
+}
+void kvx_dl_fi_freeinfo(struct fi_info *info) { lib.freeinfo(info); }
+struct fi_info *kvx_dl_fi_dupinfo(const struct fi_info *info) { return lib.dupinfo(info); }
+int kvx_dl_fi_fabric(struct fi_fabric_attr *attr, struct fid_fabric **fabric, void *context)
+{
+	return lib.fabric(attr, fabric, context);
+}
+uint32_t kvx_dl_fi_version(void) { return lib.version(); }
+const char *kvx_dl_fi_strerror(int errnum)
+{
+	return loaded ? lib.strerror(errnum) : "libfabric is not loaded";
+}
+
+int kvx_fi_getinfo(uint32_t version, const char *node, const char *service, uint64_t flags,
+		   const struct fi_info *hints, struct fi_info **info)
+{
+	return fi_getinfo(version, node, service, flags, hints, info);
+}
+void kvx_fi_freeinfo(struct fi_info *info) { fi_freeinfo(info); }
+struct fi_info *kvx_fi_dupinfo(const struct fi_info *info) { return fi_dupinfo(info); }
+uint32_t kvx_fi_version(void) { return fi_version(); }
+const char *kvx_fi_strerror(int errnum) { return fi_strerror(errnum); }
 
 /* The Rust side defines these members of an anonymous enum by value; keep them honest. */
 _Static_assert(FI_EOTHER == 256, "FI_EOTHER changed");

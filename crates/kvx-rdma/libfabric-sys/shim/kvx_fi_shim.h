@@ -2,6 +2,11 @@
  * kvx libfabric shim: real, linkable functions for the calls that <rdma/fabric.h> and friends
  * declare as static inline (they dispatch through the provider's ops tables, so Rust cannot call
  * them directly). Every function forwards its arguments unchanged.
+ *
+ * Nothing links libfabric: kvx_fi_load opens the shared library at run time (dlopen) and binds
+ * the few calls it exports itself (fi_getinfo, fi_freeinfo, fi_dupinfo, fi_fabric, fi_version,
+ * fi_strerror), which the kvx_fi_* functions below call through. A program built with libfabric
+ * support so starts, and uses its other transports, where libfabric is not installed.
  */
 #ifndef KVX_FI_SHIM_H
 #define KVX_FI_SHIM_H
@@ -13,6 +18,24 @@
 #include <rdma/fi_eq.h>
 #include <rdma/fi_errno.h>
 #include <rdma/fi_rma.h>
+
+/*
+ * Opens the libfabric shared library `path` (a file name such as "libfabric.so.1" is searched
+ * for as the dynamic loader does) and binds the calls it exports. Returns 0, or -1 with why in
+ * `err` (at most `err_len` bytes, NUL-terminated). Once loaded, later calls return 0 at once
+ * and the library stays loaded for the life of the process. Callers serialise the calls.
+ */
+int kvx_fi_load(const char *path, char *err, size_t err_len);
+/* Whether kvx_fi_load has succeeded: no other call of this shim may be made before. */
+int kvx_fi_loaded(void);
+
+/* The calls libfabric exports, through the loaded library. */
+int kvx_fi_getinfo(uint32_t version, const char *node, const char *service, uint64_t flags,
+                   const struct fi_info *hints, struct fi_info **info);
+void kvx_fi_freeinfo(struct fi_info *info);
+struct fi_info *kvx_fi_dupinfo(const struct fi_info *info);
+uint32_t kvx_fi_version(void);
+const char *kvx_fi_strerror(int errnum);
 
 /* FI_VERSION(FI_MAJOR_VERSION, FI_MINOR_VERSION) of the headers this crate was built against. */
 uint32_t kvx_fi_header_version(void);

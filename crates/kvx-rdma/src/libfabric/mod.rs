@@ -94,6 +94,7 @@ use completion::MIN_IDLE_SLEEP;
 pub use config::{LibfabricConfig, OpenError, Rails};
 use context::{ContextPool, Registration, Scratch};
 use fi::FabricError;
+pub use fi::{load_library, DEFAULT_LIBRARY};
 use peer::{Peer, Rail, RailInfo};
 use post::Pending;
 pub use rails::{select_rails, RailFallback, RailSelection};
@@ -246,6 +247,8 @@ fn open_rail(
         provider: config.provider.clone(),
         source,
     };
+    // A library that cannot be loaded is said as such, not as a provider that lacks something.
+    fi::load_library().map_err(fabric_err)?;
     let query = |delivery_complete| {
         fi::Info::query(&fi::Query {
             provider: &config.provider,

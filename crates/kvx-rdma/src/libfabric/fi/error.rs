@@ -5,6 +5,8 @@ use std::ffi::CStr;
 
 use libfabric_sys as sys;
 
+use super::{MIN_MAJOR, MIN_MINOR};
+
 /// A libfabric error number with its `fi_strerror` text.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("{message} (errno {code})")]
@@ -22,7 +24,7 @@ impl FiErrno {
         let code = i32::try_from(ret.unsigned_abs()).unwrap_or(i32::MAX);
         // SAFETY: fi_strerror accepts any error number and returns a pointer to a static,
         // NUL-terminated string (or null, handled below).
-        let text = unsafe { sys::fi_strerror(code) };
+        let text = unsafe { sys::kvx_fi_strerror(code) };
         let message = if text.is_null() {
             format!("unknown libfabric error {code}")
         } else {
@@ -80,6 +82,27 @@ impl FiErrno {
 #[derive(Clone, Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum FabricError {
+    /// The libfabric shared library could not be loaded (it is opened at run time, on the
+    /// first use of a libfabric transport).
+    #[error(
+        "cannot load libfabric ({library}): {detail}; install libfabric {MIN_MAJOR}.{MIN_MINOR} \
+         or later (Debian: libfabric1), or name the library's path in KVX_LIBFABRIC"
+    )]
+    Load {
+        /// The library asked for.
+        library: String,
+        /// What the dynamic loader said.
+        detail: String,
+    },
+    /// The loaded libfabric is older than kvx runs on, or of another major version than the
+    /// headers it was built with.
+    #[error("{library} is libfabric {found}; kvx needs {MIN_MAJOR}.{MIN_MINOR} or a later 1.x")]
+    Version {
+        /// The library loaded.
+        library: String,
+        /// Its version (`major.minor`).
+        found: String,
+    },
     /// An argument could not be passed to C (a name with a NUL byte).
     #[error("invalid {what}: {value:?}")]
     InvalidArgument {

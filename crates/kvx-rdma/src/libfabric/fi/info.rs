@@ -23,7 +23,7 @@ unsafe impl Sync for Info {}
 impl Drop for Info {
     fn drop(&mut self) {
         // SAFETY: the list came from fi_getinfo and is freed exactly once.
-        unsafe { sys::fi_freeinfo(self.ptr.as_ptr()) }
+        unsafe { sys::kvx_fi_freeinfo(self.ptr.as_ptr()) }
     }
 }
 
@@ -53,6 +53,8 @@ impl Info {
     /// (`FI_CONTEXT`, `FI_CONTEXT2`, `FI_RX_CQ_DATA`), `FI_THREAD_DOMAIN`, and (if asked)
     /// `FI_DELIVERY_COMPLETE` as the default completion semantics of transmit operations.
     pub(crate) fn query(query: &Query<'_>) -> Result<Self, FabricError> {
+        // Every libfabric object comes from a query: the library is loaded before the first.
+        super::load_library()?;
         let provider = CString::new(query.provider).map_err(|_| FabricError::InvalidArgument {
             what: "provider",
             value: query.provider.into(),
@@ -101,7 +103,7 @@ impl Info {
             }
             (*(*h).fabric_attr).prov_name = c_strdup(&provider);
             let mut info = ptr::null_mut();
-            let ret = sys::fi_getinfo(
+            let ret = sys::kvx_fi_getinfo(
                 sys::kvx_fi_header_version(),
                 ptr::null(),
                 ptr::null(),
@@ -134,7 +136,7 @@ impl Info {
             let name = Self::c_str(unsafe { (*(*entry).domain_attr).name });
             if name == wanted {
                 // SAFETY: fi_dupinfo copies one valid element (its `next` is not copied).
-                let copy = unsafe { sys::fi_dupinfo(entry) };
+                let copy = unsafe { sys::kvx_fi_dupinfo(entry) };
                 return NonNull::new(copy)
                     .map(|ptr| Self { ptr })
                     .ok_or(FabricError::AllocInfo);

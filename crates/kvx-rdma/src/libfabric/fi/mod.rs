@@ -36,6 +36,54 @@ pub use error::{FabricError, FiErrno};
 pub(crate) use info::{Info, Query};
 pub(crate) use mr::Hmem;
 
+/// The libfabric shared library loaded unless `KVX_LIBFABRIC` names another: libfabric 1.x's
+/// soname, found as the dynamic loader finds libraries.
+pub const DEFAULT_LIBRARY: &str = "libfabric.so.1";
+
+/// The oldest libfabric kvx runs on (1.17).
+pub(crate) const MIN_MAJOR: u32 = 1;
+pub(crate) const MIN_MINOR: u32 = 17;
+
+/// Loads libfabric, once per process: the library `KVX_LIBFABRIC` names, else
+/// [`DEFAULT_LIBRARY`], and checks its version. Every libfabric transport calls it before its
+/// first libfabric call; nothing links libfabric, so a program built with it runs (with its
+/// other transports) where it is not installed. The outcome, success or not, is kept.
+///
+/// # Errors
+/// [`FabricError::Load`] where the library cannot be opened or lacks libfabric's calls,
+/// [`FabricError::Version`] where it is older than 1.17 or not 1.x.
+pub fn load_library() -> Result<(), FabricError> {
+    static LOADED: std::sync::OnceLock<Result<(), FabricError>> = std::sync::OnceLock::new();
+    LOADED
+        .get_or_init(|| {
+            let library = std::env::var("KVX_LIBFABRIC")
+                .ok()
+                .filter(|l| !l.is_empty())
+                .unwrap_or_else(|| DEFAULT_LIBRARY.to_owned());
+            let path = std::ffi::CString::new(library.clone()).map_err(|_| {
+                FabricError::InvalidArgument {
+                    what: "KVX_LIBFABRIC",
+                    value: library.clone(),
+                }
+            })?;
+            sys::load(&path).map_err(|detail| FabricError::Load {
+                library: library.clone(),
+                detail,
+            })?;
+            // SAFETY: loaded just above; fi_version takes nothing and returns an integer.
+            let version = unsafe { sys::kvx_fi_version() };
+            let (major, minor) = (version >> 16, version & 0xffff);
+            if major != MIN_MAJOR || minor < MIN_MINOR {
+                return Err(FabricError::Version {
+                    library,
+                    found: format!("{major}.{minor}"),
+                });
+            }
+            Ok(())
+        })
+        .clone()
+}
+
 /// Returns `Ok(())` for zero, the error for a negative return value.
 fn check(ret: i64, wrap: impl FnOnce(FiErrno) -> FabricError) -> Result<(), FabricError> {
     if ret < 0 {
