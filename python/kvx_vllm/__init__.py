@@ -11,18 +11,42 @@ Load it in vLLM with::
 documented in ``docs/vllm.md`` and in :mod:`kvx_vllm.config`.
 
 The connector classes are imported lazily, so that ``import kvx_vllm`` (for the native module,
-``kvx_vllm._native``) does not import vLLM. The native module is loaded here, keeping the
-process's signal handlers as they were (:mod:`kvx_vllm._signals`).
+``kvx_vllm._native``) does not import vLLM. The native module links no libfabric: it opens the
+library when a libfabric transport is first asked for, and says what to install where it is
+missing (``KVX_LIBFABRIC`` names another library file).
 """
 
+from importlib import metadata
+from pathlib import Path
 from typing import Any
 
-from kvx_vllm._signals import signal_handlers_kept
+from kvx_vllm import _native
 
-# Loading the native module runs its libraries' constructors, one of which (Debian libfabric's
-# libinfinipath) replaces the process's signal handlers: they are put back (see _signals).
-with signal_handlers_kept():
-    from kvx_vllm import _native  # noqa: F401
+
+def check_native_version(native: str, package: str | None) -> None:
+    """Refuses a native module of another version than the installed package's (``package``;
+    None where this copy of ``kvx_vllm`` is not an installed distribution's, as in a checkout):
+    a stale ``_native`` beside newer glue fails at import, not at the first transfer."""
+    if package is not None and native != package:
+        raise ImportError(
+            f"kvx_vllm {package} found a native module of version {native} "
+            f"({_native.__file__}): reinstall kvx-vllm so that both come from one build"
+        )
+
+
+def _installed_version() -> str | None:
+    """The version of the distribution this copy of the package was installed from, if any."""
+    try:
+        dist = metadata.distribution("kvx-vllm")
+    except metadata.PackageNotFoundError:
+        return None
+    here = Path(__file__).resolve()
+    if Path(str(dist.locate_file("kvx_vllm/__init__.py"))).resolve() != here:
+        return None
+    return dist.version
+
+
+check_native_version(_native.__version__, _installed_version())
 
 __all__ = ["KvxPushConnector", "KvxPullConnector"]
 

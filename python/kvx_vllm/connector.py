@@ -33,7 +33,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
-    KVConnectorTransferResults,
 )
 
 try:
@@ -41,6 +40,7 @@ try:
 except ImportError:  # a vLLM before per-source hit metrics
     CacheHitSource = None  # type: ignore[assignment,misc]
 
+from kvx_vllm.compat import KVConnectorTransferResults
 from kvx_vllm.metadata import KvxConnectorMetadata
 from kvx_vllm.scheduler import _Scheduler
 from kvx_vllm.stats import KVConnectorStats

@@ -99,10 +99,14 @@ def describe(
     mode: str = "auto",
     cpu_kernel: str | None = "vec",
     cells: bool | None = None,
+    mla: bool = False,
 ) -> CacheDescription:
     """Describes the per-layer KV tensors vLLM hands to ``register_kv_caches``. ``cells``: a 4D
     tensor holds K then V per token and head (vLLM's GPU backends from 0.32 on) rather than
-    vLLM's CPU blocks; by default, whether the tensors are on a GPU."""
+    vLLM's CPU blocks; by default, whether the tensors are on a GPU. ``mla``: the model uses
+    multi-head latent attention, whose cache holds one latent vector of ``head_size`` values per
+    token (``[num_blocks, block_size, head_size]`` per layer, or ``[num_blocks, 1, block_size,
+    head_size]`` as vLLM's CPU MLA backend has it), the same on every TP rank."""
     if mode not in ("auto", "exact", "block"):
         raise ValueError(f"unknown layout mode {mode!r}")
     layers = ordered_layers(kv_caches)
@@ -133,6 +137,32 @@ def describe(
     }
     if cells is None:
         cells = first.device.type == "cuda"
+
+    if mla:
+        # One latent vector per token, token after token within a block; no heads, no K/V
+        # halves. Every TP rank holds all of it, and each decode rank reads it from one
+        # prefill rank (the planner picks which).
+        latent_shape = (shape[0], *shape[2:]) if len(shape) == 4 and shape[1] == 1 else shape
+        if len(latent_shape) != 3 or latent_shape[1:] != (block_size, head_size):
+            raise NotImplementedError(
+                f"unknown MLA cache shape {shape}: expected [num_blocks, {block_size}, "
+                f"{head_size}] (or [num_blocks, 1, {block_size}, {head_size}]) per layer"
+            )
+        if mode == "block":
+            raise ValueError("layout 'block' is only for the CPU backend's attention cache, "
+                             "not an MLA cache")
+        _dense_order(layers, {"nhd": tuple(range(len(shape)))},
+                     "a contiguous [blocks, tokens, latent] tensor")
+        layout = dict(base, mla=True, total_kv_heads=1, head_dim=head_size,
+                      block_tokens=block_size, num_blocks=shape[0], order="nhd",
+                      arrangement="per-layer-split")
+        return CacheDescription(
+            layout=layout,
+            regions=[(t.data_ptr(), t.numel() * esize) for _, t in layers],
+            token_unit=1,
+            mode="exact",
+            tensors=[t for _, t in layers],
+        )
 
     def token_exact(num_blocks: int, order: str, arrangement: str) -> dict[str, Any]:
         return dict(base, total_kv_heads=total_kv_heads, head_dim=head_size,

@@ -11,9 +11,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
-
 from kvx_vllm import _native
+from kvx_vllm.compat import KVConnectorTransferResults
 from kvx_vllm.config import KvxConfig, nixl_library, resolve_transport
 from kvx_vllm.cpu_advice import cpu_attention_kernel, cpu_executor_advice
 from kvx_vllm.layout import CacheDescription, describe, ordered_layers
@@ -110,6 +109,7 @@ class _Worker:
         tp_size = get_tensor_model_parallel_world_size()
         tp_rank = get_tensor_model_parallel_rank()
         block_size = self.vllm_config.cache_config.block_size
+        mla = bool(getattr(model, "use_mla", False))
         self.cache = describe(
             kv_caches,
             head_size=model.get_head_size(),
@@ -118,10 +118,11 @@ class _Worker:
             tp_size=tp_size,
             tp_rank=tp_rank,
             mode=self.cfg.layout,
-            cpu_kernel=cpu_attention_kernel(
+            cpu_kernel=None if mla else cpu_attention_kernel(
                 kv_caches, model.get_head_size(), block_size,
                 self.vllm_config.cache_config.cache_dtype,
             ),
+            mla=mla,
         )
         # `describe` checked that every layer's tensor is on one device.
         device = self.cache.tensors[0].device

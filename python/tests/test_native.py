@@ -354,3 +354,62 @@ def test_flash_layout_in_hnd_order_is_described_as_such():
     assert_tokens_moved("flash", p_caches, p_blocks, 16, d_caches, d_blocks, 16, tokens)
     producer.shutdown()
     consumer.shutdown()
+
+
+LATENT = 576
+
+
+def mla_caches(layers: int, blocks: int, bs: int, fill: bool) -> dict[str, torch.Tensor]:
+    """vLLM's MLA cache as its CPU backend has it: per layer [blocks, 1, tokens, latent]
+    (DeepSeek's 512-value latent and 64 rotary values per token), the same on every
+    tensor-parallel rank."""
+    out = {}
+    for i in range(layers):
+        t = torch.zeros(blocks, 1, bs, LATENT, dtype=torch.float32)
+        if fill:
+            t.copy_(torch.randn_like(t))
+        out[f"model.layers.{i}.self_attn.attn"] = t
+    return out
+
+
+@pytest.mark.parametrize("p_bs,d_bs,p_tp,p_rank", [(16, 16, 1, 0), (16, 32, 1, 0), (32, 16, 2, 0)])
+def test_an_mla_cache_moves_token_by_token(p_bs, d_bs, p_tp, p_rank):
+    """An MLA cache is described as one latent vector per token (`mla`, no heads): every token's
+    latent lands in decode's blocks across block sizes, and nothing else changes. With prefill at
+    tensor parallelism 2, every rank holds the whole latent, and a one-rank decode needs one of
+    them: it registers with rank 0 alone, and that rank's notice completes the request."""
+    p_caches, d_caches = mla_caches(2, 16, p_bs, fill=True), mla_caches(2, 16, d_bs, fill=False)
+    p_desc = describe(p_caches, head_size=LATENT, total_kv_heads=1, block_size=p_bs,
+                      tp_size=p_tp, tp_rank=p_rank, mla=True)
+    d_desc = describe(d_caches, head_size=LATENT, total_kv_heads=1, block_size=d_bs,
+                      tp_size=1, tp_rank=0, mla=True)
+    assert p_desc.layout["mla"] and p_desc.mode == "exact" and p_desc.token_unit == 1
+    with pytest.raises(ValueError, match="not an MLA cache"):
+        describe(p_caches, head_size=LATENT, total_kv_heads=1, block_size=p_bs, tp_size=1,
+                 tp_rank=0, mla=True, mode="block")
+    producer = _native.Producer("p0", p_desc.layout, p_desc.regions, transport="loopback",
+                                token_unit=1)
+    consumer = _native.Consumer("d0", d_desc.layout, d_desc.regions, transport="loopback",
+                                token_unit=1)
+    try:
+        tokens = 70
+        p_blocks = [5, 1, 12, 3, 9][: -(-tokens // p_bs)]
+        d_blocks = [2, 14, 7, 0, 11][: -(-tokens // d_bs)]
+        before = {k: t.clone() for k, t in d_caches.items()}
+        consumer.request_allocated("t-8", "dreq", producer.control_addr, tokens, 0, d_blocks)
+        producer.request_finished("t-8", "preq", p_blocks, tokens)
+        assert wait_events(consumer, 1) == [("dreq", True, "", "")]
+        for name, src in p_caches.items():
+            dst = d_caches[name]
+            for token in range(tokens):
+                got = dst[d_blocks[token // d_bs], 0, token % d_bs]
+                want = src[p_blocks[token // p_bs], 0, token % p_bs]
+                assert torch.equal(got, want), (name, token)
+            # Nothing but the request's tokens changed.
+            moved = torch.zeros((dst.shape[0], dst.shape[2]), dtype=torch.bool)
+            for token in range(tokens):
+                moved[d_blocks[token // d_bs], token % d_bs] = True
+            assert torch.equal(dst[:, 0][~moved], before[name][:, 0][~moved]), name
+    finally:
+        producer.shutdown()
+        consumer.shutdown()

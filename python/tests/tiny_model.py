@@ -1,7 +1,8 @@
-"""Builds a tiny random Llama model and a tiny trained tokenizer in a folder, for tests that run
-real vLLM without downloading anything. Deterministic for a given seed.
+"""Builds a tiny random Llama model (or, with ``mla``, a DeepSeek-V2-style model with multi-head
+latent attention) and a tiny trained tokenizer in a folder, for tests that run real vLLM without
+downloading anything. Deterministic for a given seed.
 
-    python tiny_model.py OUT_DIR [--kv-heads N]
+    python tiny_model.py OUT_DIR [--kv-heads N] [--mla]
 """
 
 from __future__ import annotations
@@ -28,14 +29,14 @@ def corpus() -> list[str]:
     return lines
 
 
-def build(out: Path, kv_heads: int = 1, seed: int = 1234) -> Path:
+def build(out: Path, kv_heads: int = 1, seed: int = 1234, mla: bool = False) -> Path:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     out.mkdir(parents=True, exist_ok=True)
     stamp = out / "kvx-tiny.json"
-    want = {"kv_heads": kv_heads, "seed": seed, "rev": 1}
+    want = {"kv_heads": kv_heads, "seed": seed, "mla": mla, "rev": 1}
     if stamp.exists() and json.loads(stamp.read_text()) == want:
         return out
 
@@ -55,21 +56,10 @@ def build(out: Path, kv_heads: int = 1, seed: int = 1234) -> Path:
     fast.save_pretrained(out)
 
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(fast),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=kv_heads,
-        head_dim=32,
-        max_position_embeddings=4096,
-        bos_token_id=fast.bos_token_id,
-        eos_token_id=fast.eos_token_id,
-        tie_word_embeddings=False,
-        torch_dtype="float32",
-    )
-    model = LlamaForCausalLM(config)
+    if mla:
+        model = _mla_model(len(fast), fast.bos_token_id, fast.eos_token_id)
+    else:
+        model = _llama_model(len(fast), kv_heads, fast.bos_token_id, fast.eos_token_id)
     # Larger random weights than the default init, so that greedy decoding does not collapse
     # onto one token and the logprobs differ from token to token.
     with torch.no_grad():
@@ -81,12 +71,61 @@ def build(out: Path, kv_heads: int = 1, seed: int = 1234) -> Path:
     return out
 
 
+def _mla_model(vocab: int, bos: int, eos: int):
+    """DeepSeek-V2's attention (a 512-value latent and 64 rotary values per token, the sizes
+    vLLM's CPU MLA kernel takes) in two small dense layers."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    config = DeepseekV2Config(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=64,
+        num_hidden_layers=2,
+        first_k_dense_replace=2,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        q_lora_rank=None,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        max_position_embeddings=4096,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    return DeepseekV2ForCausalLM(config)
+
+
+def _llama_model(vocab: int, kv_heads: int, bos: int, eos: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=kv_heads,
+        head_dim=32,
+        max_position_embeddings=4096,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    return LlamaForCausalLM(config)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
     ap.add_argument("--kv-heads", type=int, default=1)
+    ap.add_argument("--mla", action="store_true")
     args = ap.parse_args()
-    print(build(args.out, args.kv_heads))
+    print(build(args.out, args.kv_heads, mla=args.mla))
 
 
 if __name__ == "__main__":

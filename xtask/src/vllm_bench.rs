@@ -78,7 +78,7 @@ fn ensure_nixl_in_venv(python: &Path) -> anyhow::Result<()> {
 
 /// Runs the sweep and draws its plots.
 pub(crate) fn run_sweep(quick: bool) -> anyhow::Result<()> {
-    let venv = crate::vllm::ensure_vllm_env()?;
+    let venv = crate::vllm::ensure_vllm_env(None)?;
     let python = venv.join("bin").join("python");
     ensure_nixl_in_venv(&python)?;
     step("benchmark vllm: kvx binary for the proxy (release: it is on every request's path)");
