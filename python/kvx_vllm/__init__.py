@@ -16,7 +16,8 @@ library when a libfabric transport is first asked for, and says what to install 
 missing (``KVX_LIBFABRIC`` names another library file).
 """
 
-from importlib import metadata
+# Not bound as `metadata`: importing the submodule kvx_vllm.metadata rebinds that name here.
+from importlib import metadata as _dist
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +38,8 @@ def check_native_version(native: str, package: str | None) -> None:
 def _installed_version() -> str | None:
     """The version of the distribution this copy of the package was installed from, if any."""
     try:
-        dist = metadata.distribution("kvx-vllm")
-    except metadata.PackageNotFoundError:
+        dist = _dist.distribution("kvx-vllm")
+    except _dist.PackageNotFoundError:
         return None
     here = Path(__file__).resolve()
     if Path(str(dist.locate_file("kvx_vllm/__init__.py"))).resolve() != here:

@@ -20,6 +20,10 @@ def test_a_native_module_of_another_version_than_the_package_is_refused():
 def test_the_native_module_reports_the_crates_version():
     import re
 
+    # The plugin's own `kvx_vllm.metadata` module, once imported, must not hide the standard
+    # library's package metadata from the check.
+    import kvx_vllm.metadata  # noqa: F401
+
     assert re.fullmatch(r"\d+\.\d+\.\d+", _native.__version__), _native.__version__
     installed = kvx_vllm._installed_version()
     if installed is not None:

@@ -67,15 +67,7 @@ fn ensure_maturin() -> anyhow::Result<PathBuf> {
     ));
     crate::run(Command::new("python3").args(["-m", "venv"]).arg(&tools))
         .context("making the tools venv needs Python 3 with venv (Debian: python3-venv)")?;
-    crate::run(Command::new(tools.join("bin").join("python")).args([
-        "-m",
-        "pip",
-        "install",
-        "--quiet",
-        "--disable-pip-version-check",
-        "--no-cache-dir",
-        MATURIN,
-    ]))?;
+    crate::run(pip_install(&tools.join("bin").join("python")).arg(MATURIN))?;
     if !maturin.is_file() {
         bail!("pip installed no maturin at {}", maturin.display());
     }
@@ -94,19 +86,25 @@ pub(crate) fn install(wheel: &Path, python: &Path) -> anyhow::Result<()> {
         python.display()
     ));
     crate::run(
-        Command::new(python)
-            .args([
-                "-m",
-                "pip",
-                "install",
-                "--quiet",
-                "--disable-pip-version-check",
-                "--no-cache-dir",
-                "--no-deps",
-                "--force-reinstall",
-            ])
+        pip_install(python)
+            .args(["--no-deps", "--force-reinstall"])
             .arg(wheel),
     )
+}
+
+/// `pip install` with `python`, quiet and without pip's cache (the wheels would stay on disk
+/// twice).
+fn pip_install(python: &Path) -> Command {
+    let mut pip = Command::new(python);
+    pip.args([
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--disable-pip-version-check",
+        "--no-cache-dir",
+    ]);
+    pip
 }
 
 /// Runs the end-to-end tests `tests` (a pytest `-k` expression) on vLLM `version` with the

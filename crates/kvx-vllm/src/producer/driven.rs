@@ -123,9 +123,17 @@ impl Driver {
             .filter(|(_, c)| now.saturating_duration_since(c.last_heard) >= self.idle_timeout)
             .map(|(id, _)| *id)
             .collect();
+        if idle.is_empty() {
+            return;
+        }
+        // One line per sweep, however many a peer left open.
+        warn!(
+            connections = idle.len(),
+            idle = ?self.idle_timeout,
+            "kvx: closing control connections that said nothing for the idle timeout"
+        );
         for conn in idle {
             if let Some(c) = self.conns.get(&conn) {
-                warn!(conn, idle = ?self.idle_timeout, "kvx: closing a control connection that said nothing for the idle timeout");
                 c.sender.close();
             }
             self.stats.idle_closed.fetch_add(1, Ordering::Relaxed);
