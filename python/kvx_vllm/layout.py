@@ -156,13 +156,7 @@ def describe(
         layout = dict(base, mla=True, total_kv_heads=1, head_dim=head_size,
                       block_tokens=block_size, num_blocks=shape[0], order="nhd",
                       arrangement="per-layer-split")
-        return CacheDescription(
-            layout=layout,
-            regions=[(t.data_ptr(), t.numel() * esize) for _, t in layers],
-            token_unit=1,
-            mode="exact",
-            tensors=[t for _, t in layers],
-        )
+        return _described(layout, layers, esize, unit=1, mode="exact")
 
     def token_exact(num_blocks: int, order: str, arrangement: str) -> dict[str, Any]:
         return dict(base, total_kv_heads=total_kv_heads, head_dim=head_size,
@@ -221,13 +215,18 @@ def describe(
         raise NotImplementedError(
             f"unknown KV cache shape {shape} (head size {head_size}, block size {block_size})"
         )
-    # Each layer's tensor is dense (checked above), so its bytes are one range from its start.
-    regions = [(t.data_ptr(), t.numel() * esize) for _, t in layers]
+    return _described(layout, layers, esize, unit=unit, mode=chosen)
+
+
+def _described(layout: dict[str, Any], layers: list[tuple[str, torch.Tensor]], esize: int, *,
+               unit: int, mode: str) -> CacheDescription:
+    # Each layer's tensor is dense (checked by the caller), so its bytes are one range from its
+    # start.
     return CacheDescription(
         layout=layout,
-        regions=regions,
+        regions=[(t.data_ptr(), t.numel() * esize) for _, t in layers],
         token_unit=unit,
-        mode=chosen,
+        mode=mode,
         tensors=[t for _, t in layers],
     )
 

@@ -9,7 +9,6 @@
 //!   behind `kvx proxy` answer exactly like one instance, push and pull; failures neither hang
 //!   nor leak (several minutes on two cores).
 //!
-//!
 //! Hooks for `main.rs`: [`ensure_vllm_env`] and [`test_vllm`].
 
 use std::path::{Path, PathBuf};
