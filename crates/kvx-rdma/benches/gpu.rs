@@ -1,11 +1,15 @@
 //! `cargo xtask bench gpu`: the CUDA IPC transport and the layout kernels beside a plain
 //! device-to-device copy of the same bytes, measured in the same run.
 //!
-//! - **IPC**: a consumer process (this binary re-executed) registers a 256 MiB region; the producer
+//! - **Writes** over CUDA IPC and (feature `nixl`, with `KVX_NIXL_LIB_DIR`) NIXL `VRAM`: a
+//!   consumer process (this binary re-executed) registers a 256 MiB region; the producer
 //!   posts `n` writes of one size back to back, each with its notice, and waits for all of them
 //!   (wall clock, first post to last completion). The baseline is `n` plain copies of that size on
-//!   one stream, timed the same way. With two GPUs the consumer is on GPU 1 and the baseline is a
-//!   peer copy GPU 0 → GPU 1 (peer access on).
+//!   one stream (`cuMemcpyAsync`), timed the same way. With two GPUs the consumer is on GPU 1 and
+//!   the baseline is a peer copy GPU 0 → GPU 1 (peer access on).
+//! - **A 16k-token plan** of one Qwen3-32B rank at TP8 into scattered consumer blocks (131,072
+//!   operations of 4 KiB) as one write, over each transport (NIXL with and without prepared
+//!   descriptor lists), against one copy of the same 512 MiB.
 //! - **Kernels** (CUDA events): the in-place permute (NHD → HND) and the batched copy of a
 //!   block-size re-layout plan, against a copy of the same bytes.
 //!
@@ -28,14 +32,107 @@ const ROLE: &str = "KVX_GPU_BENCH_ROLE";
 const REGION: u64 = 256 << 20;
 const MIB: u64 = 1 << 20;
 
+/// The 16k-token plan of one Qwen3-32B rank at TP8 (64 layers, one KV head of 128 in bf16,
+/// 16-token blocks: 4 KiB per block per K/V; one region per layer holding K then V of 1,024
+/// blocks), from the producer's contiguous blocks into a consumer whose blocks are all
+/// scattered: 131,072 operations of 4 KiB, 512 MiB.
+const PLAN_LAYERS: u32 = 64;
+const PLAN_BLOCKS: u64 = 1024;
+const PLAN_CHUNK: u64 = 4096;
+const PLAN_REGION: u64 = 2 * PLAN_BLOCKS * PLAN_CHUNK;
+
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
-/// The consumer process: one region, notices counted until stdin closes.
-fn consumer(device: u32) -> Res<()> {
-    let mut t = CudaIpcTransport::open(CudaIpcConfig::new(device))?;
-    let gpu = Arc::clone(t.gpu());
-    let region = Arc::new(DeviceBuffer::new(&gpu, REGION)?);
-    t.register(LocalRegion::cuda(0, region))?;
+/// The transports measured: CUDA IPC, and (feature `nixl`, with `KVX_NIXL_LIB_DIR`) NIXL with
+/// `VRAM` registrations, with and without prepared descriptor lists.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Kind {
+    Ipc,
+    #[cfg(feature = "nixl")]
+    Nixl,
+    #[cfg(feature = "nixl")]
+    NixlUnprepared,
+}
+
+impl Kind {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Ipc => "ipc",
+            #[cfg(feature = "nixl")]
+            Self::Nixl => "nixl",
+            #[cfg(feature = "nixl")]
+            Self::NixlUnprepared => "nixl-unprepared",
+        }
+    }
+
+    fn parse(name: &str) -> Option<Self> {
+        Self::all().into_iter().find(|k| k.name() == name)
+    }
+
+    fn all() -> Vec<Self> {
+        #[cfg_attr(not(feature = "nixl"), allow(unused_mut))]
+        let mut all = vec![Self::Ipc];
+        #[cfg(feature = "nixl")]
+        if std::env::var_os(kvx_rdma::nixl::LIB_DIR_ENV).is_some() {
+            all.extend([Self::Nixl, Self::NixlUnprepared]);
+        }
+        all
+    }
+
+    /// An endpoint on `device`, and the GPU it uses; `copy_engine`: CUDA IPC copies with the
+    /// copy engines only (never its batched-copy kernel), as a single large write does anyway.
+    fn open(self, device: u32, copy_engine: bool) -> Res<(Box<dyn Transport>, Arc<Gpu>)> {
+        match self {
+            Self::Ipc => {
+                let mut config = CudaIpcConfig::new(device);
+                if copy_engine {
+                    config.copy = CopyMethod::CopyEngine;
+                }
+                let t = CudaIpcTransport::open(config)?;
+                let gpu = Arc::clone(t.gpu());
+                Ok((Box::new(t), gpu))
+            }
+            #[cfg(feature = "nixl")]
+            Self::Nixl | Self::NixlUnprepared => {
+                use kvx_rdma::nixl::{NixlConfig, NixlTransport, LIB_DIR_ENV};
+                let mut config = NixlConfig::ucx().with_device_memory();
+                config.library = std::env::var_os(LIB_DIR_ENV).map(Into::into);
+                config.op_timeout = Duration::from_secs(60);
+                if self == Self::NixlUnprepared {
+                    config.prepared_list_limit = 0;
+                }
+                Ok((Box::new(NixlTransport::open(&config)?), Gpu::open(device)?))
+            }
+        }
+    }
+}
+
+/// Registers `regions` device buffers of `len` bytes (region indices 0..) on `t`.
+fn register(
+    t: &mut dyn Transport,
+    gpu: &Arc<Gpu>,
+    regions: u32,
+    len: u64,
+) -> Res<Vec<Arc<DeviceBuffer>>> {
+    let mut buffers = Vec::new();
+    for index in 0..regions {
+        let buffer = Arc::new(DeviceBuffer::new(gpu, len)?);
+        t.register(LocalRegion::cuda(index, Arc::clone(&buffer)))?;
+        buffers.push(buffer);
+    }
+    Ok(buffers)
+}
+
+/// The consumer process (`ROLE` = `kind:device:regions:len`): its regions, notices drained
+/// until stdin closes.
+fn consumer(role: &str) -> Res<()> {
+    let parts: Vec<&str> = role.split(':').collect();
+    let [kind, device, regions, len] = parts[..] else {
+        return Err(format!("bad {ROLE} {role}").into());
+    };
+    let kind = Kind::parse(kind).ok_or("unknown transport")?;
+    let (mut t, gpu) = kind.open(device.parse()?, true)?;
+    let _buffers = register(t.as_mut(), &gpu, regions.parse()?, len.parse()?)?;
     println!("DESC {}", t.local_desc().to_hex());
     std::io::stdout().flush()?;
     let (tx, rx) = std::sync::mpsc::channel();
@@ -52,7 +149,7 @@ fn consumer(device: u32) -> Res<()> {
     Ok(())
 }
 
-fn wait_writes(t: &mut CudaIpcTransport, mut left: usize) -> Res<()> {
+fn wait_writes(t: &mut dyn Transport, mut left: usize) -> Res<()> {
     let mut events = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(60);
     while left > 0 {
@@ -90,32 +187,64 @@ impl Row {
     }
 }
 
+/// One part of the benchmark, adding its rows.
+type Part = Box<dyn FnOnce(&mut Vec<Row>) -> Res<()>>;
+
 fn gbps(bytes: u64, seconds: f64) -> f64 {
     bytes as f64 / seconds / 1e9
 }
 
-fn ipc_rows(gpus: u32, rows: &mut Vec<Row>) -> Res<()> {
-    let consumer_device = if gpus > 1 { 1 } else { 0 };
-    let mut child = Command::new(std::env::current_exe()?)
-        .env(ROLE, consumer_device.to_string())
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()?;
-    let mut lines = BufReader::new(child.stdout.take().ok_or("no stdout")?).lines();
-    let desc = loop {
-        let line = lines.next().ok_or("consumer exited")??;
-        if let Some(d) = line.strip_prefix("DESC ") {
-            break EndpointDesc::from_hex(d)?;
+/// A producer endpoint of `kind` on GPU 0 connected to a consumer process on `device`, each
+/// with `regions` regions of `len` bytes.
+struct Pair {
+    t: Box<dyn Transport>,
+    gpu: Arc<Gpu>,
+    src: Vec<Arc<DeviceBuffer>>,
+    peer: kvx_rdma::PeerId,
+    child: std::process::Child,
+}
+
+impl Pair {
+    fn new(kind: Kind, device: u32, regions: u32, len: u64, copy_engine: bool) -> Res<Self> {
+        let mut child = Command::new(std::env::current_exe()?)
+            .env(ROLE, format!("{}:{device}:{regions}:{len}", kind.name()))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()?;
+        let mut lines = BufReader::new(child.stdout.take().ok_or("no stdout")?).lines();
+        let desc = loop {
+            let line = lines.next().ok_or("consumer exited")??;
+            if let Some(d) = line.strip_prefix("DESC ") {
+                break EndpointDesc::from_hex(d)?;
+            }
+        };
+        let (mut t, gpu) = kind.open(0, copy_engine)?;
+        let src = register(t.as_mut(), &gpu, regions, len)?;
+        for s in &src {
+            s.fill_with(|i| (i >> 12) as u8)?;
         }
-    };
-    let mut config = CudaIpcConfig::new(0);
-    config.copy = CopyMethod::CopyEngine;
-    let mut t = CudaIpcTransport::open(config)?;
-    let gpu = Arc::clone(t.gpu());
-    let src = Arc::new(DeviceBuffer::new(&gpu, REGION)?);
-    src.fill_with(|i| (i >> 12) as u8)?;
-    t.register(LocalRegion::cuda(0, Arc::clone(&src)))?;
-    let peer = t.connect(&desc)?;
+        let peer = t.connect(&desc)?;
+        Ok(Self {
+            t,
+            gpu,
+            src,
+            peer,
+            child,
+        })
+    }
+}
+
+impl Drop for Pair {
+    fn drop(&mut self) {
+        drop(self.child.stdin.take());
+        let _ = self.child.wait();
+    }
+}
+
+fn write_rows(kind: Kind, gpus: u32, rows: &mut Vec<Row>) -> Res<()> {
+    let consumer_device = if gpus > 1 { 1 } else { 0 };
+    let mut pair = Pair::new(kind, consumer_device, 1, REGION, true)?;
+    let (gpu, src) = (Arc::clone(&pair.gpu), Arc::clone(&pair.src[0]));
     // Baseline: plain copies into a buffer on the consumer's device.
     let target_gpu = Gpu::open(consumer_device)?;
     if consumer_device != 0 {
@@ -128,6 +257,8 @@ fn ipc_rows(gpus: u32, rows: &mut Vec<Row>) -> Res<()> {
     } else {
         "GPU0->GPU1"
     };
+    let name = kind.name();
+    let t = pair.t.as_mut();
     for size in [MIB, 4 * MIB, 16 * MIB, 64 * MIB, 256 * MIB] {
         let n = ((4 << 30) / size).clamp(8, 512) as usize;
         let op = CopyOp::run(Rank(0), (0, 0), (0, 0), size);
@@ -136,10 +267,10 @@ fn ipc_rows(gpus: u32, rows: &mut Vec<Row>) -> Res<()> {
         for round in 0..4 {
             let start = Instant::now();
             for i in 0..n {
-                t.write(peer, &[op], Some(Notice(i as u64)))?;
+                t.write(pair.peer, &[op], Some(Notice(i as u64)))?;
             }
-            wait_writes(&mut t, n)?;
-            let ipc = start.elapsed().as_secs_f64();
+            wait_writes(t, n)?;
+            let took = start.elapsed().as_secs_f64();
             let start = Instant::now();
             for _ in 0..n {
                 stream.copy(&dst, 0, &src, 0, size)?;
@@ -147,12 +278,12 @@ fn ipc_rows(gpus: u32, rows: &mut Vec<Row>) -> Res<()> {
             stream.synchronize()?;
             let plain = start.elapsed().as_secs_f64();
             if round > 0 {
-                ours.push(gbps(size * n as u64, ipc));
+                ours.push(gbps(size * n as u64, took));
                 base.push(gbps(size * n as u64, plain));
             }
         }
         rows.push(Row {
-            name: format!("ipc write {label}, {} MiB x{n}", size / MIB),
+            name: format!("{name} write {label}, {} MiB x{n}", size / MIB),
             bytes: size,
             ours_gbps: median(ours),
             baseline_gbps: median(base),
@@ -162,8 +293,8 @@ fn ipc_rows(gpus: u32, rows: &mut Vec<Row>) -> Res<()> {
         let mut plain_one = Vec::new();
         for _ in 0..20 {
             let start = Instant::now();
-            t.write(peer, &[op], Some(Notice(7)))?;
-            wait_writes(&mut t, 1)?;
+            t.write(pair.peer, &[op], Some(Notice(7)))?;
+            wait_writes(t, 1)?;
             one.push(start.elapsed().as_secs_f64());
             let start = Instant::now();
             stream.copy(&dst, 0, &src, 0, size)?;
@@ -172,7 +303,7 @@ fn ipc_rows(gpus: u32, rows: &mut Vec<Row>) -> Res<()> {
         }
         rows.push(Row {
             name: format!(
-                "ipc single {label}, {} MiB (us: {:.0} vs {:.0})",
+                "{name} single {label}, {} MiB (us: {:.0} vs {:.0})",
                 size / MIB,
                 median(one.clone()) * 1e6,
                 median(plain_one.clone()) * 1e6
@@ -182,8 +313,74 @@ fn ipc_rows(gpus: u32, rows: &mut Vec<Row>) -> Res<()> {
             baseline_gbps: gbps(size, median(plain_one)),
         });
     }
-    drop(child.stdin.take());
-    let _ = child.wait();
+    Ok(())
+}
+
+/// The 16k-token TP8-rank plan (see [`PLAN_LAYERS`]) as one write with a notice, the
+/// consumer's blocks in runs of `run` at scattered places, from `write` to its completion,
+/// against one copy of the same bytes; the time inside `write` (building and posting the
+/// operations) is reported in the name.
+fn plan_rows(kind: Kind, run: u64, rows: &mut Vec<Row>) -> Res<()> {
+    let mut pair = Pair::new(kind, 0, PLAN_LAYERS, PLAN_REGION, false)?;
+    let runs = PLAN_BLOCKS / run;
+    let place = |r: u64| (r * 37 + 11) % runs;
+    let mut plan = Vec::new();
+    for layer in 0..PLAN_LAYERS {
+        for kv in 0..2 {
+            let base = kv * PLAN_BLOCKS * PLAN_CHUNK;
+            for r in 0..runs {
+                plan.push(CopyOp::run(
+                    Rank(0),
+                    (layer, base + r * run * PLAN_CHUNK),
+                    (layer, base + place(r) * run * PLAN_CHUNK),
+                    run * PLAN_CHUNK,
+                ));
+            }
+        }
+    }
+    let bytes: u64 = plan.iter().map(CopyOp::bytes).sum();
+    let dst = DeviceBuffer::new(&pair.gpu, bytes)?;
+    let big = DeviceBuffer::new(&pair.gpu, bytes)?;
+    let stream = Stream::new(&pair.gpu)?;
+    let (mut total, mut posting, mut plain) = (Vec::new(), Vec::new(), Vec::new());
+    let t = pair.t.as_mut();
+    for round in 0..4 {
+        let start = Instant::now();
+        t.write(pair.peer, &plan, Some(Notice(round)))?;
+        let posted = start.elapsed().as_secs_f64();
+        wait_writes(t, 1)?;
+        let took = start.elapsed().as_secs_f64();
+        let start = Instant::now();
+        stream.copy(&dst, 0, &big, 0, bytes)?;
+        stream.synchronize()?;
+        // The first round prepares descriptor lists (NIXL) and opens handles: reported apart.
+        if round == 0 {
+            eprintln!(
+                "{} plan (runs of {run}), first write: {:.1} ms ({:.1} ms in write)",
+                kind.name(),
+                took * 1e3,
+                posted * 1e3
+            );
+        } else {
+            total.push(took);
+            posting.push(posted);
+            plain.push(start.elapsed().as_secs_f64());
+        }
+    }
+    rows.push(Row {
+        name: format!(
+            "{} 16k-token TP8-rank plan, consumer blocks in runs of {run}: {} ops of {} KiB (ms: {:.2} of which {:.2} in write, vs {:.2})",
+            kind.name(),
+            plan.len(),
+            (run * PLAN_CHUNK) >> 10,
+            median(total.clone()) * 1e3,
+            median(posting) * 1e3,
+            median(plain.clone()) * 1e3
+        ),
+        bytes,
+        ours_gbps: gbps(bytes, median(total)),
+        baseline_gbps: gbps(bytes, median(plain)),
+    });
     Ok(())
 }
 
@@ -375,8 +572,8 @@ fn kernel_rows(rows: &mut Vec<Row>) -> Res<()> {
 }
 
 fn main() -> Res<()> {
-    if let Ok(device) = std::env::var(ROLE) {
-        return consumer(device.parse()?);
+    if let Ok(role) = std::env::var(ROLE) {
+        return consumer(&role);
     }
     if std::env::args().any(|a| a == "--list") {
         return Ok(());
@@ -401,33 +598,47 @@ fn main() -> Res<()> {
     );
     let mut rows = Vec::new();
     let mut failed = false;
-    // `KVX_GPU_BENCH_ONLY=kernels|ipc` runs one part (for profiling).
+    // `KVX_GPU_BENCH_ONLY=kernels,writes,plan` (any of them) runs those parts; `KVX_GPU_BENCH_KINDS`
+    // (comma-separated: ipc, nixl, nixl-unprepared) narrows the transports.
     let only = std::env::var("KVX_GPU_BENCH_ONLY").unwrap_or_default();
-    let (kernels, ipc) = (only != "ipc", only != "kernels");
-    let skip = || Ok(());
-    for (name, result) in [
-        (
-            "kernels",
-            if kernels {
-                kernel_rows(&mut rows)
-            } else {
-                skip()
-            },
-        ),
-        (
-            "ipc, one GPU",
-            if ipc { ipc_rows(1, &mut rows) } else { skip() },
-        ),
-        (
-            "ipc, two GPUs",
-            if ipc && gpus > 1 {
-                ipc_rows(gpus, &mut rows)
-            } else {
-                skip()
-            },
-        ),
-    ] {
-        if let Err(e) = result {
+    let wanted = |part: &str| only.is_empty() || only.split(',').any(|p| p == part);
+    let kinds: Vec<Kind> = match std::env::var("KVX_GPU_BENCH_KINDS") {
+        Ok(list) => list.split(',').filter_map(Kind::parse).collect(),
+        Err(_) => Kind::all(),
+    };
+    let mut parts: Vec<(String, Part)> = Vec::new();
+    if wanted("kernels") {
+        parts.push(("kernels".into(), Box::new(kernel_rows)));
+    }
+    for &kind in &kinds {
+        // Prepared lists change nothing for writes of one operation.
+        #[cfg(feature = "nixl")]
+        let writes = wanted("writes") && kind != Kind::NixlUnprepared;
+        #[cfg(not(feature = "nixl"))]
+        let writes = wanted("writes");
+        if writes {
+            parts.push((
+                format!("{} writes, one GPU", kind.name()),
+                Box::new(move |rows| write_rows(kind, 1, rows)),
+            ));
+            if gpus > 1 {
+                parts.push((
+                    format!("{} writes, two GPUs", kind.name()),
+                    Box::new(move |rows| write_rows(kind, gpus, rows)),
+                ));
+            }
+        }
+        for run in [1, 64] {
+            if wanted("plan") {
+                parts.push((
+                    format!("{} plan, runs of {run}", kind.name()),
+                    Box::new(move |rows| plan_rows(kind, run, rows)),
+                ));
+            }
+        }
+    }
+    for (name, part) in parts {
+        if let Err(e) = part(&mut rows) {
             println!("FAILED {name}: {e}");
             failed = true;
         }

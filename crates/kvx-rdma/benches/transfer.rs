@@ -1,13 +1,15 @@
 //! Transfer throughput of each backend beside a single-thread memcpy of the same bytes.
 //!
-//! `cargo bench -p kvx-rdma --bench transfer [-- --quick] [-- --backend NAME]` (what
+//! `cargo bench -p kvx-rdma --bench transfer [-- --quick] [--backend NAME] [--case NAME]` (what
 //! `cargo xtask bench transfer` runs; `--features nixl` adds the NIXL backend, `nixl-ucx-tcp`,
 //! which needs `KVX_NIXL_LIB_DIR`). The `-2rail` libfabric backends run the same plans over
 //! two-rail endpoints, in the same run as the single-rail ones. For op sizes from 4 KiB to 64 MiB it moves 64 MiB per
-//! iteration as a list of equal operations, and it moves a 16k-token request plan; each time from
+//! iteration as a list of equal operations, and it moves two 16k-token request plans (runs of 8
+//! blocks, and every block scattered: 131,072 operations); each time from
 //! `write` to the consumer seeing the notice, with the consumer endpoint on its own thread; both
 //! sides block in `wait` (as the connector's threads do), so wake-up latency counts. The
-//! memcpy baseline copies the same bytes in the same pieces on one thread, in the same run.
+//! memcpy baseline copies the same bytes in the same pieces on one thread, in the same run. The
+//! time spent inside `write` (building and posting the operations) is reported apart.
 //! Results go to `target/kvx-bench/transfer.json` and `transfer.md` (or `$KVX_BENCH_OUT`).
 //!
 //! A benchmark reports; it asserts nothing about time.
@@ -39,6 +41,12 @@ const PLAN_BLOCKS: u64 = 1024;
 const PLAN_CHUNK: u64 = 8 * KIB;
 const PLAN_RUN: u64 = 8;
 
+/// The same length as one rank of Qwen3-32B at TP8 (64 layers, one KV head of 128 in bf16, 16-token
+/// blocks: 4 KiB per block per K/V), into a consumer whose blocks are all scattered: 64 x 2 x 1024
+/// operations of 4 KiB (512 MiB), the most operations a 16k-token request can take.
+const SCATTERED_LAYERS: u32 = 64;
+const SCATTERED_CHUNK: u64 = 4 * KIB;
+
 struct Row {
     backend: String,
     case: String,
@@ -46,6 +54,8 @@ struct Row {
     ops: usize,
     bytes: u64,
     seconds: f64,
+    /// Of `seconds`, the time spent in the producer's `write` call (building and posting).
+    post_seconds: f64,
     memcpy_seconds: f64,
 }
 
@@ -71,19 +81,21 @@ fn sweep_plan(op_bytes: u64) -> Vec<CopyOp> {
         .collect()
 }
 
-fn request_plan() -> Vec<CopyOp> {
-    let runs = PLAN_BLOCKS / PLAN_RUN;
+/// A 16k-token request: `layers` regions each holding K and V of 1,024 blocks of `chunk` bytes;
+/// the producer's blocks contiguous, the consumer's in runs of `run` blocks at scattered places.
+fn request_plan(layers: u32, chunk: u64, run: u64) -> Vec<CopyOp> {
+    let runs = PLAN_BLOCKS / run;
     // A fixed scatter of the consumer's runs (a multiplicative permutation of 0..runs).
-    let place = |run: u64| (run * 37 + 11) % runs;
+    let place = |r: u64| (r * 37 + 11) % runs;
     let mut ops = Vec::new();
-    for layer in 0..PLAN_LAYERS {
+    for layer in 0..layers {
         for kv in 0..2 {
-            let base = kv * PLAN_BLOCKS * PLAN_CHUNK;
-            for run in 0..runs {
+            let base = kv * PLAN_BLOCKS * chunk;
+            for r in 0..runs {
                 ops.push(op(
-                    (layer, base + run * PLAN_RUN * PLAN_CHUNK),
-                    (layer, base + place(run) * PLAN_RUN * PLAN_CHUNK),
-                    PLAN_RUN * PLAN_CHUNK,
+                    (layer, base + r * run * chunk),
+                    (layer, base + place(r) * run * chunk),
+                    run * chunk,
                 ));
             }
         }
@@ -149,12 +161,14 @@ impl Pair {
         }
     }
 
-    /// Seconds from `write` until the consumer saw the notice (and the producer its completion).
-    fn transfer(&mut self, plan: &[CopyOp]) -> Option<f64> {
+    /// Seconds from `write` until the consumer saw the notice (and the producer its completion),
+    /// and of those the seconds `write` itself took.
+    fn transfer(&mut self, plan: &[CopyOp]) -> Option<(f64, f64)> {
         let start = Instant::now();
         self.producer
             .write(self.peer, plan, Some(Notice(1)))
             .expect("write");
+        let posted = start.elapsed().as_secs_f64();
         let mut events = Vec::new();
         let mut done = false;
         let mut seen = None;
@@ -185,7 +199,7 @@ impl Pair {
                 seen = self.notices.try_recv().ok();
             }
         }
-        seen.map(|at| at.duration_since(start).as_secs_f64())
+        seen.map(|at| (at.duration_since(start).as_secs_f64(), posted))
     }
 }
 
@@ -239,14 +253,22 @@ impl Memcpy {
     }
 }
 
-/// Best of `reps` transfers and best of `reps` copies, taken in turn after a warm-up of each.
-fn best_of(pair: &mut Pair, copier: &mut Memcpy, plan: &[CopyOp], reps: usize) -> (f64, f64) {
+/// Best of `reps` transfers (with the post time of that transfer) and best of `reps` copies,
+/// taken in turn after a warm-up of each.
+fn best_of(
+    pair: &mut Pair,
+    copier: &mut Memcpy,
+    plan: &[CopyOp],
+    reps: usize,
+) -> ((f64, f64), f64) {
     let _ = pair.transfer(plan);
     let _ = copier.seconds(plan);
-    let (mut transfer, mut copy) = (f64::INFINITY, f64::INFINITY);
+    let (mut transfer, mut copy) = ((f64::INFINITY, 0.0), f64::INFINITY);
     for _ in 0..reps {
         if let Some(t) = pair.transfer(plan) {
-            transfer = transfer.min(t);
+            if t.0 < transfer.0 {
+                transfer = t;
+            }
         }
         copy = copy.min(copier.seconds(plan));
     }
@@ -352,6 +374,16 @@ fn backends() -> Vec<(&'static str, Factory)> {
             "nixl-ucx-shm",
             Box::new(|| nixl(NixlConfig::ucx_shm().with_engine_setting("TLS", "sm,self"))),
         ));
+        // The same without prepared descriptor lists: every piece described per transfer.
+        out.push((
+            "nixl-ucx-shm-unprepared",
+            Box::new(|| {
+                nixl(NixlConfig {
+                    prepared_list_limit: 0,
+                    ..NixlConfig::ucx_shm().with_engine_setting("TLS", "sm,self")
+                })
+            }),
+        ));
     }
     out
 }
@@ -363,6 +395,12 @@ fn main() {
         .windows(2)
         .find(|w| w[0] == "--backend")
         .map(|w| w[1].clone());
+    // `--case sweep|request-16k|request-16k-scattered`: one case only.
+    let case = args
+        .windows(2)
+        .find(|w| w[0] == "--case")
+        .map(|w| w[1].clone());
+    let wanted = |name: &str| case.as_deref().is_none_or(|c| c == name);
     let reps = if quick { 2 } else { 5 };
     let sizes: Vec<u64> = if quick {
         vec![4 * KIB, 64 * KIB, MIB, 16 * MIB, 64 * MIB]
@@ -390,9 +428,9 @@ fn main() {
         };
         let mut pair = Pair::new(producer, consumer, 1, SWEEP_BYTES as usize);
         let mut copier = Memcpy::new(1, SWEEP_BYTES as usize);
-        for &size in &sizes {
+        for &size in sizes.iter().filter(|_| wanted("sweep")) {
             let plan = sweep_plan(size);
-            let (best, memcpy) = best_of(&mut pair, &mut copier, &plan, reps);
+            let ((best, post), memcpy) = best_of(&mut pair, &mut copier, &plan, reps);
             if best.is_finite() {
                 rows.push(Row {
                     backend: name.into(),
@@ -401,6 +439,7 @@ fn main() {
                     ops: plan.len(),
                     bytes: SWEEP_BYTES,
                     seconds: best,
+                    post_seconds: post,
                     memcpy_seconds: memcpy,
                 });
                 eprintln!(
@@ -411,25 +450,39 @@ fn main() {
         }
         drop(pair);
 
-        let Some((producer, consumer)) = factory() else {
-            continue;
-        };
-        let region_len = (2 * PLAN_BLOCKS * PLAN_CHUNK) as usize;
-        let mut pair = Pair::new(producer, consumer, PLAN_LAYERS, region_len);
-        let plan = request_plan();
-        let bytes: u64 = plan.iter().map(CopyOp::bytes).sum();
-        let mut copier = Memcpy::new(PLAN_LAYERS as usize, region_len);
-        let (best, memcpy) = best_of(&mut pair, &mut copier, &plan, reps.min(3));
-        if best.is_finite() {
-            rows.push(Row {
-                backend: name.into(),
-                case: "request-16k".into(),
-                op_bytes: PLAN_RUN * PLAN_CHUNK,
-                ops: plan.len(),
-                bytes,
-                seconds: best,
-                memcpy_seconds: memcpy,
-            });
+        for (case, layers, chunk, run) in [
+            ("request-16k", PLAN_LAYERS, PLAN_CHUNK, PLAN_RUN),
+            (
+                "request-16k-scattered",
+                SCATTERED_LAYERS,
+                SCATTERED_CHUNK,
+                1,
+            ),
+        ] {
+            if !wanted(case) {
+                continue;
+            }
+            let Some((producer, consumer)) = factory() else {
+                continue;
+            };
+            let region_len = (2 * PLAN_BLOCKS * chunk) as usize;
+            let mut pair = Pair::new(producer, consumer, layers, region_len);
+            let plan = request_plan(layers, chunk, run);
+            let bytes: u64 = plan.iter().map(CopyOp::bytes).sum();
+            let mut copier = Memcpy::new(layers as usize, region_len);
+            let ((best, post), memcpy) = best_of(&mut pair, &mut copier, &plan, reps.min(3));
+            if best.is_finite() {
+                rows.push(Row {
+                    backend: name.into(),
+                    case: case.into(),
+                    op_bytes: run * chunk,
+                    ops: plan.len(),
+                    bytes,
+                    seconds: best,
+                    post_seconds: post,
+                    memcpy_seconds: memcpy,
+                });
+            }
         }
     }
     report(&rows);
@@ -437,20 +490,21 @@ fn main() {
 
 fn report(rows: &[Row]) {
     let mut md = String::from(
-        "| backend | case | op size | ops | bytes | time (ms) | GB/s | memcpy GB/s | % of memcpy | per op (µs) |\n\
-         |---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        "| backend | case | op size | ops | bytes | time (ms) | of it in write (ms) | GB/s | memcpy GB/s | % of memcpy | per op (µs) |\n\
+         |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     let mut json = String::from("[\n");
     for (i, r) in rows.iter().enumerate() {
         let _ = writeln!(
             md,
-            "| {} | {} | {} | {} | {} | {:.2} | {:.2} | {:.2} | {:.0}% | {:.2} |",
+            "| {} | {} | {} | {} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.0}% | {:.2} |",
             r.backend,
             r.case,
             human(r.op_bytes),
             r.ops,
             human(r.bytes),
             r.seconds * 1e3,
+            r.post_seconds * 1e3,
             r.gbps(),
             r.memcpy_gbps(),
             100.0 * r.gbps() / r.memcpy_gbps(),
@@ -459,7 +513,7 @@ fn report(rows: &[Row]) {
         let _ = writeln!(
             json,
             "  {{\"backend\": \"{}\", \"case\": \"{}\", \"op_bytes\": {}, \"ops\": {}, \"bytes\": {}, \
-             \"seconds\": {:.6}, \"gbps\": {:.3}, \"memcpy_seconds\": {:.6}, \"memcpy_gbps\": {:.3}, \
+             \"seconds\": {:.6}, \"post_seconds\": {:.6}, \"gbps\": {:.3}, \"memcpy_seconds\": {:.6}, \"memcpy_gbps\": {:.3}, \
              \"per_op_us\": {:.3}}}{}",
             r.backend,
             r.case,
@@ -467,6 +521,7 @@ fn report(rows: &[Row]) {
             r.ops,
             r.bytes,
             r.seconds,
+            r.post_seconds,
             r.gbps(),
             r.memcpy_seconds,
             r.memcpy_gbps(),

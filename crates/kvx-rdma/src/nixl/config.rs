@@ -14,6 +14,9 @@ use {super::LIB_DIR_ENV, crate::error::OpError, crate::transport::Transport};
 
 /// Default longest such sleep ([`NixlConfig::max_idle_sleep`]).
 const MAX_IDLE_SLEEP: Duration = Duration::from_micros(200);
+/// Default most descriptors in one prepared list ([`NixlConfig::prepared_list_limit`]): 64 GiB of
+/// registered memory in 4 KiB units.
+pub const DEFAULT_PREPARED_LIST_LIMIT: usize = 1 << 24;
 
 /// How to open a NIXL endpoint.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -44,6 +47,14 @@ pub struct NixlConfig {
     /// endpoint opens, unless `engine_config` names devices itself; a `UCX_NET_DEVICES` the
     /// user set wins. `None`: UCX's own choice.
     pub net_devices: Option<String>,
+    /// Most descriptors in one *prepared* descriptor list (0: none are prepared). A transfer's
+    /// operations name their pieces by index in lists NIXL prepared once (`prepXferDlist`) over
+    /// all registered memory of each side, cut into the unit the transfers' pieces share, rather
+    /// than NIXL looking every piece up in the registrations per transfer (see the module
+    /// documentation). NIXL keeps about 32 bytes per descriptor, for the local side and for each
+    /// peer written to: the default ([`DEFAULT_PREPARED_LIST_LIMIT`], 16 Mi) covers 64 GiB of
+    /// 4 KiB units in about 512 MiB.
+    pub prepared_list_limit: usize,
 }
 
 impl NixlConfig {
@@ -58,6 +69,7 @@ impl NixlConfig {
             op_timeout: Duration::from_secs(30),
             max_idle_sleep: MAX_IDLE_SLEEP,
             net_devices: None,
+            prepared_list_limit: DEFAULT_PREPARED_LIST_LIMIT,
         }
     }
 

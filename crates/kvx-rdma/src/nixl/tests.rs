@@ -147,6 +147,11 @@ proptest! {
 
 /// An endpoint over UCX, or `None` (printed: why) when the runtime is not available.
 fn open_or_skip(test: &str) -> Option<NixlTransport> {
+    open_limited_or_skip(test, DEFAULT_PREPARED_LIST_LIMIT)
+}
+
+/// [`open_or_skip`] with at most `limit` descriptors in a prepared list.
+fn open_limited_or_skip(test: &str, limit: usize) -> Option<NixlTransport> {
     if runtime::locate(lib_dir().as_deref()).is_none() {
         // On the real stderr: the test harness captures `println!`.
         let _ = writeln!(
@@ -159,6 +164,7 @@ fn open_or_skip(test: &str) -> Option<NixlTransport> {
     let mut config = NixlConfig::ucx_tcp(Some("lo"));
     config.op_timeout = Duration::from_secs(20);
     config.library = lib_dir();
+    config.prepared_list_limit = limit;
     Some(NixlTransport::open(&config).expect("open a NIXL endpoint"))
 }
 
@@ -204,6 +210,170 @@ fn pump(
         b.wait(&mut eb, Duration::from_millis(1)).unwrap();
     }
     (ea, eb)
+}
+
+/// A plan like a request's: 1 KiB units (24 scattered single blocks and a strided run of 10)
+/// between regions 0 and 1, and a 300-byte tail of no whole unit; the producer's regions are
+/// `regions` × 64 KiB, so its prepared list (if any) holds `regions` × 64 descriptors.
+fn request_like_plan(dst_region: u32) -> Vec<CopyOp> {
+    let mut plan: Vec<CopyOp> = (0..24)
+        .map(|i| {
+            op(
+                (0, i * 1024),
+                (dst_region, ((i * 5 + 3) % 24) * 1024),
+                1024,
+                1,
+                (0, 0),
+            )
+        })
+        .collect();
+    plan.push(op((1, 0), (0, 0), 1024, 10, (4096, 2048)));
+    plan.push(op(
+        (0, 40 * 1024 + 100),
+        (dst_region, 30 * 1024 + 7),
+        300,
+        1,
+        (0, 0),
+    ));
+    plan
+}
+
+/// Writes `plan` with a notice from `producer` to `consumer` and checks, when the notice has
+/// arrived, every byte of the consumer's regions against the plan applied to the sources.
+fn write_and_check(
+    producer: &mut NixlTransport,
+    consumer: &mut NixlTransport,
+    sources: &[Arc<HostBuffer>],
+    targets: &[Arc<HostBuffer>],
+    plan: &[CopyOp],
+    notice: u64,
+) {
+    let peer = producer.connect(&consumer.local_desc()).unwrap();
+    let mut want: Vec<Vec<u8>> = targets.iter().map(|t| t.to_vec()).collect();
+    for op in plan {
+        let s = sources[op.src_region as usize].to_vec();
+        for (from, to, len) in op.pieces() {
+            let (from, to, len) = (from as usize, to as usize, len as usize);
+            want[op.dst_region as usize][to..to + len].copy_from_slice(&s[from..from + len]);
+        }
+    }
+    producer.write(peer, plan, Some(Notice(notice))).unwrap();
+    let (ep, ec) = pump(producer, consumer, |p, c| {
+        p.iter().any(|e| matches!(e, Event::WriteDone { .. }))
+            && c.iter().any(|e| matches!(e, Event::Notice(_)))
+    });
+    assert!(
+        ec.iter()
+            .any(|e| matches!(e, Event::Notice(Notice(n)) if *n == notice)),
+        "{ec:?}"
+    );
+    assert!(
+        !ep.iter().any(|e| matches!(e, Event::Failed { .. })),
+        "{ep:?}"
+    );
+    for (i, (target, want)) in targets.iter().zip(&want).enumerate() {
+        assert!(target.to_vec() == *want, "region {i} differs from the plan");
+    }
+}
+
+/// Pieces of whole units go by index into lists prepared once, the others (the tail) in a second
+/// request that carries the notice: every byte lands before the notice, with prepared lists or
+/// without; the lists follow registrations on either side, and reads use them too.
+#[test]
+fn prepared_lists_carry_whole_units_and_the_rest_follows_with_the_notice() {
+    let test = "prepared_lists_carry_whole_units_and_the_rest_follows_with_the_notice";
+    let buffer = |seed: usize| {
+        let b = Arc::new(HostBuffer::new(64 << 10).unwrap());
+        b.fill_with(|i| (i * 13 + seed * 71 + i / 4093) as u8);
+        b
+    };
+    for limit in [DEFAULT_PREPARED_LIST_LIMIT, 0] {
+        let (Some(mut producer), Some(mut consumer)) = (
+            open_limited_or_skip(test, limit),
+            open_limited_or_skip(test, limit),
+        ) else {
+            return;
+        };
+        let sources: Vec<_> = (0..3).map(buffer).collect();
+        let targets: Vec<_> = (3..6).map(buffer).collect();
+        for i in 0..2 {
+            producer
+                .register(LocalRegion::host(i, Arc::clone(&sources[i as usize])))
+                .unwrap();
+            consumer
+                .register(LocalRegion::host(i, Arc::clone(&targets[i as usize])))
+                .unwrap();
+        }
+        write_and_check(
+            &mut producer,
+            &mut consumer,
+            &sources,
+            &targets,
+            &request_like_plan(1),
+            11,
+        );
+        let prepared = |t: &NixlTransport| (t.prepared_transfers(), t.prepared_descriptors());
+        if limit == 0 {
+            assert_eq!(prepared(&producer), (0, 0), "nothing prepared at limit 0");
+        } else {
+            assert_eq!(
+                prepared(&producer),
+                (1, 2 * 64),
+                "1 KiB units of two regions"
+            );
+        }
+        // A few pieces alone do not prepare anything new, and still land.
+        write_and_check(
+            &mut producer,
+            &mut consumer,
+            &sources,
+            &targets,
+            &request_like_plan(1)[20..],
+            12,
+        );
+        // A region more on each side: both lists are prepared again and take it.
+        producer
+            .register(LocalRegion::host(2, Arc::clone(&sources[2])))
+            .unwrap();
+        consumer
+            .register(LocalRegion::host(2, Arc::clone(&targets[2])))
+            .unwrap();
+        let mut into_new = request_like_plan(2);
+        into_new.push(op((2, 8192), (2, 40 * 1024), 4096, 1, (0, 0)));
+        write_and_check(
+            &mut producer,
+            &mut consumer,
+            &sources,
+            &targets,
+            &into_new,
+            13,
+        );
+        if limit != 0 {
+            assert_eq!(prepared(&producer), (3, 3 * 64));
+        }
+        // A read of whole units back into the consumer (the producer's memory is the source).
+        let back = consumer.connect(&producer.local_desc()).unwrap();
+        let read: Vec<CopyOp> = (0..40)
+            .map(|i| op((2, i * 1024), (0, ((i * 7) % 40) * 1024), 1024, 1, (0, 0)))
+            .collect();
+        consumer.read(back, &read).unwrap();
+        pump(&mut producer, &mut consumer, |_, c| {
+            c.iter()
+                .any(|e| matches!(e, Event::ReadDone { bytes: 40_960, .. }))
+        });
+        let (s, d) = (sources[2].to_vec(), targets[0].to_vec());
+        for i in 0..40 {
+            let to = ((i * 7) % 40) * 1024;
+            assert_eq!(
+                d[to..to + 1024],
+                s[i * 1024..(i + 1) * 1024],
+                "read unit {i}"
+            );
+        }
+        if limit != 0 {
+            assert_eq!(prepared(&consumer), (1, 3 * 64));
+        }
+    }
 }
 
 #[test]

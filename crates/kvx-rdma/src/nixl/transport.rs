@@ -58,6 +58,8 @@ impl Transport for NixlTransport {
             len,
             kind: region.kind(),
         };
+        // Prepared again (with the new region) when next used.
+        self.prepared_local = None;
         // The registration covers memory that `LocalRegion` keeps valid until it is dropped;
         // `Registration` releases the NIXL registration (field order) before the region.
         let handle =
@@ -107,6 +109,8 @@ impl Transport for NixlTransport {
         if users > 0 {
             return Err(DeregisterError::InUse { index, ops: users });
         }
+        // No prepared list may name a region that is gone.
+        self.prepared_local = None;
         if let Some(mut registration) = self.regions.remove(&index) {
             registration
                 .handle
@@ -205,6 +209,8 @@ impl Transport for NixlTransport {
             if let Some(p) = self.peers.get_mut(id) {
                 p.desc = peer.clone();
             }
+            // Its regions changed: prepared again when next used.
+            self.prepared_remote.remove(&id);
             self.peers.reopen(id);
             return Ok(id);
         }
