@@ -64,9 +64,21 @@ pub(crate) fn run(names: &[String], quick: bool) -> anyhow::Result<()> {
         let mut cmd = cargo();
         cmd.env("KVX_BENCH_OUT", &out_dir);
         if *name == "gpu" {
-            // CUDA IPC and the layout kernels beside plain device copies; its own harness
-            // (skips, saying why, without a GPU). The device machine runs the same binary.
-            cmd.args(["bench", "-p", package, "--bench", target]);
+            // CUDA IPC, NIXL (VRAM) and the layout kernels beside plain device copies; its own
+            // harness (skips, saying why, without a GPU). The device machine runs the same
+            // binary. UCX picks its transports itself (CUDA IPC within the host).
+            let nixl_dir = crate::nixl::ensure_nixl_runtime()?;
+            let env = crate::nixl::nixl_test_env(&nixl_dir);
+            cmd.envs(env.into_iter().filter(|(key, _)| *key != "UCX_TLS"))
+                .args([
+                    "bench",
+                    "-p",
+                    package,
+                    "--features",
+                    "nixl",
+                    "--bench",
+                    target,
+                ]);
             crate::run(&mut cmd)?;
             println!("    results: {}", out_dir.join("gpu.json").display());
             continue;
