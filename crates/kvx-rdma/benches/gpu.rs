@@ -52,6 +52,9 @@ enum Kind {
     Nixl,
     #[cfg(feature = "nixl")]
     NixlUnprepared,
+    /// NIXL with a transfer in one request however many descriptors it has.
+    #[cfg(feature = "nixl")]
+    NixlOneRequest,
 }
 
 impl Kind {
@@ -62,6 +65,8 @@ impl Kind {
             Self::Nixl => "nixl",
             #[cfg(feature = "nixl")]
             Self::NixlUnprepared => "nixl-unprepared",
+            #[cfg(feature = "nixl")]
+            Self::NixlOneRequest => "nixl-one-request",
         }
     }
 
@@ -74,7 +79,7 @@ impl Kind {
         let mut all = vec![Self::Ipc];
         #[cfg(feature = "nixl")]
         if std::env::var_os(kvx_rdma::nixl::LIB_DIR_ENV).is_some() {
-            all.extend([Self::Nixl, Self::NixlUnprepared]);
+            all.extend([Self::Nixl, Self::NixlUnprepared, Self::NixlOneRequest]);
         }
         all
     }
@@ -93,13 +98,16 @@ impl Kind {
                 Ok((Box::new(t), gpu))
             }
             #[cfg(feature = "nixl")]
-            Self::Nixl | Self::NixlUnprepared => {
+            Self::Nixl | Self::NixlUnprepared | Self::NixlOneRequest => {
                 use kvx_rdma::nixl::{NixlConfig, NixlTransport, LIB_DIR_ENV};
                 let mut config = NixlConfig::ucx().with_device_memory();
                 config.library = std::env::var_os(LIB_DIR_ENV).map(Into::into);
                 config.op_timeout = Duration::from_secs(60);
                 if self == Self::NixlUnprepared {
                     config.prepared_list_limit = 0;
+                }
+                if self == Self::NixlOneRequest {
+                    config.max_request_descriptors = usize::MAX;
                 }
                 Ok((Box::new(NixlTransport::open(&config)?), Gpu::open(device)?))
             }
@@ -149,6 +157,7 @@ fn consumer(role: &str) -> Res<()> {
     Ok(())
 }
 
+/// Waits for `left` writes or reads to complete.
 fn wait_writes(t: &mut dyn Transport, mut left: usize) -> Res<()> {
     let mut events = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -157,13 +166,15 @@ fn wait_writes(t: &mut dyn Transport, mut left: usize) -> Res<()> {
         t.wait(&mut events, Duration::from_millis(100))?;
         for e in &events {
             match e {
-                Event::WriteDone { .. } => left -= 1,
-                Event::Failed { error, .. } => return Err(format!("write failed: {error}").into()),
+                Event::WriteDone { .. } | Event::ReadDone { .. } => left -= 1,
+                Event::Failed { error, .. } => {
+                    return Err(format!("transfer failed: {error}").into())
+                }
                 _ => {}
             }
         }
         if Instant::now() > deadline {
-            return Err("writes did not finish in 60 s".into());
+            return Err("transfers did not finish in 60 s".into());
         }
     }
     Ok(())
@@ -316,11 +327,12 @@ fn write_rows(kind: Kind, gpus: u32, rows: &mut Vec<Row>) -> Res<()> {
     Ok(())
 }
 
-/// The 16k-token TP8-rank plan (see [`PLAN_LAYERS`]) as one write with a notice, the
-/// consumer's blocks in runs of `run` at scattered places, from `write` to its completion,
-/// against one copy of the same bytes; the time inside `write` (building and posting the
-/// operations) is reported in the name.
-fn plan_rows(kind: Kind, run: u64, rows: &mut Vec<Row>) -> Res<()> {
+/// The 16k-token TP8-rank plan (see [`PLAN_LAYERS`]) as one write with a notice (or, `read`, as
+/// one read by the side whose blocks are scattered, as pull does), the consumer's blocks in runs
+/// of `run` at scattered places, from the call to its completion, against one copy of the same
+/// bytes; the time inside the call (building and posting the operations) is reported in the
+/// name.
+fn plan_rows(kind: Kind, run: u64, read: bool, rows: &mut Vec<Row>) -> Res<()> {
     let mut pair = Pair::new(kind, 0, PLAN_LAYERS, PLAN_REGION, false)?;
     let runs = PLAN_BLOCKS / run;
     let place = |r: u64| (r * 37 + 11) % runs;
@@ -346,7 +358,11 @@ fn plan_rows(kind: Kind, run: u64, rows: &mut Vec<Row>) -> Res<()> {
     let t = pair.t.as_mut();
     for round in 0..4 {
         let start = Instant::now();
-        t.write(pair.peer, &plan, Some(Notice(round)))?;
+        if read {
+            t.read(pair.peer, &plan)?;
+        } else {
+            t.write(pair.peer, &plan, Some(Notice(round)))?;
+        }
         let posted = start.elapsed().as_secs_f64();
         wait_writes(t, 1)?;
         let took = start.elapsed().as_secs_f64();
@@ -356,8 +372,9 @@ fn plan_rows(kind: Kind, run: u64, rows: &mut Vec<Row>) -> Res<()> {
         // The first round prepares descriptor lists (NIXL) and opens handles: reported apart.
         if round == 0 {
             eprintln!(
-                "{} plan (runs of {run}), first write: {:.1} ms ({:.1} ms in write)",
+                "{} plan (runs of {run}, {}), first: {:.1} ms ({:.1} ms in the call)",
                 kind.name(),
+                if read { "read" } else { "write" },
                 took * 1e3,
                 posted * 1e3
             );
@@ -369,8 +386,9 @@ fn plan_rows(kind: Kind, run: u64, rows: &mut Vec<Row>) -> Res<()> {
     }
     rows.push(Row {
         name: format!(
-            "{} 16k-token TP8-rank plan, consumer blocks in runs of {run}: {} ops of {} KiB (ms: {:.2} of which {:.2} in write, vs {:.2})",
+            "{} 16k-token TP8-rank plan {}, consumer blocks in runs of {run}: {} ops of {} KiB (ms: {:.2} of which {:.2} in the call, vs {:.2})",
             kind.name(),
+            if read { "read" } else { "written" },
             plan.len(),
             (run * PLAN_CHUNK) >> 10,
             median(total.clone()) * 1e3,
@@ -598,8 +616,9 @@ fn main() -> Res<()> {
     );
     let mut rows = Vec::new();
     let mut failed = false;
-    // `KVX_GPU_BENCH_ONLY=kernels,writes,plan` (any of them) runs those parts; `KVX_GPU_BENCH_KINDS`
-    // (comma-separated: ipc, nixl, nixl-unprepared) narrows the transports.
+    // `KVX_GPU_BENCH_ONLY=kernels,writes,plan,read` (any of them) runs those parts;
+    // `KVX_GPU_BENCH_KINDS` (comma-separated: ipc, nixl, nixl-unprepared, nixl-one-request)
+    // narrows the transports.
     let only = std::env::var("KVX_GPU_BENCH_ONLY").unwrap_or_default();
     let wanted = |part: &str| only.is_empty() || only.split(',').any(|p| p == part);
     let kinds: Vec<Kind> = match std::env::var("KVX_GPU_BENCH_KINDS") {
@@ -613,7 +632,7 @@ fn main() -> Res<()> {
     for &kind in &kinds {
         // Prepared lists change nothing for writes of one operation.
         #[cfg(feature = "nixl")]
-        let writes = wanted("writes") && kind != Kind::NixlUnprepared;
+        let writes = wanted("writes") && matches!(kind, Kind::Ipc | Kind::Nixl);
         #[cfg(not(feature = "nixl"))]
         let writes = wanted("writes");
         if writes {
@@ -632,9 +651,16 @@ fn main() -> Res<()> {
             if wanted("plan") {
                 parts.push((
                     format!("{} plan, runs of {run}", kind.name()),
-                    Box::new(move |rows| plan_rows(kind, run, rows)),
+                    Box::new(move |rows| plan_rows(kind, run, false, rows)),
                 ));
             }
+        }
+        // Pull: reads of the scattered plan.
+        if wanted("read") {
+            parts.push((
+                format!("{} plan read", kind.name()),
+                Box::new(move |rows| plan_rows(kind, 1, true, rows)),
+            ));
         }
     }
     for (name, part) in parts {

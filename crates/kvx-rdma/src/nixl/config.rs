@@ -17,6 +17,8 @@ const MAX_IDLE_SLEEP: Duration = Duration::from_micros(200);
 /// Default most descriptors in one prepared list ([`NixlConfig::prepared_list_limit`]): 64 GiB of
 /// registered memory in 4 KiB units.
 pub const DEFAULT_PREPARED_LIST_LIMIT: usize = 1 << 24;
+/// Default most descriptors in one NIXL request ([`NixlConfig::max_request_descriptors`]).
+pub const DEFAULT_MAX_REQUEST_DESCRIPTORS: usize = 1 << 14;
 
 /// How to open a NIXL endpoint.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -55,6 +57,11 @@ pub struct NixlConfig {
     /// peer written to: the default ([`DEFAULT_PREPARED_LIST_LIMIT`], 16 Mi) covers 64 GiB of
     /// 4 KiB units in about 512 MiB.
     pub prepared_list_limit: usize,
+    /// Most descriptors in one NIXL transfer request: a transfer of more is posted as several
+    /// requests in a row (the last carrying the notification). UCX's CUDA path has been seen
+    /// aborting the *target* process of a read of about 100,000 descriptors in one request
+    /// (`nixl-cu12` 1.5.1, H100).
+    pub max_request_descriptors: usize,
 }
 
 impl NixlConfig {
@@ -70,6 +77,7 @@ impl NixlConfig {
             max_idle_sleep: MAX_IDLE_SLEEP,
             net_devices: None,
             prepared_list_limit: DEFAULT_PREPARED_LIST_LIMIT,
+            max_request_descriptors: DEFAULT_MAX_REQUEST_DESCRIPTORS,
         }
     }
 

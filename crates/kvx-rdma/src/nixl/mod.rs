@@ -34,7 +34,8 @@
 //! still follows all the data. A registration change drops this endpoint's list, a peer's new
 //! description drops the peer's; each is prepared again when next used. Lists are bounded by
 //! [`NixlConfig::prepared_list_limit`] (memory beyond it is described per transfer; 0 turns them
-//! off).
+//! off). Either kind of request is cut at [`NixlConfig::max_request_descriptors`], the
+//! notification riding on the last.
 //!
 //! # How a write and its notice travel
 //!
@@ -115,7 +116,8 @@ use crate::transport::{Event, PeerId};
 use crate::wake::WakeSignal;
 use address::{decode_address, default_agent_name, encode_address};
 pub use config::{
-    ucx_net_devices_for, NixlConfig, OpenError, DEFAULT_PREPARED_LIST_LIMIT, UCX_NET_DEVICES,
+    ucx_net_devices_for, NixlConfig, OpenError, DEFAULT_MAX_REQUEST_DESCRIPTORS,
+    DEFAULT_PREPARED_LIST_LIMIT, UCX_NET_DEVICES,
 };
 pub use runtime::RuntimeError;
 use transfer::{Pending, Prepared};
@@ -230,6 +232,7 @@ pub struct NixlTransport {
     wake: Arc<WakeSignal>,
     /// [`NixlConfig::prepared_list_limit`] (0 once preparing failed).
     prepared_limit: usize,
+    max_request_descriptors: usize,
     prepared_transfers: u64,
 }
 
@@ -327,6 +330,7 @@ impl NixlTransport {
             max_idle_sleep: config.max_idle_sleep.max(MIN_IDLE_SLEEP),
             wake: Arc::new(WakeSignal::new().map_err(OpenError::Wake)?),
             prepared_limit: config.prepared_list_limit,
+            max_request_descriptors: config.max_request_descriptors,
             prepared_transfers: 0,
         })
     }

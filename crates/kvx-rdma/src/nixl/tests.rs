@@ -147,11 +147,16 @@ proptest! {
 
 /// An endpoint over UCX, or `None` (printed: why) when the runtime is not available.
 fn open_or_skip(test: &str) -> Option<NixlTransport> {
-    open_limited_or_skip(test, DEFAULT_PREPARED_LIST_LIMIT)
+    open_limited_or_skip(
+        test,
+        DEFAULT_PREPARED_LIST_LIMIT,
+        DEFAULT_MAX_REQUEST_DESCRIPTORS,
+    )
 }
 
-/// [`open_or_skip`] with at most `limit` descriptors in a prepared list.
-fn open_limited_or_skip(test: &str, limit: usize) -> Option<NixlTransport> {
+/// [`open_or_skip`] with at most `limit` descriptors in a prepared list and `per_request` in
+/// one NIXL request.
+fn open_limited_or_skip(test: &str, limit: usize, per_request: usize) -> Option<NixlTransport> {
     if runtime::locate(lib_dir().as_deref()).is_none() {
         // On the real stderr: the test harness captures `println!`.
         let _ = writeln!(
@@ -165,6 +170,7 @@ fn open_limited_or_skip(test: &str, limit: usize) -> Option<NixlTransport> {
     config.op_timeout = Duration::from_secs(20);
     config.library = lib_dir();
     config.prepared_list_limit = limit;
+    config.max_request_descriptors = per_request;
     Some(NixlTransport::open(&config).expect("open a NIXL endpoint"))
 }
 
@@ -278,7 +284,8 @@ fn write_and_check(
 
 /// Pieces of whole units go by index into lists prepared once, the others (the tail) in a second
 /// request that carries the notice: every byte lands before the notice, with prepared lists or
-/// without; the lists follow registrations on either side, and reads use them too.
+/// without, and with transfers cut into requests of 7 descriptors; the lists follow
+/// registrations on either side, and reads use them too.
 #[test]
 fn prepared_lists_carry_whole_units_and_the_rest_follows_with_the_notice() {
     let test = "prepared_lists_carry_whole_units_and_the_rest_follows_with_the_notice";
@@ -287,10 +294,15 @@ fn prepared_lists_carry_whole_units_and_the_rest_follows_with_the_notice() {
         b.fill_with(|i| (i * 13 + seed * 71 + i / 4093) as u8);
         b
     };
-    for limit in [DEFAULT_PREPARED_LIST_LIMIT, 0] {
+    for (limit, per_request) in [
+        (DEFAULT_PREPARED_LIST_LIMIT, DEFAULT_MAX_REQUEST_DESCRIPTORS),
+        (0, DEFAULT_MAX_REQUEST_DESCRIPTORS),
+        (DEFAULT_PREPARED_LIST_LIMIT, 7),
+        (0, 7),
+    ] {
         let (Some(mut producer), Some(mut consumer)) = (
-            open_limited_or_skip(test, limit),
-            open_limited_or_skip(test, limit),
+            open_limited_or_skip(test, limit, per_request),
+            open_limited_or_skip(test, limit, per_request),
         ) else {
             return;
         };

@@ -77,6 +77,9 @@ struct PreparedHandle(sys::XferDlistHandle);
 // agent.
 unsafe impl Send for PreparedHandle {}
 
+/// A local and a remote descriptor list of equal length.
+pub(super) type DescPair = (sys::XferDescList<'static>, sys::XferDescList<'static>);
+
 /// Highest region index + 1 a prepared list takes.
 const MAX_REGION_SLOTS: usize = 1 << 16;
 
@@ -226,8 +229,9 @@ fn gcd(mut a: u64, mut b: u64) -> u64 {
 
 /// An accepted transfer.
 pub(super) struct Pending {
-    /// One NIXL request, or two: the pieces of the prepared lists' unit, then the others (the
-    /// notification rides on the last, see [`NixlTransport::submit`]).
+    /// The NIXL requests, posted in order: the pieces of the prepared lists' unit, then the
+    /// others, each cut at [`NixlConfig::max_request_descriptors`] (the notification rides on
+    /// the last, see [`NixlTransport::submit`]).
     pub(super) requests: Vec<sys::XferRequest>,
     /// A request that failed to post (those after it were not posted): reported once the
     /// posted ones have settled.
@@ -243,15 +247,16 @@ pub(super) struct Pending {
 }
 
 impl NixlTransport {
-    /// Builds the local and remote descriptor lists of the operations of `ops` that `keep`
-    /// selects; `write` says whether local is the source side. Every lookup succeeds:
-    /// `check_ops` accepted the operations against the same tables.
+    /// Builds the local and remote descriptor lists of `ops`, at most `max` descriptors a pair
+    /// (at least one pair, empty without pieces); `write` says whether local is the source side.
+    /// Every lookup succeeds: `check_ops` accepted the operations against the same tables.
     pub(super) fn descriptors<'a>(
         &self,
         peer: &Peer,
         ops: impl Iterator<Item = &'a CopyOp> + Clone,
         write: bool,
-    ) -> Result<(sys::XferDescList<'static>, sys::XferDescList<'static>), BackendError> {
+        max: usize,
+    ) -> Result<Vec<DescPair>, BackendError> {
         // One list holds one memory type: every local region of the operations must be host
         // memory, or every one GPU memory (of any devices), and the same for the remote side.
         let kinds =
@@ -272,10 +277,14 @@ impl NixlTransport {
         let remote_of = |op: &CopyOp| if write { op.dst_region } else { op.src_region };
         let local_type = kinds(&|op| self.regions.get(&local_of(op)).map(|r| r.region.kind()))?;
         let remote_type = kinds(&|op| peer.desc.region(remote_of(op)).map(|r| r.kind))?;
-        let mut local =
-            sys::XferDescList::new(local_type).map_err(nixl_error("createXferDlist"))?;
-        let mut remote =
-            sys::XferDescList::new(remote_type).map_err(nixl_error("createXferDlist"))?;
+        let pair = || -> Result<DescPair, BackendError> {
+            Ok((
+                sys::XferDescList::new(local_type).map_err(nixl_error("createXferDlist"))?,
+                sys::XferDescList::new(remote_type).map_err(nixl_error("createXferDlist"))?,
+            ))
+        };
+        let mut lists = vec![pair()?];
+        let mut in_last = 0;
         for op in ops {
             let (local_region, remote_region) = (local_of(op), remote_of(op));
             let (Some(l), Some(r)) = (
@@ -291,6 +300,12 @@ impl NixlTransport {
             // Each region's own device (one side may span several GPUs).
             let (local_dev, remote_dev) = (nixl_memory(l.region.kind()).1, nixl_memory(r.kind).1);
             for (src, dst, len) in op.pieces() {
+                if in_last == max {
+                    lists.push(pair()?);
+                    in_last = 0;
+                }
+                in_last += 1;
+                let (local, remote) = lists.last_mut().expect("one pair at least");
                 let (local_offset, remote_offset) = if write { (src, dst) } else { (dst, src) };
                 // In range: `check_ops` bounded every piece by the registered lengths, and a
                 // registered region lies inside the (unified) address space.
@@ -302,7 +317,7 @@ impl NixlTransport {
                 remote.add_desc((r.addr + remote_offset) as usize, len as usize, remote_dev);
             }
         }
-        Ok((local, remote))
+        Ok(lists)
     }
 
     /// The unit of the prepared lists that a transfer of `ops` to `peer_id` uses for its
@@ -427,7 +442,6 @@ impl NixlTransport {
             .map(|op| unit.is_some_and(|u| made_of(op, u)))
             .collect();
         let indexed = aligned.iter().any(|&a| a);
-        let described = !aligned.iter().all(|&a| a);
         let peer = self
             .peers
             .get(peer_id)
@@ -447,36 +461,62 @@ impl NixlTransport {
             }
             Ok(args)
         };
-        let mut requests = Vec::with_capacity(2);
+        // Requests of at most `max` descriptors each (UCX has been seen aborting the target
+        // process of a read of about 100,000 descriptors in one request).
+        let max = self.max_request_descriptors.max(1);
+        let mut by_index = None;
         if let (true, Some(local), Some(remote)) = (
             indexed,
             self.prepared_local.as_ref(),
             self.prepared_remote.get(&peer_id),
         ) {
-            let (local_indices, remote_indices) =
-                indices(local, remote, only(ops, &aligned, true), write);
-            let args = args_with(if described { None } else { notice })?;
-            let request = self
-                .agent
-                .make_xfer_req(
-                    operation,
-                    &local.handle.0,
-                    &local_indices,
-                    &remote.handle.0,
-                    &remote_indices,
-                    Some(&args),
-                )
-                .map_err(nixl_error("makeXferReq"))?;
-            requests.push((request, args));
+            let (l, r) = indices(local, remote, only(ops, &aligned, true), write);
+            by_index = (!l.is_empty()).then_some((local, remote, l, r));
+        }
+        let indexed = by_index.is_some();
+        // Without indices every operation is described (a notice always goes).
+        let describe = |op: &CopyOp, aligned: bool| !indexed || !aligned || op.len == 0;
+        let described = !indexed || ops.iter().zip(&aligned).any(|(op, &a)| describe(op, a));
+        let mut requests = Vec::new();
+        if let Some((local, remote, local_indices, remote_indices)) = &by_index {
+            let chunks = local_indices.len().div_ceil(max);
+            for (i, (l, r)) in local_indices
+                .chunks(max)
+                .zip(remote_indices.chunks(max))
+                .enumerate()
+            {
+                let last = !described && i + 1 == chunks;
+                let args = args_with(if last { notice } else { None })?;
+                let request = self
+                    .agent
+                    .make_xfer_req(
+                        operation,
+                        &local.handle.0,
+                        l,
+                        &remote.handle.0,
+                        r,
+                        Some(&args),
+                    )
+                    .map_err(nixl_error("makeXferReq"))?;
+                requests.push((request, args));
+            }
         }
         if described {
-            let (local, remote) = self.descriptors(peer, only(ops, &aligned, false), write)?;
-            let args = args_with(notice)?;
-            let request = self
-                .agent
-                .create_xfer_req(operation, &local, &remote, &peer.name, Some(&args))
-                .map_err(nixl_error("createXferReq"))?;
-            requests.push((request, args));
+            let rest = ops
+                .iter()
+                .zip(&aligned)
+                .filter(|&(op, &a)| describe(op, a))
+                .map(|(op, _)| op);
+            let lists = self.descriptors(peer, rest, write, max)?;
+            let count = lists.len();
+            for (i, (local, remote)) in lists.into_iter().enumerate() {
+                let args = args_with(if i + 1 == count { notice } else { None })?;
+                let request = self
+                    .agent
+                    .create_xfer_req(operation, &local, &remote, &peer.name, Some(&args))
+                    .map_err(nixl_error("createXferReq"))?;
+                requests.push((request, args));
+            }
         }
         if indexed {
             self.prepared_transfers += 1;
