@@ -639,7 +639,6 @@ struct Driver {
     contact: (Duration, Timestamp),
     /// Requests the engine thread found ready in the board, still in the waiter.
     engine_ready: HashSet<AttemptKey>,
-    next_notice: u64,
     /// The id of the next control connection.
     next_conn: ConnId,
     next_heartbeat: Option<Timestamp>,
@@ -725,7 +724,6 @@ impl Driver {
             awaiting_contact: HashMap::new(),
             contact: (BOARD_POLL, Timestamp::ZERO),
             engine_ready: HashSet::new(),
-            next_notice: 1,
             next_conn: 0,
             next_heartbeat: None,
             tx,

@@ -328,6 +328,42 @@ fn a_registered_request_is_ready_once_its_writers_notice_arrives_and_not_before(
     assert!(sim.events().is_empty());
 }
 
+/// Message notices are random: distinct, non-zero and within 32 bits, and not a sequence, so a
+/// producer cannot announce another producer's transfer as written by guessing its notice from
+/// its own (the notices that come after and before its own complete nothing).
+#[test]
+fn message_notices_cannot_be_guessed_from_another_requests() {
+    let mut sim = Sim::new(Duration::from_secs(60), Duration::from_secs(1));
+    let first = sim.register(key(1), 8, ids(0..2));
+    let mut notices = vec![first.notice];
+    for i in 2..=64u32 {
+        sim.command(Command::Push(push_request(
+            key(u128::from(i)),
+            8,
+            ids(2 * i..2 * i + 2),
+            None,
+        )));
+        match sim.message() {
+            Some(Message::Registration(r)) => notices.push(r.notice),
+            other => panic!("expected a registration, got {other:?}"),
+        }
+    }
+    let distinct: std::collections::HashSet<u64> = notices.iter().copied().collect();
+    assert_eq!(distinct.len(), notices.len(), "{notices:?}");
+    assert!(notices.iter().all(|&n| n != 0 && n <= u64::from(u32::MAX)));
+    let steps_of_one = notices.windows(2).filter(|w| w[1] == w[0] + 1).count();
+    assert!(steps_of_one < 2, "a sequence: {notices:?}");
+    // The rogue producer (rank 0 of request 1) announces its guesses.
+    for guess in [first.notice + 1, first.notice - 1, first.notice + 2] {
+        if !distinct.contains(&guess) {
+            sim.write_with_notice(guess);
+        }
+    }
+    sim.transport_events();
+    sim.at(Duration::from_millis(5));
+    assert!(sim.events().is_empty(), "a guessed notice completed a request");
+}
+
 #[test]
 fn a_request_whose_kv_never_comes_fails_at_its_lease_once_its_writers_had_time_to_stop() {
     let (lease, quiesce) = (Duration::from_millis(300), Duration::from_millis(500));

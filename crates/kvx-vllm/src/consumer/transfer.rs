@@ -223,9 +223,7 @@ impl Driver {
                 let notice = if let Some(notices) = &on_board {
                     notices[index]
                 } else {
-                    let n = self.next_notice;
-                    self.next_notice = self.next_notice % u64::from(u32::MAX) + 1;
-                    n
+                    self.fresh_notice()
                 };
                 self.notices.insert(notice, (key, rank));
                 let conn = &self.instances[&instance].ranks[&rank];
@@ -358,6 +356,27 @@ impl Driver {
             );
         }
         Ok(())
+    }
+
+    /// A message notice for one writer of a request: random (a producer that sees its own
+    /// notices learns nothing of the others', which it could otherwise announce as written),
+    /// non-zero, within 32 bits (what every backend carries, and clear of the board notices'
+    /// tag bit), and unlike every notice waited for now.
+    fn fresh_notice(&self) -> u64 {
+        loop {
+            let mut bytes = [0; 4];
+            // Without the system's generator (it does not fail on Linux), the clock's low bits.
+            if getrandom::fill(&mut bytes).is_err() {
+                let nanos = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(1, |d| d.subsec_nanos());
+                bytes = nanos.to_le_bytes();
+            }
+            let notice = u64::from(u32::from_le_bytes(bytes));
+            if notice != 0 && !self.notices.contains_key(&notice) {
+                return notice;
+            }
+        }
     }
 
     pub(super) fn on_event(&mut self, event: Event) {
