@@ -73,7 +73,7 @@ enum Task {
     Wheel,
     /// Run a fuzz target with cargo-fuzz (installed on first use).
     Fuzz {
-        /// wire_decode or rendezvous_events.
+        /// wire_decode, rendezvous_events or connector.
         target: String,
         /// How long to fuzz.
         #[arg(default_value_t = 60)]

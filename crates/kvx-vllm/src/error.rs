@@ -262,6 +262,7 @@ pub(crate) enum TransferError {
     #[error(transparent)]
     Cuda(#[from] kvx_rdma::cuda::CudaError),
     /// No re-layout kernels.
+    #[cfg(feature = "cuda")]
     #[error("no layout kernels")]
     NoKernels,
 }

@@ -66,7 +66,8 @@ pub mod producer;
 mod python;
 pub mod router;
 pub mod settings;
-#[cfg(test)]
+#[cfg(any(test, feature = "fuzzing"))]
+#[cfg_attr(not(test), allow(dead_code))]
 mod sim_support;
 mod stats;
 pub mod trace;

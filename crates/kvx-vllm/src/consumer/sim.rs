@@ -361,7 +361,10 @@ fn message_notices_cannot_be_guessed_from_another_requests() {
     }
     sim.transport_events();
     sim.at(Duration::from_millis(5));
-    assert!(sim.events().is_empty(), "a guessed notice completed a request");
+    assert!(
+        sim.events().is_empty(),
+        "a guessed notice completed a request"
+    );
 }
 
 #[test]

@@ -416,7 +416,7 @@ pub(crate) struct Queued(Arc<AtomicUsize>);
 
 impl Queued {
     /// A place outside any budget (messages a test hands a state machine).
-    #[cfg(test)]
+    #[cfg(any(test, feature = "fuzzing"))]
     pub(crate) fn unbounded() -> Self {
         Self(Arc::default())
     }

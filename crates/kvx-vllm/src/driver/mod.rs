@@ -22,10 +22,10 @@ pub(crate) use queue::{command_queue, wait_commands, wait_turn, CommandReceiver,
 pub(crate) struct Clock {
     start: Instant,
     /// The wall-clock time at `start`, from which a virtual clock's wall time counts.
-    #[cfg(test)]
+    #[cfg(any(test, feature = "fuzzing"))]
     wall_start: std::time::SystemTime,
     /// Nanoseconds of a virtual clock, which replaces the real one.
-    #[cfg(test)]
+    #[cfg(any(test, feature = "fuzzing"))]
     virtual_nanos: Option<&'static std::sync::atomic::AtomicU64>,
 }
 
@@ -33,15 +33,15 @@ impl Clock {
     pub(crate) fn new() -> Self {
         Self {
             start: Instant::now(),
-            #[cfg(test)]
+            #[cfg(any(test, feature = "fuzzing"))]
             wall_start: std::time::SystemTime::now(),
-            #[cfg(test)]
+            #[cfg(any(test, feature = "fuzzing"))]
             virtual_nanos: None,
         }
     }
 
     /// A virtual clock reading `nanos` (which the test advances).
-    #[cfg(test)]
+    #[cfg(any(test, feature = "fuzzing"))]
     pub(crate) fn virtual_at(nanos: &'static std::sync::atomic::AtomicU64) -> Self {
         Self {
             start: Instant::now(),
@@ -51,7 +51,7 @@ impl Clock {
     }
 
     pub(crate) fn now(self) -> Timestamp {
-        #[cfg(test)]
+        #[cfg(any(test, feature = "fuzzing"))]
         if let Some(nanos) = self.virtual_nanos {
             return Timestamp::from_nanos(nanos.load(std::sync::atomic::Ordering::SeqCst));
         }
@@ -60,7 +60,7 @@ impl Clock {
 
     /// The wall-clock time now: the real one, or (virtual) the start's plus the virtual time.
     pub(crate) fn wall(self) -> std::time::SystemTime {
-        #[cfg(test)]
+        #[cfg(any(test, feature = "fuzzing"))]
         if self.virtual_nanos.is_some() {
             return self.wall_start + self.now().saturating_duration_since(Timestamp::ZERO);
         }

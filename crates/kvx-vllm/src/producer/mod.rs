@@ -31,6 +31,9 @@ use crate::stats::{Stats, StatsSnapshot};
 
 mod accept;
 mod driven;
+#[cfg(any(test, feature = "fuzzing"))]
+#[doc(hidden)]
+pub mod fuzz;
 mod matching;
 mod peers;
 #[cfg(test)]
