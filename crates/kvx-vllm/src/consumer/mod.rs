@@ -34,6 +34,9 @@ mod connect;
 mod driven;
 mod ending;
 mod engine;
+#[cfg(any(test, feature = "fuzzing"))]
+#[doc(hidden)]
+pub mod fuzz;
 #[cfg(test)]
 mod sim;
 mod transfer;
