@@ -27,6 +27,9 @@ use kvx_layout::CopyOp;
 use kvx_rdma::loopback::LoopbackFabric;
 use kvx_rdma::{Event, HostBuffer, LocalRegion, Notice, Transport};
 
+#[path = "transfer/across.rs"]
+mod across;
+
 const KIB: u64 = 1024;
 const MIB: u64 = 1024 * KIB;
 /// Bytes moved per iteration of the size sweep.
@@ -389,13 +392,21 @@ fn backends() -> Vec<(&'static str, Factory)> {
 }
 
 fn main() {
+    if let Ok(role) = std::env::var(across::ROLE_ENV) {
+        if let Err(e) = across::child(&role) {
+            eprintln!("{role}: {e}");
+            std::process::exit(1);
+        }
+        return;
+    }
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--quick");
     let only = args
         .windows(2)
         .find(|w| w[0] == "--backend")
         .map(|w| w[1].clone());
-    // `--case sweep|request-16k|request-16k-scattered`: one case only.
+    // `--case sweep|request-16k|request-16k-scattered|across`: one case only (`across`: the
+    // cross-host backends alone).
     let case = args
         .windows(2)
         .find(|w| w[0] == "--case")
@@ -482,6 +493,24 @@ fn main() {
                     post_seconds: post,
                     memcpy_seconds: memcpy,
                 });
+            }
+        }
+    }
+    if wanted("across") {
+        match kvx_testkit::netns::TwoHosts::new() {
+            Ok(hosts) => {
+                for backend in across::backends() {
+                    if only.as_deref().is_some_and(|o| o != backend) {
+                        continue;
+                    }
+                    match across::measure(&hosts, backend) {
+                        Ok(more) => rows.extend(more),
+                        Err(e) => eprintln!("{backend} across hosts: {e}"),
+                    }
+                }
+            }
+            Err(why) => {
+                eprintln!("across hosts: skipped: cannot create network namespaces ({why})")
             }
         }
     }

@@ -135,3 +135,44 @@ fn messages_and_notices_cross_a_socket_and_wake_the_waiter() {
     std::thread::sleep(Duration::from_millis(5));
     assert!(!link.alive());
 }
+
+/// Notices and messages to a peer that closed its socket are errors, never `SIGPIPE`, which
+/// would end a process that keeps the signal's default action (an engine written in C; the
+/// test harness, like any Rust program, ignores it): the standard library's `UnixStream` sends
+/// with `MSG_NOSIGNAL`, and this keeps it so. Checked in a child process (this test run again)
+/// that restores the default.
+#[test]
+fn sending_to_a_closed_peer_is_an_error_not_a_sigpipe() {
+    const CHILD: &str = "KVX_SIGPIPE_CHILD";
+    const TEST: &str = "same_host::tests::sending_to_a_closed_peer_is_an_error_not_a_sigpipe";
+    if std::env::var_os(CHILD).is_none() {
+        let status = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", TEST, "--test-threads=1"])
+            .env(CHILD, "1")
+            .status()
+            .unwrap();
+        assert!(status.success(), "the child process died: {status}");
+        return;
+    }
+    // SAFETY: sets the default action of one signal before this test sends on a socket; no
+    // handler (no Rust code) runs on a signal.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    let mut control = Control::open("test").unwrap();
+    let mut link = Link::connect(&control.identity().socket).unwrap();
+    let notices = link.notices();
+    // Accepted (a message read), then closed.
+    link.send_message(b"first").unwrap();
+    let mut events = VecDeque::new();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while events.is_empty() {
+        control.block(Duration::from_millis(100)).unwrap();
+        control.receive(&mut events).unwrap();
+        assert!(Instant::now() < deadline);
+    }
+    drop(control);
+    std::thread::sleep(Duration::from_millis(5));
+    let (sent, result) = notices.send_all(&[1, 2]);
+    assert_eq!(sent, 0);
+    assert!(result.is_err());
+    assert!(link.send_message(b"late").is_err());
+}

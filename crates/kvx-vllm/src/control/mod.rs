@@ -101,7 +101,7 @@ impl ControlStream {
         key: &AuthKey,
         initiator: bool,
     ) -> Result<(), HandshakeError> {
-        let mut raw = &self.socket;
+        let mut raw = Quiet(&self.socket);
         let cipher = if initiator {
             secure::initiate(key, &mut raw)?
         } else {
@@ -183,15 +183,36 @@ impl Write for ControlStream {
     /// sealed messages.
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         if self.cipher.is_none() {
-            return (&self.socket).write(buf);
+            return Quiet(&self.socket).write(buf);
         }
         let sealed = self.seal(buf.to_vec())?;
-        (&self.socket).write_all(&sealed)?;
+        Quiet(&self.socket).write_all(&sealed)?;
         Ok(buf.len())
     }
 
     fn flush(&mut self) -> io::Result<()> {
         (&self.socket).flush()
+    }
+}
+
+/// A control socket's bytes, written without `SIGPIPE` (`MSG_NOSIGNAL`): a peer that closed its
+/// end is an `EPIPE` error, not a signal that would end a process which did not ignore it (an
+/// engine written in C, say; Rust and Python programs ignore it).
+struct Quiet<'a>(&'a Socket);
+
+impl Read for Quiet<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        (&*self.0).read(buf)
+    }
+}
+
+impl Write for Quiet<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.0.send_with_flags(buf, libc::MSG_NOSIGNAL)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
     }
 }
 
@@ -264,7 +285,7 @@ impl Outgoing {
         }
         let backlog = std::mem::take(&mut self.backlog);
         // Already sealed: straight to the socket.
-        (&self.stream.socket)
+        Quiet(&self.stream.socket)
             .write_all(&backlog)
             .map_err(ControlError::Write)
     }
@@ -284,7 +305,7 @@ impl ControlSender {
         out.flush()?;
         // Sealed under the lock: the messages' counters follow their order on the wire.
         let sealed = out.stream.seal(bytes).map_err(ControlError::Write)?;
-        (&out.stream.socket)
+        Quiet(&out.stream.socket)
             .write_all(&sealed)
             .map_err(ControlError::Write)
     }
@@ -613,6 +634,67 @@ mod tests {
             reader.join().unwrap(),
             (0..sent).map(message).collect::<Vec<_>>()
         );
+    }
+
+    /// Sending to a peer that closed its end is an error, never `SIGPIPE`, which would end a
+    /// process that keeps the signal's default action (an engine written in C; the test
+    /// harness, like any Rust program, ignores it): checked in a child process (this test run
+    /// again) that restores the default, over a Unix socket and over TCP, plain and sealed.
+    #[test]
+    fn sending_to_a_closed_peer_is_an_error_not_a_sigpipe() {
+        use kvx_core::wire::Heartbeat;
+        use kvx_core::{EngineId, Incarnation};
+
+        const CHILD: &str = "KVX_SIGPIPE_CHILD";
+        const TEST: &str = "control::tests::sending_to_a_closed_peer_is_an_error_not_a_sigpipe";
+        if std::env::var_os(CHILD).is_none() {
+            let status = std::process::Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", TEST, "--test-threads=1"])
+                .env(CHILD, "1")
+                .status()
+                .unwrap();
+            assert!(status.success(), "the child process died: {status}");
+            return;
+        }
+        // SAFETY: sets the default action of one signal, before any thread of this test sends
+        // on a socket; no handler (no Rust code) runs on a signal.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+        let heartbeat = Message::Heartbeat(Heartbeat {
+            engine: EngineId(1),
+            incarnation: Incarnation(2),
+            transfers: Vec::new(),
+        });
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        drop(theirs);
+        let local = sender(&ControlStream::local(ours)).unwrap();
+        assert!(local.send(&heartbeat).is_err(), "a Unix socket");
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let dialled = connect(
+            listener.local_addr().unwrap(),
+            Duration::from_secs(5),
+            false,
+        )
+        .unwrap();
+        drop(listener.accept().unwrap());
+        let tcp = sender(&dialled).unwrap();
+        // The first send may still be taken (the peer's reset answers it).
+        let _ = tcp.send(&heartbeat);
+        thread::sleep(Duration::from_millis(50));
+        assert!(tcp.send(&heartbeat).is_err(), "TCP");
+        let key = secure::AuthKey::from_bytes([5; 32]);
+        let (a, b) = UnixStream::pair().unwrap();
+        let responder = thread::spawn({
+            let key = key.clone();
+            move || {
+                let mut b = ControlStream::local(b);
+                b.authenticate(&key, false).unwrap();
+            }
+        });
+        let mut a = ControlStream::local(a);
+        a.authenticate(&key, true).unwrap();
+        responder.join().unwrap();
+        let sealed = sender(&a).unwrap();
+        assert!(sealed.send(&heartbeat).is_err(), "an authenticated socket");
     }
 
     #[test]
