@@ -63,10 +63,10 @@ pub(crate) fn run(names: &[String], quick: bool) -> anyhow::Result<()> {
         step(&format!("benchmark {name} ({package})"));
         let mut cmd = cargo();
         cmd.env("KVX_BENCH_OUT", &out_dir);
-        if *name == "gpu" {
-            // CUDA IPC, NIXL (VRAM) and the layout kernels beside plain device copies; its own
-            // harness (skips, saying why, without a GPU). The device machine runs the same
-            // binary. UCX picks its transports itself (CUDA IPC within the host).
+        // `gpu` (CUDA IPC, NIXL VRAM, the layout kernels) and `transfer` run with the NIXL
+        // backend; each of their NIXL cases names UCX's transports itself (TCP, shared memory,
+        // or CUDA IPC within the host), so UCX_TLS is not forced here.
+        if *name == "gpu" || *name == "transfer" {
             let nixl_dir = crate::nixl::ensure_nixl_runtime()?;
             let env = crate::nixl::nixl_test_env(&nixl_dir);
             cmd.envs(env.into_iter().filter(|(key, _)| *key != "UCX_TLS"))
@@ -79,29 +79,17 @@ pub(crate) fn run(names: &[String], quick: bool) -> anyhow::Result<()> {
                     "--bench",
                     target,
                 ]);
+        } else {
+            cmd.args(["bench", "-p", package, "--bench", target]);
+        }
+        if *name == "gpu" {
+            // Its own harness, which skips (saying why) without a GPU; the device machine runs
+            // the same binary.
             crate::run(&mut cmd)?;
             println!("    results: {}", out_dir.join("gpu.json").display());
             continue;
         }
-        if *name == "transfer" {
-            // With the NIXL backend beside libfabric and loopback; each NIXL case names UCX's
-            // transports itself (TCP, or shared memory), so UCX_TLS is not forced here.
-            let nixl_dir = crate::nixl::ensure_nixl_runtime()?;
-            let env = crate::nixl::nixl_test_env(&nixl_dir);
-            cmd.envs(env.into_iter().filter(|(key, _)| *key != "UCX_TLS"))
-                .args([
-                    "bench",
-                    "-p",
-                    package,
-                    "--features",
-                    "nixl",
-                    "--bench",
-                    target,
-                    "--",
-                ]);
-        } else {
-            cmd.args(["bench", "-p", package, "--bench", target, "--"]);
-        }
+        cmd.arg("--");
         if quick && *name == "transfer" {
             cmd.arg("--quick");
         } else if quick {

@@ -1,6 +1,6 @@
 //! Helpers the kvx tests share, so that each is written once: free loopback ports for the
-//! servers a test starts, two "hosts" on one machine ([`netns::TwoHosts`]) and fake sysfs trees
-//! ([`sysfs`]).
+//! servers a test starts, a test's body run in a child process ([`in_child`]), two "hosts" on
+//! one machine ([`netns::TwoHosts`]) and fake sysfs trees ([`sysfs`]).
 //!
 //! ```
 //! let base = kvx_testkit::free_ports(2);
@@ -51,4 +51,33 @@ pub fn free_ports(count: u16) -> SocketAddr {
         }
     }
     panic!("no {count} consecutive free ports below the ephemeral range");
+}
+
+/// Runs the test `test` (its path within the test binary, e.g. `module::tests::name`) again in
+/// a child process, for a body that changes process-wide state (a signal's action, say).
+/// Returns `true` in that child, whose caller then runs the body; in the parent, waits for the
+/// child and returns `false` once it passed.
+///
+/// # Panics
+/// In the parent, when the child did not pass (with its output).
+#[must_use]
+pub fn in_child(test: &str) -> bool {
+    const CHILD: &str = "KVX_TESTKIT_CHILD";
+    if std::env::var(CHILD).is_ok_and(|t| t == test) {
+        return true;
+    }
+    let exe = std::env::current_exe().expect("the test binary");
+    let child = std::process::Command::new(exe)
+        .args(["--exact", test, "--test-threads=1"])
+        .env(CHILD, test)
+        .output()
+        .expect("the test binary runs");
+    let stdout = String::from_utf8_lossy(&child.stdout);
+    assert!(
+        child.status.success() && stdout.contains("1 passed"),
+        "{test} in a child process: {}\n{stdout}{}",
+        child.status,
+        String::from_utf8_lossy(&child.stderr)
+    );
+    false
 }

@@ -96,3 +96,61 @@ pub(crate) fn advance(
     );
     driver.tick(driver.clock().now());
 }
+
+/// A fuzz harness's input (`producer::fuzz`, `consumer::fuzz`); past its end, zeros.
+pub(crate) struct FuzzBytes<'a>(pub(crate) &'a [u8]);
+
+impl FuzzBytes<'_> {
+    /// Whether input is left.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    pub(crate) fn byte(&mut self) -> u8 {
+        match self.0.split_first() {
+            Some((&b, rest)) => {
+                self.0 = rest;
+                b
+            }
+            None => 0,
+        }
+    }
+
+    pub(crate) fn u16(&mut self) -> u16 {
+        u16::from_le_bytes([self.byte(), self.byte()])
+    }
+
+    /// One of a few transfers (two attempts each), so that peers' messages and the engine's
+    /// requests meet.
+    pub(crate) fn key(&mut self) -> AttemptKey {
+        let b = self.byte();
+        let attempt = if b & 0x80 == 0 {
+            Attempt::FIRST
+        } else {
+            Attempt::FIRST.next()
+        };
+        AttemptKey::new(TransferId(u128::from(b % 5)), attempt)
+    }
+
+    /// Up to 20 block ids, some past the cache's 16.
+    pub(crate) fn blocks(&mut self) -> Vec<BlockId> {
+        let n = self.byte() % 21;
+        (0..n)
+            .map(|_| BlockId(u32::from(self.byte() % 20)))
+            .collect()
+    }
+
+    /// Any failure reason.
+    pub(crate) fn reason(&mut self) -> kvx_core::wire::FailureReason {
+        use kvx_core::wire::FailureReason as R;
+        [
+            R::LeaseExpired,
+            R::PeerUnreachable,
+            R::TransferFailed,
+            R::Aborted,
+            R::Rejected,
+            R::IncompatibleLayout,
+            R::Preempted,
+        ][usize::from(self.byte() % 7)]
+    }
+}

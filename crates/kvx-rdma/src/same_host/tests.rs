@@ -143,21 +143,9 @@ fn messages_and_notices_cross_a_socket_and_wake_the_waiter() {
 /// that restores the default.
 #[test]
 fn sending_to_a_closed_peer_is_an_error_not_a_sigpipe() {
-    const CHILD: &str = "KVX_SIGPIPE_CHILD";
-    const TEST: &str = "same_host::tests::sending_to_a_closed_peer_is_an_error_not_a_sigpipe";
-    if std::env::var_os(CHILD).is_none() {
-        let child = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", TEST, "--test-threads=1"])
-            .env(CHILD, "1")
-            .output()
-            .unwrap();
-        assert!(
-            child.status.success(),
-            "the child process died: {}\n{}{}",
-            child.status,
-            String::from_utf8_lossy(&child.stdout),
-            String::from_utf8_lossy(&child.stderr)
-        );
+    if !kvx_testkit::in_child(
+        "same_host::tests::sending_to_a_closed_peer_is_an_error_not_a_sigpipe",
+    ) {
         return;
     }
     // SAFETY: sets the default action of one signal before this test sends on a socket; no

@@ -18,10 +18,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvx_core::wire::{
-    Abort, Completion, FailureNotice, FailureReason, Finishing, Heartbeat, Message, Role,
-};
-use kvx_core::{Attempt, BlockId, EngineId, Rank, RequestId, TransferId};
+use kvx_core::wire::{Abort, Completion, FailureNotice, Finishing, Heartbeat, Message, Role};
+use kvx_core::{BlockId, EngineId, Rank, RequestId};
 use kvx_layout::{CopyOp, Layout};
 use kvx_rdma::loopback::LoopbackFabric;
 use kvx_rdma::transport::{Notice, Transport};
@@ -32,7 +30,7 @@ use crate::config::ConnectorConfig;
 use crate::control::{self, ControlStream, Queued};
 use crate::driver::{self, Clock, Mailbox};
 use crate::error::LinkError;
-use crate::sim_support::{advance, endpoint, message, spec, transport_events, turn};
+use crate::sim_support::{advance, endpoint, message, spec, transport_events, turn, FuzzBytes};
 use crate::stats::Stats;
 
 /// The session's virtual clock (one session at a time per process, as a fuzzer runs them).
@@ -44,35 +42,9 @@ const INSTANCE: std::net::SocketAddr = std::net::SocketAddr::new(
     1,
 );
 
-/// Reads the fuzzer's bytes; past the end, zeros.
-struct Bytes<'a>(&'a [u8]);
-
-impl Bytes<'_> {
-    fn byte(&mut self) -> u8 {
-        match self.0.split_first() {
-            Some((&b, rest)) => {
-                self.0 = rest;
-                b
-            }
-            None => 0,
-        }
-    }
-
-    /// One of a few transfers.
-    fn key(&mut self) -> AttemptKey {
-        let b = self.byte();
-        let attempt = if b & 0x80 == 0 {
-            Attempt::FIRST
-        } else {
-            Attempt::FIRST.next()
-        };
-        AttemptKey::new(TransferId(u128::from(b % 5)), attempt)
-    }
-}
-
 /// Runs one session over `data`; panics when an invariant breaks (see the module doc).
 pub fn session(data: &[u8]) {
-    let mut bytes = Bytes(data);
+    let mut bytes = FuzzBytes(data);
     let fabric = LoopbackFabric::new();
     let mut config = ConnectorConfig::new(EngineId(2));
     config.registration_lease = Duration::from_millis(100 + 100 * u64::from(bytes.byte() % 20));
@@ -113,7 +85,7 @@ pub fn session(data: &[u8]) {
     let mut written: HashSet<u64> = HashSet::new();
     let mut ended: HashMap<AttemptKey, usize> = HashMap::new();
     let mut now = Duration::ZERO;
-    while !bytes.0.is_empty() {
+    while !bytes.is_empty() {
         let op = bytes.byte();
         let rogue = |message| {
             Command::Peer(
@@ -168,15 +140,7 @@ pub fn session(data: &[u8]) {
             }),
             4 => {
                 let key = bytes.key();
-                let reason = [
-                    FailureReason::LeaseExpired,
-                    FailureReason::PeerUnreachable,
-                    FailureReason::TransferFailed,
-                    FailureReason::Aborted,
-                    FailureReason::Rejected,
-                    FailureReason::IncompatibleLayout,
-                    FailureReason::Preempted,
-                ][usize::from(bytes.byte() % 7)];
+                let reason = bytes.reason();
                 Some(rogue(Message::Failure(FailureNotice {
                     transfer: key.transfer,
                     attempt: key.attempt,

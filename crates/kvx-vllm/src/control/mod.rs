@@ -645,21 +645,9 @@ mod tests {
         use kvx_core::wire::Heartbeat;
         use kvx_core::{EngineId, Incarnation};
 
-        const CHILD: &str = "KVX_SIGPIPE_CHILD";
-        const TEST: &str = "control::tests::sending_to_a_closed_peer_is_an_error_not_a_sigpipe";
-        if std::env::var_os(CHILD).is_none() {
-            let child = std::process::Command::new(std::env::current_exe().unwrap())
-                .args(["--exact", TEST, "--test-threads=1"])
-                .env(CHILD, "1")
-                .output()
-                .unwrap();
-            assert!(
-                child.status.success(),
-                "the child process died: {}\n{}{}",
-                child.status,
-                String::from_utf8_lossy(&child.stdout),
-                String::from_utf8_lossy(&child.stderr)
-            );
+        if !kvx_testkit::in_child(
+            "control::tests::sending_to_a_closed_peer_is_an_error_not_a_sigpipe",
+        ) {
             return;
         }
         // SAFETY: sets the default action of one signal, before any thread of this test sends

@@ -17,10 +17,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvx_core::wire::{
-    Abort, Completion, FailureNotice, FailureReason, Heartbeat, Message, Registration, Role,
-};
-use kvx_core::{Attempt, BlockId, EngineId, Rank, RequestId, TransferId};
+use kvx_core::wire::{Abort, Completion, FailureNotice, Heartbeat, Message, Registration, Role};
+use kvx_core::{BlockId, EngineId, Rank, RequestId, TransferId};
 use kvx_layout::Layout;
 use kvx_rdma::loopback::LoopbackFabric;
 use kvx_rdma::transport::Transport;
@@ -30,49 +28,11 @@ use super::{Command, Driver, FinishedBlocks, FinishedSending};
 use crate::config::ConnectorConfig;
 use crate::control::{self, ControlStream, Queued};
 use crate::driver::{Clock, Mailbox};
-use crate::sim_support::{advance, endpoint, spec, transport_events, turn};
+use crate::sim_support::{advance, endpoint, spec, transport_events, turn, FuzzBytes};
 use crate::stats::Stats;
 
 /// The session's virtual clock (one session at a time per process, as a fuzzer runs them).
 static NOW: AtomicU64 = AtomicU64::new(0);
-
-/// Reads the fuzzer's bytes; past the end, zeros.
-struct Bytes<'a>(&'a [u8]);
-
-impl Bytes<'_> {
-    fn byte(&mut self) -> u8 {
-        match self.0.split_first() {
-            Some((&b, rest)) => {
-                self.0 = rest;
-                b
-            }
-            None => 0,
-        }
-    }
-
-    fn u16(&mut self) -> u16 {
-        u16::from_le_bytes([self.byte(), self.byte()])
-    }
-
-    /// One of a few transfers, so that peers' messages and the engine's requests meet.
-    fn key(&mut self) -> AttemptKey {
-        let b = self.byte();
-        let attempt = if b & 0x80 == 0 {
-            Attempt::FIRST
-        } else {
-            Attempt::FIRST.next()
-        };
-        AttemptKey::new(TransferId(u128::from(b % 5)), attempt)
-    }
-
-    /// Up to 20 block ids, some past the cache's 16.
-    fn blocks(&mut self) -> Vec<BlockId> {
-        let n = self.byte() % 21;
-        (0..n)
-            .map(|_| BlockId(u32::from(self.byte() % 20)))
-            .collect()
-    }
-}
 
 /// A consumer connection: its id at the producer and its end of the control stream (drained,
 /// so that the producer's sends never back up).
@@ -84,7 +44,7 @@ struct Peer {
 
 /// Runs one session over `data`; panics when an invariant breaks (see the module doc).
 pub fn session(data: &[u8]) {
-    let mut bytes = Bytes(data);
+    let mut bytes = FuzzBytes(data);
     let mut config = ConnectorConfig::new(EngineId(1));
     config.producer_lease = Duration::from_millis(100 + 100 * u64::from(bytes.byte() % 20));
     let fabric = LoopbackFabric::new();
@@ -126,7 +86,7 @@ pub fn session(data: &[u8]) {
     }
     let mut engine: HashMap<AttemptKey, Planned> = HashMap::new();
     let mut now = Duration::ZERO;
-    while !bytes.0.is_empty() {
+    while !bytes.is_empty() {
         let op = bytes.byte();
         let peer = &peers[usize::from(op & 1)];
         let conn = peer.conn;
@@ -174,15 +134,7 @@ pub fn session(data: &[u8]) {
                     transfer: key.transfer,
                     attempt: key.attempt,
                     rank: Rank(u32::from(bytes.byte() % 3)),
-                    reason: [
-                        FailureReason::LeaseExpired,
-                        FailureReason::PeerUnreachable,
-                        FailureReason::TransferFailed,
-                        FailureReason::Aborted,
-                        FailureReason::Rejected,
-                        FailureReason::IncompatibleLayout,
-                        FailureReason::Preempted,
-                    ][usize::from(bytes.byte() % 7)],
+                    reason: bytes.reason(),
                     detail: String::new(),
                 })))
             }
@@ -318,7 +270,7 @@ struct Planned {
 fn plan<'a>(
     engine: &'a mut HashMap<AttemptKey, Planned>,
     key: AttemptKey,
-    bytes: &mut Bytes<'_>,
+    bytes: &mut FuzzBytes<'_>,
 ) -> &'a mut Planned {
     let next = RequestId(engine.len() as u64 + 1);
     engine.entry(key).or_insert_with(|| {
