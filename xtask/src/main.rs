@@ -8,7 +8,9 @@
 //!   and prints the ratios;
 //! - `cargo xtask fuzz TARGET [SECONDS]`: run a fuzz target with cargo-fuzz;
 //! - `cargo xtask vllm-versions [RELEASE…]`: the end-to-end tests on each vLLM CPU release;
-//! - `cargo xtask wheel`: build the `kvx-vllm` Python package as a wheel under `target/wheels/`.
+//! - `cargo xtask wheel`: build the `kvx-vllm` Python package as a wheel under `target/wheels/`;
+//! - `cargo xtask gpu-bundle`: the GPU tests, `bench gpu` and the NIXL runtime they load, in
+//!   `.gpu/`, for a GPU machine without Rust, Python or NIXL.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -18,6 +20,7 @@ use clap::{Parser, Subcommand};
 
 mod against;
 mod bench;
+mod gpu_bundle;
 mod gpu_pd;
 mod nixl;
 mod pd;
@@ -71,6 +74,9 @@ enum Task {
     /// Build the kvx-vllm Python package as a manylinux wheel under target/wheels/ (pip installs
     /// it without a Rust toolchain).
     Wheel,
+    /// Build the GPU tests and `bench gpu` with the part of the NIXL runtime they load into
+    /// `.gpu/`, for a GPU machine without Rust, Python or NIXL (`.gpu/run.sh` runs them there).
+    GpuBundle,
     /// Run a fuzz target with cargo-fuzz (installed on first use).
     Fuzz {
         /// wire_decode, rendezvous_events or connector.
@@ -301,6 +307,10 @@ fn main() -> anyhow::Result<()> {
                 releases
             };
             vllm::test_releases(&releases)
+        }
+        Task::GpuBundle => {
+            setup::ensure_packages()?;
+            gpu_bundle::build().map(drop)
         }
         Task::Wheel => {
             setup::ensure_packages()?;
