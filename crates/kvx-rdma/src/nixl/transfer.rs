@@ -521,12 +521,16 @@ impl NixlTransport {
         if indexed {
             self.prepared_transfers += 1;
         }
+        // The local regions in use (a plan's operations come grouped by region: a lookup per
+        // change of region, not per operation).
         let mut locals: Vec<u32> = Vec::new();
+        let mut last = None;
         for op in ops {
             let region = if write { op.src_region } else { op.dst_region };
-            if !locals.contains(&region) {
+            if last != Some(region) && !locals.contains(&region) {
                 locals.push(region);
             }
+            last = Some(region);
         }
         let op = self.new_op();
         for index in &locals {
