@@ -15,7 +15,7 @@
 //! regenerated on every [`Transport::register`] and [`Transport::deregister`], so a consumer
 //! re-sends its description after registering more memory and the producer connects again
 //! (which refreshes the peer). A [`Transport::write`] or [`Transport::read`] is one NIXL transfer
-//! request, or two (below); each piece of each [`CopyOp`] ([`CopyOp::pieces`]) is one descriptor
+//! request, or several (below); each piece of each [`CopyOp`] ([`CopyOp::pieces`]) is one descriptor
 //! in a local and a remote list of the same length.
 //!
 //! # Prepared descriptor lists

@@ -631,8 +631,8 @@ impl NixlTransport {
     }
 
     /// Reads the status of every transfer in flight (which also sends deferred notifications)
-    /// and reports what finished or expired. A transfer of two requests is reported once both
-    /// have settled, failed if either failed.
+    /// and reports what finished or expired. A transfer of several requests is reported once
+    /// all have settled, failed if any failed.
     pub(super) fn check_transfers(&mut self) {
         let now = Instant::now();
         let ops: Vec<u64> = self.pending.keys().copied().collect();
