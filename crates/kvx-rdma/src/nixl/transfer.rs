@@ -233,9 +233,10 @@ pub(super) struct Pending {
     /// others, each cut at [`NixlConfig::max_request_descriptors`] (the notification rides on
     /// the last, see [`NixlTransport::submit`]).
     pub(super) requests: Vec<sys::XferRequest>,
-    /// A request that failed to post (those after it were not posted): reported once the
-    /// posted ones have settled.
-    pub(super) post_failed: Option<BackendError>,
+    /// The first failure seen (a request that could not be posted, which left those after it
+    /// unposted, or a request's failed status) while others were still in flight: reported once
+    /// they have settled.
+    pub(super) failed: Option<BackendError>,
     pub(super) kind: OpKind,
     pub(super) peer: PeerId,
     pub(super) bytes: u64,
@@ -556,7 +557,7 @@ impl NixlTransport {
             op,
             Pending {
                 requests: posted,
-                post_failed,
+                failed: post_failed,
                 kind,
                 peer: peer_id,
                 bytes,
@@ -641,7 +642,7 @@ impl NixlTransport {
                 continue;
             };
             let mut in_progress = false;
-            let mut failed = p.post_failed.take();
+            let mut failed = p.failed.take();
             for request in &p.requests {
                 match self.agent.get_xfer_status(request) {
                     Ok(sys::XferStatus::Success) => {}
@@ -653,7 +654,7 @@ impl NixlTransport {
             }
             if in_progress {
                 // Settled later: keep what failed for then.
-                p.post_failed = failed;
+                p.failed = failed;
                 if !p.abandoned && p.deadline <= now {
                     p.abandoned = true;
                     let (kind, peer) = (p.kind, p.peer);
