@@ -3,7 +3,10 @@
 //! the test and benchmark binaries built here (stripped), and the part of the `nixl-cu12`
 //! runtime they load (`libnixl_capi.so`, the UCX plugin, UCX's `cma` and `cuda` modules, and
 //! every library of the wheel that those need, found with `readelf -d`) as `nixl.tar.xz`.
-//! `.gpu/run.sh` unpacks the runtime and runs them; `.gpu/README` says how.
+//! Beside them, the Python glue's GPU test (`python/tests/test_gpu.py`) with the package's Python
+//! files and a native module built without libfabric (`python/`), which `run.sh` runs under the
+//! GPU machine's own Python and PyTorch where it has them. `.gpu/run.sh` unpacks the runtime and
+//! runs them all; `.gpu/README` says how.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -71,6 +74,13 @@ for t in gpu_cuda gpu_nixl gpu_connector; do
     echo "==> $t"
     "$here/$t" --test-threads=1 || status=1
 done
+echo "==> test_gpu.py (the Python glue with CUDA tensors)"
+if python3 -c 'import torch, pytest' 2>/dev/null; then
+    (cd "$here/python" && PYTHONPATH="$here/python" python3 -m pytest -q -p no:cacheprovider \
+        tests/test_gpu.py) || status=1
+else
+    echo "SKIPPED (test_gpu.py): no python3 with torch and pytest on this machine"
+fi
 echo "==> bench gpu"
 KVX_GPU_BENCH_ONLY="${1:-}" KVX_BENCH_OUT="${OUT:-$here}" "$here/bench_gpu" || status=1
 exit $status
@@ -79,7 +89,7 @@ exit $status
 const README: &str =
     "kvx GPU bundle (cargo xtask gpu-bundle): `./run.sh [writes,plan,read,kernels]` \
 runs the GPU tests and bench gpu on a machine with an NVIDIA GPU and its driver; nothing else \
-is needed. Results of the benchmark go to $OUT (or here) as gpu.json.\n";
+is needed (test_gpu.py, the Python glue's, runs where python3 has torch and pytest). Results of the benchmark go to $OUT (or here) as gpu.json.\n";
 
 /// Builds the bundle; returns its folder.
 pub(crate) fn build() -> anyhow::Result<PathBuf> {
@@ -93,6 +103,8 @@ pub(crate) fn build() -> anyhow::Result<PathBuf> {
             .with_context(|| format!("cannot copy {} to {}", path.display(), target.display()))?;
         run(Command::new("strip").arg(&target))?;
     }
+    step("building the native Python module without libfabric (cuda, cma, nixl)");
+    bundle_python(&out)?;
     step("packing the NIXL runtime's part that the GPU tests load");
     let runtime = crate::nixl::ensure_nixl_runtime()?;
     pack_runtime(&runtime, &out.join("nixl.tar.xz"))?;
@@ -105,6 +117,52 @@ pub(crate) fn build() -> anyhow::Result<PathBuf> {
         out.display()
     );
     Ok(out)
+}
+
+/// The Python package's files, its native module (built here with the GPU machine's transports:
+/// no libfabric) and the GPU test with its helpers, under `out/python`.
+fn bundle_python(out: &Path) -> anyhow::Result<()> {
+    let features = "python,pyo3/extension-module,cuda,cma,nixl";
+    let output = cargo()
+        .args(["build", "--release", "-p", "kvx-vllm", "--lib"])
+        .args(["--no-default-features", "--features", features])
+        .args(["--message-format=json-render-diagnostics"])
+        .output()
+        .context("cannot run cargo build for the native module")?;
+    if !output.status.success() {
+        bail!(
+            "building the native module failed:\n{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    let library = String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter(|m| m["target"]["name"] == "kvx_vllm")
+        .filter_map(|m| m["filenames"].as_array().cloned())
+        .flatten()
+        .filter_map(|f| f.as_str().map(PathBuf::from))
+        .find(|f| f.extension().is_some_and(|e| e == "so"))
+        .context("cargo built no kvx_vllm shared library")?;
+    let python = out.join("python");
+    let _ = std::fs::remove_dir_all(&python);
+    let (package, tests) = (python.join("kvx_vllm"), python.join("tests"));
+    std::fs::create_dir_all(&package)?;
+    std::fs::create_dir_all(&tests)?;
+    let source = root().join("python");
+    for entry in std::fs::read_dir(source.join("kvx_vllm"))? {
+        let path = entry?.path();
+        if path.extension().is_some_and(|e| e == "py") {
+            std::fs::copy(&path, package.join(path.file_name().context("a file name")?))?;
+        }
+    }
+    for test in ["test_gpu.py", "kv_helpers.py"] {
+        std::fs::copy(source.join("tests").join(test), tests.join(test))?;
+    }
+    let native = package.join("_native.abi3.so");
+    std::fs::copy(&library, &native)
+        .with_context(|| format!("cannot copy {}", library.display()))?;
+    run(Command::new("strip").arg(&native))
 }
 
 /// Builds one test or benchmark binary (`--no-run`) and returns its path.

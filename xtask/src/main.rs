@@ -220,6 +220,16 @@ fn test(no_lint: bool) -> anyhow::Result<()> {
         "--features",
         "nixl",
     ]))?;
+    step("the connector over NIXL on one host: a loopback prefill, a decode that knows no peer");
+    run(cargo().envs(nixl::nixl_test_env(&nixl_dir)).args([
+        "test",
+        "-p",
+        "kvx-vllm",
+        "--features",
+        "nixl",
+        "--test",
+        "nixl_one_host",
+    ]))?;
     step("kvx pd across two hosts (network namespaces) over NIXL (UCX over TCP)");
     run(cargo().envs(nixl::nixl_test_env(&nixl_dir)).args([
         "test",

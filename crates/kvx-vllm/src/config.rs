@@ -129,6 +129,16 @@ impl Peers {
         self.0.is_empty()
     }
 
+    /// The host of the list's first entry: where a decode's transport looks for its peers
+    /// before it has met one (the interface the route to it leaves by).
+    #[must_use]
+    pub fn first_host(&self) -> Option<std::net::IpAddr> {
+        self.0.first().map(|e| match *e {
+            PeerEntry::Host(ip) => ip,
+            PeerEntry::Address(a) => a.ip(),
+        })
+    }
+
     /// Whether the prefill instance at `prefill` is on the list (always, where there is none).
     #[must_use]
     pub fn allows(&self, prefill: SocketAddr) -> bool {
@@ -251,6 +261,8 @@ mod tests {
         assert!(peers.allows(addr("10.0.0.2:9")));
         assert!(peers.allows(addr("[::1]:7100")));
         assert!(!peers.allows(addr("10.0.0.3:7100")));
+        assert_eq!(peers.first_host(), Some("10.0.0.1".parse().unwrap()));
+        assert_eq!(none.first_host(), None);
         assert_eq!(
             "10.0.0.1:7100,prefill-0".parse::<Peers>(),
             Err(BadPeer("prefill-0".into()))

@@ -199,6 +199,11 @@ fn start_args(
             _ => None,
         })
         .with_rail_overrides(rails);
+    // Decode's `peers` say where its prefills are before it meets one.
+    let options = match config.peers.first_host() {
+        Some(peer) => options.with_peer(peer),
+        None => options,
+    };
     let regions = regions
         .into_iter()
         .enumerate()
@@ -917,9 +922,13 @@ enum PluginStartError {
 }
 
 /// The transport options the plugin's operator asks for in the environment (the plugin, not
-/// the library, reads it): `KVX_SHM_SWEEP=1` sweeps stale `shm` regions.
+/// the library, reads it): `KVX_SHM_SWEEP=1` sweeps stale `shm` regions; an exported
+/// `UCX_NET_DEVICES` names NIXL's UCX devices instead of kvx's rails.
 fn plugin_open_options() -> OpenOptions {
     OpenOptions::from_env_values(std::env::var_os(crate::transport::SHM_SWEEP_ENV).as_deref())
+        .with_ucx_net_devices_exported(
+            std::env::var_os(crate::transport::UCX_NET_DEVICES_ENV).is_some_and(|v| !v.is_empty()),
+        )
 }
 
 /// Checks the Python value `v` against the setting `name` (key or field name).

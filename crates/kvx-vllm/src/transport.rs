@@ -333,6 +333,10 @@ pub struct OpenOptions {
     pub rail_overrides: RailOverrides,
     /// Where sysfs is; `None`: `/sys`.
     pub sysfs_root: Option<std::path::PathBuf>,
+    /// The operator exported `UCX_NET_DEVICES` (the binaries look; this crate reads no
+    /// environment): NIXL's UCX then opens the devices it names, and kvx names none (no rails,
+    /// no interface).
+    pub ucx_net_devices_exported: bool,
 }
 
 impl OpenOptions {
@@ -364,6 +368,13 @@ impl OpenOptions {
     #[must_use]
     pub fn for_cuda_device(mut self, cuda_device: Option<u32>) -> Self {
         self.cuda_device = cuda_device;
+        self
+    }
+
+    /// These options, where the operator exported `UCX_NET_DEVICES` (`exported`) or not.
+    #[must_use]
+    pub fn with_ucx_net_devices_exported(mut self, exported: bool) -> Self {
+        self.ucx_net_devices_exported = exported;
         self
     }
 
@@ -406,6 +417,10 @@ pub const NIXL_LIB_DIR_ENV: &str = "KVX_NIXL_LIB_DIR";
 /// The environment variable whose value `1` turns on [`OpenOptions::sweep_stale_shm`] in the
 /// `kvx` binary and the vLLM plugin.
 pub const SHM_SWEEP_ENV: &str = "KVX_SHM_SWEEP";
+
+/// UCX's variable for its network devices: where the operator exported it (non-empty), the
+/// `kvx` binary and the vLLM plugin set [`OpenOptions::ucx_net_devices_exported`].
+pub const UCX_NET_DEVICES_ENV: &str = "UCX_NET_DEVICES";
 
 impl TransportSpec {
     /// Opens an endpoint with the default [`OpenOptions`].
@@ -522,7 +537,7 @@ impl TransportSpec {
         if domain.is_some() {
             config.domain.clone_from(domain);
         } else if config.provider == PROVIDER_TCP {
-            config.domain = Some(tcp_interface(self, options)?);
+            config.domain = Some(tcp_interface(self, options)?.interface);
         } else if per_nic && *rails == 1 {
             if let Some((topology, gpu)) = host_topology(options)? {
                 let (chosen, selected) = config.with_topology(&topology, Some(&gpu));
@@ -570,6 +585,10 @@ impl TransportSpec {
         if let Some(interface) = interface {
             return Ok(config.with_engine_setting("NET_DEVICES", interface));
         }
+        if options.ucx_net_devices_exported {
+            tracing::info!(transport = %self, "kvx: UCX opens the devices of UCX_NET_DEVICES");
+            return Ok(config);
+        }
         let topology = host_topology(options)?;
         if let Some((topology, gpu)) = &topology {
             if let Some(choice) = topology.rails_for(gpu).filter(|c| !c.rails.is_empty()) {
@@ -583,8 +602,19 @@ impl TransportSpec {
             None => Topology::from_sysfs(root).map_or(true, |t| t.rdma_nics().is_empty()),
         };
         if no_rdma_nics {
-            let interface = tcp_interface(self, options)?;
-            config = config.with_engine_setting("NET_DEVICES", &interface);
+            // Where nothing is known of the peers, UCX keeps all interfaces and pairs them by
+            // reachability (a decode of this host then reaches a prefill that listens on
+            // loopback: UCX pairs loopback only with loopback, and `engine_config` cannot name
+            // two devices).
+            let choice = tcp_interface(self, options)?;
+            match ucx_tcp_devices(&choice.interface, choice.rule) {
+                Some(devices) => config = config.with_engine_setting("NET_DEVICES", &devices),
+                None => tracing::info!(
+                    transport = %self,
+                    "kvx: UCX keeps every interface (nothing is known of the peers; it pairs \
+                     them by reachability)"
+                ),
+            }
         }
         Ok(config)
     }
@@ -659,7 +689,10 @@ fn log_rails(
 /// its name gives none: where `options` say the peers reach this host
 /// (`kvx_rdma::topology::reach`); logged once per endpoint.
 #[cfg(any(feature = "libfabric", feature = "nixl"))]
-fn tcp_interface(spec: &TransportSpec, options: &OpenOptions) -> Result<String, TransportError> {
+fn tcp_interface(
+    spec: &TransportSpec,
+    options: &OpenOptions,
+) -> Result<kvx_rdma::topology::reach::InterfaceChoice, TransportError> {
     use kvx_rdma::topology::reach::{choose_interface, Reach};
     let reach = match (options.local_addr, options.peer_addr) {
         (Some(local), _) => Reach::local(local),
@@ -677,7 +710,17 @@ fn tcp_interface(spec: &TransportSpec, options: &OpenOptions) -> Result<String, 
         rule = %choice.rule,
         "kvx: tcp endpoint interface chosen"
     );
-    Ok(choice.interface)
+    Ok(choice)
+}
+
+/// UCX's `NET_DEVICES` for a TCP endpoint on `interface`, chosen by `rule`: that interface,
+/// unless the choice is a guess (nothing was known of the peers); then none, and UCX keeps all
+/// of them. A guessed interface alone would fail against a peer of this host that listens on
+/// loopback (UCX on `lo`): UCX pairs a loopback device only with a loopback device ("local
+/// non-loopback remote loopback"), and every transfer between the two would be unreachable.
+#[cfg(feature = "nixl")]
+fn ucx_tcp_devices(interface: &str, rule: kvx_rdma::topology::reach::ReachRule) -> Option<String> {
+    (!rule.is_a_guess()).then(|| interface.to_owned())
 }
 
 #[cfg(test)]
@@ -850,6 +893,14 @@ mod tests {
             .unwrap_err();
         assert!(matches!(err, TransportError::Rails(_)), "{err}");
         assert!(err.to_string().contains("rdmap999s0"), "{err}");
+        // An exported UCX_NET_DEVICES wins over the rails: kvx names no device.
+        let exported = on_gpu(&sysfs, gpu).with_ucx_net_devices_exported(true);
+        let config = nixl.nixl_config(&exported).unwrap();
+        assert_eq!(config.net_devices, None);
+        assert!(!config
+            .backend_params
+            .iter()
+            .any(|(_, v)| v.contains("NET_DEVICES")));
         // A named interface wins over the rails.
         let named: TransportSpec = "nixl@eth7".parse().unwrap();
         let config = named.nixl_config(&on_gpu(&sysfs, gpu)).unwrap();
@@ -888,6 +939,22 @@ mod tests {
             .libfabric_config(&on_gpu(&sysfs, &gpus[0].0).with_rail_overrides(missing))
             .unwrap_err();
         assert!(err.to_string().contains("rdmap999s0"), "{err}");
+    }
+
+    /// An instance that knows where its peers are opens UCX on that interface alone; one that
+    /// knows nothing (a decode before its first prefill) leaves UCX all of them, so that a
+    /// prefill of the same host listening on loopback (UCX on `lo`) shares a device with it.
+    #[cfg(feature = "nixl")]
+    #[test]
+    fn ucx_keeps_all_interfaces_where_the_choice_is_a_guess() {
+        use kvx_rdma::topology::reach::ReachRule;
+        let local = ReachRule::LocalAddress("192.0.2.2".parse().unwrap());
+        assert_eq!(ucx_tcp_devices("eth0", local).as_deref(), Some("eth0"));
+        let peer = ReachRule::RouteToPeer("192.0.2.9".parse().unwrap());
+        assert_eq!(ucx_tcp_devices("eth0", peer).as_deref(), Some("eth0"));
+        assert_eq!(ucx_tcp_devices("lo", ReachRule::Loopback).as_deref(), Some("lo"));
+        assert_eq!(ucx_tcp_devices("eth0", ReachRule::DefaultRoute), None);
+        assert_eq!(ucx_tcp_devices("eth0", ReachRule::OnlyInterface), None);
     }
 
     #[test]

@@ -30,7 +30,10 @@ pub(crate) fn open_transport(
 ) -> Result<Box<dyn kvx_rdma::Transport>, kvx_vllm::TransportError> {
     let sweep = std::env::var_os(kvx_vllm::transport::SHM_SWEEP_ENV);
     let nixl = std::env::var_os(kvx_vllm::transport::NIXL_LIB_DIR_ENV).map(Into::into);
-    let options = kvx_vllm::OpenOptions::from_env_values(sweep.as_deref()).with_nixl_library(nixl);
+    let ucx_devices = std::env::var_os(kvx_vllm::transport::UCX_NET_DEVICES_ENV);
+    let options = kvx_vllm::OpenOptions::from_env_values(sweep.as_deref())
+        .with_nixl_library(nixl)
+        .with_ucx_net_devices_exported(ucx_devices.is_some_and(|v| !v.is_empty()));
     spec.open_with(&adjust(options))
 }
 

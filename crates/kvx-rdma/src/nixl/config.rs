@@ -45,9 +45,11 @@ pub struct NixlConfig {
     /// spell, traded against the CPU an idle waiting thread costs.
     pub max_idle_sleep: Duration,
     /// UCX's network devices (`rdmap79s0:1,rdmap80s0:1`) for the memory's accelerator, from
-    /// [`NixlConfig::with_rails_of`]: given to UCX as `NET_DEVICES` in `engine_config` when the
-    /// endpoint opens, unless `engine_config` names devices itself; a `UCX_NET_DEVICES` the
-    /// user set wins. `None`: UCX's own choice.
+    /// [`NixlConfig::with_rails_of`]: given to UCX when the endpoint opens, unless
+    /// `engine_config` names devices itself: one device as `NET_DEVICES` in `engine_config` (a
+    /// `UCX_NET_DEVICES` the user exported wins), several as NIXL's `device_list` (each on port
+    /// 1; NIXL sets it over the environment's value, so a caller that honours the user's
+    /// `UCX_NET_DEVICES` leaves this `None`). `None`: UCX's own choice.
     pub net_devices: Option<String>,
     /// Most descriptors in one *prepared* descriptor list (0: none are prepared). A transfer's
     /// operations name their pieces by index in lists NIXL prepared once (`prepXferDlist`) over

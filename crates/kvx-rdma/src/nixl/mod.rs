@@ -186,6 +186,41 @@ impl Peer {
 
 /// The network devices `config` gives UCX: its rails, else the `NET_DEVICES` of its
 /// `engine_config` (an interface name), else none (UCX's own choice).
+/// `config` with its rails' devices ([`NixlConfig::net_devices`]) in the backend parameters
+/// (never through the process environment): one device as `NET_DEVICES` in `engine_config`,
+/// which a `UCX_NET_DEVICES` the user exported overrides, as every `UCX_*` variable does;
+/// several as NIXL's `device_list` (names, each on port 1, which NIXL adds), because NIXL cuts
+/// `engine_config` at every comma and a list there would keep its first device only. NIXL sets
+/// `device_list` over the environment's value. An `engine_config` that names `NET_DEVICES`
+/// itself wins over both.
+///
+/// # Errors
+/// [`OpenError::Config`] for several devices of which one is on a port other than 1, which
+/// NIXL cannot be given.
+fn with_devices_applied(config: &NixlConfig) -> Result<NixlConfig, OpenError> {
+    let Some(devices) = config.net_devices.as_deref().filter(|d| !d.is_empty()) else {
+        return Ok(config.clone());
+    };
+    let named = config.backend_params.iter().any(|(k, v)| {
+        k == "engine_config"
+            && v.split(',')
+                .any(|kv| kv.trim().trim_start_matches("UCX_").starts_with("NET_DEVICES="))
+    });
+    if named || !devices.contains(',') {
+        return Ok(config.clone().with_engine_setting("NET_DEVICES", devices));
+    }
+    let names = devices
+        .split(',')
+        .map(|d| match d.split_once(':') {
+            None | Some((_, "1")) => Ok(d.split(':').next().unwrap_or(d)),
+            Some(_) => Err(OpenError::Config(format!(
+                "UCX devices {devices}: NIXL takes several devices only on port 1"
+            ))),
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(config.clone().with_param("device_list", &names.join(", ")))
+}
+
 fn net_devices(config: &NixlConfig) -> Vec<String> {
     if let Some(devices) = &config.net_devices {
         return devices.split(',').map(str::to_owned).collect();
@@ -294,12 +329,7 @@ impl NixlTransport {
             plugin_file: runtime::plugin_file(&config.plugin),
             source,
         };
-        // The rails' devices go to UCX as `NET_DEVICES` in `engine_config` (never through the
-        // process environment); a `UCX_NET_DEVICES` the user set wins, as every `UCX_*` does.
-        let config = match &config.net_devices {
-            Some(devices) => &config.clone().with_engine_setting("NET_DEVICES", devices),
-            None => config,
-        };
+        let config = &with_devices_applied(config)?;
         let params = sys::Params::from(
             config
                 .backend_params

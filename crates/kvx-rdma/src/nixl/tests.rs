@@ -19,6 +19,46 @@ use crate::error::{
 use crate::region::HostBuffer;
 use crate::transport::{Notice, Transport};
 
+/// NIXL cuts `engine_config` at commas: one device goes there, several as `device_list`
+/// (names; NIXL adds port 1), and an `engine_config` naming its own devices wins.
+#[test]
+fn rails_of_several_devices_go_to_nixl_as_a_device_list() {
+    let param = |c: &NixlConfig, key: &str| {
+        c.backend_params
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.clone())
+    };
+    let mut config = NixlConfig::ucx();
+    config.net_devices = Some("rdmap79s0:1".into());
+    let applied = with_devices_applied(&config).unwrap();
+    assert_eq!(
+        param(&applied, "engine_config").as_deref(),
+        Some("NET_DEVICES=rdmap79s0:1")
+    );
+    assert_eq!(param(&applied, "device_list"), None);
+    config.net_devices = Some("rdmap79s0:1,rdmap80s0:1".into());
+    let applied = with_devices_applied(&config.clone().with_device_memory()).unwrap();
+    assert_eq!(
+        param(&applied, "device_list").as_deref(),
+        Some("rdmap79s0, rdmap80s0")
+    );
+    assert_eq!(
+        param(&applied, "engine_config").as_deref(),
+        Some("MEMTYPE_CACHE=n")
+    );
+    let own = config.clone().with_engine_setting("NET_DEVICES", "mlx5_3:1");
+    let applied = with_devices_applied(&own).unwrap();
+    assert_eq!(
+        param(&applied, "engine_config").as_deref(),
+        Some("NET_DEVICES=mlx5_3:1")
+    );
+    assert_eq!(param(&applied, "device_list"), None);
+    config.net_devices = Some("mlx5_0:1,mlx5_1:2".into());
+    let err = with_devices_applied(&config).unwrap_err();
+    assert!(err.to_string().contains("mlx5_1:2"), "{err}");
+}
+
 #[test]
 fn device_memory_turns_the_memtype_cache_off_once_and_keeps_other_settings() {
     let engine = |c: &NixlConfig| {

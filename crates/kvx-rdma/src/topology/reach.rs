@@ -16,6 +16,11 @@
 //!
 //! A route to a peer is looked up by connecting a UDP socket (which sends nothing); the default
 //! route is read from `/proc/net/route`.
+//!
+//! Rules 3 and 4 rest on nothing the caller knew of its peers ([`ReachRule::is_a_guess`]): such
+//! an instance (a decode that has not met its prefill yet) may be served by a peer of this host
+//! that listens on loopback, and so opened on the loopback interface. A transport that pairs
+//! interfaces by reachability itself (UCX) is better left to its own choice of all of them then.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, UdpSocket};
 
@@ -64,6 +69,15 @@ pub enum ReachRule {
     OnlyInterface,
     /// Nothing else is up: peers on this host only.
     Loopback,
+}
+
+impl ReachRule {
+    /// Whether the choice rests on nothing known of the peers (the default route's interface,
+    /// or the only one besides loopback).
+    #[must_use]
+    pub fn is_a_guess(self) -> bool {
+        matches!(self, Self::DefaultRoute | Self::OnlyInterface)
+    }
 }
 
 impl std::fmt::Display for ReachRule {
