@@ -153,7 +153,10 @@ fn bundle_python(out: &Path) -> anyhow::Result<()> {
     for entry in std::fs::read_dir(source.join("kvx_vllm"))? {
         let path = entry?.path();
         if path.extension().is_some_and(|e| e == "py") {
-            std::fs::copy(&path, package.join(path.file_name().context("a file name")?))?;
+            std::fs::copy(
+                &path,
+                package.join(path.file_name().context("a file name")?),
+            )?;
         }
     }
     for test in ["test_gpu.py", "kv_helpers.py"] {

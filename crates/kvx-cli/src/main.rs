@@ -69,7 +69,7 @@ fn main() -> anyhow::Result<()> {
         kvx_vllm::trace::otlp::init(filter(), None, service)?;
         tracing::warn!(%e, "request spans are not exported");
     }
-    match &cli.command {
+    let result = match &cli.command {
         Command::Plan(args) => plan_cmd::run(args),
         Command::Topo(args) => topo::run(args),
         Command::Pd(args) => pd::run(args),
@@ -84,5 +84,8 @@ fn main() -> anyhow::Result<()> {
             );
             Ok(())
         }
-    }
+    };
+    // The spans of the last second go out before the process ends.
+    kvx_vllm::trace::otlp::flush(std::time::Duration::from_secs(3));
+    result
 }

@@ -580,3 +580,47 @@ fn with_a_deployment_key_push_and_pull_verify_and_another_key_is_refused() {
         assert!(said.contains(says), "{file:?}: {said}");
     }
 }
+
+/// With `--otlp-endpoint`, decode (the pair's router) starts a trace per request and hands it
+/// on: each request is one trace across the two processes, decode's `kvx.pd.request` span the
+/// parent of prefill's `kvx.send` and decode's `kvx.receive` spans, push and pull; every span
+/// posted before the processes end.
+#[test]
+fn a_traced_pair_exports_each_request_as_one_trace_across_both_processes() {
+    use kvx_testkit::otlp::{field, receiver, spans_named};
+    for mode in ["push", "pull"] {
+        let (endpoint, posted) = receiver();
+        let otlp = ["--otlp-endpoint", endpoint.as_str()];
+        let (report, _, _) = run_pair(&Run {
+            transport: "cma",
+            mode,
+            prefill: &otlp,
+            decode: &otlp,
+            requests: 3,
+            hosts: None,
+            tokens: "40,100",
+        });
+        check(&report, 3, 40 + 100 + 40);
+        let routers = spans_named(&posted, "kvx.pd.request");
+        let sends = spans_named(&posted, "kvx.send");
+        let receives = spans_named(&posted, "kvx.receive");
+        assert_eq!(routers.len(), 3, "{mode}: {routers:?}");
+        for router in &routers {
+            let trace = field(router, "traceId").expect("a trace id");
+            let id = field(router, "spanId").expect("a span id");
+            assert_eq!(field(router, "parentSpanId"), Some(""), "{router}");
+            for (side, spans) in [("prefill", &sends), ("decode", &receives)] {
+                let children: Vec<&String> = spans
+                    .iter()
+                    .filter(|s| field(s, "traceId") == Some(trace))
+                    .collect();
+                assert_eq!(children.len(), 1, "{mode}, {side}: {trace} in {spans:?}");
+                assert_eq!(
+                    field(children[0], "parentSpanId"),
+                    Some(id),
+                    "{mode}, {side}"
+                );
+            }
+        }
+    }
+}

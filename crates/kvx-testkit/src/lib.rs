@@ -1,6 +1,7 @@
 //! Helpers the kvx tests share, so that each is written once: free loopback ports for the
 //! servers a test starts, a test's body run in a child process ([`in_child`]), two "hosts" on
-//! one machine ([`netns::TwoHosts`]) and fake sysfs trees ([`sysfs`]).
+//! one machine ([`netns::TwoHosts`]), fake sysfs trees ([`sysfs`]) and an OTLP/HTTP receiver
+//! for request traces ([`otlp`]).
 //!
 //! ```
 //! let base = kvx_testkit::free_ports(2);
@@ -10,6 +11,7 @@
 use std::net::{SocketAddr, TcpListener};
 
 pub mod netns;
+pub mod otlp;
 pub mod sysfs;
 
 /// `count` consecutive free loopback ports, below the ephemeral range (where connections'

@@ -952,7 +952,10 @@ mod tests {
         assert_eq!(ucx_tcp_devices("eth0", local).as_deref(), Some("eth0"));
         let peer = ReachRule::RouteToPeer("192.0.2.9".parse().unwrap());
         assert_eq!(ucx_tcp_devices("eth0", peer).as_deref(), Some("eth0"));
-        assert_eq!(ucx_tcp_devices("lo", ReachRule::Loopback).as_deref(), Some("lo"));
+        assert_eq!(
+            ucx_tcp_devices("lo", ReachRule::Loopback).as_deref(),
+            Some("lo")
+        );
         assert_eq!(ucx_tcp_devices("eth0", ReachRule::DefaultRoute), None);
         assert_eq!(ucx_tcp_devices("eth0", ReachRule::OnlyInterface), None);
     }

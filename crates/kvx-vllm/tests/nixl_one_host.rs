@@ -19,8 +19,8 @@ use kvx_rdma::region::{HostBuffer, LocalRegion};
 use kvx_rendezvous::AttemptKey;
 use kvx_testkit::free_ports;
 use kvx_vllm::{
-    ConnectorConfig, Consumer, KvCache, OpenOptions, Producer, PullRequest, PushRequest,
-    RecvEvent, SendOutcome, TransportSpec,
+    ConnectorConfig, Consumer, KvCache, OpenOptions, Producer, PullRequest, PushRequest, RecvEvent,
+    SendOutcome, TransportSpec,
 };
 
 const SEED: u64 = 0x6e69_786c;
@@ -130,7 +130,8 @@ fn blocks(ids: &[u32], block_tokens: u64) -> Vec<BlockId> {
 
 #[test]
 fn push_with_an_early_write_and_pull_between_a_loopback_prefill_and_an_unaddressed_decode() {
-    let test = "push_with_an_early_write_and_pull_between_a_loopback_prefill_and_an_unaddressed_decode";
+    let test =
+        "push_with_an_early_write_and_pull_between_a_loopback_prefill_and_an_unaddressed_decode";
     let Some(library) = runtime(test) else {
         return;
     };

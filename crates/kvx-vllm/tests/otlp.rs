@@ -4,9 +4,7 @@
 //! parent span, and the request's steps as events.
 #![cfg(feature = "otlp")]
 
-use std::io::{BufRead as _, BufReader, Read as _, Write as _};
-use std::net::TcpListener;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvx_core::{
@@ -21,47 +19,7 @@ use kvx_vllm::{
     TransportSpec,
 };
 
-/// Each request a receiver took: its request line and its body.
-type Posted = Arc<Mutex<Vec<(String, String)>>>;
-
-/// A minimal OTLP/HTTP receiver on a free port: answers every POST with 200 and keeps its
-/// body; returns its endpoint and the bodies.
-fn otlp_receiver() -> (String, Posted) {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let endpoint = format!("http://{}", listener.local_addr().unwrap());
-    let bodies = Arc::new(Mutex::new(Vec::new()));
-    let kept = Arc::clone(&bodies);
-    std::thread::spawn(move || {
-        for stream in listener.incoming() {
-            let Ok(mut stream) = stream else { continue };
-            let mut reader = BufReader::new(stream.try_clone().unwrap());
-            let mut request_line = String::new();
-            reader.read_line(&mut request_line).unwrap();
-            let mut length = 0usize;
-            loop {
-                let mut line = String::new();
-                reader.read_line(&mut line).unwrap();
-                if line.trim().is_empty() {
-                    break;
-                }
-                if let Some((name, value)) = line.split_once(':') {
-                    if name.eq_ignore_ascii_case("content-length") {
-                        length = value.trim().parse().unwrap();
-                    }
-                }
-            }
-            let mut body = vec![0u8; length];
-            reader.read_exact(&mut body).unwrap();
-            kept.lock()
-                .unwrap()
-                .push((request_line, String::from_utf8(body).unwrap()));
-            stream
-                .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
-                .unwrap();
-        }
-    });
-    (endpoint, bodies)
-}
+use kvx_testkit::otlp::receiver as otlp_receiver;
 
 fn cache() -> KvCache {
     let spec = LayoutSpec {

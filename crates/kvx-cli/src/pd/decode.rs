@@ -92,12 +92,38 @@ struct Request {
     verified: Option<Result<u64, String>>,
     /// A warm-up request: left out of every measurement.
     warmup: bool,
+    /// The request's span as the router (`kvx.pd.request`) until it is ready or failed, where
+    /// spans are exported; `trace` hands it on to prefill and to decode's consumers.
+    span: tracing::Span,
+    trace: Option<kvx_vllm::trace::TraceContext>,
 }
 
 impl Request {
     fn resolved(&self, output_tokens: u32) -> bool {
         self.failed.is_some() || (self.emitted >= output_tokens && self.verified.is_some())
     }
+}
+
+/// A new trace for the request `key`, and the router's span in it (`kvx.pd.request`, the parent
+/// of prefill's `kvx.send` and decode's `kvx.receive` spans), as `kvx proxy`'s dispatch is.
+fn router_span(
+    key: AttemptKey,
+    tokens: u64,
+    mode: &str,
+) -> (Option<kvx_vllm::trace::TraceContext>, tracing::Span) {
+    let span_id = kvx_vllm::trace::random_span_id();
+    let trace = kvx_vllm::trace::TraceContext::new_trace(span_id);
+    let span = tracing::info_span!(
+        target: "kvx_trace",
+        "kvx.pd.request",
+        trace_id = %trace.trace_hex(),
+        parent_span_id = "",
+        span_id = %format!("{span_id:016x}"),
+        transfer = %key.transfer,
+        tokens,
+        mode,
+    );
+    (Some(trace), span)
 }
 
 /// Exponential inter-arrival gaps from a xorshift generator.
@@ -248,6 +274,9 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
     let mut warming = args.warmup > 0;
     let mut pending: VecDeque<(usize, Duration)> = schedule.iter().copied().enumerate().collect();
     let mut requests: Vec<Request> = Vec::new();
+    // Decode is the router: where request spans are exported (`--otlp-endpoint`), it starts a
+    // trace per request, as `kvx proxy` does.
+    let traced = tracing::enabled!(target: "kvx_trace", tracing::Level::INFO);
     let mut by_key: HashMap<AttemptKey, usize> = HashMap::new();
     let mut pool = BlockPool::new(args.model.blocks);
     let mut running: Vec<usize> = Vec::new();
@@ -314,11 +343,23 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
                 pending.pop_front();
             }
             let key = AttemptKey::new(TransferId(base_transfer + i as u128), Attempt::FIRST);
-            writeln!(
-                router,
-                "P {:x} {} {} {}",
-                key.transfer.0, key.attempt.0, tokens, args.mode
-            )?;
+            let (trace, span) = if traced {
+                router_span(key, tokens, &args.mode)
+            } else {
+                (None, tracing::Span::none())
+            };
+            match trace {
+                Some(trace) => writeln!(
+                    router,
+                    "P {:x} {} {} {} {trace}",
+                    key.transfer.0, key.attempt.0, tokens, args.mode
+                )?,
+                None => writeln!(
+                    router,
+                    "P {:x} {} {} {}",
+                    key.transfer.0, key.attempt.0, tokens, args.mode
+                )?,
+            }
             let index = requests.len();
             requests.push(Request {
                 key,
@@ -337,6 +378,8 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
                 failed: None,
                 verified: None,
                 warmup: warming,
+                span,
+                trace,
             });
             by_key.insert(key, index);
             if !pull {
@@ -351,7 +394,7 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
                         skip_tokens: 0,
                         blocks: blocks.clone(),
                         capability: capability.clone(),
-                        trace: None,
+                        trace,
                     })?;
                 }
                 transfer_work.add_since(t, &measuring);
@@ -401,7 +444,7 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
                             skip_tokens: 0,
                             blocks: r.blocks.clone(),
                             capability: capability.clone(),
-                            trace: None,
+                            trace: r.trace,
                         },
                         producer_blocks: producer_blocks.clone(),
                     })?;
@@ -432,6 +475,7 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
                     r.ready_us = Some(r.ready_us.map_or(at_us, |prev| prev.max(at_us)));
                     if r.ranks_ready == args.model.tp && r.failed.is_none() {
                         r.ready = Some(Instant::now());
+                        r.span = tracing::Span::none();
                         verify_tx.send((key, r.blocks.clone(), r.tokens))?;
                         running.push(index);
                     }
@@ -447,6 +491,10 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
                     };
                     let r = &mut requests[index];
                     if r.failed.is_none() {
+                        r.span.in_scope(|| {
+                            tracing::info!(target: "kvx_trace", %reason, %detail, "failed");
+                        });
+                        r.span = tracing::Span::none();
                         r.failed = Some(format!("{reason} {detail}"));
                         running.retain(|&x| x != index);
                     }

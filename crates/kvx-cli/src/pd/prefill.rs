@@ -255,25 +255,33 @@ struct Job {
     key: AttemptKey,
     tokens: u64,
     pull: bool,
+    /// The router's trace of the request (`kvx pd decode` traces where it exports spans).
+    trace: Option<kvx_vllm::trace::TraceContext>,
 }
 
+/// `P TRANSFER ATTEMPT TOKENS MODE [TRACEPARENT]`: a request from the router.
 fn parse_job(line: &str) -> anyhow::Result<Job> {
     let f: Vec<&str> = line.split_whitespace().collect();
-    match f.as_slice() {
-        ["P", transfer, attempt, tokens, mode] => Ok(Job {
-            key: AttemptKey::new(
-                TransferId(u128::from_str_radix(transfer, 16)?),
-                Attempt(attempt.parse()?),
-            ),
-            tokens: tokens.parse()?,
-            pull: match *mode {
-                "push" => false,
-                "pull" => true,
-                m => bail!("unknown mode {m}"),
-            },
-        }),
+    let (transfer, attempt, tokens, mode, trace) = match f.as_slice() {
+        ["P", transfer, attempt, tokens, mode] => (transfer, attempt, tokens, mode, None),
+        ["P", transfer, attempt, tokens, mode, trace] => {
+            (transfer, attempt, tokens, mode, Some(trace.parse()?))
+        }
         _ => bail!("malformed request line `{line}`"),
-    }
+    };
+    Ok(Job {
+        key: AttemptKey::new(
+            TransferId(u128::from_str_radix(transfer, 16)?),
+            Attempt(attempt.parse()?),
+        ),
+        tokens: tokens.parse()?,
+        pull: match *mode {
+            "push" => false,
+            "pull" => true,
+            m => bail!("unknown mode {m}"),
+        },
+        trace,
+    })
 }
 
 /// Runs the prefill instance until the router disconnects.
@@ -433,6 +441,11 @@ pub(crate) fn run(args: &PrefillArgs) -> anyhow::Result<()> {
             continue; // wait for frees
         };
         let job = queue.pop_front().expect("front exists");
+        if let Some(trace) = job.trace {
+            for producer in &producers {
+                producer.trace(job.key.transfer, trace)?;
+            }
+        }
         let chunk = match args.chunk_tokens {
             0 => job.tokens,
             n => n,

@@ -203,8 +203,11 @@ fn with_devices_applied(config: &NixlConfig) -> Result<NixlConfig, OpenError> {
     };
     let named = config.backend_params.iter().any(|(k, v)| {
         k == "engine_config"
-            && v.split(',')
-                .any(|kv| kv.trim().trim_start_matches("UCX_").starts_with("NET_DEVICES="))
+            && v.split(',').any(|kv| {
+                kv.trim()
+                    .trim_start_matches("UCX_")
+                    .starts_with("NET_DEVICES=")
+            })
     });
     if named || !devices.contains(',') {
         return Ok(config.clone().with_engine_setting("NET_DEVICES", devices));

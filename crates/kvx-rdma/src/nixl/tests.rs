@@ -47,7 +47,9 @@ fn rails_of_several_devices_go_to_nixl_as_a_device_list() {
         param(&applied, "engine_config").as_deref(),
         Some("MEMTYPE_CACHE=n")
     );
-    let own = config.clone().with_engine_setting("NET_DEVICES", "mlx5_3:1");
+    let own = config
+        .clone()
+        .with_engine_setting("NET_DEVICES", "mlx5_3:1");
     let applied = with_devices_applied(&own).unwrap();
     assert_eq!(
         param(&applied, "engine_config").as_deref(),

@@ -7,14 +7,15 @@
 //! Plain HTTP to a collector or agent on the host's network (`http://HOST:PORT`); spans that
 //! cannot be delivered are dropped and counted ([`OtlpLayer::dropped`]), never retried at the
 //! engine's expense, and the layer never blocks the thread that closes a span (a full queue
-//! drops too).
+//! drops too). A process that ends calls [`flush`] first, so that its last second of spans is
+//! posted too.
 
 use std::fmt::{self, Write as _};
 use std::io::{Read as _, Write as _};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::thread;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -46,6 +47,29 @@ pub enum OtlpError {
     /// The exporter thread could not start.
     #[error("cannot start the OTLP exporter thread: {0}")]
     Thread(#[source] std::io::Error),
+}
+
+/// What the exporter thread takes: a closed span, or a request to post what it has now (answered
+/// once posted).
+enum Item {
+    Span(SpanRecord),
+    Flush(SyncSender<()>),
+}
+
+/// The queue of this process's exporter, for [`flush`] (the last layer made).
+static FLUSH_QUEUE: OnceLock<Mutex<Option<SyncSender<Item>>>> = OnceLock::new();
+
+/// Posts the spans the exporter holds now, waiting at most `timeout` for the collector; `false`
+/// where there is no exporter or it did not finish in time. For a process about to end.
+pub fn flush(timeout: Duration) -> bool {
+    let queue = FLUSH_QUEUE.get().and_then(|q| {
+        q.lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    });
+    let Some(queue) = queue else { return false };
+    let (done, posted) = mpsc::sync_channel(1);
+    queue.send(Item::Flush(done)).is_ok() && posted.recv_timeout(timeout).is_ok()
 }
 
 /// One finished span, as OTLP wants it.
@@ -92,7 +116,7 @@ fn is_hex(s: &str, len: usize) -> bool {
 
 /// A layer that exports kvx's request spans to an OTLP/HTTP collector.
 pub struct OtlpLayer {
-    queue: SyncSender<SpanRecord>,
+    queue: SyncSender<Item>,
     dropped: Arc<AtomicU64>,
 }
 
@@ -128,6 +152,10 @@ impl OtlpLayer {
             .name("kvx-otlp".into())
             .spawn(move || exporter.run(&spans))
             .map_err(OtlpError::Thread)?;
+        *FLUSH_QUEUE
+            .get_or_init(|| Mutex::new(None))
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(queue.clone());
         Ok(Self { queue, dropped })
     }
 
@@ -226,7 +254,7 @@ where
             return;
         };
         record.end_unix_nanos = unix_nanos(SystemTime::now());
-        if self.queue.try_send(record).is_err() {
+        if self.queue.try_send(Item::Span(record)).is_err() {
             self.dropped.fetch_add(1, Ordering::Relaxed);
         }
     }
@@ -273,17 +301,19 @@ struct Exporter {
 }
 
 impl Exporter {
-    fn run(&self, spans: &Receiver<SpanRecord>) {
+    fn run(&self, items: &Receiver<Item>) {
         let mut batch = Vec::new();
         let mut due = Instant::now() + EVERY;
         loop {
-            match spans.recv_timeout(due.saturating_duration_since(Instant::now())) {
-                Ok(span) => {
+            let mut flushed = None;
+            match items.recv_timeout(due.saturating_duration_since(Instant::now())) {
+                Ok(Item::Span(span)) => {
                     batch.push(span);
                     if batch.len() < BATCH {
                         continue;
                     }
                 }
+                Ok(Item::Flush(done)) => flushed = Some(done),
                 Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => {
                     self.post(&batch);
@@ -293,6 +323,9 @@ impl Exporter {
             if !batch.is_empty() {
                 self.post(&batch);
                 batch.clear();
+            }
+            if let Some(done) = flushed {
+                let _ = done.try_send(());
             }
             due = Instant::now() + EVERY;
         }
