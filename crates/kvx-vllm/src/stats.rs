@@ -168,6 +168,22 @@ impl StatsReader {
         self.0.failures_by_cause()
     }
 
+    /// The producer's transfer samples since the last take (what
+    /// [`Producer::take_transfer_samples`](crate::Producer::take_transfer_samples) returns), for
+    /// a metrics endpoint that is their only reader.
+    #[must_use]
+    pub fn take_transfer_samples(&self) -> Vec<TransferSample> {
+        self.0.take_samples()
+    }
+
+    /// The consumer's wait samples since the last take (what
+    /// [`Consumer::take_wait_samples`](crate::Consumer::take_wait_samples) returns), for a
+    /// metrics endpoint that is their only reader.
+    #[must_use]
+    pub fn take_wait_samples(&self) -> Vec<f64> {
+        self.0.take_waits()
+    }
+
     /// The rails the side's transport opened on (NIC or interface names; empty for same-host
     /// transports).
     #[must_use]

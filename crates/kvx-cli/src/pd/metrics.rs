@@ -20,6 +20,12 @@
 //! | `kvx_in_flight` | gauge | transfers in flight now (writes posted and not completed; reads in pull) |
 //! | `kvx_requests_failed_total` | counter | requests that ended failed, by `cause` (`lease_expired`, `peer_failed`, …) |
 //! | `kvx_rail` | gauge | 1 for each rail (NIC or interface, label `rail`) the rank's transport opened on |
+//! | `kvx_transfer_seconds` | histogram | prefill, push: seconds from the post of a transfer's last writes to their completion |
+//! | `kvx_transfer_bytes` | histogram | prefill, push: bytes of a transfer's last writes |
+//! | `kvx_kv_wait_seconds` | histogram | decode: seconds a request waited for its KV, from its registration (push) or the post of its reads (pull) to ready |
+//!
+//! The histograms take each rank's samples when scraped (the endpoint is their only reader),
+//! with the buckets of vLLM's `vllm:kvx_*` histograms.
 
 use std::net::SocketAddr;
 
@@ -29,6 +35,7 @@ use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric as _};
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
 /// One rank of one side.
@@ -108,14 +115,75 @@ const GAUGES: [Gauge; 2] = [
     ),
 ];
 
+/// A histogram's name, help and buckets (those of vLLM's `vllm:kvx_*` series).
+struct HistogramKind {
+    name: &'static str,
+    help: &'static str,
+    buckets: fn() -> Vec<f64>,
+}
+
+const HISTOGRAMS: [HistogramKind; 3] = [
+    HistogramKind {
+        name: "transfer_seconds",
+        help: "Push transfers: seconds from the post of their last writes to their completion",
+        buckets: || (0..18).map(|i| 1e-4 * f64::from(1u32 << i)).collect(),
+    },
+    HistogramKind {
+        name: "transfer_bytes",
+        help: "Push transfers: bytes of their last writes",
+        buckets: || (0..13).map(|i| 4096.0 * 4f64.powi(i)).collect(),
+    },
+    HistogramKind {
+        name: "kv_wait_seconds",
+        help: "Decode: seconds a request waited for its KV, from its registration (push) or the \
+               post of its reads (pull) to ready",
+        buckets: || (0..17).map(|i| 1e-3 * f64::from(1u32 << i)).collect(),
+    },
+];
+
+/// One rank's histograms, in the order of [`HISTOGRAMS`].
 #[derive(Debug)]
-struct Connector(Vec<Side>);
+struct RankHistograms([Histogram; 3]);
+
+impl RankHistograms {
+    fn new() -> Self {
+        Self(HISTOGRAMS.map(|kind| Histogram::new((kind.buckets)())))
+    }
+
+    /// Observes what `stats` sampled since the last scrape.
+    fn take(&self, stats: &StatsReader) {
+        let [seconds, bytes, waits] = &self.0;
+        for sample in stats.take_transfer_samples() {
+            seconds.observe(sample.seconds);
+            bytes.observe(sample.bytes as f64);
+        }
+        for wait in stats.take_wait_samples() {
+            waits.observe(wait);
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Connector {
+    sides: Vec<Side>,
+    histograms: std::sync::Arc<Vec<RankHistograms>>,
+}
 
 impl Collector for Connector {
     fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
         let snapshots: Vec<(&Side, StatsSnapshot)> =
-            self.0.iter().map(|s| (s, s.stats.snapshot())).collect();
+            self.sides.iter().map(|s| (s, s.stats.snapshot())).collect();
         let labels = |s: &Side| [("side", s.side.to_owned()), ("rank", s.rank.to_string())];
+        for (side, histograms) in self.sides.iter().zip(self.histograms.iter()) {
+            histograms.take(&side.stats);
+        }
+        for (i, kind) in HISTOGRAMS.iter().enumerate() {
+            let metric_type = self.histograms[0].0[i].metric_type();
+            let mut family = encoder.encode_descriptor(kind.name, kind.help, None, metric_type)?;
+            for (side, histograms) in self.sides.iter().zip(self.histograms.iter()) {
+                histograms.0[i].encode(family.encode_family(&labels(side))?)?;
+            }
+        }
         for (name, help, value) in GAUGES {
             let gauge = ConstGauge::new(0i64);
             let mut family = encoder.encode_descriptor(name, help, None, gauge.metric_type())?;
@@ -131,7 +199,7 @@ impl Collector for Connector {
                 None,
                 counter.metric_type(),
             )?;
-            for side in &self.0 {
+            for side in &self.sides {
                 for (cause, n) in side.stats.failures_by_cause() {
                     let [s, r] = labels(side);
                     let labels = [s, r, ("cause", cause.to_owned())];
@@ -147,7 +215,7 @@ impl Collector for Connector {
                 None,
                 gauge.metric_type(),
             )?;
-            for side in &self.0 {
+            for side in &self.sides {
                 for rail in side.stats.rails() {
                     let [s, r] = labels(side);
                     let labels = [s, r, ("rail", rail)];
@@ -166,10 +234,14 @@ impl Collector for Connector {
     }
 }
 
-/// The series of `sides` as OpenMetrics text.
-pub(crate) fn render(sides: &[Side]) -> String {
+/// The series of `sides` as OpenMetrics text, their histograms (one per rank of `sides`, in
+/// order) first taking the samples since the last scrape.
+fn render(sides: &[Side], histograms: &std::sync::Arc<Vec<RankHistograms>>) -> String {
     let mut registry = Registry::with_prefix("kvx");
-    registry.register_collector(Box::new(Connector(sides.to_vec())));
+    registry.register_collector(Box::new(Connector {
+        sides: sides.to_vec(),
+        histograms: std::sync::Arc::clone(histograms),
+    }));
     let mut out = String::new();
     // Writing into a String cannot fail.
     let _ = prometheus_client::encoding::text::encode(&mut out, &registry);
@@ -186,6 +258,7 @@ pub(crate) fn serve(listen: SocketAddr, sides: Vec<Side>) -> anyhow::Result<Sock
         .enable_all()
         .build()
         .context("the metrics endpoint's runtime")?;
+    let histograms = std::sync::Arc::new(sides.iter().map(|_| RankHistograms::new()).collect());
     std::thread::Builder::new()
         .name("kvx-metrics".into())
         .spawn(move || {
@@ -196,7 +269,7 @@ pub(crate) fn serve(listen: SocketAddr, sides: Vec<Side>) -> anyhow::Result<Sock
                 let app = axum::Router::new().route(
                     "/metrics",
                     axum::routing::get(move || {
-                        let text = render(&sides);
+                        let text = render(&sides, &histograms);
                         async move {
                             (
                                 [(
@@ -222,7 +295,7 @@ mod tests {
 
     #[test]
     fn a_ranks_counters_are_served_with_their_labels() {
-        // A real producer rank over the loopback transport, with its counters at zero.
+        // A real producer rank and consumer rank over the loopback transport.
         let spec = kvx_core::LayoutSpec {
             num_layers: 1,
             total_kv_heads: 1,
@@ -237,7 +310,8 @@ mod tests {
             arrangement: kvx_core::Arrangement::PerLayerSplit,
         };
         let (_memory, cache) =
-            super::super::prefill::RankMemory::new(spec, super::super::gpu::Device::Host).unwrap();
+            super::super::prefill::RankMemory::new(spec.clone(), super::super::gpu::Device::Host)
+                .unwrap();
         let fabric = kvx_rdma::loopback::LoopbackFabric::new();
         let mut config = kvx_vllm::ConnectorConfig::new(kvx_core::EngineId(1));
         config.producer_lease = std::time::Duration::from_millis(20);
@@ -250,26 +324,93 @@ mod tests {
             .unwrap();
         let done = producer.wait_finished(std::time::Duration::from_secs(10));
         assert_eq!(done.len(), 1, "{done:?}");
-        let sides = vec![Side {
-            side: "prefill",
-            rank: 0,
-            stats: producer.stats_reader(),
-        }];
-        let addr = serve("127.0.0.1:0".parse().unwrap(), sides).unwrap();
-        let mut stream = std::net::TcpStream::connect(addr).unwrap();
-        stream
-            .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        // And one a decode rank registers for: a push transfer, sampled on both sides.
+        let (_decode_memory, decode_cache) =
+            super::super::prefill::RankMemory::new(spec, super::super::gpu::Device::Host).unwrap();
+        let mut consumer = kvx_vllm::Consumer::start(
+            kvx_vllm::ConnectorConfig::new(kvx_core::EngineId(2)),
+            decode_cache,
+            Box::new(fabric.endpoint()),
+        )
+        .unwrap();
+        let pushed = kvx_rendezvous::AttemptKey::new(kvx_core::TransferId(6), kvx_core::Attempt(0));
+        consumer
+            .request_allocated(kvx_vllm::PushRequest {
+                key: pushed,
+                request: kvx_core::RequestId(2),
+                prefill: producer.control_addr(),
+                num_tokens: 4,
+                skip_tokens: 0,
+                blocks: vec![kvx_core::BlockId(1)],
+                capability: None,
+                trace: None,
+            })
             .unwrap();
-        let mut answer = String::new();
-        stream.read_to_string(&mut answer).unwrap();
+        producer
+            .request_finished(
+                pushed,
+                kvx_core::RequestId(2),
+                vec![kvx_core::BlockId(2)],
+                4,
+            )
+            .unwrap();
+        let events = consumer.wait_events(std::time::Duration::from_secs(10));
+        assert!(
+            matches!(events.as_slice(), [kvx_vllm::RecvEvent::Ready { .. }]),
+            "{events:?}"
+        );
+        let done = producer.wait_finished(std::time::Duration::from_secs(10));
+        assert_eq!(done.len(), 1, "{done:?}");
+        let sides = vec![
+            Side {
+                side: "prefill",
+                rank: 0,
+                stats: producer.stats_reader(),
+            },
+            Side {
+                side: "decode",
+                rank: 0,
+                stats: consumer.stats_reader(),
+            },
+        ];
+        let addr = serve("127.0.0.1:0".parse().unwrap(), sides).unwrap();
+        let scrape = || {
+            let mut stream = std::net::TcpStream::connect(addr).unwrap();
+            stream
+                .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                .unwrap();
+            let mut answer = String::new();
+            stream.read_to_string(&mut answer).unwrap();
+            answer
+        };
+        let answer = scrape();
         assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        // One transfer of one 4-token block (1 layer, K and V, 8 f32 a head: 256 bytes).
+        let bytes = 4 * 2 * 8 * 4;
+        for want in [
+            "# TYPE kvx_transfer_seconds histogram".to_owned(),
+            r#"kvx_transfer_seconds_count{side="prefill",rank="0"} 1"#.to_owned(),
+            format!(r#"kvx_transfer_bytes_sum{{side="prefill",rank="0"}} {bytes}.0"#),
+            r#"kvx_kv_wait_seconds_count{side="decode",rank="0"} 1"#.to_owned(),
+            r#"kvx_kv_wait_seconds_count{side="prefill",rank="0"} 0"#.to_owned(),
+        ] {
+            assert!(answer.contains(&want), "no `{want}` in {answer}");
+        }
+        // Samples are taken once: a second scrape counts the same transfer once.
+        let again = scrape();
+        assert!(
+            again.contains(r#"kvx_transfer_seconds_count{side="prefill",rank="0"} 1"#),
+            "{again}"
+        );
+        consumer.shutdown();
         for want in [
             r#"kvx_held{side="prefill",rank="0"} 0"#,
-            r#"kvx_transfers_started_total{side="prefill",rank="0"} 0"#,
+            r#"kvx_transfers_started_total{side="prefill",rank="0"} 1"#,
             r#"kvx_handshakes_failed_total{side="prefill",rank="0"} 0"#,
             "# TYPE kvx_bytes_written counter",
             r#"kvx_in_flight{side="prefill",rank="0"} 0"#,
-            r#"kvx_ops_posted_total{side="prefill",rank="0"} 0"#,
+            r#"kvx_ops_posted_total{side="prefill",rank="0"} 1"#,
+            r#"kvx_held{side="decode",rank="0"} 0"#,
             r#"kvx_requests_failed_total{side="prefill",rank="0",cause="lease_expired"} 1"#,
         ] {
             assert!(answer.contains(want), "no `{want}` in {answer}");
