@@ -435,6 +435,15 @@ def metric(base: str, name: str, labels: str = "") -> float:
     return total
 
 
+def metric_or_zero(base: str, name: str, labels: str = "") -> float:
+    """`metric`, or 0 where no series of that name and labels exists yet (a labelled family
+    shows a series only once it has counted something)."""
+    status, body = http("GET", f"{base}/metrics")
+    assert status == 200
+    return sum(float(line.rsplit(" ", 1)[1]) for line in body.decode().splitlines()
+               if line.startswith(name + "{") and labels in line)
+
+
 def prompt_sources(base: str) -> dict[str, float]:
     return {
         s: metric(base, "vllm:prompt_tokens_by_source_total", f'source="{s}"')
@@ -551,6 +560,12 @@ def check_pair_matches_reference(mode, model, workdir, reference, transport=None
         for s in (p, d, proxy):
             s.wait_ready()
         before = prompt_sources(d_url)
+        # The proxy's own series, before: client requests that ended well, and their TTFT.
+        ok_labels = f'mode="{mode}",outcome="ok"'
+        proxy_before = (metric_or_zero(proxy_url, "kvx_proxy_requests_total", ok_labels),
+                        metric_or_zero(proxy_url, "kvx_proxy_ttft_seconds_count",
+                                       f'mode="{mode}"'))
+        through_proxy = len(PROMPT_WORDS) + bool(chunk) + 1  # the prompts, the long one, a chat
         prompt_total = 0
         for n in PROMPT_WORDS:
             got = complete(proxy_url, prompt(n))
@@ -583,6 +598,7 @@ def check_pair_matches_reference(mode, model, workdir, reference, transport=None
         while metric(writer, "vllm:kvx_bytes_written_total") == 0:
             assert time.monotonic() < deadline, "no kvx bytes on the writer's /metrics"
             complete(proxy_url, prompt(3, salt=7))
+            through_proxy += 1
         assert metric(writer, "vllm:kvx_transfers_ok_total") > 0
         if mode == "push":
             # Each push transfer's time and bytes, observed into histograms.
@@ -594,18 +610,32 @@ def check_pair_matches_reference(mode, model, workdir, reference, transport=None
         # Every byte kvx moved is the KV of a prompt token decode took over kvx: the writer's
         # bytes are decode's tokens from kvx times a token's KV (2 layers, K and V, 2 heads of
         # 32 float32s), once both counters have settled.
+        # And in push, each decode request took one notice from every prefill rank: the
+        # ranks' delivered transfers (summed) are decode's delivered requests times prefill's
+        # ranks. (Requests sent to an instance directly step it, so that it reports.)
         token_kv = 2 * 2 * 2 * 32 * 4
         deadline = time.monotonic() + 30
         while True:
             moved = metric(writer, "vllm:kvx_bytes_written_total")
             tokens = metric(d_url, "vllm:prompt_tokens_by_source_total",
                             'source="external_kv_transfer"')
-            if moved == tokens * token_kv:
+            notices = (metric(p_url, "vllm:kvx_transfers_ok_total"),
+                       metric(d_url, "vllm:kvx_transfers_ok_total") * p_tp)
+            if moved == tokens * token_kv and (mode != "push" or notices[0] == notices[1]):
                 break
-            assert time.monotonic() < deadline, (moved, tokens, token_kv)
+            assert time.monotonic() < deadline, (moved, tokens, token_kv, notices)
             time.sleep(1.2)
-            http("POST", f"{writer}/v1/completions",
-                 {"model": "tiny", "prompt": "x", "max_tokens": 1}, timeout=60)
+            for base in (p_url, d_url):
+                http("POST", f"{base}/v1/completions",
+                     {"model": "tiny", "prompt": "x", "max_tokens": 1}, timeout=60)
+        # The proxy counted every client request it routed as answered well, with its TTFT,
+        # and none as an error.
+        proxy_after = (metric_or_zero(proxy_url, "kvx_proxy_requests_total", ok_labels),
+                       metric_or_zero(proxy_url, "kvx_proxy_ttft_seconds_count",
+                                      f'mode="{mode}"'))
+        assert proxy_after[0] - proxy_before[0] == through_proxy, (proxy_before, proxy_after)
+        assert proxy_after[1] - proxy_before[1] == through_proxy, (proxy_before, proxy_after)
+        assert metric_or_zero(proxy_url, "kvx_proxy_requests_total", 'outcome="error"') == 0
         if otlp is not None:
             # One trace per request across the three processes: the proxy's dispatch span, and
             # prefill's and decode's spans as its children, with the request's steps.
