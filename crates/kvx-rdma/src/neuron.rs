@@ -218,6 +218,19 @@ impl fmt::Debug for NeuronTensor {
     }
 }
 
+impl crate::region::LocalRegion {
+    /// The whole of a Neuron device tensor as region `index` (kind
+    /// [`MemoryKind::Neuron`](kvx_core::MemoryKind::Neuron), the tensor's core as its device).
+    #[must_use]
+    pub fn neuron(index: u32, tensor: Arc<NeuronTensor>) -> Self {
+        let kind = kvx_core::MemoryKind::Neuron {
+            device: tensor.core(),
+        };
+        let (addr, len) = (tensor.device_address(), tensor.len());
+        Self::owned(index, kind, addr, len, tensor)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

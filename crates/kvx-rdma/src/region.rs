@@ -233,34 +233,22 @@ impl LocalRegion {
         }
     }
 
-    /// The whole of a CUDA device buffer as region `index` (kind [`MemoryKind::Cuda`]).
-    #[cfg(feature = "cuda")]
-    #[must_use]
-    pub fn cuda(index: u32, buffer: Arc<crate::cuda::DeviceBuffer>) -> Self {
+    /// The whole of an allocation that `owner` keeps alive, as region `index` of `kind` (the
+    /// device modules' constructors: [`LocalRegion::cuda`], `LocalRegion::neuron`).
+    #[cfg(any(feature = "cuda", feature = "neuron"))]
+    pub(crate) fn owned(
+        index: u32,
+        kind: MemoryKind,
+        addr: usize,
+        len: u64,
+        owner: Arc<dyn Any + Send + Sync>,
+    ) -> Self {
         Self {
             index,
-            kind: MemoryKind::Cuda {
-                device: buffer.gpu().ordinal(),
-            },
-            addr: buffer.device_ptr() as usize,
-            len: buffer.len(),
-            owner: Some(buffer),
-        }
-    }
-
-    /// The whole of a Neuron device tensor as region `index` (kind [`MemoryKind::Neuron`], the
-    /// tensor's core as its device).
-    #[cfg(feature = "neuron")]
-    #[must_use]
-    pub fn neuron(index: u32, tensor: Arc<crate::neuron::NeuronTensor>) -> Self {
-        Self {
-            index,
-            kind: MemoryKind::Neuron {
-                device: tensor.core(),
-            },
-            addr: tensor.device_address(),
-            len: tensor.len(),
-            owner: Some(tensor),
+            kind,
+            addr,
+            len,
+            owner: Some(owner),
         }
     }
 

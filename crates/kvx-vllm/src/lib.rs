@@ -56,7 +56,6 @@
 //! ```
 
 mod cache;
-pub mod config;
 pub mod consumer;
 mod control;
 mod driver;
@@ -66,6 +65,7 @@ pub mod producer;
 mod python;
 pub mod router;
 pub mod settings;
+pub use settings::config;
 #[cfg(any(test, feature = "fuzzing"))]
 #[cfg_attr(not(test), allow(dead_code))]
 mod sim_support;
@@ -79,10 +79,10 @@ pub use consumer::{Consumer, PullRequest, PushRequest, RecvEvent};
 pub use control::capability::{self, CapabilityError};
 pub use control::secure::{AuthKey, AuthKeyError, HandshakeError, NOISE_PATTERN};
 pub use control::ControlError;
-pub use control::{rank_addr, rank_port};
 pub use error::{Closed, StartError};
 pub use producer::{FinishedSending, Producer, SendOutcome};
 pub use router::RouterError;
+pub use settings::{rank_addr, rank_port};
 pub use stats::{StatsReader, StatsSnapshot, TransferSample, MAX_TRANSFER_SAMPLES};
 pub use transport::{
     resolve_for_cache, CacheTransportError, OpenOptions, TransportError, TransportSpec,

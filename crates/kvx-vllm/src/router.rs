@@ -15,7 +15,7 @@ use kvx_core::wire::{Abort, Hello, Message, Role};
 use kvx_core::{EngineId, Incarnation, Rank, TransferId};
 
 use crate::control;
-use crate::control::rank_addr;
+use crate::settings::rank_addr;
 
 /// How long the capability of a router's abandon stays valid at least.
 const ABANDON_GRANT: Duration = Duration::from_secs(60);

@@ -16,3 +16,16 @@ pub mod kernels;
 pub mod synth;
 
 pub use driver::{device_count, CudaError, DeviceBuffer, Event, Gpu, Stream};
+
+impl crate::region::LocalRegion {
+    /// The whole of a CUDA device buffer as region `index` (kind
+    /// [`MemoryKind::Cuda`](kvx_core::MemoryKind::Cuda)).
+    #[must_use]
+    pub fn cuda(index: u32, buffer: std::sync::Arc<DeviceBuffer>) -> Self {
+        let kind = kvx_core::MemoryKind::Cuda {
+            device: buffer.gpu().ordinal(),
+        };
+        let (addr, len) = (buffer.device_ptr() as usize, buffer.len());
+        Self::owned(index, kind, addr, len, buffer)
+    }
+}

@@ -22,7 +22,7 @@ impl Driver {
         stream: ControlStream,
         hello: Hello,
     ) -> Result<(), LinkError> {
-        let addr = control::rank_addr(instance, rank);
+        let addr = crate::settings::rank_addr(instance, rank);
         if hello.role != Role::Producer {
             return Err(LinkError::NotAProducer { addr });
         }
@@ -125,7 +125,7 @@ impl Driver {
         if !connecting.ranks.insert(rank) {
             return;
         }
-        let addr = control::rank_addr(instance, rank);
+        let addr = crate::settings::rank_addr(instance, rank);
         let hello = Message::Hello(self.hello.clone());
         let timeout = self.config.connect_timeout;
         let local = self.config.local_sockets;

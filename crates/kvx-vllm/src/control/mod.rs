@@ -20,18 +20,18 @@ use std::time::Duration;
 
 use kvx_core::wire::Role;
 use kvx_core::wire::{DecodeError, EncodeError, FrameHeader, Hello, Message, HEADER_LEN};
-use kvx_core::Rank;
 use kvx_layout::Layout;
 use kvx_rdma::desc::EndpointDesc;
 use socket2::Socket;
 
 use crate::config::ConnectorConfig;
-use crate::error::LinkError;
 
 pub mod capability;
+mod link;
 mod local;
 pub(crate) mod secure;
 
+pub(crate) use link::LinkError;
 pub(crate) use local::{connect_local, listen_local, same_user};
 use secure::{AuthKey, Cipher, HandshakeError, Received};
 
@@ -550,27 +550,6 @@ pub(crate) fn transport_name(hello: &Hello) -> Option<String> {
 /// The peer's endpoint description from its hello.
 pub(crate) fn peer_desc(hello: &Hello) -> Option<EndpointDesc> {
     EndpointDesc::from_bytes(&hello.transport_addr).ok()
-}
-
-/// The control address of rank `rank` of an instance whose rank 0 listens at `base`
-/// ([`rank_port`]).
-#[must_use]
-pub fn rank_addr(base: std::net::SocketAddr, rank: Rank) -> std::net::SocketAddr {
-    let mut addr = base;
-    addr.set_port(rank_port(base.port(), rank.0).unwrap_or(0));
-    addr
-}
-
-/// The port of rank `rank` of an instance whose rank 0 listens on `port`: `port + rank`, or 0
-/// (each rank picks a free port) where `port` is 0; `None` past 65535. The one rule for rank
-/// ports, of addresses ([`rank_addr`]) and of the `listen` setting's text
-/// ([`settings::rank_listen`](crate::settings::rank_listen)).
-#[must_use]
-pub fn rank_port(port: u16, rank: u32) -> Option<u16> {
-    if port == 0 {
-        return Some(0);
-    }
-    u16::try_from(u32::from(port) + rank).ok()
 }
 
 #[cfg(test)]

@@ -24,8 +24,10 @@ use std::borrow::Cow;
 use std::fmt;
 use std::time::Duration;
 
-use crate::config::ConnectorConfig;
 use crate::transport::TransportSpec;
+use config::ConnectorConfig;
+
+pub mod config;
 
 /// What values a setting takes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -570,8 +572,8 @@ pub fn apply(config: &mut ConnectorConfig, name: &str, value: &Value) -> Result<
 }
 
 /// The control address of rank `rank` for the `listen` setting `HOST:PORT`: port `PORT + rank`,
-/// or port 0 (each rank picks a free port) where `PORT` is 0: [`rank_port`](crate::rank_port)
-/// on the setting's text (the host may be a name).
+/// or port 0 (each rank picks a free port) where `PORT` is 0: [`rank_port`] on the setting's
+/// text (the host may be a name).
 ///
 /// # Errors
 /// [`SettingError::Invalid`] when `listen` is not `HOST:PORT` or the rank's port passes 65535.
@@ -586,9 +588,29 @@ pub fn rank_listen(listen: &str, rank: u32) -> Result<String, SettingError> {
         .filter(|_| is_host_port(listen))
         .ok_or_else(|| invalid("HOST:PORT"))?;
     let port: u16 = port.parse().map_err(|_| invalid("HOST:PORT"))?;
-    let port =
-        crate::control::rank_port(port, rank).ok_or_else(|| invalid("a port that leaves room"))?;
+    let port = rank_port(port, rank).ok_or_else(|| invalid("a port that leaves room"))?;
     Ok(format!("{host}:{port}"))
+}
+
+/// The control address of rank `rank` of an instance whose rank 0 listens at `base`
+/// ([`rank_port`]).
+#[must_use]
+pub fn rank_addr(base: std::net::SocketAddr, rank: kvx_core::Rank) -> std::net::SocketAddr {
+    let mut addr = base;
+    addr.set_port(rank_port(base.port(), rank.0).unwrap_or(0));
+    addr
+}
+
+/// The port of rank `rank` of an instance whose rank 0 listens on `port`: `port + rank`, or 0
+/// (each rank picks a free port) where `port` is 0; `None` past 65535. The one rule for rank
+/// ports, of addresses ([`rank_addr`]) and of the `listen` setting's text
+/// ([`rank_listen`]).
+#[must_use]
+pub fn rank_port(port: u16, rank: u32) -> Option<u16> {
+    if port == 0 {
+        return Some(0);
+    }
+    u16::try_from(u32::from(port) + rank).ok()
 }
 
 #[cfg(test)]
