@@ -22,6 +22,7 @@ mod against;
 mod bench;
 mod gpu_bundle;
 mod gpu_pd;
+mod modgraph;
 mod nixl;
 mod pd;
 mod plot;
@@ -134,6 +135,8 @@ fn test(no_lint: bool) -> anyhow::Result<()> {
         std::env::set_var("KVX_REQUIRE_NETNS", "1");
     }
     if !no_lint {
+        step("module graph: no import cycle among a crate's top-level modules");
+        modgraph::check(&root())?;
         step("rustfmt check");
         run(cargo().args(["fmt", "--all", "--", "--check"]))?;
         step("clippy (all targets, warnings are errors)");
