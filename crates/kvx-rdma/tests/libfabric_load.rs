@@ -1,9 +1,9 @@
-//! Nothing links libfabric: where it cannot be loaded (here `KVX_LIBFABRIC` names a library that
-//! is not there), opening a libfabric transport fails with an error that says what to install,
+//! Nothing links libfabric: where it cannot be loaded (here the process chose a library that is
+//! not there, as `KVX_LIBFABRIC` makes the binaries choose), opening a libfabric transport fails with an error that says what to install,
 //! and the process goes on with its other transports.
 #![cfg(feature = "libfabric")]
 
-use kvx_rdma::libfabric::{load_library, LibfabricConfig, LibfabricTransport};
+use kvx_rdma::libfabric::{choose_library, load_library, LibfabricConfig, LibfabricTransport};
 use kvx_rdma::loopback::LoopbackFabric;
 use kvx_rdma::Transport;
 
@@ -21,7 +21,7 @@ fn chain(e: &dyn std::error::Error) -> String {
 #[test]
 fn without_libfabric_a_libfabric_transport_says_what_to_install_and_others_still_work() {
     // The only test of this process: the library is loaded, or not, once per process.
-    std::env::set_var("KVX_LIBFABRIC", "libkvx-no-such-fabric.so.1");
+    assert!(choose_library("libkvx-no-such-fabric.so.1"));
     for config in [LibfabricConfig::shm(), LibfabricConfig::tcp(Some("lo"))] {
         let Err(err) = LibfabricTransport::open(&config) else {
             panic!("a libfabric transport opened without libfabric");
@@ -35,6 +35,8 @@ fn without_libfabric_a_libfabric_transport_says_what_to_install_and_others_still
     }
     let again = load_library().unwrap_err().to_string();
     assert!(again.contains("libkvx-no-such-fabric.so.1"), "{again}");
+    // Loaded (or not) once: another choice comes too late.
+    assert!(!choose_library("libfabric.so.1"));
     // Another transport of the same process is not affected.
     let fabric = LoopbackFabric::new();
     let (mut a, b) = (fabric.endpoint(), fabric.endpoint());

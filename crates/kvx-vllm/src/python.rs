@@ -899,6 +899,13 @@ fn shm_uses_cma() -> bool {
 #[pymodule]
 #[pyo3(name = "_native")]
 fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // The operator's libfabric, where named (the plugin, not the library, reads the environment).
+    #[cfg(feature = "libfabric")]
+    if let Some(library) = std::env::var_os(kvx_rdma::libfabric::LIBRARY_ENV) {
+        if !library.is_empty() {
+            kvx_rdma::libfabric::choose_library(library.to_string_lossy());
+        }
+    }
     m.add_class::<PyProducer>()?;
     m.add_class::<PyConsumer>()?;
     m.add_function(wrap_pyfunction!(init_logging, m)?)?;

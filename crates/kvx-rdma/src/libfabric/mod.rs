@@ -94,7 +94,7 @@ use completion::MIN_IDLE_SLEEP;
 pub use config::{LibfabricConfig, OpenError, Rails};
 use context::{ContextPool, Registration, Scratch};
 use fi::FabricError;
-pub use fi::{load_library, DEFAULT_LIBRARY};
+pub use fi::{choose_library, load_library, DEFAULT_LIBRARY, LIBRARY_ENV};
 use peer::{Peer, Rail, RailInfo};
 use post::Pending;
 pub use rails::{select_rails, RailFallback, RailSelection};

@@ -3,6 +3,21 @@
 
 use super::*;
 
+/// Why this decode may not connect to a prefill instance for a transfer (a request's failure
+/// detail, with [`Reason::Unauthorized`]).
+#[derive(Debug, thiserror::Error)]
+pub(super) enum Unreachable {
+    /// The instance is not on the `peers` list.
+    #[error("prefill {prefill} is not on this decode's peers list")]
+    NotAPeer { prefill: SocketAddr },
+    /// The router's capability does not verify for this engine and instance.
+    #[error("refused before connecting to prefill {prefill}: {source}")]
+    Capability {
+        prefill: SocketAddr,
+        source: crate::CapabilityError,
+    },
+}
+
 impl Driver {
     pub(super) fn start(&mut self, request: PushRequest, producer_blocks: Option<Vec<BlockId>>) {
         if let Err(detail) = self.may_reach(
@@ -11,7 +26,7 @@ impl Driver {
             request.capability.as_ref(),
         ) {
             self.stats.unauthorized.fetch_add(1, Ordering::Relaxed);
-            self.refuse(&request, Reason::Unauthorized, detail);
+            self.refuse(&request, Reason::Unauthorized, detail.to_string());
             return;
         }
         if let Some((reason, detail)) = self.refusal(request.key) {
@@ -61,11 +76,9 @@ impl Driver {
         prefill: SocketAddr,
         transfer: TransferId,
         capability: Option<&Capability>,
-    ) -> Result<(), String> {
+    ) -> Result<(), Unreachable> {
         if !self.config.peers.allows(prefill) {
-            return Err(format!(
-                "prefill {prefill} is not on this decode's peers list"
-            ));
+            return Err(Unreachable::NotAPeer { prefill });
         }
         if let Some(key) = &self.config.auth_key {
             key.check_before_connecting(
@@ -75,7 +88,7 @@ impl Driver {
                 prefill,
                 self.clock.wall(),
             )
-            .map_err(|e| format!("refused before connecting to prefill {prefill}: {e}"))?;
+            .map_err(|source| Unreachable::Capability { prefill, source })?;
         }
         Ok(())
     }

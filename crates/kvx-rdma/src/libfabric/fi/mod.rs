@@ -36,15 +36,30 @@ pub use error::{FabricError, FiErrno};
 pub(crate) use info::{Info, Query};
 pub(crate) use mr::Hmem;
 
-/// The libfabric shared library loaded unless `KVX_LIBFABRIC` names another: libfabric 1.x's
+/// The libfabric shared library loaded unless [`choose_library`] names another: libfabric 1.x's
 /// soname, found as the dynamic loader finds libraries.
 pub const DEFAULT_LIBRARY: &str = "libfabric.so.1";
+
+/// The variable in which the `kvx` binary and the vLLM plugin take another library than
+/// [`DEFAULT_LIBRARY`] from their operator (this crate reads no environment).
+pub const LIBRARY_ENV: &str = "KVX_LIBFABRIC";
 
 /// The oldest libfabric kvx runs on (1.17).
 pub(crate) const MIN_MAJOR: u32 = 1;
 pub(crate) const MIN_MINOR: u32 = 17;
 
-/// Loads libfabric, once per process: the library `KVX_LIBFABRIC` names, else
+/// The library this process loads (chosen once).
+static LIBRARY: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// Names the libfabric library this process loads (a file name the dynamic loader finds, or a
+/// path) instead of [`DEFAULT_LIBRARY`]: libfabric is loaded once per process, so only before the
+/// first libfabric transport opens. `false` where a library was already chosen or loaded (the
+/// earlier choice stays).
+pub fn choose_library(library: impl Into<String>) -> bool {
+    LIBRARY.set(library.into()).is_ok()
+}
+
+/// Loads libfabric, once per process: the library [`choose_library`] named, else
 /// [`DEFAULT_LIBRARY`], and checks its version. Every libfabric transport calls it before its
 /// first libfabric call; nothing links libfabric, so a program built with it runs (with its
 /// other transports) where it is not installed. The outcome, success or not, is kept.
@@ -56,13 +71,10 @@ pub fn load_library() -> Result<(), FabricError> {
     static LOADED: std::sync::OnceLock<Result<(), FabricError>> = std::sync::OnceLock::new();
     LOADED
         .get_or_init(|| {
-            let library = std::env::var("KVX_LIBFABRIC")
-                .ok()
-                .filter(|l| !l.is_empty())
-                .unwrap_or_else(|| DEFAULT_LIBRARY.to_owned());
+            let library = LIBRARY.get_or_init(|| DEFAULT_LIBRARY.to_owned()).clone();
             let path = std::ffi::CString::new(library.clone()).map_err(|_| {
                 FabricError::InvalidArgument {
-                    what: "KVX_LIBFABRIC",
+                    what: "libfabric library",
                     value: library.clone(),
                 }
             })?;
