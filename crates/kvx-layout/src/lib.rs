@@ -64,5 +64,6 @@ pub use error::{LayoutError, PlanError, Side};
 pub use geometry::{ChunkPlace, Layout};
 pub use plan::{CopyOp, Permute};
 pub use planner::{
-    permute_for, plan, plan_layers, readers_for, writers_for, PermutePlan, Plan, PlanRequest,
+    idle_producers, permute_for, plan, plan_layers, readers_for, writers_for, PermutePlan, Plan,
+    PlanRequest,
 };

@@ -530,6 +530,37 @@ pub fn readers_for(
     Ok(readers)
 }
 
+/// The producer ranks (of a producer with TP size `producer_tp`) that write to no rank of a
+/// consumer engine laid out like `consumer` (any of its ranks), ascending: where the producer
+/// replicates what the consumer needs (MLA's latent on every rank, or KV heads replicated by a
+/// TP above the head count) and the consumer has fewer ranks than replicas. Such a rank holds a
+/// finished request's blocks for nobody: the consumer tells it so ([`readers_for`] is empty for
+/// it).
+///
+/// # Errors
+/// As [`readers_for`].
+pub fn idle_producers(producer_tp: u32, consumer: &Layout) -> Result<Vec<Rank>, PlanError> {
+    let mut writing = vec![false; producer_tp as usize];
+    for rank in 0..consumer.spec().tp_size {
+        let mut spec = consumer.spec().clone();
+        spec.tp_rank = rank;
+        let layout = Layout::new(spec).map_err(|e| PlanError::ModelMismatch {
+            field: "consumer layout",
+            producer: String::new(),
+            consumer: e.to_string(),
+        })?;
+        for writer in writers_for(&layout, producer_tp)? {
+            if let Some(w) = writing.get_mut(writer.0 as usize) {
+                *w = true;
+            }
+        }
+    }
+    Ok((0..producer_tp)
+        .filter(|&r| !writing[r as usize])
+        .map(Rank)
+        .collect())
+}
+
 /// Plans the copy operations of one request for one consumer rank.
 pub fn plan(req: &PlanRequest<'_>) -> Result<Plan, PlanError> {
     plan_layers(req, 0..req.consumer.spec().num_layers)
@@ -888,5 +919,57 @@ mod tests {
     #[test]
     fn full_width_strides_collapse_to_runs() {
         assert_eq!(Piece::strided(0, 0, 8, 4, 8, 8), p(0, 0, 32));
+    }
+
+    fn consumer(total_kv_heads: u32, mla: bool, tp_size: u32) -> Layout {
+        Layout::new(kvx_core::LayoutSpec {
+            num_layers: 2,
+            total_kv_heads,
+            head_dim: 8,
+            dtype: kvx_core::Dtype::F32,
+            mla,
+            block_tokens: 4,
+            num_blocks: 8,
+            tp_size,
+            tp_rank: 0,
+            order: kvx_core::MemoryOrder::Nhd,
+            arrangement: kvx_core::Arrangement::PerLayerSplit,
+        })
+        .unwrap()
+    }
+
+    /// A producer rank no consumer rank reads from is idle: MLA with fewer consumer ranks than
+    /// producer ranks, or KV heads replicated beyond what the consumer's ranks take; none where
+    /// every producer rank holds heads of its own.
+    #[test]
+    fn idle_producers_are_the_replicas_no_consumer_rank_reads() {
+        let ranks = |v: &[u32]| v.iter().copied().map(Rank).collect::<Vec<_>>();
+        assert_eq!(
+            idle_producers(2, &consumer(1, true, 1)).unwrap(),
+            ranks(&[1])
+        );
+        assert_eq!(
+            idle_producers(8, &consumer(1, true, 2)).unwrap(),
+            ranks(&[2, 3, 4, 5, 6, 7])
+        );
+        assert_eq!(
+            idle_producers(2, &consumer(1, true, 2)).unwrap(),
+            ranks(&[])
+        );
+        // 2 KV heads, each replicated 4 times by TP 8; a TP-2 consumer's ranks read replicas 0
+        // (of head 0, rank 0) and 1 (of head 1, rank 5).
+        assert_eq!(
+            idle_producers(8, &consumer(2, false, 2)).unwrap(),
+            ranks(&[1, 2, 3, 4, 6, 7])
+        );
+        assert_eq!(
+            idle_producers(4, &consumer(8, false, 2)).unwrap(),
+            ranks(&[])
+        );
+        for rank in idle_producers(8, &consumer(2, false, 2)).unwrap() {
+            assert!(readers_for(rank, 8, &consumer(2, false, 2))
+                .unwrap()
+                .is_empty());
+        }
     }
 }

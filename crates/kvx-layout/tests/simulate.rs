@@ -375,6 +375,12 @@ fn simulate(case: &Case) -> Result<usize, TestCaseError> {
             writers
         );
     }
+    // A producer rank is idle for the consumer engine exactly when it has no reader there.
+    for rank in (0..case.producer.tp).map(Rank) {
+        let readers = kvx_layout::readers_for(rank, case.producer.tp, &consumer).unwrap();
+        let idle = kvx_layout::idle_producers(case.producer.tp, &consumer).unwrap();
+        prop_assert_eq!(readers.is_empty(), idle.contains(&rank), "{}", rank);
+    }
     // Each writer counts this consumer rank among its readers.
     if case.tokens > skip {
         for rank in planned.writers() {

@@ -3490,3 +3490,79 @@ fn a_producer_on_the_network_without_a_key_does_not_start() {
     let mut producer = Producer::start(c, cache, Box::new(fabric.endpoint())).unwrap();
     producer.shutdown();
 }
+
+/// MLA: every rank of a TP-2 prefill holds the whole latent, and a one-rank decode reads it from
+/// rank 0 only. Decode tells rank 1 that it needs nothing of it, so rank 1 gives its blocks
+/// back at once (delivered), push and pull, instead of at its producer lease (30 s here, past
+/// this test's 20 s waits).
+#[test]
+fn an_mla_prefill_rank_that_no_decode_rank_reads_gives_its_blocks_back_at_once() {
+    let fabric = LoopbackFabric::new();
+    let mla = |tp, rank| LayoutSpec {
+        total_kv_heads: 1,
+        mla: true,
+        ..spec(tp, rank, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit)
+    };
+    let base = free_ports(2);
+    let mut sides = Vec::new();
+    let mut producers = Vec::new();
+    for rank in 0..2 {
+        let (side, cache) = Side::new(mla(2, rank));
+        let mut c = config(1);
+        c.listen = SocketAddr::from(([127, 0, 0, 1], base.port() + rank as u16));
+        c.producer_lease = LONG;
+        producers.push(Producer::start(c, cache, Box::new(fabric.endpoint())).unwrap());
+        sides.push(side);
+    }
+    let (dec, consumer) = decode(&fabric, mla(1, 0), LONG);
+    let tokens = 10;
+    let p_blocks = ids(10..13);
+    for side in &sides {
+        side.fill(&p_blocks, tokens);
+    }
+    // Push: decode registers, both ranks finish.
+    let pushed = key(41, 0);
+    let d_blocks = ids(20..23);
+    register(&consumer, base, pushed, tokens, d_blocks.clone());
+    for p in &producers {
+        p.request_finished(pushed, RequestId(9), p_blocks.clone(), tokens)
+            .unwrap();
+    }
+    expect_ready(&consumer, pushed, RequestId(1));
+    dec.verify(&d_blocks, 0, tokens);
+    for (rank, p) in producers.iter().enumerate() {
+        let done = wait_finished(p, 1);
+        assert_eq!(done[0].outcome, SendOutcome::Sent, "rank {rank}: {done:?}");
+        assert_eq!(p.stats().held, 0, "rank {rank}");
+    }
+    assert_eq!(producers[1].stats().bytes_written, 0, "rank 1 wrote");
+    // Pull: both ranks finish first; decode reads rank 0's blocks.
+    let pulled = key(42, 0);
+    let d_blocks = ids(30..33);
+    for p in &producers {
+        p.request_finished_pull(pulled, RequestId(10), p_blocks.clone(), tokens)
+            .unwrap();
+    }
+    consumer
+        .pull(PullRequest {
+            push: PushRequest {
+                key: pulled,
+                request: RequestId(2),
+                prefill: base,
+                num_tokens: tokens,
+                skip_tokens: 0,
+                blocks: d_blocks.clone(),
+                capability: None,
+                trace: None,
+            },
+            producer_blocks: p_blocks.clone(),
+        })
+        .unwrap();
+    expect_ready(&consumer, pulled, RequestId(2));
+    dec.verify(&d_blocks, 0, tokens);
+    for (rank, p) in producers.iter().enumerate() {
+        let done = wait_finished(p, 1);
+        assert_eq!(done[0].outcome, SendOutcome::Sent, "rank {rank}: {done:?}");
+        assert_eq!(p.stats().held, 0, "rank {rank}");
+    }
+}

@@ -166,7 +166,10 @@ pub struct Capability {
 }
 
 /// Prefill tells decode that one producer rank has written everything it will write for a
-/// transfer. Sent only after the data is visible at the destination.
+/// transfer. Sent only after the data is visible at the destination. From a consumer rank to a
+/// producer rank: it needs nothing more of that rank for the transfer (pull: it has read the
+/// blocks; either mode: its engine reads nothing from that rank, which replicates what another
+/// rank serves), so the producer rank may give the blocks back.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Completion {
     /// The transfer.
@@ -179,8 +182,9 @@ pub struct Completion {
     pub producer_rank: Rank,
     /// Bytes written by this rank.
     pub bytes: u64,
-    /// From a consumer (pull: it has read the transfer's blocks): the router's grant, which a
-    /// producer with a deployment key requires before it frees them. Producers send `None`.
+    /// From a consumer (pull: it has read the transfer's blocks; or it reads nothing from this
+    /// rank): the router's grant, which a producer with a deployment key requires before it
+    /// frees them. Producers send `None`.
     pub capability: Option<Capability>,
 }
 

@@ -102,11 +102,34 @@ impl Driver {
         let Some(first) = known.ranks.get(&Rank(0)) else {
             return Ok(vec![Rank(0)]);
         };
-        let writers = writers_for(&self.layout, first.layout.spec().tp_size)?;
+        let producer_tp = first.layout.spec().tp_size;
+        let writers = writers_for(&self.layout, producer_tp)?;
+        let idle = self.idle_of(producer_tp)?;
         Ok(writers
             .into_iter()
+            .chain(idle)
             .filter(|r| !known.ranks.contains_key(r))
             .collect())
+    }
+
+    /// The ranks of `instance` that write to no rank of this engine (they hold a replica of what
+    /// another rank serves, [`kvx_layout::idle_producers`]): this engine's rank 0 tells them,
+    /// for each request, that it needs nothing of them, so that they give their blocks back
+    /// at once instead of at their lease. Empty on the other ranks.
+    pub(super) fn idle_ranks(&self, instance: SocketAddr) -> Result<Vec<Rank>, PlanError> {
+        let tp = self.instances[&instance].ranks[&Rank(0)]
+            .layout
+            .spec()
+            .tp_size;
+        self.idle_of(tp)
+    }
+
+    /// [`Driver::idle_ranks`] for a producer of TP size `producer_tp`.
+    fn idle_of(&self, producer_tp: u32) -> Result<Vec<Rank>, PlanError> {
+        if self.layout.rank() != Rank(0) {
+            return Ok(Vec::new());
+        }
+        kvx_layout::idle_producers(producer_tp, &self.layout)
     }
 
     /// The producer ranks that write to this rank (every one connected).

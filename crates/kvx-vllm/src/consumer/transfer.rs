@@ -292,6 +292,7 @@ impl Driver {
                 }
             }
         }
+        self.tell_idle(instance, key, request.capability.as_ref());
         self.instances
             .get_mut(&instance)
             .expect("connected")
@@ -312,6 +313,42 @@ impl Driver {
             self.next_heartbeat = Some(now + self.config.heartbeat_interval);
         }
         Ok(())
+    }
+
+    /// Tells the ranks of `instance` that write to no rank of this engine
+    /// ([`Driver::idle_ranks`]) that it needs nothing of them for `key`: a completion, which
+    /// gives their blocks back (delivered) now or once the request finishes there.
+    fn tell_idle(
+        &mut self,
+        instance: SocketAddr,
+        key: AttemptKey,
+        capability: Option<&Capability>,
+    ) {
+        let idle = match self.idle_ranks(instance) {
+            Ok(idle) => idle,
+            Err(detail) => {
+                debug!(%key, %detail, "the producer's idle ranks are unknown");
+                return;
+            }
+        };
+        for rank in idle {
+            let Some(conn) = self.instances[&instance].ranks.get(&rank) else {
+                continue;
+            };
+            let message = Message::Completion(Completion {
+                transfer: key.transfer,
+                attempt: key.attempt,
+                producer: self.config.engine,
+                producer_rank: rank,
+                bytes: 0,
+                capability: capability.cloned(),
+            });
+            // Never blocks (the engine thread may be the caller); a rank that is gone holds
+            // nothing past its lease.
+            if let Ok(queued) = conn.sender.send_or_queue(&message) {
+                self.backlogged |= queued;
+            }
+        }
     }
 
     pub(super) fn post_reads(

@@ -315,6 +315,11 @@ impl Driver {
                         self.dead.remove(&key.transfer);
                     }
                 }
+                ExpiryKind::Unneeded => {
+                    if self.unneeded.get(&key).is_some_and(|d| *d == at) {
+                        self.unneeded.remove(&key);
+                    }
+                }
                 ExpiryKind::Stream => {
                     if let Some(deadline) = self.streams.get(&key).map(|s| s.deadline) {
                         if deadline <= now {

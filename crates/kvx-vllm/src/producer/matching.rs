@@ -34,6 +34,9 @@ impl Driver {
             .is_some_and(|(attempt, _)| attempt.is_none_or(|a| a == key.attempt));
         if aborted {
             self.give_back(key, held, SendOutcome::NotSent(Reason::Aborted));
+        } else if self.unneeded.remove(&key).is_some() {
+            // Its consumer reads a replica another rank serves: nothing to write from here.
+            self.give_back(key, held, SendOutcome::Sent);
         } else if pull {
             self.pull_held.insert(
                 key,

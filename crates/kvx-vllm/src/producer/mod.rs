@@ -594,6 +594,8 @@ enum ExpiryKind {
     Pull,
     /// An aborted transfer remembered, so that its late prefill is released at once.
     Dead,
+    /// A request no consumer rank needs from this rank, remembered until it finishes.
+    Unneeded,
     /// A request still computing whose progress was reported (push).
     Stream,
 }
@@ -770,6 +772,11 @@ struct Driver {
     /// the transport: consumers' reads need no progress of this side.
     peer_rma_unassisted: bool,
     dead: HashMap<TransferId, (Option<Attempt>, Timestamp)>,
+    /// Requests a consumer engine said it needs nothing of from this rank (it reads a replica
+    /// another rank serves: [`kvx_layout::idle_producers`]) before they finished here, until
+    /// they do (their blocks then go straight back, delivered) or for [`DEAD_TTL`]. Bounded by
+    /// `max_dead`, as `dead` is.
+    unneeded: HashMap<AttemptKey, Timestamp>,
     /// Most live registrations one consumer rank's connection may hold here: a share of
     /// `max_entries`, so that one peer cannot take the matcher's whole capacity.
     registration_quota: usize,
@@ -843,6 +850,7 @@ impl Driver {
             pull_held: HashMap::new(),
             peer_rma_unassisted,
             dead: HashMap::new(),
+            unneeded: HashMap::new(),
             max_dead: config.max_entries,
             registration_quota: (config.max_entries / REGISTRATION_QUOTA_SHARE).max(1),
             streams: HashMap::new(),

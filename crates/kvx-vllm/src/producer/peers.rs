@@ -241,15 +241,18 @@ impl Driver {
                     done.capability.as_ref(),
                     "read completion",
                 ) {
-                    self.pull_done(conn, AttemptKey::new(done.transfer, done.attempt));
+                    self.consumer_done(now, conn, AttemptKey::new(done.transfer, done.attempt));
                 }
             }
             _ => warn!(conn, "unexpected message from a consumer"),
         }
     }
 
-    /// Pull mode: a consumer rank has read the blocks; they go back once every reader has.
-    pub(super) fn pull_done(&mut self, conn: ConnId, key: AttemptKey) {
+    /// A consumer rank is done with `key` here. Pull mode: it has read the blocks; they go back
+    /// once every reader has. Either mode, from a consumer engine that reads nothing from this
+    /// rank (it takes a replica another rank serves, [`kvx_layout::idle_producers`]): the
+    /// blocks are nobody's, and go back now, or as soon as the request finishes.
+    pub(super) fn consumer_done(&mut self, now: Timestamp, conn: ConnId, key: AttemptKey) {
         let Some(consumer) = self.conns.get(&conn).and_then(|c| c.consumer.as_ref()) else {
             return;
         };
@@ -257,6 +260,10 @@ impl Driver {
         let readers =
             kvx_layout::readers_for(self.rank, self.layout.spec().tp_size, &consumer.layout)
                 .unwrap_or_else(|_| vec![reader]);
+        if readers.is_empty() {
+            self.not_needed(now, key);
+            return;
+        }
         let Some(hold) = self.pull_held.get_mut(&key) else {
             return;
         };
@@ -269,6 +276,33 @@ impl Driver {
             self.stats.transfers_ok.fetch_add(1, Ordering::Relaxed);
             self.give_back(key, hold.held, SendOutcome::Sent);
         }
+    }
+
+    /// No consumer rank needs `key` from this rank: its blocks go back, delivered, now if it
+    /// finished (push or pull), or once it does (remembered, bounded).
+    fn not_needed(&mut self, now: Timestamp, key: AttemptKey) {
+        if let Some((held, _)) = self.unfanned.remove(&key) {
+            debug!(%key, "nothing of it is needed from this rank");
+            self.give_back(key, held, SendOutcome::Sent);
+            return;
+        }
+        if let Some(hold) = self.pull_held.remove(&key) {
+            debug!(%key, "nothing of it is needed from this rank");
+            self.give_back(key, hold.held, SendOutcome::Sent);
+            return;
+        }
+        if self.holds(key) || self.unneeded.contains_key(&key) {
+            // Fanned out to the readers of another consumer engine: they decide.
+            return;
+        }
+        if self.unneeded.len() >= self.max_dead {
+            debug!(%key, "too many unneeded requests remembered: this one is held until its lease");
+            return;
+        }
+        let until = now + DEAD_TTL;
+        self.unneeded.insert(key, until);
+        self.expiry
+            .push(Reverse((until, key, ExpiryKind::Unneeded)));
     }
 
     pub(super) fn registration(&mut self, conn: ConnId, now: Timestamp, reg: Registration) {

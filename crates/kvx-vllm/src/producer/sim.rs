@@ -10,6 +10,7 @@ use std::sync::atomic::AtomicU64;
 
 use kvx_core::wire::FailureReason;
 use kvx_core::wire::Registration;
+use kvx_core::LayoutSpec;
 use kvx_rdma::loopback::LoopbackFabric;
 
 use super::*;
@@ -37,26 +38,33 @@ impl Sim {
 
     /// A producer rank with `config`, and one consumer rank connected to it.
     fn with(config: ConnectorConfig) -> Self {
+        Self::with_layouts(config, spec(), spec())
+    }
+
+    /// A producer rank laid out as `producer` with `config`, and one consumer rank laid out as
+    /// `consumer` connected to it.
+    fn with_layouts(config: ConnectorConfig, producer: LayoutSpec, consumer: LayoutSpec) -> Self {
         let fabric = LoopbackFabric::new();
         let now: &'static AtomicU64 = Box::leak(Box::new(AtomicU64::new(0)));
         let finished = Arc::new(Mailbox::default());
         let mut driver = Driver::new(
             &config,
-            Layout::new(spec()).unwrap(),
+            Layout::new(producer).unwrap(),
             endpoint(&fabric).0,
             Clock::virtual_at(now),
             Arc::clone(&finished),
             Arc::new(Stats::default()),
         )
         .unwrap();
-        let consumer = endpoint(&fabric).0;
+        let consumer_spec = consumer;
+        let consumer_endpoint = endpoint(&fabric).0;
         let (ours, theirs) = UnixStream::pair().unwrap();
         let sender = control::sender(&ControlStream::local(ours)).unwrap();
         let hello = control::hello(
             &ConnectorConfig::new(EngineId(2)),
             Role::Consumer,
-            &Layout::new(spec()).unwrap(),
-            &consumer.local_desc(),
+            &Layout::new(consumer_spec).unwrap(),
+            &consumer_endpoint.local_desc(),
             false,
         );
         driver.command(Command::Accepted(1, sender, Box::new(hello)));
@@ -64,7 +72,7 @@ impl Sim {
             driver,
             now,
             finished,
-            consumer,
+            consumer: consumer_endpoint,
             control: theirs,
             config,
         }
@@ -157,6 +165,64 @@ impl Sim {
     fn message(&mut self) -> Option<Message> {
         crate::sim_support::message(&mut self.control)
     }
+}
+
+/// The consumer's rank 0 says it needs nothing of `key` from this rank (a completion).
+fn not_needed(sim: &mut Sim, key: AttemptKey) {
+    let done = Message::Completion(kvx_core::wire::Completion {
+        transfer: key.transfer,
+        attempt: key.attempt,
+        producer: EngineId(2),
+        producer_rank: Rank(1),
+        bytes: 0,
+        capability: None,
+    });
+    sim.command(Command::Peer(1, done, control::Queued::unbounded()));
+}
+
+/// MLA: every prefill rank holds the whole latent, and a one-rank decode reads it from rank 0
+/// only. Rank 1, told by decode that it needs nothing of it, gives the blocks back at once,
+/// delivered, whether it heard so before its finish or after, and writes nothing; a
+/// completion for a request it serves (decode would read from it) frees nothing in push.
+#[test]
+fn a_rank_whose_replica_no_consumer_reads_gives_its_blocks_back_when_told() {
+    let mla = |tp_size, tp_rank| LayoutSpec {
+        total_kv_heads: 1,
+        mla: true,
+        tp_size,
+        tp_rank,
+        ..spec()
+    };
+    let mut sim = Sim::with_layouts(ConnectorConfig::new(EngineId(1)), mla(2, 1), mla(1, 0));
+    // Told first, finished later.
+    not_needed(&mut sim, key(1));
+    sim.at(Duration::from_millis(5));
+    assert!(sim.finished().is_empty());
+    sim.finish(key(1), 8, ids(0..2));
+    sim.at(Duration::from_millis(6));
+    let done = sim.finished();
+    assert_eq!(done.len(), 1, "{done:?}");
+    assert_eq!((done[0].key, done[0].outcome), (key(1), SendOutcome::Sent));
+    // Finished first, told later.
+    sim.finish(key(2), 8, ids(2..4));
+    sim.at(Duration::from_millis(10));
+    assert!(sim.finished().is_empty());
+    not_needed(&mut sim, key(2));
+    sim.at(Duration::from_millis(11));
+    let done = sim.finished();
+    assert_eq!(done.len(), 1, "{done:?}");
+    assert_eq!((done[0].key, done[0].outcome), (key(2), SendOutcome::Sent));
+    assert!(sim.notices().is_empty(), "an idle rank wrote");
+    assert_eq!(sim.driver.stats.held.load(Ordering::Relaxed), 0);
+    // Rank 0 of the same prefill serves the decode: a completion in push frees nothing there.
+    let mut served = Sim::with_layouts(ConnectorConfig::new(EngineId(1)), mla(2, 0), mla(1, 0));
+    served.finish(key(3), 8, ids(0..2));
+    not_needed(&mut served, key(3));
+    served.at(Duration::from_secs(1));
+    assert!(
+        served.finished().is_empty(),
+        "a served rank gave its blocks back"
+    );
 }
 
 #[test]
