@@ -102,12 +102,9 @@ impl Driver {
         let Some(first) = known.ranks.get(&Rank(0)) else {
             return Ok(vec![Rank(0)]);
         };
-        let producer_tp = first.layout.spec().tp_size;
-        let writers = writers_for(&self.layout, producer_tp)?;
-        let idle = self.idle_of(producer_tp)?;
+        let writers = writers_for(&self.layout, first.layout.spec().tp_size)?;
         Ok(writers
             .into_iter()
-            .chain(idle)
             .filter(|r| !known.ranks.contains_key(r))
             .collect())
     }
@@ -115,7 +112,8 @@ impl Driver {
     /// The ranks of `instance` that write to no rank of this engine (they hold a replica of what
     /// another rank serves, [`kvx_layout::idle_producers`]): this engine's rank 0 tells them,
     /// for each request, that it needs nothing of them, so that they give their blocks back
-    /// at once instead of at their lease. Empty on the other ranks.
+    /// at once instead of at their lease. Empty on the other ranks. Connected best effort
+    /// ([`Driver::connect_idle`]): no request waits for them.
     pub(super) fn idle_ranks(&self, instance: SocketAddr) -> Result<Vec<Rank>, PlanError> {
         let tp = self.instances[&instance].ranks[&Rank(0)]
             .layout
@@ -169,6 +167,73 @@ impl Driver {
         }
     }
 
+    /// Starts connecting idle `rank` of `instance` ([`Driver::idle_ranks`]) unless that is under
+    /// way or failed less than [`RETRY_UNREACHABLE`] ago.
+    pub(super) fn connect_idle(&mut self, instance: SocketAddr, rank: Rank) {
+        let now = self.clock.now();
+        match self.idle_links.get(&(instance, rank)) {
+            Some(None) => return,
+            Some(Some(failed)) if now < *failed + RETRY_UNREACHABLE => return,
+            _ => {}
+        }
+        self.idle_links.insert((instance, rank), None);
+        let addr = crate::settings::rank_addr(instance, rank);
+        let hello = Message::Hello(self.hello.clone());
+        let (timeout, local) = (self.config.connect_timeout, self.config.local_sockets);
+        let key = self.config.auth_key.clone();
+        let tx = self.tx.clone();
+        let spawned = thread::Builder::new()
+            .name(format!("kvx-hs-{addr}"))
+            .spawn(move || {
+                let result = control::handshake(addr, &hello, timeout, local, key.as_deref());
+                let _ = tx.send(Command::Handshaken(instance, rank, result));
+            });
+        if spawned.is_err() {
+            self.idle_links.insert((instance, rank), Some(now));
+        }
+    }
+
+    /// A handshake with an idle rank ended: adopted, or tried again later.
+    fn idle_handshaken(
+        &mut self,
+        instance: SocketAddr,
+        rank: Rank,
+        result: Result<(ControlStream, Hello), LinkError>,
+    ) {
+        let adopted = if self.instances.contains_key(&instance) {
+            result.and_then(|(stream, hello)| self.adopt(instance, rank, stream, hello))
+        } else {
+            // The instance was lost meanwhile: this connection is not wanted (it closes).
+            Ok(())
+        };
+        let pending = self
+            .idle_pending
+            .remove(&(instance, rank))
+            .unwrap_or_default();
+        match adopted {
+            Ok(()) => {
+                self.idle_links.remove(&(instance, rank));
+                let Some(conn) = self
+                    .instances
+                    .get(&instance)
+                    .and_then(|i| i.ranks.get(&rank))
+                else {
+                    return;
+                };
+                for message in &pending {
+                    if let Ok(queued) = conn.sender.send_or_queue(message) {
+                        self.backlogged |= queued;
+                    }
+                }
+            }
+            Err(why) => {
+                debug!(%instance, %rank, %why, told = pending.len(), "an idle producer rank is unreachable: it holds requests until its lease");
+                self.idle_links
+                    .insert((instance, rank), Some(self.clock.now()));
+            }
+        }
+    }
+
     /// A handshake ended: the connection is adopted, and once every writer of the instance is
     /// connected, the requests queued for it start; on failure they fail, and the instance is
     /// not tried again for [`RETRY_UNREACHABLE`].
@@ -178,6 +243,10 @@ impl Driver {
         rank: Rank,
         result: Result<(ControlStream, Hello), LinkError>,
     ) {
+        if self.idle_links.get(&(instance, rank)) == Some(&None) {
+            self.idle_handshaken(instance, rank, result);
+            return;
+        }
         let Some(connecting) = self.connecting.get_mut(&instance) else {
             // The instance failed meanwhile: this connection is not wanted (it closes).
             return;

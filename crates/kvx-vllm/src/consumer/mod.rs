@@ -620,6 +620,11 @@ struct Driver {
     connecting: HashMap<SocketAddr, Connecting>,
     /// Instances whose connection failed recently, when and why.
     unreachable: HashMap<SocketAddr, (Timestamp, Arc<LinkError>)>,
+    /// Idle ranks of an instance ([`Driver::idle_ranks`]) being connected, best effort: no
+    /// request waits for them, and a failure only delays the next try (to the time kept).
+    idle_links: HashMap<(SocketAddr, Rank), Option<Timestamp>>,
+    /// What to tell each idle rank being connected once it is (bounded by `max_entries`).
+    idle_pending: HashMap<(SocketAddr, Rank), Vec<Message>>,
     notices: HashMap<u64, (AttemptKey, Rank)>,
     /// This side asked the producers for `Finishing` hints (its transport polls to wait).
     finishing_hints: bool,
@@ -717,6 +722,8 @@ impl Driver {
             instances: HashMap::new(),
             connecting: HashMap::new(),
             unreachable: HashMap::new(),
+            idle_links: HashMap::new(),
+            idle_pending: HashMap::new(),
             notices: HashMap::new(),
             finishing_hints,
             hinted: HashSet::new(),

@@ -332,9 +332,6 @@ impl Driver {
             }
         };
         for rank in idle {
-            let Some(conn) = self.instances[&instance].ranks.get(&rank) else {
-                continue;
-            };
             let message = Message::Completion(Completion {
                 transfer: key.transfer,
                 attempt: key.attempt,
@@ -343,6 +340,17 @@ impl Driver {
                 bytes: 0,
                 capability: capability.cloned(),
             });
+            let Some(conn) = self.instances[&instance].ranks.get(&rank) else {
+                // Told once connected (a rank that cannot be reached holds until its lease).
+                self.connect_idle(instance, rank);
+                if self.idle_links.get(&(instance, rank)) == Some(&None) {
+                    let pending = self.idle_pending.entry((instance, rank)).or_default();
+                    if pending.len() < self.config.max_entries {
+                        pending.push(message);
+                    }
+                }
+                continue;
+            };
             // Never blocks (the engine thread may be the caller); a rank that is gone holds
             // nothing past its lease.
             if let Ok(queued) = conn.sender.send_or_queue(&message) {
