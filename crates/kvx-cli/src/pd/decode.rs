@@ -104,6 +104,125 @@ impl Request {
     }
 }
 
+/// What the side channel's reader thread passes on.
+enum SideLine {
+    /// A line from prefill.
+    Text(String),
+    /// The connection closed (prefill gone).
+    Closed,
+}
+
+/// The side channel to prefill: the router's requests out, prefill's reports in, connected
+/// again after prefill goes (killed and restarted with `--keep-serving`).
+struct SideChannel {
+    addr: SocketAddr,
+    writer: Option<std::net::TcpStream>,
+    lines: mpsc::Receiver<(u64, SideLine)>,
+    tx: mpsc::Sender<(u64, SideLine)>,
+    /// The connection now (lines of an earlier one are dropped).
+    generation: u64,
+    /// When to try connecting again while down.
+    next_try: Instant,
+}
+
+impl SideChannel {
+    /// Connects to prefill at `addr`, retrying for up to `timeout`.
+    fn connect(addr: SocketAddr, timeout: Duration) -> anyhow::Result<Self> {
+        let stream = connect_router(addr, timeout)?;
+        let (tx, lines) = mpsc::channel();
+        let mut side = Self {
+            addr,
+            writer: None,
+            lines,
+            tx,
+            generation: 0,
+            next_try: Instant::now(),
+        };
+        side.adopt(stream)?;
+        Ok(side)
+    }
+
+    /// Takes `stream` as the connection, with a reader thread of its own.
+    fn adopt(&mut self, stream: std::net::TcpStream) -> anyhow::Result<()> {
+        self.generation += 1;
+        let generation = self.generation;
+        self.writer = Some(stream.try_clone()?);
+        let tx = self.tx.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stream).lines().map_while(Result::ok) {
+                if tx.send((generation, SideLine::Text(line))).is_err() {
+                    return;
+                }
+            }
+            let _ = tx.send((generation, SideLine::Closed));
+        });
+        Ok(())
+    }
+
+    fn is_up(&self) -> bool {
+        self.writer.is_some()
+    }
+
+    /// Tries to connect again (at most every 100 ms); whether it is up now.
+    fn reconnect(&mut self, now: Instant) -> bool {
+        if now < self.next_try {
+            return false;
+        }
+        self.next_try = now + Duration::from_millis(100);
+        let Ok(stream) =
+            std::net::TcpStream::connect_timeout(&self.addr, Duration::from_millis(200))
+        else {
+            return false;
+        };
+        stream.set_nodelay(true).is_ok() && self.adopt(stream).is_ok()
+    }
+
+    /// Sends `line`; `false` (and down) where the connection is gone.
+    fn send(&mut self, line: &str) -> bool {
+        let sent = self
+            .writer
+            .as_mut()
+            .is_some_and(|w| w.write_all(line.as_bytes()).is_ok());
+        if !sent {
+            self.writer = None;
+        }
+        sent
+    }
+
+    /// The next line or closing of the connection now, waiting up to `timeout`.
+    fn recv_timeout(&mut self, timeout: Duration) -> Option<SideLine> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let (generation, line) = self.lines.recv_timeout(left).ok()?;
+            if let Some(line) = self.current(generation, line) {
+                return Some(line);
+            }
+        }
+    }
+
+    /// [`SideChannel::recv_timeout`] without waiting.
+    fn try_recv(&mut self) -> Option<SideLine> {
+        loop {
+            let (generation, line) = self.lines.try_recv().ok()?;
+            if let Some(line) = self.current(generation, line) {
+                return Some(line);
+            }
+        }
+    }
+
+    /// `line` if it is of the connection now (its closing takes the channel down).
+    fn current(&mut self, generation: u64, line: SideLine) -> Option<SideLine> {
+        if generation != self.generation {
+            return None;
+        }
+        if matches!(line, SideLine::Closed) {
+            self.writer = None;
+        }
+        Some(line)
+    }
+}
+
 /// A new trace for the request `key`, and the router's span in it (`kvx.pd.request`, the parent
 /// of prefill's `kvx.send` and decode's `kvx.receive` spans), as `kvx proxy`'s dispatch is.
 fn router_span(
@@ -234,20 +353,11 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
             )?)
         }
     };
-    let stream = connect_router(args.prefill_bench, Duration::from_secs(60))?;
+    let mut side = SideChannel::connect(args.prefill_bench, Duration::from_secs(60))?;
     eprintln!(
         "kvx pd decode: running {} requests ({} mode)",
         args.requests, args.mode
     );
-    let mut router = stream.try_clone()?;
-    let (line_tx, line_rx) = mpsc::channel::<String>();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stream).lines().map_while(Result::ok) {
-            if line_tx.send(line).is_err() {
-                return;
-            }
-        }
-    });
     // Verification off the engine loop: every received byte is checked.
     let (verify_tx, verify_rx) = mpsc::channel::<(AttemptKey, Vec<BlockId>, u64)>();
     let (verified_tx, verified_rx) = mpsc::channel::<(AttemptKey, Result<u64, String>)>();
@@ -304,8 +414,12 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
             cpu_before = connector_cpu_ns();
             start = Instant::now();
         }
-        // Arrivals that are due.
-        loop {
+        // A prefill that went (killed, restarted) is connected to again.
+        if !side.is_up() && side.reconnect(now) {
+            eprintln!("kvx pd decode: the prefill's side channel is back");
+        }
+        // Arrivals that are due, while prefill can be told of them.
+        while side.is_up() {
             let (i, at) = if warming {
                 if warmups_left == 0 || requests.iter().any(|r| !r.resolved(args.output_tokens)) {
                     break;
@@ -348,18 +462,19 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
             } else {
                 (None, tracing::Span::none())
             };
-            match trace {
-                Some(trace) => writeln!(
-                    router,
-                    "P {:x} {} {} {} {trace}",
+            let line = match trace {
+                Some(trace) => format!(
+                    "P {:x} {} {} {} {trace}\n",
                     key.transfer.0, key.attempt.0, tokens, args.mode
-                )?,
-                None => writeln!(
-                    router,
-                    "P {:x} {} {} {}",
+                ),
+                None => format!(
+                    "P {:x} {} {} {}\n",
                     key.transfer.0, key.attempt.0, tokens, args.mode
-                )?,
-            }
+                ),
+            };
+            // Prefill gone on the way: the request fails now (it never reached prefill).
+            let lost =
+                (!side.send(&line)).then(|| "prefill lost before it took the request".to_owned());
             let index = requests.len();
             requests.push(Request {
                 key,
@@ -382,6 +497,10 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
                 trace,
             });
             by_key.insert(key, index);
+            if let Some(lost) = lost {
+                requests[index].failed = Some(lost);
+                continue;
+            }
             if !pull {
                 let t = StepWork::mark();
                 let capability = grant(key.transfer);
@@ -403,14 +522,31 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
         // The router relays prefill completions (and, in pull mode, the prefill's blocks).
         let idle = running.is_empty();
         let first = if idle {
-            line_rx.recv_timeout(Duration::from_micros(500)).ok()
+            side.recv_timeout(Duration::from_micros(500))
         } else {
-            line_rx.try_recv().ok()
+            side.try_recv()
         };
-        for line in first
+        let lines: Vec<SideLine> = first
             .into_iter()
-            .chain(std::iter::from_fn(|| line_rx.try_recv().ok()))
-        {
+            .chain(std::iter::from_fn(|| side.try_recv()))
+            .collect();
+        for line in lines {
+            let line = match line {
+                SideLine::Text(line) => line,
+                SideLine::Closed => {
+                    // Prefill is gone: what it had not reported computed never will be (pull:
+                    // nothing was asked of the connector for it); push registrations fail in
+                    // the connector with the lost connection.
+                    eprintln!("kvx pd decode: the prefill's side channel closed");
+                    for r in requests
+                        .iter_mut()
+                        .filter(|r| pull && r.failed.is_none() && r.prefill_done_us.is_none())
+                    {
+                        r.failed = Some("prefill lost before it computed the request".into());
+                    }
+                    continue;
+                }
+            };
             if let Some((key, at)) = landed_line(&line)? {
                 if let Some(&index) = by_key.get(&key) {
                     requests[index].landed_us = Some(at);
@@ -549,12 +685,13 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
     // for the last ones.
     let landed_deadline = Instant::now() + Duration::from_secs(2);
     while !pull
+        && side.is_up()
         && requests
             .iter()
             .any(|r| r.failed.is_none() && r.landed_us.is_none())
         && Instant::now() < landed_deadline
     {
-        if let Ok(line) = line_rx.recv_timeout(Duration::from_millis(50)) {
+        if let Some(SideLine::Text(line)) = side.recv_timeout(Duration::from_millis(50)) {
             if let Some((key, at)) = landed_line(&line)? {
                 if let Some(&index) = by_key.get(&key) {
                     requests[index].landed_us = Some(at);
@@ -562,7 +699,7 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
             }
         }
     }
-    drop(router);
+    drop(side);
     // Before shutdown: the connector's threads are still there to be asked.
     let connector_cpu_ms: Option<HashMap<String, f64>> =
         cpu_before.zip(connector_cpu_ns()).map(|(before, after)| {
@@ -601,6 +738,8 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
         .iter()
         .map(|c| c.stats().released_unconfirmed)
         .sum();
+    // What the connector still holds once every request ended (0 unless something leaked).
+    let held_at_end: i64 = consumers.iter().map(|c| c.stats().held).sum();
     for mut c in consumers {
         c.shutdown();
     }
@@ -697,6 +836,7 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
         "metrics_cpu_us_per_step": metrics_cpu_us_per_step,
         "connector_cpu_ms_by_thread": connector_cpu_ms,
         "finishing_hints": finishing_hints,
+        "held_at_end": held_at_end,
         "board_ready": board_ready,
         "driver_turns": driver_turns,
         "local_connections": local_connections,

@@ -48,6 +48,11 @@ pub(crate) struct PrefillArgs {
     /// Seconds to wait for the router to connect before giving up.
     #[arg(long, default_value_t = 120)]
     pub(crate) router_timeout_s: u64,
+    /// Serve one router after another until killed: when a router goes, what it left held
+    /// drains and the next may connect (a restarted decode). Without it prefill exits once its
+    /// router is gone and nothing is held.
+    #[arg(long)]
+    pub(crate) keep_serving: bool,
     /// The longest prompt the GPU engine is sized for (`--device cuda`).
     #[arg(long, default_value_t = 16384)]
     pub(crate) max_tokens: u64,
@@ -349,23 +354,7 @@ pub(crate) fn run(args: &PrefillArgs) -> anyhow::Result<()> {
             Err(e) => return Err(e).context("accepting the router failed"),
         }
     };
-    stream.set_nonblocking(false)?;
-    stream.set_nodelay(true)?;
-    let mut reply = stream.try_clone()?;
-    let (tx, rx) = mpsc::channel::<Option<String>>();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stream).lines() {
-            match line {
-                Ok(l) => {
-                    if tx.send(Some(l)).is_err() {
-                        return;
-                    }
-                }
-                Err(_) => break,
-            }
-        }
-        let _ = tx.send(None);
-    });
+    let (mut reply, mut rx) = router_lines(stream)?;
 
     let mut pool = BlockPool::new(args.model.blocks);
     let mut queue: VecDeque<Job> = VecDeque::new();
@@ -374,7 +363,15 @@ pub(crate) fn run(args: &PrefillArgs) -> anyhow::Result<()> {
     let mut outstanding: HashMap<AttemptKey, Outstanding> = HashMap::new();
     let mut router_open = true;
     let (mut served, mut sent, mut not_sent) = (0u64, 0u64, 0u64);
-    while router_open || !queue.is_empty() || !outstanding.is_empty() {
+    while args.keep_serving || router_open || !queue.is_empty() || !outstanding.is_empty() {
+        if !router_open && args.keep_serving {
+            // The next router (a restarted decode), once one connects.
+            if let Ok((stream, _)) = listener.accept() {
+                (reply, rx) = router_lines(stream)?;
+                router_open = true;
+                eprintln!("kvx pd prefill: a router connected");
+            }
+        }
         for producer in &producers {
             for (done, at) in producer.take_finished_timed() {
                 let delivered = done.outcome == kvx_vllm::SendOutcome::Sent;
@@ -564,6 +561,29 @@ pub(crate) fn run(args: &PrefillArgs) -> anyhow::Result<()> {
         p.shutdown();
     }
     Ok(())
+}
+
+/// The router's connection `stream` as prefill uses it: the stream to reply on, and its request
+/// lines (`None` once it closed) from a reader thread.
+fn router_lines(stream: TcpStream) -> anyhow::Result<(TcpStream, mpsc::Receiver<Option<String>>)> {
+    stream.set_nonblocking(false)?;
+    stream.set_nodelay(true)?;
+    let reply = stream.try_clone()?;
+    let (tx, rx) = mpsc::channel::<Option<String>>();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stream).lines() {
+            match line {
+                Ok(l) => {
+                    if tx.send(Some(l)).is_err() {
+                        return;
+                    }
+                }
+                Err(_) => break,
+            }
+        }
+        let _ = tx.send(None);
+    });
+    Ok((reply, rx))
 }
 
 /// Connects to the prefill's side channel, retrying until `timeout`.
