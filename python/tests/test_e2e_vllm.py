@@ -610,9 +610,12 @@ def check_pair_matches_reference(mode, model, workdir, reference, transport=None
         # Every byte kvx moved is the KV of a prompt token decode took over kvx: the writer's
         # bytes are decode's tokens from kvx times a token's KV (2 layers, K and V, 2 heads of
         # 32 float32s), once both counters have settled.
-        # And in push, each decode request took one notice from every prefill rank: the
-        # ranks' delivered transfers (summed) are decode's delivered requests times prefill's
-        # ranks. (Requests sent to an instance directly step it, so that it reports.)
+        # And in push, each decode rank's request took one notice from each of its writers
+        # (prefill ranks split the model's two heads among themselves, decode ranks read theirs):
+        # prefill's delivered transfers, one per decode rank written, summed over its ranks,
+        # are decode's delivered requests (one per rank) times the writers of a decode rank.
+        # (Requests sent to an instance directly step it, so that it reports.)
+        writers_per_rank = max(1, p_tp // d_tp)
         token_kv = 2 * 2 * 2 * 32 * 4
         deadline = time.monotonic() + 30
         while True:
@@ -620,7 +623,7 @@ def check_pair_matches_reference(mode, model, workdir, reference, transport=None
             tokens = metric(d_url, "vllm:prompt_tokens_by_source_total",
                             'source="external_kv_transfer"')
             notices = (metric(p_url, "vllm:kvx_transfers_ok_total"),
-                       metric(d_url, "vllm:kvx_transfers_ok_total") * p_tp)
+                       metric(d_url, "vllm:kvx_transfers_ok_total") * writers_per_rank)
             if moved == tokens * token_kv and (mode != "push" or notices[0] == notices[1]):
                 break
             assert time.monotonic() < deadline, (moved, tokens, token_kv, notices)

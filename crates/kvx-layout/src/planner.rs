@@ -514,20 +514,28 @@ pub fn readers_for(
     producer_tp: u32,
     consumer: &Layout,
 ) -> Result<Vec<Rank>, PlanError> {
-    let mut readers = Vec::new();
-    for rank in 0..consumer.spec().tp_size {
-        let mut spec = consumer.spec().clone();
-        spec.tp_rank = rank;
-        let layout = Layout::new(spec).map_err(|e| PlanError::ModelMismatch {
-            field: "consumer layout",
-            producer: String::new(),
-            consumer: e.to_string(),
-        })?;
-        if writers_for(&layout, producer_tp)?.contains(&producer) {
-            readers.push(Rank(rank));
-        }
-    }
-    Ok(readers)
+    Ok(writers_of_each_rank(consumer, producer_tp)?
+        .into_iter()
+        .enumerate()
+        .filter(|(_, writers)| writers.contains(&producer))
+        .map(|(rank, _)| Rank(rank as u32))
+        .collect())
+}
+
+/// [`writers_for`] of every rank of a consumer engine laid out like `consumer`, by rank.
+fn writers_of_each_rank(consumer: &Layout, producer_tp: u32) -> Result<Vec<Vec<Rank>>, PlanError> {
+    (0..consumer.spec().tp_size)
+        .map(|rank| {
+            let mut spec = consumer.spec().clone();
+            spec.tp_rank = rank;
+            let layout = Layout::new(spec).map_err(|e| PlanError::ModelMismatch {
+                field: "consumer layout",
+                producer: String::new(),
+                consumer: e.to_string(),
+            })?;
+            writers_for(&layout, producer_tp)
+        })
+        .collect()
 }
 
 /// The producer ranks (of a producer with TP size `producer_tp`) that write to no rank of a
@@ -540,24 +548,13 @@ pub fn readers_for(
 /// # Errors
 /// As [`readers_for`].
 pub fn idle_producers(producer_tp: u32, consumer: &Layout) -> Result<Vec<Rank>, PlanError> {
-    let mut writing = vec![false; producer_tp as usize];
-    for rank in 0..consumer.spec().tp_size {
-        let mut spec = consumer.spec().clone();
-        spec.tp_rank = rank;
-        let layout = Layout::new(spec).map_err(|e| PlanError::ModelMismatch {
-            field: "consumer layout",
-            producer: String::new(),
-            consumer: e.to_string(),
-        })?;
-        for writer in writers_for(&layout, producer_tp)? {
-            if let Some(w) = writing.get_mut(writer.0 as usize) {
-                *w = true;
-            }
-        }
-    }
+    let writing: std::collections::HashSet<Rank> = writers_of_each_rank(consumer, producer_tp)?
+        .into_iter()
+        .flatten()
+        .collect();
     Ok((0..producer_tp)
-        .filter(|&r| !writing[r as usize])
         .map(Rank)
+        .filter(|r| !writing.contains(r))
         .collect())
 }
 

@@ -11,20 +11,21 @@ use std::time::{Duration, Instant};
 use kvx_core::{
     Arrangement, Attempt, BlockId, Dtype, EngineId, LayoutSpec, MemoryOrder, RequestId, TransferId,
 };
-use kvx_layout::synth::{fill_request, for_each_head_vector_in, head_vector, verify_request};
-use kvx_layout::Layout;
+use kvx_layout::synth::{for_each_head_vector_in, head_vector};
 use kvx_rdma::loopback::LoopbackFabric;
-use kvx_rdma::region::{HostBuffer, LocalRegion};
+use kvx_rdma::region::LocalRegion;
 use kvx_rdma::{Capabilities, Event, Notice, OpId, PeerId, Transport};
 use kvx_rendezvous::{AttemptKey, Reason};
 use kvx_testkit::free_ports;
 use kvx_vllm::router;
 use kvx_vllm::{
-    ConnectorConfig, Consumer, FinishedSending, KvCache, Producer, PullRequest, PushRequest,
-    RecvEvent, RouterError, SendOutcome,
+    ConnectorConfig, Consumer, FinishedSending, Producer, PullRequest, PushRequest, RecvEvent,
+    RouterError, SendOutcome,
 };
 
-const SEED: u64 = 0x5eed;
+#[path = "support/side.rs"]
+mod side;
+use side::{Side, SEED};
 
 fn spec(
     tp: u32,
@@ -45,51 +46,6 @@ fn spec(
         tp_rank: rank,
         order,
         arrangement,
-    }
-}
-
-struct Side {
-    layout: Layout,
-    buffers: Vec<Arc<HostBuffer>>,
-}
-
-impl Side {
-    fn new(spec: LayoutSpec) -> (Self, KvCache) {
-        let layout = Layout::new(spec.clone()).unwrap();
-        let buffers: Vec<Arc<HostBuffer>> = (0..layout.region_count())
-            .map(|_| {
-                let b = Arc::new(HostBuffer::new(layout.region_len() as usize).unwrap());
-                b.fill_with(|i| (i * 31 % 251) as u8);
-                b
-            })
-            .collect();
-        let regions = buffers
-            .iter()
-            .enumerate()
-            .map(|(i, b)| LocalRegion::host(i as u32, Arc::clone(b)))
-            .collect();
-        (
-            Self { layout, buffers },
-            KvCache {
-                layout: spec,
-                regions,
-            },
-        )
-    }
-
-    fn fill(&self, blocks: &[BlockId], tokens: u64) {
-        let mut mem: Vec<Vec<u8>> = self.buffers.iter().map(|b| b.to_vec()).collect();
-        let mut slices: Vec<&mut [u8]> = mem.iter_mut().map(Vec::as_mut_slice).collect();
-        fill_request(&self.layout, &mut slices, blocks, tokens, SEED);
-        for (b, m) in self.buffers.iter().zip(&mem) {
-            b.write_at(0, m).unwrap();
-        }
-    }
-
-    fn verify(&self, blocks: &[BlockId], skip: u64, tokens: u64) {
-        let mem: Vec<Vec<u8>> = self.buffers.iter().map(|b| b.to_vec()).collect();
-        let views: Vec<&[u8]> = mem.iter().map(Vec::as_slice).collect();
-        verify_request(&self.layout, &views, blocks, skip, tokens, SEED).unwrap();
     }
 }
 

@@ -7,23 +7,22 @@
 #![cfg(feature = "nixl")]
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvx_core::{
     Arrangement, Attempt, BlockId, Dtype, EngineId, LayoutSpec, MemoryOrder, RequestId, TransferId,
 };
-use kvx_layout::synth::{fill_request, verify_request};
-use kvx_layout::Layout;
-use kvx_rdma::region::{HostBuffer, LocalRegion};
 use kvx_rendezvous::AttemptKey;
 use kvx_testkit::free_ports;
 use kvx_vllm::{
-    ConnectorConfig, Consumer, KvCache, OpenOptions, Producer, PullRequest, PushRequest, RecvEvent,
+    ConnectorConfig, Consumer, OpenOptions, Producer, PullRequest, PushRequest, RecvEvent,
     SendOutcome, TransportSpec,
 };
 
-const SEED: u64 = 0x6e69_786c;
+#[path = "support/side.rs"]
+mod side;
+use side::Side;
+
 const TOKENS: u64 = 100;
 
 fn spec(block_tokens: u32) -> LayoutSpec {
@@ -39,45 +38,6 @@ fn spec(block_tokens: u32) -> LayoutSpec {
         tp_rank: 0,
         order: MemoryOrder::Hnd,
         arrangement: Arrangement::PerLayerSplit,
-    }
-}
-
-struct Side {
-    layout: Layout,
-    buffers: Vec<Arc<HostBuffer>>,
-}
-
-impl Side {
-    fn new(spec: LayoutSpec) -> (Self, KvCache) {
-        let layout = Layout::new(spec.clone()).unwrap();
-        let buffers: Vec<Arc<HostBuffer>> = (0..layout.region_count())
-            .map(|_| Arc::new(HostBuffer::new(layout.region_len() as usize).unwrap()))
-            .collect();
-        let regions = buffers
-            .iter()
-            .enumerate()
-            .map(|(i, b)| LocalRegion::host(i as u32, Arc::clone(b)))
-            .collect();
-        let cache = KvCache {
-            layout: spec,
-            regions,
-        };
-        (Self { layout, buffers }, cache)
-    }
-
-    fn fill(&self, blocks: &[BlockId]) {
-        let mut mem: Vec<Vec<u8>> = self.buffers.iter().map(|b| b.to_vec()).collect();
-        let mut views: Vec<&mut [u8]> = mem.iter_mut().map(Vec::as_mut_slice).collect();
-        fill_request(&self.layout, &mut views, blocks, TOKENS, SEED);
-        for (b, m) in self.buffers.iter().zip(&mem) {
-            b.write_at(0, m).unwrap();
-        }
-    }
-
-    fn verify(&self, blocks: &[BlockId]) {
-        let mem: Vec<Vec<u8>> = self.buffers.iter().map(|b| b.to_vec()).collect();
-        let views: Vec<&[u8]> = mem.iter().map(Vec::as_slice).collect();
-        verify_request(&self.layout, &views, blocks, 0, TOKENS, SEED).expect("every byte");
     }
 }
 
@@ -138,7 +98,7 @@ fn push_with_an_early_write_and_pull_between_a_loopback_prefill_and_an_unaddress
     let ((p_side, mut producer, listen), (d_side, mut consumer)) = pair(library);
     let p_blocks = blocks(&[5, 1, 12, 3, 9, 14, 7], 16);
     let d_blocks = blocks(&[2, 14, 7, 0], 32);
-    p_side.fill(&p_blocks);
+    p_side.fill(&p_blocks, TOKENS);
 
     // Push: 70 of 100 tokens computed first (64 tokens of whole blocks of both sides go early).
     let key = AttemptKey::new(TransferId(71), Attempt(0));
@@ -173,7 +133,7 @@ fn push_with_an_early_write_and_pull_between_a_loopback_prefill_and_an_unaddress
             request: RequestId(1)
         }]
     );
-    d_side.verify(&d_blocks);
+    d_side.verify(&d_blocks, 0, TOKENS);
     let done = wait_for("prefill's blocks back", || {
         Some(producer.take_finished()).filter(|d| !d.is_empty())
     });
@@ -215,7 +175,7 @@ fn push_with_an_early_write_and_pull_between_a_loopback_prefill_and_an_unaddress
             request: RequestId(2)
         }]
     );
-    d_side.verify(&d_blocks);
+    d_side.verify(&d_blocks, 0, TOKENS);
     let done = wait_for("prefill's pulled blocks back", || {
         Some(producer.take_finished()).filter(|d| !d.is_empty())
     });

@@ -146,19 +146,8 @@ impl Driver {
         if !connecting.ranks.insert(rank) {
             return;
         }
-        let addr = crate::settings::rank_addr(instance, rank);
-        let hello = Message::Hello(self.hello.clone());
-        let timeout = self.config.connect_timeout;
-        let local = self.config.local_sockets;
-        let key = self.config.auth_key.clone();
-        let tx = self.tx.clone();
-        let spawned = thread::Builder::new()
-            .name(format!("kvx-hs-{addr}"))
-            .spawn(move || {
-                let result = control::handshake(addr, &hello, timeout, local, key.as_deref());
-                let _ = tx.send(Command::Handshaken(instance, rank, result));
-            });
-        if let Err(e) = spawned {
+        if let Err(e) = self.spawn_handshake(instance, rank) {
+            let addr = crate::settings::rank_addr(instance, rank);
             self.handshaken(
                 instance,
                 rank,
@@ -177,20 +166,26 @@ impl Driver {
             _ => {}
         }
         self.idle_links.insert((instance, rank), None);
+        if self.spawn_handshake(instance, rank).is_err() {
+            self.idle_links.insert((instance, rank), Some(now));
+        }
+    }
+
+    /// Handshakes with `rank` of `instance` on a helper thread; the result comes back as
+    /// [`Command::Handshaken`].
+    fn spawn_handshake(&self, instance: SocketAddr, rank: Rank) -> std::io::Result<()> {
         let addr = crate::settings::rank_addr(instance, rank);
         let hello = Message::Hello(self.hello.clone());
         let (timeout, local) = (self.config.connect_timeout, self.config.local_sockets);
         let key = self.config.auth_key.clone();
         let tx = self.tx.clone();
-        let spawned = thread::Builder::new()
+        thread::Builder::new()
             .name(format!("kvx-hs-{addr}"))
             .spawn(move || {
                 let result = control::handshake(addr, &hello, timeout, local, key.as_deref());
                 let _ = tx.send(Command::Handshaken(instance, rank, result));
-            });
-        if spawned.is_err() {
-            self.idle_links.insert((instance, rank), Some(now));
-        }
+            })
+            .map(drop)
     }
 
     /// A handshake with an idle rank ended: adopted, or tried again later.
