@@ -45,8 +45,40 @@ pub(crate) fn check(root: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The modules a crate root (`lib.rs`, `main.rs` in `src`) re-exports from a top-level one
+/// (`pub use transport::{board, region};`): their names, each with the module that holds it.
+fn aliases(src: &Path) -> BTreeMap<String, String> {
+    let mut aliases = BTreeMap::new();
+    for root in ["lib.rs", "main.rs"] {
+        let Ok(text) = std::fs::read_to_string(src.join(root)) else {
+            continue;
+        };
+        let code: String = text
+            .lines()
+            .filter(|l| !l.trim_start().starts_with("//"))
+            .collect::<Vec<_>>()
+            .join("\n");
+        for statement in code.split(';') {
+            let Some(path) = statement.split("use ").nth(1) else {
+                continue;
+            };
+            let Some((top, rest)) = path.trim().split_once("::") else {
+                continue;
+            };
+            let names = rest.trim().trim_start_matches('{').trim_end_matches('}');
+            for name in names.split(',').filter_map(|n| ident(n.trim())) {
+                if names.split(',').any(|n| n.trim() == name) {
+                    aliases.insert(name, top.trim().to_owned());
+                }
+            }
+        }
+    }
+    aliases
+}
+
 /// The graph of the crate whose sources are in `src`.
 fn graph_of(src: &Path) -> anyhow::Result<Graph> {
+    let aliases = aliases(src);
     let mut graph = Graph::new();
     let mut todo = vec![src.to_path_buf()];
     while let Some(dir) = todo.pop() {
@@ -77,6 +109,8 @@ fn graph_of(src: &Path) -> anyhow::Result<Graph> {
             let text = std::fs::read_to_string(&path)?;
             let named = graph.entry(top.clone()).or_default();
             for module in names(&text) {
+                // A module re-exported at the root is named by where it lives.
+                let module = aliases.get(&module).cloned().unwrap_or(module);
                 if module != top {
                     named.insert(module);
                 }

@@ -66,15 +66,11 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
-pub mod board;
 #[cfg(feature = "cma")]
 pub mod cma;
 pub mod cpu_time;
 #[cfg(feature = "cuda")]
 pub mod cuda;
-pub mod desc;
-pub mod error;
-mod ids;
 #[cfg(feature = "libfabric")]
 pub mod libfabric;
 pub mod local_peer;
@@ -84,20 +80,21 @@ pub mod netif;
 pub mod neuron;
 #[cfg(feature = "nixl")]
 pub mod nixl;
-mod peers;
-pub mod region;
 #[cfg(any(feature = "cuda", feature = "cma"))]
 mod same_host;
 pub mod topology;
 pub mod transport;
-pub mod validate;
+
+// The transport's vocabulary keeps its paths at the root.
 #[cfg(any(
     feature = "libfabric",
     feature = "cuda",
     feature = "cma",
     feature = "nixl"
 ))]
-mod wake;
+use transport::wake;
+pub use transport::{board, desc, error, region, validate};
+use transport::{ids, peers};
 
 pub use desc::{BoardPlace, DescError, EndpointDesc, NoticeSlot};
 pub use error::{

@@ -1,5 +1,20 @@
 //! The transport trait: what the connector needs from a data mover, and nothing engine-specific.
 
+pub mod board;
+pub mod desc;
+pub mod error;
+pub(crate) mod ids;
+pub(crate) mod peers;
+pub mod region;
+pub mod validate;
+#[cfg(any(
+    feature = "libfabric",
+    feature = "cuda",
+    feature = "cma",
+    feature = "nixl"
+))]
+pub(crate) mod wake;
+
 use std::sync::Arc;
 use std::time::Duration;
 
