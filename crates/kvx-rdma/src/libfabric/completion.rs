@@ -185,6 +185,12 @@ impl LibfabricTransport {
             return Ok(0);
         }
         let mut entries = std::mem::take(&mut self.entries);
+        // Watched while inside libfabric: a writer killed holding the lock the read spins on
+        // is released by the watchdog (see `shm_lock`).
+        let reading = self.rails[rail]
+            .own_lock
+            .as_ref()
+            .map(super::shm_lock::RegionLock::reading);
         let cq = self.rails[rail].ep.cq();
         let read = match timeout_ms {
             Some(ms) if cq.can_block() => cq.sread(&mut entries, ms),
@@ -202,6 +208,7 @@ impl LibfabricTransport {
             }
             None => cq.read(&mut entries),
         };
+        drop(reading);
         let result = match read {
             CqRead::Empty => Ok(0),
             CqRead::Entries(n) => {

@@ -336,6 +336,7 @@ fn open_rail(
         Rail {
             own_lock: if config.provider == PROVIDER_SHM {
                 shm_lock::RegionLock::find(&address, std::process::id() as i32)
+                    .map(shm_lock::RegionLock::watched)
             } else {
                 None
             },
@@ -530,7 +531,13 @@ impl LibfabricTransport {
     /// How many times a region lock left held by a peer that died was released.
     #[must_use]
     pub fn abandoned_locks_released(&self) -> u64 {
-        self.abandoned_locks
+        let by_watchdog: u64 = self
+            .rails
+            .iter()
+            .filter_map(|r| r.own_lock.as_ref())
+            .map(shm_lock::RegionLock::released_by_watchdog)
+            .sum();
+        self.abandoned_locks + by_watchdog
     }
 
     /// Whether remote addresses are virtual addresses (`FI_MR_VIRT_ADDR`) rather than offsets.

@@ -19,13 +19,22 @@
 //! little room for a mistake; the remaining one is a writer stopped (not killed) inside for
 //! that long while another writer died.
 //!
+//! A read cannot look and take the lock in one step: a writer may take it between the look
+//! (free) and the read, and be killed inside; the read then spins in libfabric, where no look
+//! runs. So the own region's lock is also watched from outside ([`RegionLock::watched`]): the
+//! process's watchdog thread looks every [`WATCHDOG_EVERY`] at each read in progress, and one
+//! that has been inside libfabric for [`ABANDONED_AFTER`] while the lock was held all along and
+//! a peer's process had exited gets the lock released as the read's own look would have done.
+//!
 //! Nothing of this is libfabric's interface: the region's header is the provider's private
 //! layout, so the watch is armed only where the header reads back as 1.17's (its version byte,
 //! this process's pid and the region's own address where 1.17 keeps them); elsewhere reads go
 //! to the provider unwatched, as before.
 
+use std::collections::VecDeque;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
 use super::shm_sweep::SHM_DIR;
@@ -37,6 +46,12 @@ pub(super) const ABANDONED_AFTER: Duration = Duration::from_secs(1);
 /// How long the watch of a disconnected peer's process is kept: its lock may be found held
 /// after the consumer has already let it go.
 pub(super) const DEPARTED_KEPT: Duration = Duration::from_secs(60);
+
+/// How often the watchdog thread looks at the reads in progress.
+pub(super) const WATCHDOG_EVERY: Duration = Duration::from_millis(100);
+
+/// The peers' processes a watch remembers, at most (the most recent).
+const WATCHED_PEERS: usize = 1024;
 
 /// The header of a 1.17 region: version byte, pid, the region's own address, the lock.
 const VERSION_1_17: u8 = 4;
@@ -52,6 +67,110 @@ pub(super) struct RegionLock {
     /// owning rail drops this before its endpoint closes.
     word: NonNull<AtomicI32>,
     held_since: Option<Instant>,
+    /// The watchdog's view of this lock and of the reads of its queue (own region only).
+    watch: Option<Arc<Watched>>,
+}
+
+/// What the watchdog thread knows of one endpoint's region lock.
+struct Watched {
+    /// The lock word while the endpoint is open, `None` once its [`RegionLock`] is dropped; the
+    /// watchdog holds the mutex while it touches the word.
+    word: Mutex<Option<WordPtr>>,
+    /// When the read in progress began, in nanoseconds since [`epoch`] (0: no read).
+    reading_since: AtomicU64,
+    /// Since when the watchdog has seen the lock held without a break (0: not held).
+    held_since: AtomicU64,
+    /// The pids of the peers' processes (the most recent [`WATCHED_PEERS`]).
+    peers: Mutex<VecDeque<i32>>,
+    /// Locks the watchdog released.
+    released: AtomicU64,
+}
+
+/// The lock word's address, handed to the watchdog thread.
+#[derive(Clone, Copy)]
+struct WordPtr(NonNull<AtomicI32>);
+
+// SAFETY: the pointee is an atomic integer in a shared mapping, touched only atomically, and
+// only while `Watched::word` holds it (the mapping outlives that: see `RegionLock::word`).
+unsafe impl Send for WordPtr {}
+
+/// A read of the queue in progress, as the watchdog sees it, until dropped.
+pub(super) struct Reading(Option<Arc<Watched>>);
+
+impl Drop for Reading {
+    fn drop(&mut self) {
+        if let Some(watch) = &self.0 {
+            watch.reading_since.store(0, Ordering::Release);
+        }
+    }
+}
+
+/// Nanoseconds since this process first asked (never 0).
+fn epoch() -> u64 {
+    static START: OnceLock<Instant> = OnceLock::new();
+    let start = *START.get_or_init(Instant::now);
+    u64::try_from(start.elapsed().as_nanos())
+        .unwrap_or(u64::MAX)
+        .max(1)
+}
+
+/// The watches the process's watchdog thread looks at (started with the first).
+fn watchdog() -> &'static Mutex<Vec<Weak<Watched>>> {
+    static WATCHES: OnceLock<Mutex<Vec<Weak<Watched>>>> = OnceLock::new();
+    WATCHES.get_or_init(|| {
+        let spawned = std::thread::Builder::new()
+            .name("kvx-shm-watchdog".into())
+            .spawn(|| loop {
+                std::thread::sleep(WATCHDOG_EVERY);
+                let live: Vec<Arc<Watched>> = {
+                    let mut watches = watchdog().lock().unwrap_or_else(PoisonError::into_inner);
+                    watches.retain(|w| w.strong_count() > 0);
+                    watches.iter().filter_map(Weak::upgrade).collect()
+                };
+                for watch in live {
+                    watch.check(epoch());
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "kvx: no shm watchdog thread: a writer killed inside this side's region lock may stop a read for ever");
+        }
+        Mutex::new(Vec::new())
+    })
+}
+
+impl Watched {
+    /// The watchdog's look at `now`: releases the lock where a read has been inside libfabric
+    /// for [`ABANDONED_AFTER`], the lock held all along, and a peer's process has exited.
+    fn check(&self, now: u64) {
+        let word = self.word.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(WordPtr(word)) = *word else { return };
+        // SAFETY: the word is in the region mapping, open while `self.word` holds it.
+        let word = unsafe { word.as_ref() };
+        if word.load(Ordering::Acquire) >= FREE {
+            self.held_since.store(0, Ordering::Relaxed);
+            return;
+        }
+        let held_since = match self.held_since.load(Ordering::Relaxed) {
+            0 => {
+                self.held_since.store(now, Ordering::Relaxed);
+                now
+            }
+            since => since,
+        };
+        let reading_since = self.reading_since.load(Ordering::Acquire);
+        let long = |since: u64| {
+            since != 0 && now.saturating_sub(since) >= ABANDONED_AFTER.as_nanos() as u64
+        };
+        if !(long(reading_since) && long(held_since)) {
+            return;
+        }
+        let peers = self.peers.lock().unwrap_or_else(PoisonError::into_inner);
+        if peers.iter().any(|&pid| super::shm_sweep::exited(pid)) {
+            word.store(FREE, Ordering::Release);
+            self.held_since.store(0, Ordering::Relaxed);
+            self.released.fetch_add(1, Ordering::Relaxed);
+        }
+    }
 }
 
 /// What a look at the lock found.
@@ -97,8 +216,54 @@ impl RegionLock {
             Some(Self {
                 word: NonNull::new(base.add(LOCK_OFFSET).cast::<AtomicI32>().cast_mut())?,
                 held_since: None,
+                watch: None,
             })
         }
+    }
+
+    /// This lock, watched by the process's watchdog thread too (this endpoint's own region).
+    pub(super) fn watched(mut self) -> Self {
+        let watch = Arc::new(Watched {
+            word: Mutex::new(Some(WordPtr(self.word))),
+            reading_since: AtomicU64::new(0),
+            held_since: AtomicU64::new(0),
+            peers: Mutex::new(VecDeque::new()),
+            released: AtomicU64::new(0),
+        });
+        watchdog()
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(Arc::downgrade(&watch));
+        self.watch = Some(watch);
+        self
+    }
+
+    /// A read of the queue begins: the watchdog sees it until the value returned is dropped.
+    pub(super) fn reading(&self) -> Reading {
+        if let Some(watch) = &self.watch {
+            watch.reading_since.store(epoch(), Ordering::Release);
+        }
+        Reading(self.watch.clone())
+    }
+
+    /// A peer's process `pid` may write into this region: the watchdog watches it.
+    pub(super) fn add_peer(&self, pid: i32) {
+        if let Some(watch) = &self.watch {
+            let mut peers = watch.peers.lock().unwrap_or_else(PoisonError::into_inner);
+            if !peers.contains(&pid) {
+                if peers.len() == WATCHED_PEERS {
+                    peers.pop_front();
+                }
+                peers.push_back(pid);
+            }
+        }
+    }
+
+    /// Locks the watchdog released.
+    pub(super) fn released_by_watchdog(&self) -> u64 {
+        self.watch
+            .as_ref()
+            .map_or(0, |w| w.released.load(Ordering::Relaxed))
     }
 
     /// Looks at the lock at `now`.
@@ -124,6 +289,15 @@ impl RegionLock {
     }
 }
 
+impl Drop for RegionLock {
+    fn drop(&mut self) {
+        // The endpoint closes next: the watchdog must not touch its mapping any more.
+        if let Some(watch) = &self.watch {
+            *watch.word.lock().unwrap_or_else(PoisonError::into_inner) = None;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -134,6 +308,7 @@ mod tests {
         let mut lock = RegionLock {
             word: NonNull::from(&*word),
             held_since: None,
+            watch: None,
         };
         let t0 = Instant::now();
         assert_eq!(lock.look(t0), Look::Free);
@@ -152,6 +327,74 @@ mod tests {
         lock.release_abandoned();
         assert_eq!(word.load(Ordering::Acquire), FREE);
         assert_eq!(lock.look(later + ABANDONED_AFTER), Look::Free);
+    }
+
+    /// A lock word in this process, leaked (it must outlive the watchdog's looks), watched.
+    fn watched_word() -> (&'static AtomicI32, RegionLock) {
+        let word: &'static AtomicI32 = Box::leak(Box::new(AtomicI32::new(FREE)));
+        let lock = RegionLock {
+            word: NonNull::from(word),
+            held_since: None,
+            watch: None,
+        }
+        .watched();
+        (word, lock)
+    }
+
+    /// Takes `word` as `pthread_spin_lock` does (spinning until it is free), giving up at
+    /// `limit`; how long it took.
+    fn spin_lock(word: &AtomicI32, limit: Duration) -> Option<Duration> {
+        let start = Instant::now();
+        while word
+            .compare_exchange(FREE, 0, Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
+        {
+            if start.elapsed() > limit {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        Some(start.elapsed())
+    }
+
+    /// A read that spins on the lock a writer took just after the read's look, the writer
+    /// killed inside: the watchdog releases it once the read has spun for `ABANDONED_AFTER`,
+    /// because a peer's process has exited. With every peer alive it never does.
+    #[test]
+    fn the_watchdog_releases_a_lock_a_dead_peer_left_under_a_spinning_read() {
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id() as i32;
+        child.wait().unwrap();
+        let (word, lock) = watched_word();
+        lock.add_peer(std::process::id() as i32);
+        lock.add_peer(dead);
+        word.store(0, Ordering::Release);
+        let reading = lock.reading();
+        let took = spin_lock(word, Duration::from_secs(10)).expect("never released");
+        drop(reading);
+        assert!(took >= ABANDONED_AFTER, "released after {took:?}");
+        assert_eq!(lock.released_by_watchdog(), 1);
+
+        let (word, lock) = watched_word();
+        lock.add_peer(std::process::id() as i32);
+        word.store(0, Ordering::Release);
+        let reading = lock.reading();
+        let limit = ABANDONED_AFTER + WATCHDOG_EVERY * 10;
+        assert_eq!(
+            spin_lock(word, limit),
+            None,
+            "released with every peer alive"
+        );
+        drop(reading);
+        assert_eq!(lock.released_by_watchdog(), 0);
+        // Held, but no read in progress: nothing to release either (the read's own look does).
+        let (word, lock) = watched_word();
+        lock.add_peer(dead);
+        word.store(0, Ordering::Release);
+        std::thread::sleep(ABANDONED_AFTER + WATCHDOG_EVERY * 5);
+        assert_eq!(word.load(Ordering::Acquire), 0);
+        assert_eq!(lock.released_by_watchdog(), 0);
+        drop(lock);
     }
 
     #[test]

@@ -222,6 +222,11 @@ impl Transport for LibfabricTransport {
             }
         }
         let pid = self.shm_pid(&rails);
+        if let Some(pid) = pid {
+            for lock in self.rails.iter().filter_map(|r| r.own_lock.as_ref()) {
+                lock.add_peer(pid);
+            }
+        }
         Ok(self.peers.insert(Peer {
             desc: peer.clone(),
             rails,
