@@ -81,6 +81,18 @@ fn pair(library: std::path::PathBuf) -> ((Side, Producer, SocketAddr), (Side, Co
     ((p_side, producer, listen), (d_side, consumer))
 }
 
+/// Decode's request `request` of `key` is ready, and prefill gets its blocks back, delivered.
+fn delivered(consumer: &Consumer, producer: &Producer, key: AttemptKey, request: RequestId) {
+    let events = wait_for("decode's event", || {
+        Some(consumer.take_events()).filter(|e| !e.is_empty())
+    });
+    assert_eq!(events, vec![RecvEvent::Ready { key, request }]);
+    let done = wait_for("prefill's blocks back", || {
+        Some(producer.take_finished()).filter(|d| !d.is_empty())
+    });
+    assert_eq!(done[0].outcome, SendOutcome::Sent);
+}
+
 fn blocks(ids: &[u32], block_tokens: u64) -> Vec<BlockId> {
     ids[..TOKENS.div_ceil(block_tokens) as usize]
         .iter()
@@ -123,21 +135,8 @@ fn push_with_an_early_write_and_pull_between_a_loopback_prefill_and_an_unaddress
     producer
         .request_finished(key, RequestId(9), p_blocks.clone(), TOKENS)
         .unwrap();
-    let events = wait_for("decode's event", || {
-        Some(consumer.take_events()).filter(|e| !e.is_empty())
-    });
-    assert_eq!(
-        events,
-        vec![RecvEvent::Ready {
-            key,
-            request: RequestId(1)
-        }]
-    );
+    delivered(&consumer, &producer, key, RequestId(1));
     d_side.verify(&d_blocks, 0, TOKENS);
-    let done = wait_for("prefill's blocks back", || {
-        Some(producer.take_finished()).filter(|d| !d.is_empty())
-    });
-    assert_eq!(done[0].outcome, SendOutcome::Sent);
     let per_token = p_side.layout.head_bytes()
         * u64::from(p_side.layout.local_heads() * p_side.layout.kv_parts() * 3);
     let stats = producer.stats();
@@ -165,21 +164,8 @@ fn push_with_an_early_write_and_pull_between_a_loopback_prefill_and_an_unaddress
             producer_blocks: p_blocks,
         })
         .unwrap();
-    let events = wait_for("decode's pull event", || {
-        Some(consumer.take_events()).filter(|e| !e.is_empty())
-    });
-    assert_eq!(
-        events,
-        vec![RecvEvent::Ready {
-            key,
-            request: RequestId(2)
-        }]
-    );
+    delivered(&consumer, &producer, key, RequestId(2));
     d_side.verify(&d_blocks, 0, TOKENS);
-    let done = wait_for("prefill's pulled blocks back", || {
-        Some(producer.take_finished()).filter(|d| !d.is_empty())
-    });
-    assert_eq!(done[0].outcome, SendOutcome::Sent);
     consumer.shutdown();
     producer.shutdown();
 }
