@@ -12,6 +12,15 @@ use std::os::unix::net::UnixStream;
 /// # Errors
 /// When the kernel does not say.
 pub fn peer_uid(conn: &UnixStream) -> io::Result<u32> {
+    peer_credentials(conn).map(|(_, uid)| uid)
+}
+
+/// The pid and effective user id of the process at the other end of `conn` (as they were when
+/// that process connected or listened).
+///
+/// # Errors
+/// When the kernel does not say.
+pub fn peer_credentials(conn: &UnixStream) -> io::Result<(i32, u32)> {
     let mut cred = libc::ucred {
         pid: 0,
         uid: u32::MAX,
@@ -32,7 +41,7 @@ pub fn peer_uid(conn: &UnixStream) -> io::Result<u32> {
     if ret != 0 {
         return Err(io::Error::last_os_error());
     }
-    Ok(cred.uid)
+    Ok((cred.pid, cred.uid))
 }
 
 /// This process's effective user id.

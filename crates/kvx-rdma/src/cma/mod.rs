@@ -567,12 +567,13 @@ impl Transport for CmaTransport {
             }
             return Ok(id);
         }
-        let link = Link::connect(&who.socket).map_err(|e| ConnectError::Unreachable {
-            source: Box::new(CmaError::Io {
-                what: "connecting to the peer",
-                source: e,
-            }),
-        })?;
+        let link =
+            Link::connect(&who.socket, Some(who.pid)).map_err(|e| ConnectError::Unreachable {
+                source: Box::new(CmaError::Io {
+                    what: "connecting to the peer",
+                    source: e,
+                }),
+            })?;
         Ok(self.peers.insert(Peer {
             who,
             link,

@@ -176,3 +176,31 @@ fn addresses_are_checked() {
         Err(ConnectError::Mismatch { .. })
     ));
 }
+
+/// An address that names another process than the one serving its socket is refused: the pid
+/// cma copies into is the process at the other end of the socket, checked with `SO_PEERCRED`,
+/// not whichever pid a peer writes into its address (here a live process that is not this one,
+/// and the first process).
+#[test]
+fn an_address_naming_another_process_than_its_sockets_is_refused() {
+    let target = CmaTransport::open(CmaConfig::default()).unwrap();
+    let mut writer = CmaTransport::open(CmaConfig::default()).unwrap();
+    let mut child = std::process::Command::new("sleep")
+        .arg("5")
+        .spawn()
+        .unwrap();
+    for pid in [child.id(), 1] {
+        let mut who = target.control.identity().clone();
+        who.pid = pid;
+        let mut forged = target.local_desc();
+        forged.address = same_host::encode_head(ADDRESS_MAGIC, ADDRESS_VERSION, &who);
+        let err = writer.connect(&forged).unwrap_err();
+        assert!(matches!(err, ConnectError::Unreachable { .. }), "{err}");
+        let text = format!("{:?}", err);
+        assert!(text.contains("not by the address's process"), "{text}");
+    }
+    // The true address connects.
+    assert!(writer.connect(&target.local_desc()).is_ok());
+    let _ = child.kill();
+    let _ = child.wait();
+}

@@ -85,10 +85,29 @@ pub(crate) struct Link {
 }
 
 impl Link {
-    /// Connects to the socket named `socket`.
-    pub(crate) fn connect(socket: &str) -> std::io::Result<Self> {
+    /// Connects to the socket named `socket`. With `pid` (`cma`, which copies into the peer's
+    /// address space by its pid), that process must serve the socket, as this process's user:
+    /// the pid the transport copies into is the process at the other end, not whichever pid an
+    /// address names.
+    ///
+    /// # Errors
+    /// The connection's; `PermissionDenied` where another process, or another user's, serves
+    /// the socket.
+    pub(crate) fn connect(socket: &str, pid: Option<u32>) -> std::io::Result<Self> {
         let addr = SocketAddr::from_abstract_name(socket.as_bytes())?;
         let conn = UnixStream::connect_addr(&addr)?;
+        if let Some(pid) = pid {
+            let (served_by, uid) = crate::local_peer::peer_credentials(&conn)?;
+            if u32::try_from(served_by).ok() != Some(pid) || uid != crate::local_peer::own_uid() {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::PermissionDenied,
+                    format!(
+                        "the socket {socket} is served by process {served_by} (uid {uid}), not \
+                         by the address's process {pid} of this user"
+                    ),
+                ));
+            }
+        }
         conn.set_write_timeout(Some(Duration::from_secs(5)))?;
         Ok(Self {
             conn: Arc::new(Mutex::new(conn)),

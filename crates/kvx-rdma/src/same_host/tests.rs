@@ -96,7 +96,7 @@ fn the_ledger_reports_each_operation_once_and_times_out_the_rest() {
 #[test]
 fn messages_and_notices_cross_a_socket_and_wake_the_waiter() {
     let mut control = Control::open("test").unwrap();
-    let mut link = Link::connect(&control.identity().socket).unwrap();
+    let mut link = Link::connect(&control.identity().socket, Some(std::process::id())).unwrap();
     assert!(link.alive());
     link.send_message(b"hello").unwrap();
     assert_eq!(link.notices().send_all(&[99, 100, 101]).0, 3);
@@ -152,7 +152,7 @@ fn sending_to_a_closed_peer_is_an_error_not_a_sigpipe() {
     // handler (no Rust code) runs on a signal.
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     let mut control = Control::open("test").unwrap();
-    let mut link = Link::connect(&control.identity().socket).unwrap();
+    let mut link = Link::connect(&control.identity().socket, Some(std::process::id())).unwrap();
     let notices = link.notices();
     // Accepted (a message read), then closed.
     link.send_message(b"first").unwrap();

@@ -151,10 +151,11 @@ impl Transport for CudaIpcTransport {
         let id = match existing {
             Some(i) => i,
             None => {
-                let link =
-                    Link::connect(&address.who.socket).map_err(|e| ConnectError::Unreachable {
+                let link = Link::connect(&address.who.socket, None).map_err(|e| {
+                    ConnectError::Unreachable {
                         source: boxed(socket_error("connecting to the peer")(e)),
-                    })?;
+                    }
+                })?;
                 let stream = Stream::new(&self.gpu).map_err(|e| bad(e.into()))?;
                 self.peers.push(Some(Peer {
                     socket: address.who.socket.clone(),
