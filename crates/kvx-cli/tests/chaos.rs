@@ -1,4 +1,4 @@
-//! A chaos run with real processes: a `kvx pd` push load over `cma` in which prefill and decode
+//! A chaos run with real processes: a `kvx pd` load over `cma`, push or pull by round, in which prefill and decode
 //! are killed with SIGKILL and started again at points a seeded generator picks (a bounded
 //! number of kills). Prefill serves one router after another (`--keep-serving`); decode
 //! connects to a restarted prefill again. Every request of a decode that runs to its end is
@@ -54,10 +54,10 @@ fn start_prefill(ports: &Ports) -> Killer {
     Killer::new(child)
 }
 
-fn start_decode(ports: &Ports, requests: u32, out: &std::path::Path) -> Killer {
+fn start_decode(ports: &Ports, mode: &str, requests: u32, out: &std::path::Path) -> Killer {
     let child = Command::new(kvx_bin())
         .args(["pd", "decode", "--model", "tiny", "--blocks", "4096"])
-        .args(["--transport", "cma", "--mode", "push"])
+        .args(["--transport", "cma", "--mode", mode])
         .args(["--lease-s", &LEASE_S.to_string()])
         .args(["--rate", "30", "--output-tokens", "4", "--step-ms", "1"])
         .args([
@@ -100,11 +100,17 @@ fn prefill_held(metrics: SocketAddr) -> Option<i64> {
     prefill_series(metrics, "kvx_held")
 }
 
-/// Waits (up to a minute) until prefill has started `n` more transfers than `before`: the load
-/// is under way.
+/// Prefill's transfers started (push) and delivered (push and pull), summed over its ranks.
+fn progress(metrics: SocketAddr) -> i64 {
+    prefill_series(metrics, "kvx_transfers_started_total").unwrap_or(0)
+        + prefill_series(metrics, "kvx_transfers_ok_total").unwrap_or(0)
+}
+
+/// Waits (up to a minute) until prefill's [`progress`] is `n` past `before`: the load is under
+/// way.
 fn wait_started(metrics: SocketAddr, before: i64, n: i64) {
     let deadline = Instant::now() + Duration::from_secs(60);
-    while prefill_series(metrics, "kvx_transfers_started_total").unwrap_or(0) < before + n {
+    while progress(metrics) < before + n {
         assert!(Instant::now() < deadline, "the load never started");
         std::thread::sleep(Duration::from_millis(10));
     }
@@ -173,15 +179,16 @@ fn killed_and_restarted_processes_end_every_request_once_and_leave_nothing_held(
     let mut prefill = start_prefill(&ports);
     let requests = 40;
     for round in 0..3 {
+        let mode = if rng.below(2) == 0 { "push" } else { "pull" };
         let _ = std::fs::remove_file(&out);
-        let started = prefill_series(ports.metrics, "kvx_transfers_started_total").unwrap_or(0);
-        let mut decode = start_decode(&ports, requests, &out);
+        let started = progress(ports.metrics);
+        let mut decode = start_decode(&ports, mode, requests, &out);
         // Let the load run a while (some transfers started, and a random time more), then
         // kill one side.
         wait_started(ports.metrics, started, 1 + rng.below(8) as i64);
         std::thread::sleep(Duration::from_millis(rng.below(300)));
         if rng.below(2) == 0 {
-            eprintln!("round {round}: killing decode");
+            eprintln!("round {round} ({mode}): killing decode");
             let _ = decode.0.kill();
             let _ = decode.0.wait();
             // Everything the dead decode left held goes back within the leases (writes in
@@ -193,7 +200,7 @@ fn killed_and_restarted_processes_end_every_request_once_and_leave_nothing_held(
                 "round {round}: prefill still holds after decode died"
             );
         } else {
-            eprintln!("round {round}: killing prefill");
+            eprintln!("round {round} ({mode}): killing prefill");
             let _ = prefill.0.kill();
             let _ = prefill.0.wait();
             std::thread::sleep(Duration::from_millis(rng.below(500)));
@@ -210,7 +217,7 @@ fn killed_and_restarted_processes_end_every_request_once_and_leave_nothing_held(
     }
     // The survivors serve correctly afterwards: a clean run delivers every request.
     let _ = std::fs::remove_file(&out);
-    let mut decode = start_decode(&ports, 12, &out);
+    let mut decode = start_decode(&ports, "push", 12, &out);
     let status = wait_with_deadline(&mut decode, Duration::from_secs(120));
     let log = decode.log();
     assert!(
