@@ -5,7 +5,11 @@ block-granular description, and across different block sizes where the descripti
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -413,3 +417,38 @@ def test_an_mla_cache_moves_token_by_token(p_bs, d_bs, p_tp, p_rank):
     finally:
         producer.shutdown()
         consumer.shutdown()
+
+
+LIBFABRIC_CHILD = r"""
+import sys
+from kvx_vllm import _native
+from kvx_vllm.layout import describe
+sys.path.insert(0, sys.argv[1])
+from test_native import HEAD, cpu_caches
+
+desc = describe(cpu_caches(2, 4, 2, 16, fill=False), head_size=HEAD, total_kv_heads=2,
+                block_size=16, tp_size=1, tp_rank=0)
+try:
+    _native.Producer("p0", desc.layout, desc.regions, transport="libfabric:shm")
+    print("OPENED")
+except RuntimeError as e:
+    print("REFUSED", e)
+_native.Producer("p1", desc.layout, desc.regions, transport="loopback").shutdown()
+print("LOOPBACK")
+"""
+
+
+def test_the_plugin_loads_the_libfabric_its_operator_names():
+    """`KVX_LIBFABRIC` names the libfabric the native module loads (the plugin maps the
+    environment; the library crates read none): one that is not there fails a libfabric
+    transport with an error naming it and what to install, and the other transports work."""
+    if not hasattr(_native, "shm_uses_cma"):
+        pytest.skip("a native module without libfabric")
+    env = dict(os.environ, KVX_LIBFABRIC="libkvx-no-such-fabric.so.1")
+    out = subprocess.run([sys.executable, "-c", LIBFABRIC_CHILD, str(Path(__file__).parent)],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("REFUSED"), out.stdout
+    assert "libkvx-no-such-fabric.so.1" in lines[0] and "libfabric1" in lines[0], lines[0]
+    assert lines[-1] == "LOOPBACK", out.stdout

@@ -123,22 +123,18 @@ pub(crate) fn build() -> anyhow::Result<PathBuf> {
 /// no libfabric) and the GPU test with its helpers, under `out/python`.
 fn bundle_python(out: &Path) -> anyhow::Result<()> {
     let features = "python,pyo3/extension-module,cuda,cma,nixl";
-    let output = cargo()
-        .args(["build", "--release", "-p", "kvx-vllm", "--lib"])
-        .args(["--no-default-features", "--features", features])
-        .args(["--message-format=json-render-diagnostics"])
-        .output()
-        .context("cannot run cargo build for the native module")?;
-    if !output.status.success() {
-        bail!(
-            "building the native module failed:\n{}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-    }
-    let library = String::from_utf8_lossy(&output.stdout)
-        .lines()
-        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
-        .filter(|m| m["target"]["name"] == "kvx_vllm")
+    let args = [
+        "build",
+        "--release",
+        "-p",
+        "kvx-vllm",
+        "--lib",
+        "--no-default-features",
+        "--features",
+        features,
+    ];
+    let library = built(&args, "kvx_vllm")?
+        .into_iter()
         .filter_map(|m| m["filenames"].as_array().cloned())
         .flatten()
         .filter_map(|f| f.as_str().map(PathBuf::from))
@@ -170,9 +166,19 @@ fn bundle_python(out: &Path) -> anyhow::Result<()> {
 
 /// Builds one test or benchmark binary (`--no-run`) and returns its path.
 fn build_binary(args: &[&str]) -> anyhow::Result<PathBuf> {
+    let target = args.last().copied().unwrap_or_default();
+    let args: Vec<&str> = args.iter().copied().chain(["--no-run"]).collect();
+    built(&args, target)?
+        .into_iter()
+        .find_map(|m| m["executable"].as_str().map(PathBuf::from))
+        .with_context(|| format!("cargo {} built no executable", args.join(" ")))
+}
+
+/// Runs cargo with `args` and returns its messages (JSON) about the target named `target`.
+fn built(args: &[&str], target: &str) -> anyhow::Result<Vec<serde_json::Value>> {
     let output = cargo()
         .args(args)
-        .args(["--no-run", "--message-format=json-render-diagnostics"])
+        .arg("--message-format=json-render-diagnostics")
         .output()
         .with_context(|| format!("cannot run cargo {}", args.join(" ")))?;
     if !output.status.success() {
@@ -182,14 +188,11 @@ fn build_binary(args: &[&str]) -> anyhow::Result<PathBuf> {
             String::from_utf8_lossy(&output.stderr)
         );
     }
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let target = args.last().copied().unwrap_or_default();
-    stdout
+    Ok(String::from_utf8_lossy(&output.stdout)
         .lines()
         .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
         .filter(|m| m["target"]["name"] == target)
-        .find_map(|m| m["executable"].as_str().map(PathBuf::from))
-        .with_context(|| format!("cargo {} built no executable", args.join(" ")))
+        .collect())
 }
 
 /// `dir` holds the unpacked wheel's `.nixl_cu12.mesonpy.libs` (NIXL) beside `nixl_cu12.libs`

@@ -65,10 +65,11 @@ fn aliases(src: &Path) -> BTreeMap<String, String> {
             let Some((top, rest)) = path.trim().split_once("::") else {
                 continue;
             };
+            // Plain names only (`{board, region}`, `wake`), not paths or types.
             let names = rest.trim().trim_start_matches('{').trim_end_matches('}');
-            for name in names.split(',').filter_map(|n| ident(n.trim())) {
-                if names.split(',').any(|n| n.trim() == name) {
-                    aliases.insert(name, top.trim().to_owned());
+            for name in names.split(',').map(str::trim) {
+                if ident(name).as_deref() == Some(name) {
+                    aliases.insert(name.to_owned(), top.trim().to_owned());
                 }
             }
         }

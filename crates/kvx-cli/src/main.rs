@@ -54,11 +54,7 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     // The operator's libfabric, where named (the library reads no environment).
     #[cfg(feature = "libfabric")]
-    if let Some(library) = std::env::var_os(kvx_rdma::libfabric::LIBRARY_ENV) {
-        if !library.is_empty() {
-            kvx_rdma::libfabric::choose_library(library.to_string_lossy());
-        }
-    }
+    kvx_vllm::transport::choose_libfabric(|k| std::env::var_os(k));
     let service = match &cli.command {
         Command::Proxy(_) => "kvx-proxy",
         Command::Pd(args) => args.service(),

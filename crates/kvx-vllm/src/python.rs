@@ -189,11 +189,13 @@ fn start_args(
         (_, Some(device)) => MemoryKind::Cuda { device },
         (_, None) => MemoryKind::Host,
     };
-    let options = plugin_open_options()
-        .with_nixl_library(
-            nixl_library
-                .or_else(|| std::env::var_os(crate::transport::NIXL_LIB_DIR_ENV).map(Into::into)),
-        )
+    // What the operator asks for in the environment (the plugin, not the library, reads it);
+    // a NIXL runtime the glue names wins.
+    let mut options = OpenOptions::from_environment(|k| std::env::var_os(k));
+    if nixl_library.is_some() {
+        options.nixl_library = nixl_library;
+    }
+    let options = options
         .for_cuda_device(match kind {
             MemoryKind::Cuda { device } => Some(device),
             _ => None,
@@ -901,11 +903,7 @@ fn shm_uses_cma() -> bool {
 fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // The operator's libfabric, where named (the plugin, not the library, reads the environment).
     #[cfg(feature = "libfabric")]
-    if let Some(library) = std::env::var_os(kvx_rdma::libfabric::LIBRARY_ENV) {
-        if !library.is_empty() {
-            kvx_rdma::libfabric::choose_library(library.to_string_lossy());
-        }
-    }
+    crate::transport::choose_libfabric(|k| std::env::var_os(k));
     m.add_class::<PyProducer>()?;
     m.add_class::<PyConsumer>()?;
     m.add_function(wrap_pyfunction!(init_logging, m)?)?;
@@ -926,16 +924,6 @@ enum PluginStartError {
     Transport(#[from] crate::TransportError),
     #[error(transparent)]
     Start(#[from] crate::StartError),
-}
-
-/// The transport options the plugin's operator asks for in the environment (the plugin, not
-/// the library, reads it): `KVX_SHM_SWEEP=1` sweeps stale `shm` regions; an exported
-/// `UCX_NET_DEVICES` names NIXL's UCX devices instead of kvx's rails.
-fn plugin_open_options() -> OpenOptions {
-    OpenOptions::from_env_values(std::env::var_os(crate::transport::SHM_SWEEP_ENV).as_deref())
-        .with_ucx_net_devices_exported(
-            std::env::var_os(crate::transport::UCX_NET_DEVICES_ENV).is_some_and(|v| !v.is_empty()),
-        )
 }
 
 /// Checks the Python value `v` against the setting `name` (key or field name).

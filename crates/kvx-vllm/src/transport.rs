@@ -340,12 +340,16 @@ pub struct OpenOptions {
 }
 
 impl OpenOptions {
-    /// The options an operator asks for with the value of `KVX_SHM_SWEEP` (`1`: sweep), which
-    /// the caller took from its environment.
+    /// The options an operator asks for in the environment, read through `var` (the `kvx`
+    /// binary and the vLLM plugin pass `std::env::var_os`; this crate reads none):
+    /// [`SHM_SWEEP_ENV`] `1` sweeps stale `shm` regions, [`NIXL_LIB_DIR_ENV`] names the NIXL
+    /// runtime, an exported [`UCX_NET_DEVICES_ENV`] names UCX's devices instead of kvx's rails.
     #[must_use]
-    pub fn from_env_values(shm_sweep: Option<&std::ffi::OsStr>) -> Self {
+    pub fn from_environment(var: impl Fn(&str) -> Option<std::ffi::OsString>) -> Self {
         Self {
-            sweep_stale_shm: shm_sweep.is_some_and(|v| v == "1"),
+            sweep_stale_shm: var(SHM_SWEEP_ENV).is_some_and(|v| v == "1"),
+            nixl_library: var(NIXL_LIB_DIR_ENV).map(Into::into),
+            ucx_net_devices_exported: var(UCX_NET_DEVICES_ENV).is_some_and(|v| !v.is_empty()),
             ..Self::default()
         }
     }
@@ -421,6 +425,16 @@ pub const SHM_SWEEP_ENV: &str = "KVX_SHM_SWEEP";
 /// UCX's variable for its network devices: where the operator exported it (non-empty), the
 /// `kvx` binary and the vLLM plugin set [`OpenOptions::ucx_net_devices_exported`].
 pub const UCX_NET_DEVICES_ENV: &str = "UCX_NET_DEVICES";
+
+/// Loads the libfabric library the operator names in
+/// [`LIBRARY_ENV`](kvx_rdma::libfabric::LIBRARY_ENV), read through `var` as in
+/// [`OpenOptions::from_environment`] (before the first libfabric transport opens).
+#[cfg(feature = "libfabric")]
+pub fn choose_libfabric(var: impl Fn(&str) -> Option<std::ffi::OsString>) {
+    if let Some(library) = var(kvx_rdma::libfabric::LIBRARY_ENV).filter(|l| !l.is_empty()) {
+        kvx_rdma::libfabric::choose_library(library.to_string_lossy());
+    }
+}
 
 impl TransportSpec {
     /// Opens an endpoint with the default [`OpenOptions`].

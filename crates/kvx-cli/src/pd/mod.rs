@@ -20,20 +20,14 @@ pub(crate) mod raw;
 
 use gpu::{ComputeShape, Device};
 
-/// Opens `spec` with what the operator asks for in the environment (`KVX_SHM_SWEEP=1`: sweep
-/// stale `shm` regions first; `KVX_NIXL_LIB_DIR`: where the NIXL runtime is) and with `adjust`
-/// applied to the options (where the peers are); the binary reads the environment, the library
-/// does not.
+/// Opens `spec` with what the operator asks for in the environment
+/// ([`kvx_vllm::OpenOptions::from_environment`]: the binary reads it, the library does not) and
+/// with `adjust` applied to the options (where the peers are).
 pub(crate) fn open_transport(
     spec: &kvx_vllm::TransportSpec,
     adjust: impl FnOnce(kvx_vllm::OpenOptions) -> kvx_vllm::OpenOptions,
 ) -> Result<Box<dyn kvx_rdma::Transport>, kvx_vllm::TransportError> {
-    let sweep = std::env::var_os(kvx_vllm::transport::SHM_SWEEP_ENV);
-    let nixl = std::env::var_os(kvx_vllm::transport::NIXL_LIB_DIR_ENV).map(Into::into);
-    let ucx_devices = std::env::var_os(kvx_vllm::transport::UCX_NET_DEVICES_ENV);
-    let options = kvx_vllm::OpenOptions::from_env_values(sweep.as_deref())
-        .with_nixl_library(nixl)
-        .with_ucx_net_devices_exported(ucx_devices.is_some_and(|v| !v.is_empty()));
+    let options = kvx_vllm::OpenOptions::from_environment(|k| std::env::var_os(k));
     spec.open_with(&adjust(options))
 }
 

@@ -128,24 +128,31 @@ impl NixlConfig {
     /// `engine_config` already sets `key` (that choice stays).
     #[must_use]
     pub fn with_engine_setting(self, key: &str, value: &str) -> Self {
-        let engine = self
+        if self.engine_sets(key) {
+            return self;
+        }
+        let value = match self
             .backend_params
             .iter()
             .find(|(k, _)| k == "engine_config")
-            .map(|(_, v)| v.clone())
-            .filter(|v| !v.is_empty());
-        let prefix = format!("{key}=");
-        let value = match engine {
-            Some(v)
-                if v.split(',')
-                    .any(|kv| kv.trim().trim_start_matches("UCX_").starts_with(&prefix)) =>
-            {
-                v
-            }
+            .map(|(_, v)| v.as_str())
+            .filter(|v| !v.is_empty())
+        {
             Some(v) => format!("{v},{key}={value}"),
             None => format!("{key}={value}"),
         };
         self.with_param("engine_config", &value)
+    }
+
+    /// Whether `engine_config` sets the UCX setting `key` (with or without the `UCX_` prefix).
+    #[must_use]
+    pub fn engine_sets(&self, key: &str) -> bool {
+        let prefix = format!("{key}=");
+        self.backend_params
+            .iter()
+            .filter(|(k, _)| k == "engine_config")
+            .flat_map(|(_, v)| v.split(','))
+            .any(|kv| kv.trim().trim_start_matches("UCX_").starts_with(&prefix))
     }
 
     /// Adds (or replaces) a backend parameter.

@@ -201,21 +201,14 @@ fn with_devices_applied(config: &NixlConfig) -> Result<NixlConfig, OpenError> {
     let Some(devices) = config.net_devices.as_deref().filter(|d| !d.is_empty()) else {
         return Ok(config.clone());
     };
-    let named = config.backend_params.iter().any(|(k, v)| {
-        k == "engine_config"
-            && v.split(',').any(|kv| {
-                kv.trim()
-                    .trim_start_matches("UCX_")
-                    .starts_with("NET_DEVICES=")
-            })
-    });
-    if named || !devices.contains(',') {
+    if config.engine_sets("NET_DEVICES") || !devices.contains(',') {
         return Ok(config.clone().with_engine_setting("NET_DEVICES", devices));
     }
     let names = devices
         .split(',')
         .map(|d| match d.split_once(':') {
-            None | Some((_, "1")) => Ok(d.split(':').next().unwrap_or(d)),
+            None => Ok(d),
+            Some((name, "1")) => Ok(name),
             Some(_) => Err(OpenError::Config(format!(
                 "UCX devices {devices}: NIXL takes several devices only on port 1"
             ))),

@@ -72,10 +72,17 @@ impl Driver {
         .map_err(|source| LinkError::Reader { addr, source })?;
         // The instance is known once a rank of it is connected: a prefill that cannot be
         // reached leaves nothing behind.
+        // Rank 0's hello says the instance's TP size, and with it which of its ranks are idle
+        // for this engine (worked out once, not per request).
+        let idle = (rank == Rank(0)).then(|| self.idle_of(layout.spec().tp_size));
         let entry = self.instances.entry(instance).or_insert_with(|| Instance {
             ranks: HashMap::new(),
             waiting: HashSet::new(),
+            idle: Vec::new(),
         });
+        if let Some(idle) = idle {
+            entry.idle = idle;
+        }
         entry.ranks.insert(
             rank,
             RankConn {
@@ -109,25 +116,14 @@ impl Driver {
             .collect())
     }
 
-    /// The ranks of `instance` that write to no rank of this engine (they hold a replica of what
-    /// another rank serves, [`kvx_layout::idle_producers`]): this engine's rank 0 tells them,
-    /// for each request, that it needs nothing of them, so that they give their blocks back
-    /// at once instead of at their lease. Empty on the other ranks. Connected best effort
-    /// ([`Driver::connect_idle`]): no request waits for them.
-    pub(super) fn idle_ranks(&self, instance: SocketAddr) -> Result<Vec<Rank>, PlanError> {
-        let tp = self.instances[&instance].ranks[&Rank(0)]
-            .layout
-            .spec()
-            .tp_size;
-        self.idle_of(tp)
-    }
-
-    /// [`Driver::idle_ranks`] for a producer of TP size `producer_tp`.
-    fn idle_of(&self, producer_tp: u32) -> Result<Vec<Rank>, PlanError> {
+    /// What this engine's rank 0 tells the idle ranks of a producer of TP size `producer_tp`
+    /// ([`Instance::idle`]); nothing on the other ranks, or where the TP sizes do not fit (its
+    /// writers then refuse every request anyway).
+    fn idle_of(&self, producer_tp: u32) -> Vec<Rank> {
         if self.layout.rank() != Rank(0) {
-            return Ok(Vec::new());
+            return Vec::new();
         }
-        kvx_layout::idle_producers(producer_tp, &self.layout)
+        kvx_layout::idle_producers(producer_tp, &self.layout).unwrap_or_default()
     }
 
     /// The producer ranks that write to this rank (every one connected).
@@ -156,7 +152,7 @@ impl Driver {
         }
     }
 
-    /// Starts connecting idle `rank` of `instance` ([`Driver::idle_ranks`]) unless that is under
+    /// Starts connecting idle `rank` of `instance` ([`Instance::idle`]) unless that is under
     /// way or failed less than [`RETRY_UNREACHABLE`] ago.
     pub(super) fn connect_idle(&mut self, instance: SocketAddr, rank: Rank) {
         let now = self.clock.now();

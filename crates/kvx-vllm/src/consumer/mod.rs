@@ -222,6 +222,12 @@ struct RankConn {
 struct Instance {
     ranks: HashMap<Rank, RankConn>,
     waiting: HashSet<AttemptKey>,
+    /// On this engine's rank 0: the instance's ranks that write to no rank of this engine (they
+    /// hold a replica of what another rank serves, [`kvx_layout::idle_producers`]). Told, for
+    /// each request, that nothing of them is needed, so that they give their blocks back at
+    /// once instead of at their lease; connected best effort ([`Driver::connect_idle`]): no
+    /// request waits for them.
+    idle: Vec<Rank>,
 }
 
 /// The decode side of the connector for one engine rank.
@@ -620,7 +626,7 @@ struct Driver {
     connecting: HashMap<SocketAddr, Connecting>,
     /// Instances whose connection failed recently, when and why.
     unreachable: HashMap<SocketAddr, (Timestamp, Arc<LinkError>)>,
-    /// Idle ranks of an instance ([`Driver::idle_ranks`]) being connected, best effort: no
+    /// Idle ranks of an instance ([`Instance::idle`]) being connected, best effort: no
     /// request waits for them, and a failure only delays the next try (to the time kept).
     idle_links: HashMap<(SocketAddr, Rank), Option<Timestamp>>,
     /// What to tell each idle rank being connected once it is (bounded by `max_entries`).

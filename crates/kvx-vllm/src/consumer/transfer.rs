@@ -315,22 +315,16 @@ impl Driver {
         Ok(())
     }
 
-    /// Tells the ranks of `instance` that write to no rank of this engine
-    /// ([`Driver::idle_ranks`]) that it needs nothing of them for `key`: a completion, which
-    /// gives their blocks back (delivered) now or once the request finishes there.
+    /// Tells the idle ranks of `instance` ([`Instance::idle`]) that this engine needs nothing of
+    /// them for `key`: a completion, which gives their blocks back (delivered) now or once the
+    /// request finishes there.
     fn tell_idle(
         &mut self,
         instance: SocketAddr,
         key: AttemptKey,
         capability: Option<&Capability>,
     ) {
-        let idle = match self.idle_ranks(instance) {
-            Ok(idle) => idle,
-            Err(detail) => {
-                debug!(%key, %detail, "the producer's idle ranks are unknown");
-                return;
-            }
-        };
+        let idle = self.instances[&instance].idle.clone();
         for rank in idle {
             let message = Message::Completion(Completion {
                 transfer: key.transfer,
