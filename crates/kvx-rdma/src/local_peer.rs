@@ -56,3 +56,134 @@ pub fn own_uid() -> u32 {
 pub fn same_user(conn: &UnixStream) -> bool {
     peer_uid(conn).is_ok_and(|uid| uid == own_uid())
 }
+
+/// A process of this host, known by its pid and its start time, so that a later process given
+/// the same pid is not taken for it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Process {
+    pid: i32,
+    /// Its start time (`/proc/PID/stat`'s field 22), where `/proc` said.
+    started: Option<u64>,
+}
+
+impl Process {
+    /// Process `pid` as it runs now; known by its pid alone where `/proc` does not say when it
+    /// started.
+    #[must_use]
+    pub fn of(pid: i32) -> Self {
+        Self {
+            pid,
+            started: stat(pid).and_then(|s| s.started),
+        }
+    }
+
+    /// The process at the other end of `conn` (the one that connected, or listened).
+    ///
+    /// # Errors
+    /// When the kernel does not say.
+    pub fn peer_of(conn: &UnixStream) -> io::Result<Self> {
+        peer_credentials(conn).map(|(pid, _)| Self::of(pid))
+    }
+
+    /// Its pid.
+    #[must_use]
+    pub fn pid(&self) -> i32 {
+        self.pid
+    }
+
+    /// Whether it has exited: no process of its pid exists (in this pid namespace), another
+    /// one has its pid now, or it is a zombie that its parent has not reaped yet.
+    #[must_use]
+    pub fn exited(&self) -> bool {
+        if pid_exited(self.pid) {
+            return true;
+        }
+        match (self.started, stat(self.pid)) {
+            (Some(then), Some(now)) => now.started.is_some_and(|s| s != then),
+            _ => false,
+        }
+    }
+}
+
+/// Whether process `pid` has exited: it no longer exists (in this pid namespace), or it is a
+/// zombie that its parent has not reaped yet. A pid of 0 or below names no process: `false`.
+#[must_use]
+pub fn pid_exited(pid: i32) -> bool {
+    if pid <= 0 {
+        return false;
+    }
+    // SAFETY: signal 0 checks existence and permission only; nothing is delivered.
+    let ret = unsafe { libc::kill(pid, 0) };
+    if ret != 0 && io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH) {
+        return true;
+    }
+    // A zombie leader of a thread group whose other threads still run is a live process.
+    stat(pid).is_some_and(|s| matches!(s.state, 'Z' | 'X'))
+        && std::fs::read_dir(format!("/proc/{pid}/task")).map_or(true, |tasks| tasks.count() <= 1)
+}
+
+/// What this module reads of `/proc/PID/stat`.
+struct Stat {
+    state: char,
+    started: Option<u64>,
+}
+
+fn stat(pid: i32) -> Option<Stat> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) is in parentheses and may hold anything: fields are counted
+    // from the last `)`.
+    let (_, rest) = text.rsplit_once(") ")?;
+    let mut fields = rest.split_ascii_whitespace();
+    let state = fields.next()?.chars().next()?;
+    // Field 3 is the state; field 22 the start time.
+    let started = fields.nth(18).and_then(|f| f.parse().ok());
+    Some(Stat { state, started })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_process_is_running_until_it_exits_and_then_exited_zombie_or_reaped() {
+        let me = Process::of(i32::try_from(std::process::id()).unwrap());
+        assert!(me.started.is_some(), "no start time read for this process");
+        assert!(!me.exited());
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let process = Process::of(i32::try_from(child.id()).unwrap());
+        assert!(!process.exited());
+        child.kill().unwrap();
+        // Killed and not reaped: a zombie, which has exited.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !process.exited() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "a killed child still runs"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        child.wait().unwrap();
+        assert!(process.exited());
+    }
+
+    #[test]
+    fn another_process_under_the_same_pid_is_not_taken_for_the_first() {
+        let me = Process::of(i32::try_from(std::process::id()).unwrap());
+        let earlier = Process {
+            started: me.started.map(|s| s.wrapping_sub(1)),
+            ..me
+        };
+        assert!(earlier.exited());
+    }
+
+    #[test]
+    fn the_peer_of_a_socket_is_the_process_that_made_it() {
+        let (a, _b) = UnixStream::pair().unwrap();
+        let peer = Process::peer_of(&a).unwrap();
+        assert_eq!(peer.pid(), i32::try_from(std::process::id()).unwrap());
+        assert!(!peer.exited());
+    }
+}

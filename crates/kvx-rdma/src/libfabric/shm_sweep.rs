@@ -49,16 +49,7 @@ pub(super) fn address_pid(address: &[u8]) -> Option<i32> {
 /// Whether process `pid` has exited: it no longer exists (in this pid namespace), or it is a
 /// zombie that its parent has not reaped yet.
 pub(super) fn exited(pid: i32) -> bool {
-    if !alive(pid) {
-        return true;
-    }
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|stat| {
-            let (_, rest) = stat.rsplit_once(") ")?;
-            rest.chars().next()
-        })
-        .is_some_and(|state| matches!(state, 'Z' | 'X'))
+    crate::local_peer::pid_exited(pid)
 }
 
 /// Whether a process `pid` exists (in this pid namespace).

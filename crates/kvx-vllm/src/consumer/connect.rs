@@ -62,6 +62,7 @@ impl Driver {
         if stream.is_local() {
             self.stats.local_connections.fetch_add(1, Ordering::Relaxed);
         }
+        let stream_process = stream.process();
         let sender = control::start(stream, format!("kvx-ctl-{addr}"), move |result| {
             let command = match result {
                 Ok((m, queued)) => Command::Peer(instance, rank, id, m, queued),
@@ -92,6 +93,7 @@ impl Driver {
                 layout,
                 peer: None,
                 in_contact: false,
+                process: stream_process,
             },
         );
         let interval = self.config.heartbeat_interval;
@@ -364,27 +366,58 @@ impl Driver {
             return;
         };
         warn!(%instance, why, "prefill instance lost");
-        // Its writers are gone: none of their writes can land any more (a connection is
-        // declared dead only after 25 s of silence, longer than any write takes). This side's
-        // own reads from it are still waited for: they land until they end or fail.
-        let gone: Vec<AttemptKey> = self
-            .quiescing
-            .iter_mut()
-            .filter(|(_, q)| q.instance == *instance)
-            .map(|(k, q)| {
-                q.ranks.clear();
-                *k
+        // Its ranks can confirm nothing more. Where a rank's process is known to have exited
+        // (it ran on this host), none of its writes can land any more; otherwise (another host,
+        // or a process that lives on: a network fault, a connection it closed) its posted
+        // writes may still land, so the requests waiting on it hold their blocks until its
+        // process is seen gone or the bound its writes run for has passed. This side's own
+        // reads from it are waited for too: they land until they end or fail.
+        let ranks: HashMap<Rank, LostRank> = lost
+            .ranks
+            .iter()
+            .map(|(rank, conn)| {
+                let lost = LostRank {
+                    process: conn.process,
+                    gone: conn.process.is_some_and(|p| p.exited()),
+                    write_timeout: Duration::from_millis(conn.hello.write_timeout_ms.into()),
+                };
+                (*rank, lost)
             })
             .collect();
-        for key in gone {
-            if self.quiescing.get(&key).is_some_and(Quiescing::quiet) {
-                self.quiesced(key);
+        let mut quiet = Vec::new();
+        for (key, q) in &mut self.quiescing {
+            if q.instance != *instance {
+                continue;
             }
+            let already = &mut q.lost;
+            q.ranks.retain(|rank| {
+                if already.contains_key(rank) {
+                    return true;
+                }
+                match ranks.get(rank) {
+                    Some(l) if !l.gone => {
+                        already.insert(*rank, l.process);
+                        true
+                    }
+                    _ => false,
+                }
+            });
+            if q.quiet() {
+                quiet.push(*key);
+            }
+        }
+        for key in quiet {
+            self.quiesced(key);
         }
         let now = self.clock.now();
         for key in lost.waiting {
             self.waiter.failure(now, key, Reason::PeerFailed);
         }
+        // The requests that waited on it fail now, while what is known of its ranks is at hand.
+        self.lost_ranks.insert(*instance, ranks);
+        self.actions();
+        self.lost_ranks.remove(instance);
+        self.next_lost_look.get_or_insert(now + LOST_LOOK);
         for conn in lost.ranks.values() {
             conn.sender.close();
             // Its endpoint (connected for pull) is forgotten once its reads in flight end.
@@ -398,6 +431,42 @@ impl Driver {
                 }
             }
         }
+    }
+
+    /// Failed requests waiting on ranks of lost connections: those whose process is seen to
+    /// have exited write no more.
+    pub(super) fn look_at_lost(&mut self, now: Timestamp) {
+        if self.next_lost_look.is_none_or(|at| now < at) {
+            return;
+        }
+        let mut exited: HashMap<Process, bool> = HashMap::new();
+        let mut quiet = Vec::new();
+        let mut watching = false;
+        for (key, q) in &mut self.quiescing {
+            let (ranks, lost) = (&mut q.ranks, &mut q.lost);
+            lost.retain(|rank, process| {
+                if !ranks.contains(rank) {
+                    return false;
+                }
+                let Some(process) = process else {
+                    return true;
+                };
+                if *exited.entry(*process).or_insert_with(|| process.exited()) {
+                    debug!(%rank, pid = process.pid(), "a lost producer rank's process has exited");
+                    ranks.remove(rank);
+                    return false;
+                }
+                watching = true;
+                true
+            });
+            if q.quiet() {
+                quiet.push(*key);
+            }
+        }
+        for key in quiet {
+            self.quiesced(key);
+        }
+        self.next_lost_look = watching.then_some(now + LOST_LOOK);
     }
 
     pub(super) fn heartbeats(&mut self, now: Timestamp) {

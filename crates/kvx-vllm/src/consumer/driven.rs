@@ -66,6 +66,7 @@ impl driver::Driven for Driver {
         self.board_quiesce();
         self.first_contacts();
         self.waiter.handle_timeout(now);
+        self.look_at_lost(now);
         self.heartbeats(now);
         self.actions();
         // A notice that arrived, or a request that ended, needs no more reading for it.
@@ -107,10 +108,15 @@ impl Driver {
             let at = self.contact.1;
             quiesce = Some(quiesce.map_or(at, |q| q.min(at)));
         }
-        [self.waiter.poll_timeout(), self.next_heartbeat, quiesce]
-            .into_iter()
-            .flatten()
-            .min()
+        [
+            self.waiter.poll_timeout(),
+            self.next_heartbeat,
+            quiesce,
+            self.next_lost_look,
+        ]
+        .into_iter()
+        .flatten()
+        .min()
     }
 
     /// Whether the engine thread may register a push request for `instance` itself: every

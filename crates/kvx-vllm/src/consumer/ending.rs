@@ -121,14 +121,26 @@ impl Driver {
     /// whose notice (or failure notice) has not come is waited for; pull, its own reads.
     pub(super) fn give_up(&mut self, key: AttemptKey, payload: Waiting, reason: Reason) {
         tracing::info!(target: crate::trace::TARGET, parent: &payload.span, %reason, "failed");
-        let ranks: HashSet<Rank> = payload
+        let mut ranks: HashSet<Rank> = payload
             .notices
             .iter()
             .filter_map(|n| self.notices.get(n))
             .map(|(_, rank)| *rank)
             .collect();
         let reads = self.reads.values().filter(|(k, _)| *k == key).count();
-        let reachable = self.instances.contains_key(&payload.instance);
+        // Ranks of a lost connection can confirm no more: those whose process is known gone
+        // write no more; the others are waited for (their process, or the bound).
+        let mut lost = HashMap::new();
+        if let Some(lost_ranks) = self.lost_ranks.get(&payload.instance) {
+            ranks.retain(|rank| match lost_ranks.get(rank) {
+                Some(l) if !l.gone => {
+                    lost.insert(*rank, l.process);
+                    true
+                }
+                Some(_) => false,
+                None => true,
+            });
+        }
         if let Some(instance) = self.instances.get_mut(&payload.instance) {
             instance.waiting.remove(&key);
         }
@@ -142,12 +154,11 @@ impl Driver {
             ranks,
             notices: payload.notices,
             reads,
+            lost,
             bound,
             deadline: self.clock.now() + bound,
         };
-        // The producer instance gone: its writes can land no more, but this side's own reads
-        // (pull) still may until they end.
-        let quiet = quiescing.reads == 0 && (quiescing.ranks.is_empty() || !reachable);
+        let quiet = quiescing.quiet();
         self.quiescing.insert(key, quiescing);
         if quiet {
             self.quiesced(key);
@@ -166,12 +177,16 @@ impl Driver {
         if let Some(fixed) = self.config.quiesce_timeout {
             return fixed;
         }
-        let writes = self
-            .instances
-            .get(&instance)
-            .into_iter()
-            .flat_map(|i| ranks.iter().filter_map(|r| i.ranks.get(r)))
-            .map(|conn| Duration::from_millis(conn.hello.write_timeout_ms.into()))
+        // A rank's connection, or the one just lost.
+        let live = self.instances.get(&instance);
+        let lost = self.lost_ranks.get(&instance);
+        let writes = ranks
+            .iter()
+            .filter_map(|r| {
+                live.and_then(|i| i.ranks.get(r))
+                    .map(|conn| Duration::from_millis(conn.hello.write_timeout_ms.into()))
+                    .or_else(|| lost.and_then(|l| l.get(r)).map(|l| l.write_timeout))
+            })
             .max()
             .unwrap_or_default()
             // What a producer says, up to what any producer may run a write for.

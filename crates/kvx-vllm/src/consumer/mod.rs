@@ -15,6 +15,7 @@ use kvx_core::wire::{
 };
 use kvx_core::{Attempt, BlockId, Rank, RequestId, TransferId};
 use kvx_layout::{permute_for, plan, writers_for, Layout, PermutePlan, PlanError, PlanRequest};
+use kvx_rdma::local_peer::Process;
 use kvx_rdma::region::LocalRegion;
 use kvx_rdma::transport::{Event, OpId, PeerId, Transport};
 use kvx_rendezvous::{AttemptKey, Reason, Timestamp, Waiter, WaiterAction, WaiterConfig};
@@ -166,6 +167,10 @@ const HEARTBEATS_PER_LEASE: u32 = 3;
 /// for it meanwhile fail at once with the same error.
 const RETRY_UNREACHABLE: Duration = Duration::from_secs(1);
 
+/// How often the processes of producer ranks whose connection was lost are looked at while a
+/// failed request waits for them (a process seen to exit releases its requests' blocks at once).
+const LOST_LOOK: Duration = Duration::from_millis(100);
+
 #[derive(Debug)]
 struct Waiting {
     request: RequestId,
@@ -193,9 +198,26 @@ struct Quiescing {
     ranks: HashSet<Rank>,
     notices: Vec<u64>,
     reads: usize,
+    /// Those of `ranks` whose control connection was lost: none can confirm any more, so each
+    /// is waited for until its process is seen gone (where it runs on this host, `Some`) or
+    /// `deadline`. A lost connection alone never ends the wait: the process may live on (a
+    /// network fault, a connection it closed) with its writes posted.
+    lost: HashMap<Rank, Option<Process>>,
     /// How long it waits at most, from the failure.
     bound: Duration,
     deadline: Timestamp,
+}
+
+/// A producer rank whose control connection was just lost, as `Driver::give_up` needs it for
+/// the requests that fail with it.
+#[derive(Clone, Copy, Debug)]
+struct LostRank {
+    /// Its process, where it runs on this host.
+    process: Option<Process>,
+    /// Its process is known to have exited: none of its writes can land any more.
+    gone: bool,
+    /// How long its writes may run (its hello's `write_timeout_ms`).
+    write_timeout: Duration,
 }
 
 impl Quiescing {
@@ -217,6 +239,8 @@ struct RankConn {
     /// A write of this rank has landed here: its transport has made first contact with this
     /// endpoint (see `Driver::awaiting_contact`).
     in_contact: bool,
+    /// Its process, where it runs on this host (a Unix control socket says which).
+    process: Option<Process>,
 }
 
 struct Instance {
@@ -638,6 +662,11 @@ struct Driver {
     hinted: HashSet<u64>,
     reads: HashMap<OpId, (AttemptKey, Rank)>,
     quiescing: HashMap<AttemptKey, Quiescing>,
+    /// The ranks of an instance whose connection is being given up on (`Driver::instance_lost`),
+    /// while the requests that waited on it fail.
+    lost_ranks: HashMap<SocketAddr, HashMap<Rank, LostRank>>,
+    /// When the processes of lost ranks that failed requests wait for are looked at next.
+    next_lost_look: Option<Timestamp>,
     /// The notice board's slots, where the transport has a board.
     board: Option<BoardSlots>,
     /// With a board, the transport still needs this side to read its queue now and then, and
@@ -735,6 +764,8 @@ impl Driver {
             hinted: HashSet::new(),
             reads: HashMap::new(),
             quiescing: HashMap::new(),
+            lost_ranks: HashMap::new(),
+            next_lost_look: None,
             board: board.map(|b| BoardSlots::new(Arc::clone(b))),
             occasional_reads,
             awaiting_contact: HashMap::new(),

@@ -126,6 +126,20 @@ impl Sim {
         blocks: Vec<BlockId>,
         capability: Option<Capability>,
     ) -> Registration {
+        let this_process = Process::of(i32::try_from(std::process::id()).unwrap());
+        self.register_from(key, tokens, blocks, capability, Some(this_process))
+    }
+
+    /// [`Sim::register_granted`] over a control connection to `process` (`None`: a producer
+    /// of another host).
+    fn register_from(
+        &mut self,
+        key: AttemptKey,
+        tokens: u64,
+        blocks: Vec<BlockId>,
+        capability: Option<Capability>,
+        process: Option<Process>,
+    ) -> Registration {
         self.command(Command::Push(push_request(key, tokens, blocks, capability)));
         let (ours, theirs) = UnixStream::pair().unwrap();
         self.control = theirs;
@@ -133,7 +147,7 @@ impl Sim {
         self.command(Command::Handshaken(
             INSTANCE,
             Rank(0),
-            Ok((ControlStream::local(ours), hello)),
+            Ok((ControlStream::local_to(ours, process), hello)),
         ));
         match self.message() {
             Some(Message::Registration(r)) => r,
@@ -514,4 +528,104 @@ fn cancel_waits_for_a_silent_producer_as_long_as_its_writes_can_run() {
     let sim = Sim::with(Duration::from_secs(60), None, writes);
     let bound = writes + QUIESCE_MARGIN;
     cancel_with_a_silent_producer(sim, bound, &format!("{bound:?}"));
+}
+
+/// The producer rank's control connection is lost (a reset, a timeout) at `at`.
+fn lose_connection(sim: &mut Sim, at: Duration) {
+    sim.at(at);
+    let conn = sim.driver.instances[&INSTANCE].ranks[&Rank(0)].id;
+    sim.command(Command::PeerClosed(
+        INSTANCE,
+        Rank(0),
+        conn,
+        "connection reset by peer".into(),
+    ));
+}
+
+/// The one event the engine has now: the request's failure; returns its detail.
+fn failed_once(sim: &Sim, reason: Reason) -> String {
+    match &sim.events()[..] {
+        [RecvEvent::Failed {
+            reason: r, detail, ..
+        }] if *r == reason => detail.clone(),
+        other => panic!("expected one failure ({reason:?}), got {other:?}"),
+    }
+}
+
+/// A lost control connection alone is no proof that a producer's posted writes have ended: its
+/// process may live on (a network fault, a connection it closed). The request fails, but its
+/// blocks stay held while the producer's process (on this host) runs, and go back as soon as it
+/// is seen to exit.
+#[test]
+fn a_lost_connection_holds_the_blocks_while_the_producers_process_runs() {
+    let mut sim = Sim::with(Duration::from_secs(60), None, Duration::from_secs(60));
+    let mut producer = std::process::Command::new("sleep")
+        .arg("120")
+        .spawn()
+        .unwrap();
+    let process = Process::of(i32::try_from(producer.id()).unwrap());
+    sim.register_from(key(30), 8, ids(0..2), None, Some(process));
+    let lost = Duration::from_millis(10);
+    lose_connection(&mut sim, lost);
+    sim.at(lost + Duration::from_secs(5));
+    assert!(
+        sim.events().is_empty(),
+        "released while the producer's process runs"
+    );
+    producer.kill().unwrap();
+    producer.wait().unwrap();
+    sim.at(lost + Duration::from_secs(5) + LOST_LOOK);
+    let detail = failed_once(&sim, Reason::PeerFailed);
+    assert!(detail.is_empty(), "{detail}");
+    assert_eq!(
+        sim.driver
+            .stats
+            .released_unconfirmed
+            .load(Ordering::Relaxed),
+        0
+    );
+    assert!(sim.driver.quiescing.is_empty() && sim.driver.next_lost_look.is_none());
+}
+
+/// A producer whose process is known to have exited when its connection is lost writes no
+/// more: the request fails and its blocks go back at once.
+#[test]
+fn a_lost_connection_to_an_exited_process_releases_the_blocks_at_once() {
+    let mut sim = Sim::with(Duration::from_secs(60), None, Duration::from_secs(60));
+    let mut producer = std::process::Command::new("sleep")
+        .arg("120")
+        .spawn()
+        .unwrap();
+    let process = Process::of(i32::try_from(producer.id()).unwrap());
+    sim.register_from(key(31), 8, ids(0..2), None, Some(process));
+    producer.kill().unwrap();
+    producer.wait().unwrap();
+    lose_connection(&mut sim, Duration::from_millis(10));
+    let detail = failed_once(&sim, Reason::PeerFailed);
+    assert!(detail.is_empty(), "{detail}");
+}
+
+/// A producer of another host whose connection is lost cannot be seen: its request's blocks
+/// stay held for as long as it said its writes can run, plus the margin, then go back counted
+/// as released without confirmation.
+#[test]
+fn a_lost_connection_to_another_host_holds_the_blocks_as_long_as_its_writes_can_run() {
+    let writes = Duration::from_millis(700);
+    let mut sim = Sim::with(Duration::from_secs(60), None, writes);
+    sim.register_from(key(32), 8, ids(0..2), None, None);
+    let lost = Duration::from_millis(10);
+    lose_connection(&mut sim, lost);
+    let bound = writes + QUIESCE_MARGIN;
+    sim.at(lost + bound - Duration::from_millis(1));
+    assert!(sim.events().is_empty(), "released before {bound:?}");
+    sim.at(lost + bound);
+    let detail = failed_once(&sim, Reason::PeerFailed);
+    assert!(detail.contains("without confirmation"), "{detail}");
+    assert_eq!(
+        sim.driver
+            .stats
+            .released_unconfirmed
+            .load(Ordering::Relaxed),
+        1
+    );
 }

@@ -22,6 +22,7 @@ use kvx_core::wire::Role;
 use kvx_core::wire::{DecodeError, EncodeError, FrameHeader, Hello, Message, HEADER_LEN};
 use kvx_layout::Layout;
 use kvx_rdma::desc::EndpointDesc;
+use kvx_rdma::local_peer::Process;
 use socket2::Socket;
 
 use crate::config::ConnectorConfig;
@@ -68,6 +69,8 @@ pub enum ControlError {
 pub(crate) struct ControlStream {
     socket: Socket,
     local: bool,
+    /// The process at the other end of a Unix socket (`SO_PEERCRED`).
+    process: Option<Process>,
     cipher: Option<Arc<Cipher>>,
     received: Received,
 }
@@ -78,6 +81,7 @@ impl ControlStream {
         Self {
             socket: stream.into(),
             local: false,
+            process: None,
             cipher: None,
             received: Received::default(),
         }
@@ -85,9 +89,17 @@ impl ControlStream {
 
     /// A Unix socket to a peer on this host.
     pub(crate) fn local(stream: UnixStream) -> Self {
+        // A pid of 0: the peer is in a pid namespace this one does not see.
+        let process = Process::peer_of(&stream).ok().filter(|p| p.pid() > 0);
+        Self::local_to(stream, process)
+    }
+
+    /// A Unix socket to `process` on this host (tests name a process other than the socket's).
+    pub(crate) fn local_to(stream: UnixStream, process: Option<Process>) -> Self {
         Self {
             socket: stream.into(),
             local: true,
+            process,
             cipher: None,
             received: Received::default(),
         }
@@ -137,6 +149,7 @@ impl ControlStream {
         Ok(Self {
             socket: self.socket.try_clone()?,
             local: self.local,
+            process: self.process,
             cipher: self.cipher.clone(),
             received: Received::default(),
         })
@@ -160,6 +173,11 @@ impl ControlStream {
     /// Whether this is a Unix socket to a peer on this host.
     pub(crate) fn is_local(&self) -> bool {
         self.local
+    }
+
+    /// The process at the other end, where this host's kernel says (a Unix socket).
+    pub(crate) fn process(&self) -> Option<Process> {
+        self.process
     }
 }
 
