@@ -25,6 +25,9 @@ use kvx_vllm::{
 
 #[path = "support/side.rs"]
 mod side;
+#[path = "support/forward.rs"]
+#[macro_use]
+mod forward;
 use side::{Side, SEED};
 
 fn spec(
@@ -1596,101 +1599,6 @@ impl ReadGatedWrites {
         }
         events.len() - first
     }
-}
-
-macro_rules! forward_transport {
-    // `write` as it is.
-    (writes) => {
-        fn write(
-            &mut self,
-            peer: PeerId,
-            ops: &[kvx_layout::CopyOp],
-            notice: Option<Notice>,
-        ) -> Result<OpId, kvx_rdma::WriteError> {
-            self.inner.write(peer, ops, notice)
-        }
-    };
-    // `poll` and `wait`, each counted first by `self.count()`.
-    (polls counted) => {
-        fn poll(&mut self, events: &mut Vec<Event>) -> Result<usize, kvx_rdma::PollError> {
-            self.count();
-            self.inner.poll(events)
-        }
-        fn wait(
-            &mut self,
-            events: &mut Vec<Event>,
-            timeout: Duration,
-        ) -> Result<usize, kvx_rdma::PollError> {
-            self.count();
-            self.inner.wait(events, timeout)
-        }
-    };
-    // `poll` and `wait`, with the events they add passed through `self.$filter(events, first)`.
-    (polls $filter:ident) => {
-        fn poll(&mut self, events: &mut Vec<Event>) -> Result<usize, kvx_rdma::PollError> {
-            let first = events.len();
-            self.inner.poll(events)?;
-            Ok(self.$filter(events, first))
-        }
-        fn wait(
-            &mut self,
-            events: &mut Vec<Event>,
-            timeout: Duration,
-        ) -> Result<usize, kvx_rdma::PollError> {
-            let first = events.len();
-            self.inner.wait(events, timeout)?;
-            Ok(self.$filter(events, first))
-        }
-    };
-    (connections) => {
-        fn capabilities(&self) -> Capabilities {
-            self.inner.capabilities()
-        }
-        forward_transport!(connections_only);
-    };
-    // `connect` and `disconnect`; the implementation says its own capabilities.
-    (connections_only) => {
-        forward_transport!(base);
-        fn connect(
-            &mut self,
-            peer: &kvx_rdma::EndpointDesc,
-        ) -> Result<PeerId, kvx_rdma::ConnectError> {
-            self.inner.connect(peer)
-        }
-        fn disconnect(&mut self, peer: PeerId) {
-            self.inner.disconnect(peer);
-        }
-    };
-    (base) => {
-        fn backend(&self) -> &'static str {
-            self.inner.backend()
-        }
-        fn register(
-            &mut self,
-            region: LocalRegion,
-        ) -> Result<kvx_core::RegionDesc, kvx_rdma::RegisterError> {
-            self.inner.register(region)
-        }
-        fn deregister(&mut self, index: u32) -> Result<(), kvx_rdma::DeregisterError> {
-            self.inner.deregister(index)
-        }
-        fn local_desc(&self) -> kvx_rdma::EndpointDesc {
-            self.inner.local_desc()
-        }
-        fn read(
-            &mut self,
-            peer: PeerId,
-            ops: &[kvx_layout::CopyOp],
-        ) -> Result<OpId, kvx_rdma::ReadError> {
-            self.inner.read(peer, ops)
-        }
-        fn send(&mut self, peer: PeerId, message: &[u8]) -> Result<OpId, kvx_rdma::SendError> {
-            self.inner.send(peer, message)
-        }
-        fn waker(&self) -> Option<Arc<dyn kvx_rdma::Waker>> {
-            self.inner.waker()
-        }
-    };
 }
 
 impl Transport for CountedReads {

@@ -57,3 +57,29 @@ impl Side {
         verify_request(&self.layout, &views, blocks, skip, tokens, SEED).unwrap();
     }
 }
+
+impl Side {
+    /// Writes `seed`'s pattern for tokens `0..tokens` of `blocks` (as an engine reusing them
+    /// would), touching no other byte: writes of other requests may land meanwhile.
+    pub(crate) fn overwrite(&self, blocks: &[BlockId], tokens: u64, seed: u64) {
+        let mut vector = vec![0u8; self.layout.head_bytes() as usize];
+        kvx_layout::synth::for_each_head_vector(&self.layout, blocks, 0..tokens, |v| {
+            kvx_layout::synth::head_vector(seed, v.layer, v.kv, v.token, v.head, &mut vector);
+            let buffer = &self.buffers[v.region as usize];
+            for (at, from, len) in v.runs(vector.len() as u64) {
+                let (from, len) = (from as usize, len as usize);
+                buffer
+                    .write_at(at as usize, &vector[from..from + len])
+                    .unwrap();
+            }
+            true
+        });
+    }
+
+    /// Whether `blocks` hold `seed`'s pattern for tokens `skip..tokens`.
+    pub(crate) fn holds(&self, blocks: &[BlockId], skip: u64, tokens: u64, seed: u64) -> bool {
+        let mem: Vec<Vec<u8>> = self.buffers.iter().map(|b| b.to_vec()).collect();
+        let views: Vec<&[u8]> = mem.iter().map(Vec::as_slice).collect();
+        verify_request(&self.layout, &views, blocks, skip, tokens, seed).is_ok()
+    }
+}

@@ -1,0 +1,612 @@
+//! The connector over a transport and a network that misbehave as a seeded schedule says:
+//! prefill's writes land late, lose their notice, deliver it twice, or fail after their data
+//! landed; the control connections are reset; decode cancels some requests, prefill never
+//! finishes some and decode never registers others. Whatever happens:
+//!
+//! - every request decode registered ends exactly once (ready, and then byte-exact, or failed),
+//!   and every request prefill finished is given back exactly once;
+//! - no block is handed back to decode's engine while a write can still land in it: the test
+//!   engine overwrites every block it gets back at once (as an engine reusing it would), and
+//!   once every write has ended, each still holds what the engine wrote;
+//! - nothing stays held on either side at the end, and a clean request then goes through.
+//!
+//! `KVX_FAULT_SEED=N` replays one schedule; otherwise a few seeds from proptest run.
+
+use std::collections::{HashMap, HashSet};
+use std::io::{Read as _, Write as _};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kvx_core::{
+    Arrangement, Attempt, BlockId, Dtype, EngineId, LayoutSpec, MemoryOrder, RequestId, TransferId,
+};
+use kvx_layout::CopyOp;
+use kvx_rdma::loopback::LoopbackFabric;
+use kvx_rdma::region::LocalRegion;
+use kvx_rdma::{Capabilities, Event, Notice, OpError, OpId, OpKind, PeerId, Transport};
+use kvx_rendezvous::AttemptKey;
+use kvx_testkit::free_ports;
+use kvx_vllm::{ConnectorConfig, Consumer, Producer, PushRequest, RecvEvent};
+use proptest::prelude::*;
+
+#[path = "support/side.rs"]
+mod side;
+#[path = "support/forward.rs"]
+#[macro_use]
+mod forward;
+use side::{Side, SEED};
+
+/// What decode's engine writes into every block it gets back.
+const REUSED: u64 = 0xbad_5eed;
+/// Tokens per request (two 4-token blocks).
+const TOKENS: u64 = 8;
+/// Requests per schedule.
+const REQUESTS: u32 = 10;
+
+/// The schedule's generator (splitmix64): one seed, one run.
+struct Schedule(u64);
+
+impl Schedule {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+
+    fn millis(&mut self, range: std::ops::Range<u64>) -> Duration {
+        Duration::from_millis(range.start + self.below(range.end - range.start))
+    }
+
+    /// What happens to one write.
+    fn fault(&mut self) -> Fault {
+        match self.below(10) {
+            0..=3 => Fault::None,
+            4 | 5 => Fault::Delay(self.millis(20..700)),
+            6 => Fault::DropNotice,
+            7 => Fault::DuplicateNotice,
+            _ => Fault::FailAfterLanding,
+        }
+    }
+}
+
+/// What the schedule does to one write.
+#[derive(Clone, Copy, Debug)]
+enum Fault {
+    None,
+    /// Posted only after this long: its data lands late (within the producer's transfer
+    /// timeout, as a transport that honours it would), and it is in flight meanwhile.
+    Delay(Duration),
+    /// Its data lands; its notice never arrives.
+    DropNotice,
+    /// Its notice arrives twice.
+    DuplicateNotice,
+    /// Its data lands, and then the transport reports it failed.
+    FailAfterLanding,
+}
+
+/// A delayed write.
+struct Pending {
+    due: Instant,
+    peer: PeerId,
+    ops: Vec<CopyOp>,
+    notice: Option<Notice>,
+    op: OpId,
+}
+
+/// Prefill's endpoint, misbehaving as `schedule` says (faults on while `faults` is set).
+struct Faulty {
+    inner: Box<dyn Transport>,
+    schedule: Arc<Mutex<Schedule>>,
+    faults: Arc<AtomicBool>,
+    next_op: u64,
+    pending: Vec<Pending>,
+    /// The inner operation of each posted write: this side's id, whether to report it failed
+    /// once it ends, and its peer as the producer knows it.
+    posted: HashMap<OpId, (OpId, bool, PeerId)>,
+    /// Inner writes of duplicated notices, whose ends nobody waits for.
+    duplicates: HashSet<OpId>,
+    /// Events of delayed writes that could not be posted.
+    ready: Vec<Event>,
+    /// Each peer's description: a write posted to a peer lands even where the producer has
+    /// forgotten the peer by the time its data moves.
+    descs: HashMap<PeerId, kvx_rdma::EndpointDesc>,
+    /// Writes accepted whose end has not been reported yet.
+    in_flight: Arc<AtomicUsize>,
+}
+
+impl Faulty {
+    /// Posts the delayed writes now due.
+    fn post_due(&mut self) {
+        let now = Instant::now();
+        let (due, later): (Vec<Pending>, Vec<Pending>) = std::mem::take(&mut self.pending)
+            .into_iter()
+            .partition(|p| p.due <= now);
+        self.pending = later;
+        for p in due {
+            let mut posted = self.inner.write(p.peer, &p.ops, p.notice);
+            if let (Err(kvx_rdma::WriteError::UnknownPeer(_)), Some(desc)) =
+                (&posted, self.descs.get(&p.peer))
+            {
+                // Forgotten since it was posted: its data still moves.
+                let again = self.inner.connect(desc);
+                posted = again.map_or_else(
+                    |e| {
+                        Err(kvx_rdma::WriteError::UnknownPeer(p.peer)).inspect_err(|_| {
+                            eprintln!("cannot reach a forgotten peer again: {e}");
+                        })
+                    },
+                    |peer| self.inner.write(peer, &p.ops, p.notice),
+                );
+            }
+            match posted {
+                Ok(inner) => {
+                    self.posted.insert(inner, (p.op, false, p.peer));
+                }
+                Err(e) => {
+                    eprintln!("a delayed write could not be posted: {e}");
+                    self.ready.push(Event::Failed {
+                        op: p.op,
+                        kind: OpKind::Write,
+                        peer: p.peer,
+                        error: OpError::TimedOut(Duration::ZERO),
+                    });
+                }
+            }
+        }
+    }
+
+    /// What the inner transport reported from `first` on, as the producer must see it.
+    fn translate(&mut self, events: &mut Vec<Event>, first: usize) -> usize {
+        let new: Vec<Event> = events.drain(first..).collect();
+        for event in new {
+            let event = match event {
+                Event::WriteDone { op, peer, bytes } => {
+                    if self.duplicates.remove(&op) {
+                        continue;
+                    }
+                    match self.posted.remove(&op) {
+                        Some((ours, true, peer)) => Event::Failed {
+                            op: ours,
+                            kind: OpKind::Write,
+                            peer,
+                            error: OpError::TimedOut(Duration::ZERO),
+                        },
+                        Some((ours, false, peer)) => Event::WriteDone {
+                            op: ours,
+                            peer,
+                            bytes,
+                        },
+                        None => Event::WriteDone { op, peer, bytes },
+                    }
+                }
+                Event::Failed {
+                    op,
+                    kind,
+                    peer,
+                    error,
+                } => {
+                    if self.duplicates.remove(&op) {
+                        continue;
+                    }
+                    let (op, peer) = self
+                        .posted
+                        .remove(&op)
+                        .map_or((op, peer), |(ours, _, peer)| (ours, peer));
+                    Event::Failed {
+                        op,
+                        kind,
+                        peer,
+                        error,
+                    }
+                }
+                other => other,
+            };
+            if matches!(
+                event,
+                Event::WriteDone { .. }
+                    | Event::Failed {
+                        kind: OpKind::Write,
+                        ..
+                    }
+            ) {
+                self.in_flight.fetch_sub(1, Ordering::SeqCst);
+            }
+            events.push(event);
+        }
+        let ready = std::mem::take(&mut self.ready);
+        self.in_flight.fetch_sub(ready.len(), Ordering::SeqCst);
+        events.extend(ready);
+        events.len() - first
+    }
+}
+
+impl Transport for Faulty {
+    forward_transport!(base);
+
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+
+    fn connect(&mut self, peer: &kvx_rdma::EndpointDesc) -> Result<PeerId, kvx_rdma::ConnectError> {
+        let id = self.inner.connect(peer)?;
+        self.descs.insert(id, peer.clone());
+        Ok(id)
+    }
+
+    fn disconnect(&mut self, peer: PeerId) {
+        self.inner.disconnect(peer);
+    }
+
+    fn write(
+        &mut self,
+        peer: PeerId,
+        ops: &[CopyOp],
+        notice: Option<Notice>,
+    ) -> Result<OpId, kvx_rdma::WriteError> {
+        let fault = if self.faults.load(Ordering::SeqCst) {
+            self.schedule.lock().unwrap().fault()
+        } else {
+            Fault::None
+        };
+        let op = OpId(self.next_op);
+        self.next_op += 1;
+        match fault {
+            Fault::Delay(by) => self.pending.push(Pending {
+                due: Instant::now() + by,
+                peer,
+                ops: ops.to_vec(),
+                notice,
+                op,
+            }),
+            Fault::DropNotice => {
+                let inner = self.inner.write(peer, ops, None)?;
+                self.posted.insert(inner, (op, false, peer));
+            }
+            Fault::DuplicateNotice => {
+                let inner = self.inner.write(peer, ops, notice)?;
+                self.posted.insert(inner, (op, false, peer));
+                if let (Some(first), Some(_)) = (ops.first(), notice) {
+                    // The first piece again (the same bytes), announcing the same notice.
+                    let again = self.inner.write(peer, &[*first], notice)?;
+                    self.duplicates.insert(again);
+                }
+            }
+            Fault::FailAfterLanding => {
+                let inner = self.inner.write(peer, ops, notice)?;
+                self.posted.insert(inner, (op, true, peer));
+            }
+            Fault::None => {
+                let inner = self.inner.write(peer, ops, notice)?;
+                self.posted.insert(inner, (op, false, peer));
+            }
+        }
+        self.in_flight.fetch_add(1, Ordering::SeqCst);
+        Ok(op)
+    }
+
+    fn poll(&mut self, events: &mut Vec<Event>) -> Result<usize, kvx_rdma::PollError> {
+        self.post_due();
+        let first = events.len();
+        self.inner.poll(events)?;
+        Ok(self.translate(events, first))
+    }
+
+    fn wait(
+        &mut self,
+        events: &mut Vec<Event>,
+        timeout: Duration,
+    ) -> Result<usize, kvx_rdma::PollError> {
+        self.post_due();
+        let first = events.len();
+        if self.ready.is_empty() {
+            // Not past the next delayed write.
+            let next = self.pending.iter().map(|p| p.due).min();
+            let timeout = next.map_or(timeout, |due| {
+                timeout.min(due.saturating_duration_since(Instant::now()))
+            });
+            self.inner.wait(events, timeout)?;
+        } else {
+            self.inner.poll(events)?;
+        }
+        Ok(self.translate(events, first))
+    }
+}
+
+/// A TCP relay in front of prefill's control port whose connections can be reset.
+struct Relay {
+    addr: SocketAddr,
+    connections: Arc<Mutex<Vec<TcpStream>>>,
+}
+
+impl Relay {
+    /// Relays connections made to a free port to `upstream`.
+    fn start(upstream: SocketAddr) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let connections: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
+        let kept = Arc::clone(&connections);
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                let Ok(client) = client else { return };
+                let Ok(server) = TcpStream::connect(upstream) else {
+                    continue;
+                };
+                let mut kept = kept.lock().unwrap();
+                for (from, to) in [(&client, &server), (&server, &client)] {
+                    let (mut from, mut to) = (from.try_clone().unwrap(), to.try_clone().unwrap());
+                    std::thread::spawn(move || {
+                        let mut buf = [0u8; 16 * 1024];
+                        while let Ok(n @ 1..) = from.read(&mut buf) {
+                            if to.write_all(&buf[..n]).is_err() {
+                                break;
+                            }
+                        }
+                        let _ = to.shutdown(Shutdown::Both);
+                        let _ = from.shutdown(Shutdown::Both);
+                    });
+                }
+                kept.push(client);
+                kept.push(server);
+            }
+        });
+        Self { addr, connections }
+    }
+
+    /// Resets every connection relayed so far: both ends see it closed.
+    fn reset(&self) {
+        for conn in self.connections.lock().unwrap().drain(..) {
+            let _ = conn.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+fn spec() -> LayoutSpec {
+    LayoutSpec {
+        num_layers: 2,
+        total_kv_heads: 2,
+        head_dim: 8,
+        dtype: Dtype::Bf16,
+        mla: false,
+        block_tokens: 4,
+        num_blocks: 64,
+        tp_size: 1,
+        tp_rank: 0,
+        order: MemoryOrder::Nhd,
+        arrangement: Arrangement::PerLayerSplit,
+    }
+}
+
+/// What the schedule does with one request.
+#[derive(Clone, Copy, Debug)]
+struct Plan {
+    /// When decode registers it (`None`: never).
+    register: Option<Duration>,
+    /// When prefill finishes it (`None`: never).
+    finish: Option<Duration>,
+    /// When decode's engine cancels it (`None`: never).
+    cancel: Option<Duration>,
+}
+
+fn plans(schedule: &mut Schedule) -> Vec<Plan> {
+    (0..REQUESTS)
+        .map(|i| {
+            let at = Duration::from_millis(u64::from(i) * 40) + schedule.millis(0..40);
+            let other = at + schedule.millis(0..150);
+            let (register, finish) = if schedule.below(2) == 0 {
+                (at, other)
+            } else {
+                (other, at)
+            };
+            let (register, finish) = match schedule.below(10) {
+                0 => (None, Some(finish)),
+                1 => (Some(register), None),
+                _ => (Some(register), Some(finish)),
+            };
+            let cancel = (register.is_some() && schedule.below(10) == 0)
+                .then(|| register.unwrap_or_default() + schedule.millis(0..400));
+            Plan {
+                register,
+                finish,
+                cancel,
+            }
+        })
+        .collect()
+}
+
+fn key(i: u32) -> AttemptKey {
+    AttemptKey::new(TransferId(1000 + u128::from(i)), Attempt(0))
+}
+
+/// Request `i`'s blocks, on either side.
+fn blocks(i: u32) -> Vec<BlockId> {
+    vec![BlockId(2 * i), BlockId(2 * i + 1)]
+}
+
+/// One run of the schedule of `seed`.
+fn run(seed: u64) {
+    eprintln!("fault schedule seed {seed} (KVX_FAULT_SEED={seed} replays it)");
+    let mut schedule = Schedule(seed);
+    let plans = plans(&mut schedule);
+    let resets: Vec<Duration> = (0..schedule.below(3))
+        .map(|_| schedule.millis(50..900))
+        .collect();
+    let schedule = Arc::new(Mutex::new(schedule));
+    let faults = Arc::new(AtomicBool::new(true));
+    let in_flight = Arc::new(AtomicUsize::new(0));
+
+    let fabric = LoopbackFabric::new();
+    let (prefill_side, prefill_cache) = Side::new(spec());
+    for i in 0..=REQUESTS {
+        prefill_side.fill(&blocks(i), TOKENS);
+    }
+    let mut p = ConnectorConfig::new(EngineId(1));
+    p.listen = free_ports(1);
+    p.producer_lease = Duration::from_secs(2);
+    p.transfer_timeout = Duration::from_secs(1);
+    p.local_sockets = false;
+    let faulty = Faulty {
+        inner: Box::new(fabric.endpoint()),
+        schedule: Arc::clone(&schedule),
+        faults: Arc::clone(&faults),
+        next_op: 1 << 40,
+        pending: Vec::new(),
+        posted: HashMap::new(),
+        duplicates: HashSet::new(),
+        ready: Vec::new(),
+        descs: HashMap::new(),
+        in_flight: Arc::clone(&in_flight),
+    };
+    let producer = Producer::start(p.clone(), prefill_cache, Box::new(faulty)).unwrap();
+    let relay = Relay::start(p.listen);
+    let (decode_side, decode_cache) = Side::new(spec());
+    let mut d = ConnectorConfig::new(EngineId(2));
+    d.registration_lease = Duration::from_millis(1500);
+    d.heartbeat_interval = Duration::from_millis(100);
+    d.local_sockets = false;
+    let consumer = Consumer::start(d, decode_cache, Box::new(fabric.endpoint())).unwrap();
+
+    let request = |i: u32| PushRequest {
+        key: key(i),
+        request: RequestId(u64::from(i)),
+        prefill: relay.addr,
+        num_tokens: TOKENS,
+        skip_tokens: 0,
+        blocks: blocks(i),
+        capability: None,
+        trace: None,
+    };
+    let started = Instant::now();
+    let mut registered = HashSet::new();
+    let mut finished = HashSet::new();
+    let mut cancelled = HashSet::new();
+    let mut resets_done = 0;
+    // Decode's end of each request, and prefill's.
+    let mut ended: HashMap<u32, RecvEvent> = HashMap::new();
+    let mut given_back: HashSet<u32> = HashSet::new();
+    let deadline = started + Duration::from_secs(30);
+    loop {
+        let now = started.elapsed();
+        for (i, plan) in (0..REQUESTS).zip(&plans) {
+            if plan.register.is_some_and(|at| at <= now) && registered.insert(i) {
+                consumer.request_allocated(request(i)).unwrap();
+            }
+            if plan.finish.is_some_and(|at| at <= now) && finished.insert(i) {
+                producer
+                    .request_finished(key(i), RequestId(u64::from(i)), blocks(i), TOKENS)
+                    .unwrap();
+            }
+            if plan.cancel.is_some_and(|at| at <= now) && cancelled.insert(i) {
+                consumer.cancel(key(i).transfer, None).unwrap();
+            }
+        }
+        if resets.iter().filter(|at| **at <= now).count() > resets_done {
+            resets_done += 1;
+            relay.reset();
+        }
+        for event in consumer.take_events() {
+            let (RecvEvent::Ready { request, .. } | RecvEvent::Failed { request, .. }) = &event;
+            let i = u32::try_from(request.0).unwrap();
+            if let RecvEvent::Ready { .. } = event {
+                assert!(
+                    decode_side.holds(&blocks(i), 0, TOKENS, SEED),
+                    "seed {seed}: request {i} ready but its KV is not all there"
+                );
+            }
+            // The engine reuses the blocks at once.
+            decode_side.overwrite(&blocks(i), TOKENS, REUSED);
+            if let Some(before) = ended.insert(i, event.clone()) {
+                panic!("seed {seed}: request {i} ended twice: {before:?}, then {event:?}");
+            }
+        }
+        for done in producer.take_finished() {
+            let i = u32::try_from(done.request.0).unwrap();
+            assert!(
+                given_back.insert(i),
+                "seed {seed}: prefill got request {i}'s blocks back twice"
+            );
+        }
+        let all_posted = registered.len() + finished.len()
+            == plans
+                .iter()
+                .map(|p| usize::from(p.register.is_some()) + usize::from(p.finish.is_some()))
+                .sum::<usize>();
+        if all_posted && ended.len() == registered.len() && given_back.len() == finished.len() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "seed {seed}: not every request ended: decode ended {:?} of {registered:?}, prefill \
+             gave back {given_back:?} of {finished:?}; plans {plans:?}",
+            ended.keys().collect::<Vec<_>>()
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // Every write ended (a late one would have landed by now), and no block decode's engine
+    // got back was written after it.
+    while in_flight.load(Ordering::SeqCst) > 0 {
+        assert!(Instant::now() < deadline, "seed {seed}: writes never ended");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    for (i, event) in &ended {
+        assert!(
+            decode_side.holds(&blocks(*i), 0, TOKENS, REUSED),
+            "seed {seed}: a write landed in request {i}'s blocks after decode gave them back \
+             ({event:?}); plans {plans:?}, resets at {resets:?}"
+        );
+    }
+    let ready = ended
+        .values()
+        .filter(|e| matches!(e, RecvEvent::Ready { .. }))
+        .count();
+    eprintln!(
+        "seed {seed}: {ready} ready, {} failed, {} given back at prefill, {resets_done} resets, \
+         ended after {:?}",
+        ended.len() - ready,
+        given_back.len(),
+        started.elapsed()
+    );
+    assert_eq!(consumer.stats().held, 0, "seed {seed}: decode holds blocks");
+    assert_eq!(
+        producer.stats().held,
+        0,
+        "seed {seed}: prefill holds blocks"
+    );
+    // The pair still works: a clean request goes through.
+    faults.store(false, Ordering::SeqCst);
+    let last = REQUESTS;
+    consumer.request_allocated(request(last)).unwrap();
+    producer
+        .request_finished(key(last), RequestId(u64::from(last)), blocks(last), TOKENS)
+        .unwrap();
+    let events = consumer.wait_events(Duration::from_secs(10));
+    assert!(
+        matches!(&events[..], [RecvEvent::Ready { request, .. }] if request.0 == u64::from(last)),
+        "seed {seed}: a clean request after the faults: {events:?}"
+    );
+    assert!(decode_side.holds(&blocks(last), 0, TOKENS, SEED));
+}
+
+#[test]
+fn replay_the_seed_named_by_the_environment() {
+    match std::env::var("KVX_FAULT_SEED") {
+        Ok(seed) => run(seed.parse().expect("KVX_FAULT_SEED is a number")),
+        Err(_) => eprintln!("KVX_FAULT_SEED not set: nothing to replay"),
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 6, failure_persistence: None, ..ProptestConfig::default() })]
+
+    #[test]
+    fn whatever_the_transport_and_network_do_requests_end_once_and_no_block_is_written_after_its_release(seed in any::<u64>()) {
+        run(seed);
+    }
+}
