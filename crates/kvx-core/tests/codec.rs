@@ -1,8 +1,8 @@
 //! Round-trip and hostile-input properties of the wire codec.
 
 use kvx_core::wire::{
-    Abort, Capability, Completion, DecodeError, FailureNotice, FailureReason, Finishing,
-    FrameHeader, Heartbeat, Hello, Message, Registration, Role, HEADER_LEN, MAX_PAYLOAD,
+    Abort, Capability, Claim, Completion, DecodeError, FailureNotice, FailureReason, Finishing,
+    FrameHeader, Heartbeat, Held, Hello, Message, Registration, Role, HEADER_LEN, MAX_PAYLOAD,
     MAX_STRING, PROTOCOL_VERSION,
 };
 use kvx_core::{
@@ -224,6 +224,20 @@ fn message() -> impl Strategy<Value = Message> {
             producer_rank: Rank(r),
         })
     });
+    let claim = (any::<u128>(), any::<u32>(), capability()).prop_map(|(t, a, capability)| {
+        Message::Claim(Claim {
+            transfer: TransferId(t),
+            attempt: Attempt(a),
+            capability,
+        })
+    });
+    let held = (any::<u128>(), any::<u32>(), any::<u32>()).prop_map(|(t, a, r)| {
+        Message::Held(Held {
+            transfer: TransferId(t),
+            attempt: Attempt(a),
+            producer_rank: Rank(r),
+        })
+    });
     prop_oneof![
         hello,
         registration,
@@ -231,7 +245,9 @@ fn message() -> impl Strategy<Value = Message> {
         failure,
         abort,
         heartbeat,
-        finishing
+        finishing,
+        claim,
+        held
     ]
 }
 
@@ -280,7 +296,7 @@ proptest! {
     #[test]
     fn arbitrary_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..512)) {
         let _ = Message::decode(&bytes);
-        let mut framed = vec![b'K', b'X', PROTOCOL_VERSION, bytes.first().copied().unwrap_or(2) % 8];
+        let mut framed = vec![b'K', b'X', PROTOCOL_VERSION, bytes.first().copied().unwrap_or(2) % 10];
         framed.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
         framed.extend_from_slice(&bytes);
         if let Ok(decoded) = Message::decode_exact(&framed) {

@@ -1,16 +1,22 @@
-//! The connector over a transport and a network that misbehave as a seeded schedule says:
-//! prefill's writes land late, lose their notice, deliver it twice, or fail after their data
-//! landed; the control connections are reset; decode cancels some requests, prefill never
-//! finishes some and decode never registers others. Whatever happens:
+//! The connector over a transport and a network that misbehave as a seeded schedule says, in
+//! push and pull: prefill's writes and decode's reads land late (posted within the producer's
+//! transfer timeout, and landing even where the caller has forgotten the peer meanwhile), fail
+//! after their data landed, lose their notice or deliver it twice; the control connections are
+//! reset (through a relay in front of prefill's port); decode cancels some requests, prefill
+//! never finishes some and decode never registers others. Whatever happens:
 //!
 //! - every request decode registered ends exactly once (ready, and then byte-exact, or failed),
 //!   and every request prefill finished is given back exactly once;
-//! - no block is handed back to decode's engine while a write can still land in it: the test
-//!   engine overwrites every block it gets back at once (as an engine reusing it would), and
-//!   once every write has ended, each still holds what the engine wrote;
+//! - no block is written after its engine got it back: each test engine overwrites every block
+//!   it gets back at once (as an engine reusing it would), and once every write and read has
+//!   ended, decode's still hold what its engine wrote (a read of prefill's blocks after prefill
+//!   got them back would carry prefill's overwrite into a ready request, which fails the
+//!   byte-exact check);
 //! - nothing stays held on either side at the end, and a clean request then goes through.
 //!
-//! `KVX_FAULT_SEED=N` replays one schedule; otherwise a few seeds from proptest run.
+//! `KVX_FAULT_SEED=N` replays one schedule (`replay_the_seed_named_by_the_environment`);
+//! otherwise six seeds from proptest run. Each run prints its seed and what became of its
+//! requests.
 
 use std::collections::{HashMap, HashSet};
 use std::io::{Read as _, Write as _};
@@ -28,7 +34,7 @@ use kvx_rdma::region::LocalRegion;
 use kvx_rdma::{Capabilities, Event, Notice, OpError, OpId, OpKind, PeerId, Transport};
 use kvx_rendezvous::AttemptKey;
 use kvx_testkit::free_ports;
-use kvx_vllm::{ConnectorConfig, Consumer, Producer, PushRequest, RecvEvent};
+use kvx_vllm::{ConnectorConfig, Consumer, Producer, PullRequest, PushRequest, RecvEvent};
 use proptest::prelude::*;
 
 #[path = "support/side.rs"]
@@ -77,7 +83,7 @@ impl Schedule {
     }
 }
 
-/// What the schedule does to one write.
+/// What the schedule does to one write or read (a read's notice faults are none).
 #[derive(Clone, Copy, Debug)]
 enum Fault {
     None,
@@ -92,38 +98,40 @@ enum Fault {
     FailAfterLanding,
 }
 
-/// A delayed write.
+/// A delayed write (`read`: a delayed read).
 struct Pending {
     due: Instant,
     peer: PeerId,
     ops: Vec<CopyOp>,
     notice: Option<Notice>,
+    read: bool,
     op: OpId,
 }
 
-/// Prefill's endpoint, misbehaving as `schedule` says (faults on while `faults` is set).
+/// An endpoint whose writes (prefill's) and reads (decode's) misbehave as `schedule` says
+/// (faults on while `faults` is set).
 struct Faulty {
     inner: Box<dyn Transport>,
     schedule: Arc<Mutex<Schedule>>,
     faults: Arc<AtomicBool>,
     next_op: u64,
     pending: Vec<Pending>,
-    /// The inner operation of each posted write: this side's id, whether to report it failed
-    /// once it ends, and its peer as the producer knows it.
+    /// The inner operation of each posted write or read: this side's id, whether to report it
+    /// failed once it ends, and its peer as the caller knows it.
     posted: HashMap<OpId, (OpId, bool, PeerId)>,
     /// Inner writes of duplicated notices, whose ends nobody waits for.
     duplicates: HashSet<OpId>,
-    /// Events of delayed writes that could not be posted.
+    /// Events of delayed operations that could not be posted.
     ready: Vec<Event>,
     /// Each peer's description: a write posted to a peer lands even where the producer has
     /// forgotten the peer by the time its data moves.
     descs: HashMap<PeerId, kvx_rdma::EndpointDesc>,
-    /// Writes accepted whose end has not been reported yet.
+    /// Writes and reads accepted whose end has not been reported yet.
     in_flight: Arc<AtomicUsize>,
 }
 
 impl Faulty {
-    /// Posts the delayed writes now due.
+    /// Posts the delayed operations now due.
     fn post_due(&mut self) {
         let now = Instant::now();
         let (due, later): (Vec<Pending>, Vec<Pending>) = std::mem::take(&mut self.pending)
@@ -131,36 +139,46 @@ impl Faulty {
             .partition(|p| p.due <= now);
         self.pending = later;
         for p in due {
-            let mut posted = self.inner.write(p.peer, &p.ops, p.notice);
-            if let (Err(kvx_rdma::WriteError::UnknownPeer(_)), Some(desc)) =
-                (&posted, self.descs.get(&p.peer))
-            {
-                // Forgotten since it was posted: its data still moves.
-                let again = self.inner.connect(desc);
-                posted = again.map_or_else(
-                    |e| {
-                        Err(kvx_rdma::WriteError::UnknownPeer(p.peer)).inspect_err(|_| {
-                            eprintln!("cannot reach a forgotten peer again: {e}");
-                        })
-                    },
-                    |peer| self.inner.write(peer, &p.ops, p.notice),
-                );
+            let post = |inner: &mut Box<dyn Transport>, peer| {
+                if p.read {
+                    inner.read(peer, &p.ops).map_err(|e| e.to_string())
+                } else {
+                    inner
+                        .write(peer, &p.ops, p.notice)
+                        .map_err(|e| e.to_string())
+                }
+            };
+            let mut posted = post(&mut self.inner, p.peer);
+            if posted.is_err() {
+                if let Some(desc) = self.descs.get(&p.peer) {
+                    // Forgotten since it was posted: its data still moves.
+                    posted = match self.inner.connect(desc) {
+                        Ok(peer) => post(&mut self.inner, peer),
+                        Err(e) => Err(e.to_string()),
+                    };
+                }
             }
             match posted {
                 Ok(inner) => {
                     self.posted.insert(inner, (p.op, false, p.peer));
                 }
                 Err(e) => {
-                    eprintln!("a delayed write could not be posted: {e}");
+                    eprintln!("a delayed operation could not be posted: {e}");
                     self.ready.push(Event::Failed {
                         op: p.op,
-                        kind: OpKind::Write,
+                        kind: if p.read { OpKind::Read } else { OpKind::Write },
                         peer: p.peer,
                         error: OpError::TimedOut(Duration::ZERO),
                     });
                 }
             }
         }
+    }
+
+    /// This side's id for a new operation.
+    fn new_op(&mut self) -> OpId {
+        self.next_op += 1;
+        OpId(self.next_op)
     }
 
     /// What the inner transport reported from `first` on, as the producer must see it.
@@ -187,6 +205,20 @@ impl Faulty {
                         None => Event::WriteDone { op, peer, bytes },
                     }
                 }
+                Event::ReadDone { op, peer, bytes } => match self.posted.remove(&op) {
+                    Some((ours, true, peer)) => Event::Failed {
+                        op: ours,
+                        kind: OpKind::Read,
+                        peer,
+                        error: OpError::TimedOut(Duration::ZERO),
+                    },
+                    Some((ours, false, peer)) => Event::ReadDone {
+                        op: ours,
+                        peer,
+                        bytes,
+                    },
+                    None => Event::ReadDone { op, peer, bytes },
+                },
                 Event::Failed {
                     op,
                     kind,
@@ -212,8 +244,9 @@ impl Faulty {
             if matches!(
                 event,
                 Event::WriteDone { .. }
+                    | Event::ReadDone { .. }
                     | Event::Failed {
-                        kind: OpKind::Write,
+                        kind: OpKind::Write | OpKind::Read,
                         ..
                     }
             ) {
@@ -256,14 +289,14 @@ impl Transport for Faulty {
         } else {
             Fault::None
         };
-        let op = OpId(self.next_op);
-        self.next_op += 1;
+        let op = self.new_op();
         match fault {
             Fault::Delay(by) => self.pending.push(Pending {
                 due: Instant::now() + by,
                 peer,
                 ops: ops.to_vec(),
                 notice,
+                read: false,
                 op,
             }),
             Fault::DropNotice => {
@@ -285,6 +318,35 @@ impl Transport for Faulty {
             }
             Fault::None => {
                 let inner = self.inner.write(peer, ops, notice)?;
+                self.posted.insert(inner, (op, false, peer));
+            }
+        }
+        self.in_flight.fetch_add(1, Ordering::SeqCst);
+        Ok(op)
+    }
+
+    fn read(&mut self, peer: PeerId, ops: &[CopyOp]) -> Result<OpId, kvx_rdma::ReadError> {
+        let fault = if self.faults.load(Ordering::SeqCst) {
+            self.schedule.lock().unwrap().fault()
+        } else {
+            Fault::None
+        };
+        let op = self.new_op();
+        match fault {
+            Fault::Delay(by) => self.pending.push(Pending {
+                due: Instant::now() + by,
+                peer,
+                ops: ops.to_vec(),
+                notice: None,
+                read: true,
+                op,
+            }),
+            Fault::FailAfterLanding => {
+                let inner = self.inner.read(peer, ops)?;
+                self.posted.insert(inner, (op, true, peer));
+            }
+            Fault::None | Fault::DropNotice | Fault::DuplicateNotice => {
+                let inner = self.inner.read(peer, ops)?;
                 self.posted.insert(inner, (op, false, peer));
             }
         }
@@ -393,6 +455,9 @@ struct Plan {
     finish: Option<Duration>,
     /// When decode's engine cancels it (`None`: never).
     cancel: Option<Duration>,
+    /// Pull: prefill finishes it for decode to read, and decode reads it at `register` (then
+    /// never before `finish`, whose block ids it needs).
+    pull: bool,
 }
 
 fn plans(schedule: &mut Schedule) -> Vec<Plan> {
@@ -405,9 +470,17 @@ fn plans(schedule: &mut Schedule) -> Vec<Plan> {
             } else {
                 (other, at)
             };
+            let pull = schedule.below(3) == 0;
+            // A pull comes after its finish, now and then close to prefill's lease (2 s), so
+            // that late reads cross it.
+            let register = match (pull, schedule.below(4)) {
+                (true, 0) => finish + schedule.millis(1500..2300),
+                (true, _) => register.max(finish),
+                (false, _) => register,
+            };
             let (register, finish) = match schedule.below(10) {
                 0 => (None, Some(finish)),
-                1 => (Some(register), None),
+                1 if !pull => (Some(register), None),
                 _ => (Some(register), Some(finish)),
             };
             let cancel = (register.is_some() && schedule.below(10) == 0)
@@ -416,6 +489,7 @@ fn plans(schedule: &mut Schedule) -> Vec<Plan> {
                 register,
                 finish,
                 cancel,
+                pull,
             }
         })
         .collect()
@@ -452,7 +526,7 @@ fn run(seed: u64) {
     p.producer_lease = Duration::from_secs(2);
     p.transfer_timeout = Duration::from_secs(1);
     p.local_sockets = false;
-    let faulty = Faulty {
+    let faulty = || Faulty {
         inner: Box::new(fabric.endpoint()),
         schedule: Arc::clone(&schedule),
         faults: Arc::clone(&faults),
@@ -464,14 +538,17 @@ fn run(seed: u64) {
         descs: HashMap::new(),
         in_flight: Arc::clone(&in_flight),
     };
-    let producer = Producer::start(p.clone(), prefill_cache, Box::new(faulty)).unwrap();
+    let producer = Producer::start(p.clone(), prefill_cache, Box::new(faulty())).unwrap();
     let relay = Relay::start(p.listen);
     let (decode_side, decode_cache) = Side::new(spec());
     let mut d = ConnectorConfig::new(EngineId(2));
     d.registration_lease = Duration::from_millis(1500);
+    // Decode's reads run for a second at most: prefill holds a claimed pull that long (and a
+    // margin) without its completion.
+    d.transfer_timeout = Duration::from_secs(1);
     d.heartbeat_interval = Duration::from_millis(100);
     d.local_sockets = false;
-    let consumer = Consumer::start(d, decode_cache, Box::new(fabric.endpoint())).unwrap();
+    let consumer = Consumer::start(d, decode_cache, Box::new(faulty())).unwrap();
 
     let request = |i: u32| PushRequest {
         key: key(i),
@@ -496,12 +573,25 @@ fn run(seed: u64) {
         let now = started.elapsed();
         for (i, plan) in (0..REQUESTS).zip(&plans) {
             if plan.register.is_some_and(|at| at <= now) && registered.insert(i) {
-                consumer.request_allocated(request(i)).unwrap();
+                if plan.pull {
+                    consumer
+                        .pull(PullRequest {
+                            push: request(i),
+                            producer_blocks: blocks(i),
+                        })
+                        .unwrap();
+                } else {
+                    consumer.request_allocated(request(i)).unwrap();
+                }
             }
             if plan.finish.is_some_and(|at| at <= now) && finished.insert(i) {
-                producer
-                    .request_finished(key(i), RequestId(u64::from(i)), blocks(i), TOKENS)
-                    .unwrap();
+                let (key, request) = (key(i), RequestId(u64::from(i)));
+                if plan.pull {
+                    producer.request_finished_pull(key, request, blocks(i), TOKENS)
+                } else {
+                    producer.request_finished(key, request, blocks(i), TOKENS)
+                }
+                .unwrap();
             }
             if plan.cancel.is_some_and(|at| at <= now) && cancelled.insert(i) {
                 consumer.cancel(key(i).transfer, None).unwrap();
@@ -528,6 +618,9 @@ fn run(seed: u64) {
         }
         for done in producer.take_finished() {
             let i = u32::try_from(done.request.0).unwrap();
+            // Prefill's engine reuses the blocks at once: a read of them after this would
+            // carry this into decode.
+            prefill_side.overwrite(&blocks(i), TOKENS, REUSED);
             assert!(
                 given_back.insert(i),
                 "seed {seed}: prefill got request {i}'s blocks back twice"

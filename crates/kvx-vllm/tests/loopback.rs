@@ -1694,6 +1694,7 @@ struct RecordedPeers {
 
 impl Transport for RecordedPeers {
     forward_transport!(base);
+    forward_transport!(reads);
     fn capabilities(&self) -> Capabilities {
         self.inner.capabilities()
     }

@@ -4,8 +4,8 @@
 use thiserror::Error;
 
 use super::messages::{
-    Abort, Capability, Completion, FailureNotice, FailureReason, Finishing, Heartbeat, Hello,
-    Message, MessageKind, Registration, Role,
+    Abort, Capability, Claim, Completion, FailureNotice, FailureReason, Finishing, Heartbeat, Held,
+    Hello, Message, MessageKind, Registration, Role,
 };
 use super::{HEADER_LEN, MAGIC, MAX_PAYLOAD, MAX_STRING, MAX_TRANSPORT_ADDR, PROTOCOL_VERSION};
 use crate::ids::{Attempt, BlockId, EngineId, Incarnation, Rank, RequestId, TransferId};
@@ -156,6 +156,8 @@ impl Message {
             Self::Abort(_) => MessageKind::Abort,
             Self::Heartbeat(_) => MessageKind::Heartbeat,
             Self::Finishing(_) => MessageKind::Finishing,
+            Self::Claim(_) => MessageKind::Claim,
+            Self::Held(_) => MessageKind::Held,
         }
     }
 
@@ -179,6 +181,11 @@ impl Message {
             }
             Self::Finishing(m) => {
                 w.finishing(m);
+                Ok(())
+            }
+            Self::Claim(m) => w.claim(m),
+            Self::Held(m) => {
+                w.held(m);
                 Ok(())
             }
         };
@@ -247,6 +254,8 @@ impl Message {
             MessageKind::Abort => Self::Abort(r.abort()?),
             MessageKind::Heartbeat => Self::Heartbeat(r.heartbeat()?),
             MessageKind::Finishing => Self::Finishing(r.finishing()?),
+            MessageKind::Claim => Self::Claim(r.claim()?),
+            MessageKind::Held => Self::Held(r.held()?),
         };
         let extra = payload.len() - r.pos;
         if extra != 0 {
@@ -418,6 +427,16 @@ impl Writer<'_> {
         self.capability(m.capability.as_ref())
     }
     fn finishing(&mut self, m: &Finishing) {
+        self.u128(m.transfer.0);
+        self.u32(m.attempt.0);
+        self.u32(m.producer_rank.0);
+    }
+    fn claim(&mut self, m: &Claim) -> Result<(), EncodeError> {
+        self.u128(m.transfer.0);
+        self.u32(m.attempt.0);
+        self.capability(m.capability.as_ref())
+    }
+    fn held(&mut self, m: &Held) {
         self.u128(m.transfer.0);
         self.u32(m.attempt.0);
         self.u32(m.producer_rank.0);
@@ -689,6 +708,20 @@ impl<'a> Reader<'a> {
     }
     fn finishing(&mut self) -> Result<Finishing, DecodeError> {
         Ok(Finishing {
+            transfer: TransferId(self.u128()?),
+            attempt: Attempt(self.u32()?),
+            producer_rank: Rank(self.u32()?),
+        })
+    }
+    fn claim(&mut self) -> Result<Claim, DecodeError> {
+        Ok(Claim {
+            transfer: TransferId(self.u128()?),
+            attempt: Attempt(self.u32()?),
+            capability: self.capability()?,
+        })
+    }
+    fn held(&mut self) -> Result<Held, DecodeError> {
+        Ok(Held {
             transfer: TransferId(self.u128()?),
             attempt: Attempt(self.u32()?),
             producer_rank: Rank(self.u32()?),

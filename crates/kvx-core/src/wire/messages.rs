@@ -23,6 +23,10 @@ pub enum MessageKind {
     Heartbeat = 6,
     /// [`Finishing`].
     Finishing = 7,
+    /// [`Claim`].
+    Claim = 8,
+    /// [`Held`].
+    Held = 9,
 }
 
 impl MessageKind {
@@ -35,6 +39,8 @@ impl MessageKind {
             5 => Self::Abort,
             6 => Self::Heartbeat,
             7 => Self::Finishing,
+            8 => Self::Claim,
+            9 => Self::Held,
             _ => return None,
         })
     }
@@ -79,10 +85,12 @@ pub struct Hello {
     /// this rank (its transport has no wait object, so it reads its transport only while a
     /// notice is due). Producers send `false`.
     pub finishing_hints: bool,
-    /// From a producer: the longest its writes for one registration can run, in milliseconds
-    /// (its transfer timeout). A consumer that gives up on a request holds the request's
-    /// blocks until this rank confirms that it writes no more, or for this long (plus a
-    /// margin): a posted write cannot be recalled. Consumers send 0.
+    /// The longest this rank's transfer operations can run, in milliseconds (its transfer
+    /// timeout). From a producer, its writes for one registration: a consumer that gives up on
+    /// a request holds the request's blocks until this rank confirms that it writes no more,
+    /// or for this long (plus a margin), since a posted write cannot be recalled. From a
+    /// consumer, its reads (pull): a producer holds blocks it claimed ([`Claim`]) for this long
+    /// (plus a margin) at most without its completion.
     pub write_timeout_ms: u32,
 }
 
@@ -201,6 +209,34 @@ pub struct Finishing {
     pub producer_rank: Rank,
 }
 
+/// Pull: decode tells a producer rank that it is reading a transfer attempt's blocks (sent as
+/// its reads are posted). The producer rank holds them until this consumer rank's
+/// [`Completion`] (or a bound) and answers [`Held`]; or, holding them no more (its lease ran
+/// out, the request was aborted), answers with a [`FailureNotice`], and decode discards what
+/// it read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Claim {
+    /// The transfer.
+    pub transfer: TransferId,
+    /// The attempt being read.
+    pub attempt: Attempt,
+    /// The router's grant, which a producer with a deployment key requires.
+    pub capability: Option<Capability>,
+}
+
+/// Pull: a producer rank's answer to a [`Claim`]: the blocks were held when it came and stay
+/// held until the claiming rank's [`Completion`] (or a bound), so whatever decode read of them
+/// is the request's KV.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Held {
+    /// The transfer.
+    pub transfer: TransferId,
+    /// The attempt held.
+    pub attempt: Attempt,
+    /// The producer rank that holds it.
+    pub producer_rank: Rank,
+}
+
 /// Why a transfer failed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u16)]
@@ -294,4 +330,8 @@ pub enum Message {
     Heartbeat(Heartbeat),
     /// See [`Finishing`].
     Finishing(Finishing),
+    /// See [`Claim`].
+    Claim(Claim),
+    /// See [`Held`].
+    Held(Held),
 }

@@ -18,12 +18,12 @@ mod messages;
 
 pub use codec::{DecodeError, EncodeError, FrameHeader};
 pub use messages::{
-    Abort, Capability, Completion, FailureNotice, FailureReason, Finishing, Heartbeat, Hello,
-    Message, MessageKind, Registration, Role,
+    Abort, Capability, Claim, Completion, FailureNotice, FailureReason, Finishing, Heartbeat, Held,
+    Hello, Message, MessageKind, Registration, Role,
 };
 
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u8 = 5;
+pub const PROTOCOL_VERSION: u8 = 6;
 /// The frame magic.
 pub const MAGIC: [u8; 2] = *b"KX";
 /// Bytes in a frame header.

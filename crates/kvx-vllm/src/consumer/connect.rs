@@ -356,6 +356,13 @@ impl Driver {
                     .retain(|_, (k, rank)| !(*k == key && *rank == f.rank));
                 self.waiter.failure(now, key, Reason::from_peer(f.reason));
             }
+            Message::Held(h) if h.producer_rank == rank => {
+                let key = AttemptKey::new(h.transfer, h.attempt);
+                // Its read counts from now on; one that ended already counts now.
+                if self.unheld.remove(&(key, rank)) == Some(true) {
+                    self.waiter.completion(self.clock.now(), key, rank);
+                }
+            }
             Message::Hello(_) | Message::Heartbeat(_) => {}
             _ => warn!(%instance, "unexpected message from a producer"),
         }

@@ -214,6 +214,7 @@ impl Driver {
             self.notices.remove(n);
         }
         self.reads.retain(|_, (k, _)| *k != key);
+        self.unheld.retain(|(k, _), _| *k != key);
         let detail = if q.quiet() {
             String::new()
         } else {
@@ -250,6 +251,7 @@ impl Driver {
             slots.give_back(self.clock.now(), &payload.notices, |_| true);
         }
         self.reads.retain(|_, (k, _)| *k != key);
+        self.unheld.retain(|(k, _), _| *k != key);
         if let Some(instance) = self.instances.get_mut(&payload.instance) {
             instance.waiting.remove(&key);
         }

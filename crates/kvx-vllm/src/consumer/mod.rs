@@ -11,7 +11,7 @@ use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant, SystemTime};
 
 use kvx_core::wire::{
-    Abort, Capability, Completion, Heartbeat, Hello, Message, Registration, Role,
+    Abort, Capability, Claim, Completion, Heartbeat, Hello, Message, Registration, Role,
 };
 use kvx_core::{Attempt, BlockId, Rank, RequestId, TransferId};
 use kvx_layout::{permute_for, plan, writers_for, Layout, PermutePlan, PlanError, PlanRequest};
@@ -661,6 +661,11 @@ struct Driver {
     /// Notices due: their producer rank has begun its final writes.
     hinted: HashSet<u64>,
     reads: HashMap<OpId, (AttemptKey, Rank)>,
+    /// Pull: the ranks read from that have not answered their claim with `Held` yet, and
+    /// whether the read from each has ended. A read counts only once both are in: before
+    /// `Held`, the producer may have given the blocks back (its lease ran out), and what was
+    /// read may be another request's.
+    unheld: HashMap<(AttemptKey, Rank), bool>,
     quiescing: HashMap<AttemptKey, Quiescing>,
     /// The ranks of an instance whose connection is being given up on (`Driver::instance_lost`),
     /// while the requests that waited on it fail.
@@ -763,6 +768,7 @@ impl Driver {
             finishing_hints,
             hinted: HashSet::new(),
             reads: HashMap::new(),
+            unheld: HashMap::new(),
             quiescing: HashMap::new(),
             lost_ranks: HashMap::new(),
             next_lost_look: None,

@@ -15,6 +15,7 @@ use kvx_rdma::transport::Notice;
 use super::*;
 use crate::driver::{CommandReceiver, Driven};
 use crate::sim_support::{endpoint, ids, key, spec};
+use kvx_core::wire::Held;
 
 /// Where the (absent) prefill instance is said to listen.
 const INSTANCE: SocketAddr = SocketAddr::new(
@@ -628,4 +629,73 @@ fn a_lost_connection_to_another_host_holds_the_blocks_as_long_as_its_writes_can_
             .load(Ordering::Relaxed),
         1
     );
+}
+
+/// The producer rank sends `message` over the live connection.
+fn from_producer(sim: &mut Sim, message: Message) {
+    let conn = sim.driver.instances[&INSTANCE].ranks[&Rank(0)].id;
+    sim.command(Command::Peer(
+        INSTANCE,
+        Rank(0),
+        conn,
+        message,
+        crate::control::Queued::unbounded(),
+    ));
+}
+
+/// Pull: decode's read ends before prefill says it held the blocks, which it may no longer do
+/// (its lease ran out): the request is ready only once prefill answers its claim with `Held`;
+/// answered with a failure instead, it fails, and what was read is never reported ready.
+#[test]
+fn a_pull_is_ready_only_once_prefill_says_it_held_the_blocks() {
+    for held in [true, false] {
+        let mut sim = Sim::new(Duration::from_secs(60), Duration::from_secs(1));
+        let k = key(40);
+        sim.command(Command::Pull(PullRequest {
+            push: push_request(k, 8, ids(0..2), None),
+            producer_blocks: ids(4..6),
+        }));
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        sim.control = theirs;
+        let hello = sim.producer_hello.clone();
+        sim.command(Command::Handshaken(
+            INSTANCE,
+            Rank(0),
+            Ok((ControlStream::local(ours), hello)),
+        ));
+        match sim.message() {
+            Some(Message::Claim(c)) => assert_eq!((c.transfer, c.attempt), (k.transfer, k.attempt)),
+            other => panic!("expected the read's claim, got {other:?}"),
+        }
+        // The read lands and ends (loopback reads complete at once).
+        sim.transport_events();
+        sim.at(Duration::from_millis(5));
+        assert!(
+            sim.events().is_empty(),
+            "ready before prefill said it held the blocks"
+        );
+        let answer = if held {
+            Message::Held(Held {
+                transfer: k.transfer,
+                attempt: k.attempt,
+                producer_rank: Rank(0),
+            })
+        } else {
+            Message::Failure(kvx_core::wire::FailureNotice {
+                transfer: k.transfer,
+                attempt: k.attempt,
+                rank: Rank(0),
+                reason: kvx_core::wire::FailureReason::LeaseExpired,
+                detail: "its blocks are held no more".into(),
+            })
+        };
+        from_producer(&mut sim, answer);
+        sim.at(Duration::from_millis(6));
+        match (&sim.events()[..], held) {
+            ([RecvEvent::Ready { key: ready, .. }], true) => assert_eq!(*ready, k),
+            ([RecvEvent::Failed { key: failed, .. }], false) => assert_eq!(*failed, k),
+            (other, _) => panic!("held {held}: {other:?}"),
+        }
+        assert!(sim.driver.unheld.is_empty());
+    }
 }

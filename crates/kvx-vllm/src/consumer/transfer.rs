@@ -397,6 +397,18 @@ impl Driver {
                 .read(peer, planned.ops_for(rank))
                 .map_err(|source| TransferError::Read { rank, source })?;
             self.reads.insert(op, (request.key, rank));
+            // The rank holds the blocks for this read, or says that it no longer does.
+            let claim = Message::Claim(Claim {
+                transfer: request.key.transfer,
+                attempt: request.key.attempt,
+                capability: request.capability.clone(),
+            });
+            let conn = &self.instances[&instance].ranks[&rank];
+            if let Ok(queued) = conn.sender.send_or_queue(&claim) {
+                self.backlogged |= queued;
+            }
+            // (A connection that fails is lost, and the request with it.)
+            self.unheld.insert((request.key, rank), false);
             self.stats.ops_posted.fetch_add(1, Ordering::Relaxed);
             self.stats.bytes_written.fetch_add(
                 planned
@@ -478,7 +490,13 @@ impl Driver {
             }
             Event::ReadDone { op, .. } => {
                 if let Some((key, rank)) = self.reads.remove(&op) {
-                    self.waiter.completion(now, key, rank);
+                    match self.unheld.get_mut(&(key, rank)) {
+                        // Counted once the rank says it held the blocks.
+                        Some(read) => *read = true,
+                        None => {
+                            self.waiter.completion(now, key, rank);
+                        }
+                    }
                 }
             }
             Event::Failed { op, error, .. } => {

@@ -551,7 +551,7 @@ pub(crate) fn hello(
         transport_addr: desc.to_bytes(),
         finishing_hints,
         write_timeout_ms: match role {
-            Role::Producer => {
+            Role::Producer | Role::Consumer => {
                 u32::try_from(config.transfer_timeout.as_millis()).unwrap_or(u32::MAX)
             }
             _ => 0,

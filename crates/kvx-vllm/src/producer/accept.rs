@@ -284,6 +284,9 @@ pub(super) fn accept_consumer(
         layout,
         peer,
         finishing_hints: hello.finishing_hints,
+        claim_bound: Duration::from_millis(hello.write_timeout_ms.into())
+            .min(crate::config::MAX_TRANSFER_TIMEOUT)
+            + crate::config::QUIESCE_MARGIN,
     })
 }
 

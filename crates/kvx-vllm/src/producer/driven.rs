@@ -332,8 +332,22 @@ impl Driver {
                 }
                 ExpiryKind::Pull => {
                     if self.pull_held.get(&key).is_some_and(|h| h.deadline == at) {
-                        let hold = self.pull_held.remove(&key).expect("present");
-                        self.give_back(key, hold.held, SendOutcome::NotSent(Reason::LeaseExpired));
+                        // Given back, and remembered as ended: a claim that comes later is
+                        // told that the blocks are no longer held.
+                        self.abort(now, key.transfer, Some(key.attempt), Reason::LeaseExpired);
+                    }
+                }
+                ExpiryKind::EarlyClaim => {
+                    if self.early_claims.get(&key).is_some_and(|(_, d)| *d == at) {
+                        let (conns, _) = self.early_claims.remove(&key).expect("present");
+                        for conn in conns {
+                            self.tell_consumer(
+                                conn,
+                                key,
+                                Reason::LeaseExpired,
+                                "the request never finished here",
+                            );
+                        }
                     }
                 }
             }

@@ -48,6 +48,12 @@ impl Driver {
                 },
             );
             self.expiry.push(Reverse((deadline, key, ExpiryKind::Pull)));
+            // Readers that claimed it before it finished here are answered now.
+            if let Some((conns, _)) = self.early_claims.remove(&key) {
+                for conn in conns {
+                    self.claimed(now, conn, key);
+                }
+            }
         } else if let Some(readers) = self.registered_readers(key) {
             self.fan_out(now, key, held, &readers);
         } else {

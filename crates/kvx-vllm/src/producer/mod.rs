@@ -12,7 +12,7 @@ use std::thread::{self, JoinHandle};
 use std::time::{Duration, SystemTime};
 
 use kvx_core::wire::{
-    Capability, FailureNotice, Finishing, Heartbeat, Hello, Message, Registration, Role,
+    Capability, FailureNotice, Finishing, Heartbeat, Held, Hello, Message, Registration, Role,
 };
 use kvx_core::{Attempt, BlockId, EngineId, Incarnation, Rank, RequestId, TransferId};
 use kvx_layout::{plan_layers, CopyOp, Layout, PlanError, PlanRequest};
@@ -134,6 +134,10 @@ struct ConsumerRank {
     peer: PeerId,
     /// It asked for a `Finishing` message before each transfer's final writes.
     finishing_hints: bool,
+    /// How long a pull's blocks stay held for its claim ([`Claim`](kvx_core::wire::Claim)) at
+    /// most without its completion: its reads' bound (its hello's `write_timeout_ms`, up to
+    /// [`MAX_TRANSFER_TIMEOUT`](crate::config::MAX_TRANSFER_TIMEOUT)) and a margin.
+    claim_bound: Duration,
 }
 
 struct Conn {
@@ -594,6 +598,8 @@ enum ExpiryKind {
     Pull,
     /// An aborted transfer remembered, so that its late prefill is released at once.
     Dead,
+    /// Read claims that came before their request finished here.
+    EarlyClaim,
     /// A request no consumer rank needs from this rank, remembered until it finishes.
     Unneeded,
     /// A request still computing whose progress was reported (push).
@@ -777,6 +783,11 @@ struct Driver {
     /// they do (their blocks then go straight back, delivered) or for [`DEAD_TTL`]. Bounded by
     /// `max_dead`, as `dead` is.
     unneeded: HashMap<AttemptKey, Timestamp>,
+    /// Pull: consumer ranks that claimed a request's blocks for their reads before the engine
+    /// finished it here (the router relays prefill's answer before the engine hands the
+    /// blocks over), each answered once it does, or failed at its claim's bound. Bounded by
+    /// `max_dead`.
+    early_claims: HashMap<AttemptKey, (Vec<ConnId>, Timestamp)>,
     /// Most live registrations one consumer rank's connection may hold here: a share of
     /// `max_entries`, so that one peer cannot take the matcher's whole capacity.
     registration_quota: usize,
@@ -851,6 +862,7 @@ impl Driver {
             peer_rma_unassisted,
             dead: HashMap::new(),
             unneeded: HashMap::new(),
+            early_claims: HashMap::new(),
             max_dead: config.max_entries,
             registration_quota: (config.max_entries / REGISTRATION_QUOTA_SHARE).max(1),
             streams: HashMap::new(),

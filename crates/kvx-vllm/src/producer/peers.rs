@@ -233,6 +233,16 @@ impl Driver {
                     self.abort(now, f.transfer, Some(f.attempt), Reason::PeerFailed);
                 }
             }
+            Message::Claim(claim) => {
+                if self.authorized(
+                    conn,
+                    claim.transfer,
+                    claim.capability.as_ref(),
+                    "read claim",
+                ) {
+                    self.claimed(now, conn, AttemptKey::new(claim.transfer, claim.attempt));
+                }
+            }
             Message::Completion(done) => {
                 // With a key, only the decode the router sent to read the transfer frees it.
                 if self.authorized(
@@ -245,6 +255,59 @@ impl Driver {
                 }
             }
             _ => warn!(conn, "unexpected message from a consumer"),
+        }
+    }
+
+    /// Pull: the consumer rank on `conn` reads `key`'s blocks. Held here, they stay held for
+    /// it until its completion (or its claim's bound), and it is told so ([`Held`]): only then
+    /// is what it read the request's KV. Held no more (aborted, or out of lease), it is told
+    /// that instead, and discards what it read. A claim that comes before the engine finished
+    /// the request here waits for it, up to the claim's bound.
+    pub(super) fn claimed(&mut self, now: Timestamp, conn: ConnId, key: AttemptKey) {
+        let Some(consumer) = self.conns.get(&conn).and_then(|c| c.consumer.as_ref()) else {
+            return;
+        };
+        let until = now + consumer.claim_bound;
+        if let Some(hold) = self.pull_held.get_mut(&key) {
+            let readers =
+                kvx_layout::readers_for(self.rank, self.layout.spec().tp_size, &consumer.layout)
+                    .unwrap_or_else(|_| vec![consumer.layout.rank()]);
+            hold.readers.get_or_insert(readers);
+            if until > hold.deadline {
+                hold.deadline = until;
+                self.expiry.push(Reverse((until, key, ExpiryKind::Pull)));
+            }
+            let held = Message::Held(Held {
+                transfer: key.transfer,
+                attempt: key.attempt,
+                producer_rank: self.rank,
+            });
+            if let Some(c) = self.conns.get(&conn) {
+                if let Err(e) = c.sender.send(&held) {
+                    debug!(%key, error = %e, "cannot answer a read claim");
+                }
+            }
+            return;
+        }
+        let ended = self
+            .dead
+            .get(&key.transfer)
+            .is_some_and(|(attempt, _)| attempt.is_none_or(|a| a == key.attempt));
+        if ended {
+            self.tell_consumer(conn, key, Reason::Aborted, "its blocks are held no more");
+            return;
+        }
+        if !self.early_claims.contains_key(&key) && self.early_claims.len() >= self.max_dead {
+            self.tell_consumer(conn, key, Reason::Capacity, "too many early read claims");
+            return;
+        }
+        let (conns, deadline) = self.early_claims.entry(key).or_insert((Vec::new(), until));
+        if !conns.contains(&conn) {
+            conns.push(conn);
+        }
+        if *deadline == until {
+            self.expiry
+                .push(Reverse((until, key, ExpiryKind::EarlyClaim)));
         }
     }
 

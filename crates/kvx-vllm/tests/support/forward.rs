@@ -56,6 +56,7 @@ macro_rules! forward_transport {
     // `connect` and `disconnect`; the implementation says its own capabilities.
     (connections_only) => {
         forward_transport!(base);
+        forward_transport!(reads);
         fn connect(
             &mut self,
             peer: &kvx_rdma::EndpointDesc,
@@ -66,6 +67,17 @@ macro_rules! forward_transport {
             self.inner.disconnect(peer);
         }
     };
+    // `read` as it is.
+    (reads) => {
+        fn read(
+            &mut self,
+            peer: PeerId,
+            ops: &[kvx_layout::CopyOp],
+        ) -> Result<OpId, kvx_rdma::ReadError> {
+            self.inner.read(peer, ops)
+        }
+    };
+    // What every wrapper forwards: registration, description, sends, the waker.
     (base) => {
         fn backend(&self) -> &'static str {
             self.inner.backend()
@@ -81,13 +93,6 @@ macro_rules! forward_transport {
         }
         fn local_desc(&self) -> kvx_rdma::EndpointDesc {
             self.inner.local_desc()
-        }
-        fn read(
-            &mut self,
-            peer: PeerId,
-            ops: &[kvx_layout::CopyOp],
-        ) -> Result<OpId, kvx_rdma::ReadError> {
-            self.inner.read(peer, ops)
         }
         fn send(&mut self, peer: PeerId, message: &[u8]) -> Result<OpId, kvx_rdma::SendError> {
             self.inner.send(peer, message)
