@@ -705,3 +705,86 @@ fn a_silent_connection_is_closed_at_the_idle_timeout_and_a_heartbeating_one_stay
         0
     );
 }
+
+/// Pull: a claimed hold outlives the producer lease until its reader's completion, or until the
+/// reader's bound (its `transfer_timeout` and the margin); a claim that comes after the lease
+/// gave the blocks back is refused, so that the reader discards what it read; a claim that
+/// comes before the engine finished the request is answered once it does.
+#[test]
+fn a_claimed_pull_is_held_past_its_lease_and_a_late_claim_is_refused() {
+    let lease = Duration::from_secs(2);
+    let mut sim = Sim::new(lease);
+    let claim = |k: AttemptKey| {
+        Command::Peer(
+            1,
+            Message::Claim(kvx_core::wire::Claim {
+                transfer: k.transfer,
+                attempt: k.attempt,
+                capability: None,
+            }),
+            control::Queued::unbounded(),
+        )
+    };
+    let pull = |k: AttemptKey, blocks: Vec<BlockId>| Command::Finished {
+        key: k,
+        held: FinishedBlocks::new(RequestId(1), blocks, 8),
+        pull: true,
+    };
+    let secs = Duration::from_secs;
+    // Claimed within the lease: held past it, until the reader's completion.
+    let read = key(50);
+    sim.command(pull(read, ids(0..2)));
+    sim.at(secs(1));
+    sim.command(claim(read));
+    assert!(matches!(sim.message(), Some(Message::Held(h)) if h.transfer == read.transfer));
+    sim.at(secs(10));
+    assert!(
+        sim.finished().is_empty(),
+        "a claimed pull given back at its lease"
+    );
+    let done = Message::Completion(kvx_core::wire::Completion {
+        transfer: read.transfer,
+        attempt: read.attempt,
+        producer: EngineId(2),
+        producer_rank: Rank(0),
+        bytes: 0,
+        capability: None,
+    });
+    sim.command(Command::Peer(1, done, control::Queued::unbounded()));
+    let freed = sim.finished();
+    assert_eq!(freed.len(), 1, "{freed:?}");
+    assert_eq!((freed[0].key, freed[0].outcome), (read, SendOutcome::Sent));
+    // Never claimed: given back at the lease, and a later claim is refused.
+    let late = key(51);
+    sim.command(pull(late, ids(2..4)));
+    sim.at(secs(10) + lease);
+    let freed = sim.finished();
+    assert_eq!(freed.len(), 1, "{freed:?}");
+    assert_eq!(freed[0].outcome, SendOutcome::NotSent(Reason::LeaseExpired));
+    sim.command(claim(late));
+    assert!(
+        matches!(sim.message(), Some(Message::Failure(f)) if f.transfer == late.transfer),
+        "a claim for blocks given back was not refused"
+    );
+    // Claimed before the engine finished it: answered when it does; never completed, given
+    // back at the reader's bound.
+    let early = key(52);
+    sim.at(secs(20));
+    sim.command(claim(early));
+    assert!(
+        sim.message().is_none(),
+        "answered before the request finished"
+    );
+    sim.command(pull(early, ids(4..6)));
+    assert!(matches!(sim.message(), Some(Message::Held(h)) if h.transfer == early.transfer));
+    let bound = secs(60) + crate::config::QUIESCE_MARGIN;
+    sim.at(secs(20) + bound - Duration::from_millis(1));
+    assert!(
+        sim.finished().is_empty(),
+        "given back before the reader's bound"
+    );
+    sim.at(secs(20) + bound);
+    let freed = sim.finished();
+    assert_eq!(freed.len(), 1, "{freed:?}");
+    assert_eq!(freed[0].key, early);
+}
