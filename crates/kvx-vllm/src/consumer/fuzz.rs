@@ -1,7 +1,7 @@
 //! One consumer rank's state machine under arbitrary input (feature `fuzzing`; half of what the
 //! `connector` fuzz target runs, not an API): the engine pushes and cancels well-formed requests
 //! to one prefill instance whose only rank is hostile: it sends whatever the bytes say (failures,
-//! finishing hints, completions, hellos, heartbeats and aborts for any transfer and rank, on
+//! finishing hints, completions, read-claim answers, hellos, heartbeats and aborts for any transfer and rank, on
 //! its connection or a stale one, and its connection closes), and writes with the notices of
 //! the registrations it received or with notices of its own guessing; the virtual clock moves.
 //! The session then lets every lease run out and checks:
@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvx_core::wire::{Abort, Completion, FailureNotice, Finishing, Heartbeat, Message, Role};
+use kvx_core::wire::{Abort, Completion, FailureNotice, Finishing, Heartbeat, Held, Message, Role};
 use kvx_core::{BlockId, EngineId, Rank, RequestId};
 use kvx_layout::{CopyOp, Layout};
 use kvx_rdma::loopback::LoopbackFabric;
@@ -152,8 +152,14 @@ pub fn session(data: &[u8]) {
             5 => {
                 let key = bytes.key();
                 let rank = Rank(u32::from(bytes.byte() % 2));
-                Some(rogue(match bytes.byte() % 4 {
+                Some(rogue(match bytes.byte() % 5 {
                     0 => Message::Finishing(Finishing {
+                        transfer: key.transfer,
+                        attempt: key.attempt,
+                        producer_rank: rank,
+                    }),
+                    // An answer to a read claim this side never made.
+                    4 => Message::Held(Held {
                         transfer: key.transfer,
                         attempt: key.attempt,
                         producer_rank: rank,

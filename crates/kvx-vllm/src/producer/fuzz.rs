@@ -1,7 +1,7 @@
 //! One producer rank's state machine under arbitrary input (feature `fuzzing`; what the
 //! `connector` fuzz target runs, not an API): two consumer connections send whatever the bytes
 //! say (registrations of any blocks, token counts, leases and notices, for transfers the engine
-//! has or not; aborts, failures, completions, heartbeats, closed connections), the engine
+//! has or not; aborts, failures, completions, read claims, heartbeats, closed connections), the engine
 //! finishes, seals, streams, aborts and preempts requests, and the virtual clock moves. The
 //! session then lets every lease run out and checks what must hold whatever the peers did:
 //!
@@ -17,7 +17,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvx_core::wire::{Abort, Completion, FailureNotice, Heartbeat, Message, Registration, Role};
+use kvx_core::wire::{
+    Abort, Claim, Completion, FailureNotice, Heartbeat, Message, Registration, Role,
+};
 use kvx_core::{BlockId, EngineId, Rank, RequestId, TransferId};
 use kvx_layout::Layout;
 use kvx_rdma::loopback::LoopbackFabric;
@@ -140,14 +142,23 @@ pub fn session(data: &[u8]) {
             }
             3 => {
                 let key = bytes.key();
-                Some(peer_says(Message::Completion(Completion {
-                    transfer: key.transfer,
-                    attempt: key.attempt,
-                    producer: EngineId(u64::from(bytes.byte() % 3)),
-                    producer_rank: Rank(0),
-                    bytes: u64::from(bytes.u16()),
-                    capability: None,
-                })))
+                Some(peer_says(if bytes.byte() & 1 == 0 {
+                    Message::Completion(Completion {
+                        transfer: key.transfer,
+                        attempt: key.attempt,
+                        producer: EngineId(u64::from(bytes.byte() % 3)),
+                        producer_rank: Rank(0),
+                        bytes: u64::from(bytes.u16()),
+                        capability: None,
+                    })
+                } else {
+                    // A read claim, for a pull held here or not, before its finish or after.
+                    Message::Claim(Claim {
+                        transfer: key.transfer,
+                        attempt: key.attempt,
+                        capability: None,
+                    })
+                }))
             }
             4 => {
                 let transfers = (0..bytes.byte() % 4)
