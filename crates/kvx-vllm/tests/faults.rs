@@ -2,8 +2,9 @@
 //! push and pull: prefill's writes and decode's reads land late (posted within the producer's
 //! transfer timeout, and landing even where the caller has forgotten the peer meanwhile), fail
 //! after their data landed, lose their notice or deliver it twice; the control connections are
-//! reset (through a relay in front of prefill's port); decode cancels some requests, prefill
-//! never finishes some and decode never registers others. Whatever happens:
+//! reset (through a relay in front of prefill's ports); a prefill of one or two ranks streams
+//! some requests' first block early, its engine aborts some and never finishes others, decode
+//! cancels some and never registers others. Whatever happens:
 //!
 //! - every request decode registered ends exactly once (ready, and then byte-exact, or failed),
 //!   and every request prefill finished is given back exactly once;
@@ -389,36 +390,18 @@ struct Relay {
 }
 
 impl Relay {
-    /// Relays connections made to a free port to `upstream`.
-    fn start(upstream: SocketAddr) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
+    /// Relays connections made to `ranks` consecutive free ports, the first at `addr`, to the
+    /// same ranks' ports from `upstream` on (rank r listens at port + r).
+    fn start(upstream: SocketAddr, ranks: u16) -> Self {
+        let addr = free_ports(ranks);
         let connections: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
-        let kept = Arc::clone(&connections);
-        std::thread::spawn(move || {
-            for client in listener.incoming() {
-                let Ok(client) = client else { return };
-                let Ok(server) = TcpStream::connect(upstream) else {
-                    continue;
-                };
-                let mut kept = kept.lock().unwrap();
-                for (from, to) in [(&client, &server), (&server, &client)] {
-                    let (mut from, mut to) = (from.try_clone().unwrap(), to.try_clone().unwrap());
-                    std::thread::spawn(move || {
-                        let mut buf = [0u8; 16 * 1024];
-                        while let Ok(n @ 1..) = from.read(&mut buf) {
-                            if to.write_all(&buf[..n]).is_err() {
-                                break;
-                            }
-                        }
-                        let _ = to.shutdown(Shutdown::Both);
-                        let _ = from.shutdown(Shutdown::Both);
-                    });
-                }
-                kept.push(client);
-                kept.push(server);
-            }
-        });
+        for rank in 0..ranks {
+            let listener =
+                TcpListener::bind(SocketAddr::new(addr.ip(), addr.port() + rank)).unwrap();
+            let upstream = SocketAddr::new(upstream.ip(), upstream.port() + rank);
+            let kept = Arc::clone(&connections);
+            std::thread::spawn(move || relay(&listener, upstream, &kept));
+        }
         Self { addr, connections }
     }
 
@@ -430,7 +413,34 @@ impl Relay {
     }
 }
 
-fn spec() -> LayoutSpec {
+/// Relays each connection `listener` takes to `upstream`, keeping both ends in `kept`.
+fn relay(listener: &TcpListener, upstream: SocketAddr, kept: &Mutex<Vec<TcpStream>>) {
+    for client in listener.incoming() {
+        let Ok(client) = client else { return };
+        let Ok(server) = TcpStream::connect(upstream) else {
+            continue;
+        };
+        for (from, to) in [(&client, &server), (&server, &client)] {
+            let (mut from, mut to) = (from.try_clone().unwrap(), to.try_clone().unwrap());
+            std::thread::spawn(move || {
+                let mut buf = [0u8; 16 * 1024];
+                while let Ok(n @ 1..) = from.read(&mut buf) {
+                    if to.write_all(&buf[..n]).is_err() {
+                        break;
+                    }
+                }
+                let _ = to.shutdown(Shutdown::Both);
+                let _ = from.shutdown(Shutdown::Both);
+            });
+        }
+        let mut kept = kept.lock().unwrap();
+        kept.push(client);
+        kept.push(server);
+    }
+}
+
+/// Rank `rank` of `tp`: two layers, two KV heads (one per rank at TP 2), 4-token blocks.
+fn spec(tp: u32, rank: u32) -> LayoutSpec {
     LayoutSpec {
         num_layers: 2,
         total_kv_heads: 2,
@@ -439,8 +449,8 @@ fn spec() -> LayoutSpec {
         mla: false,
         block_tokens: 4,
         num_blocks: 64,
-        tp_size: 1,
-        tp_rank: 0,
+        tp_size: tp,
+        tp_rank: rank,
         order: MemoryOrder::Nhd,
         arrangement: Arrangement::PerLayerSplit,
     }
@@ -453,6 +463,11 @@ struct Plan {
     register: Option<Duration>,
     /// When prefill finishes it (`None`: never).
     finish: Option<Duration>,
+    /// Push: prefill's engine aborts it at `finish` instead of finishing it.
+    aborted: bool,
+    /// Push: prefill reports its first block's tokens final this long before `finish` (they
+    /// are written early, once decode registered).
+    progress: Option<Duration>,
     /// When decode's engine cancels it (`None`: never).
     cancel: Option<Duration>,
     /// Pull: prefill finishes it for decode to read, and decode reads it at `register` (then
@@ -485,9 +500,15 @@ fn plans(schedule: &mut Schedule) -> Vec<Plan> {
             };
             let cancel = (register.is_some() && schedule.below(10) == 0)
                 .then(|| register.unwrap_or_default() + schedule.millis(0..400));
+            let aborted = !pull && finish.is_some() && schedule.below(10) == 0;
+            let progress = (!pull && schedule.below(3) == 0)
+                .then(|| finish.map(|at| at.saturating_sub(schedule.millis(0..150))))
+                .flatten();
             Plan {
                 register,
                 finish,
+                aborted,
+                progress,
                 cancel,
                 pull,
             }
@@ -508,6 +529,7 @@ fn blocks(i: u32) -> Vec<BlockId> {
 fn run(seed: u64) {
     eprintln!("fault schedule seed {seed} (KVX_FAULT_SEED={seed} replays it)");
     let mut schedule = Schedule(seed);
+    let tp = 1 + schedule.below(2) as u32;
     let plans = plans(&mut schedule);
     let resets: Vec<Duration> = (0..schedule.below(3))
         .map(|_| schedule.millis(50..900))
@@ -517,12 +539,8 @@ fn run(seed: u64) {
     let in_flight = Arc::new(AtomicUsize::new(0));
 
     let fabric = LoopbackFabric::new();
-    let (prefill_side, prefill_cache) = Side::new(spec());
-    for i in 0..=REQUESTS {
-        prefill_side.fill(&blocks(i), TOKENS);
-    }
     let mut p = ConnectorConfig::new(EngineId(1));
-    p.listen = free_ports(1);
+    p.listen = free_ports(tp as u16);
     p.producer_lease = Duration::from_secs(2);
     p.transfer_timeout = Duration::from_secs(1);
     p.local_sockets = false;
@@ -538,9 +556,21 @@ fn run(seed: u64) {
         descs: HashMap::new(),
         in_flight: Arc::clone(&in_flight),
     };
-    let producer = Producer::start(p.clone(), prefill_cache, Box::new(faulty())).unwrap();
-    let relay = Relay::start(p.listen);
-    let (decode_side, decode_cache) = Side::new(spec());
+    // Prefill's ranks: each its cache, filled with every request's KV, and its producer.
+    let prefill: Vec<(Side, Producer)> = (0..tp)
+        .map(|rank| {
+            let (side, cache) = Side::new(spec(tp, rank));
+            for i in 0..=REQUESTS {
+                side.fill(&blocks(i), TOKENS);
+            }
+            let mut config = p.clone();
+            config.listen = SocketAddr::new(p.listen.ip(), p.listen.port() + rank as u16);
+            let producer = Producer::start(config, cache, Box::new(faulty())).unwrap();
+            (side, producer)
+        })
+        .collect();
+    let relay = Relay::start(p.listen, tp as u16);
+    let (decode_side, decode_cache) = Side::new(spec(1, 0));
     let mut d = ConnectorConfig::new(EngineId(2));
     d.registration_lease = Duration::from_millis(1500);
     // Decode's reads run for a second at most: prefill holds a claimed pull that long (and a
@@ -567,7 +597,8 @@ fn run(seed: u64) {
     let mut resets_done = 0;
     // Decode's end of each request, and prefill's.
     let mut ended: HashMap<u32, RecvEvent> = HashMap::new();
-    let mut given_back: HashSet<u32> = HashSet::new();
+    let mut given_back: HashSet<(usize, u32)> = HashSet::new();
+    let mut progressed = HashSet::new();
     let deadline = started + Duration::from_secs(30);
     loop {
         let now = started.elapsed();
@@ -584,14 +615,25 @@ fn run(seed: u64) {
                     consumer.request_allocated(request(i)).unwrap();
                 }
             }
+            if plan.progress.is_some_and(|at| at <= now) && progressed.insert(i) {
+                for (_, producer) in &prefill {
+                    producer
+                        .request_progress(key(i), blocks(i)[..1].to_vec(), 4)
+                        .unwrap();
+                }
+            }
             if plan.finish.is_some_and(|at| at <= now) && finished.insert(i) {
                 let (key, request) = (key(i), RequestId(u64::from(i)));
-                if plan.pull {
-                    producer.request_finished_pull(key, request, blocks(i), TOKENS)
-                } else {
-                    producer.request_finished(key, request, blocks(i), TOKENS)
+                for (_, producer) in &prefill {
+                    if plan.aborted {
+                        producer.abort(key.transfer, None)
+                    } else if plan.pull {
+                        producer.request_finished_pull(key, request, blocks(i), TOKENS)
+                    } else {
+                        producer.request_finished(key, request, blocks(i), TOKENS)
+                    }
+                    .unwrap();
                 }
-                .unwrap();
             }
             if plan.cancel.is_some_and(|at| at <= now) && cancelled.insert(i) {
                 consumer.cancel(key(i).transfer, None).unwrap();
@@ -616,22 +658,32 @@ fn run(seed: u64) {
                 panic!("seed {seed}: request {i} ended twice: {before:?}, then {event:?}");
             }
         }
-        for done in producer.take_finished() {
-            let i = u32::try_from(done.request.0).unwrap();
-            // Prefill's engine reuses the blocks at once: a read of them after this would
-            // carry this into decode.
-            prefill_side.overwrite(&blocks(i), TOKENS, REUSED);
-            assert!(
-                given_back.insert(i),
-                "seed {seed}: prefill got request {i}'s blocks back twice"
-            );
+        for (rank, (side, producer)) in prefill.iter().enumerate() {
+            for done in producer.take_finished() {
+                let i = u32::try_from(done.request.0).unwrap();
+                // Prefill's engine reuses the blocks at once: a read of them after this would
+                // carry this into decode.
+                side.overwrite(&blocks(i), TOKENS, REUSED);
+                assert!(
+                    given_back.insert((rank, i)),
+                    "seed {seed}: prefill rank {rank} got request {i}'s blocks back twice"
+                );
+            }
         }
         let all_posted = registered.len() + finished.len()
             == plans
                 .iter()
                 .map(|p| usize::from(p.register.is_some()) + usize::from(p.finish.is_some()))
                 .sum::<usize>();
-        if all_posted && ended.len() == registered.len() && given_back.len() == finished.len() {
+        // Every rank gives back each request its engine finished (not one it aborted).
+        let handed = plans
+            .iter()
+            .filter(|p| p.finish.is_some() && !p.aborted)
+            .count();
+        if all_posted
+            && ended.len() == registered.len()
+            && given_back.len() == handed * prefill.len()
+        {
             break;
         }
         assert!(
@@ -660,25 +712,29 @@ fn run(seed: u64) {
         .filter(|e| matches!(e, RecvEvent::Ready { .. }))
         .count();
     eprintln!(
-        "seed {seed}: {ready} ready, {} failed, {} given back at prefill, {resets_done} resets, \
-         ended after {:?}",
+        "seed {seed}: prefill TP {tp}, {ready} ready, {} failed, {} given back by prefill ranks, \
+         {resets_done} resets, ended after {:?}",
         ended.len() - ready,
         given_back.len(),
         started.elapsed()
     );
     assert_eq!(consumer.stats().held, 0, "seed {seed}: decode holds blocks");
-    assert_eq!(
-        producer.stats().held,
-        0,
-        "seed {seed}: prefill holds blocks"
-    );
+    for (_, producer) in &prefill {
+        assert_eq!(
+            producer.stats().held,
+            0,
+            "seed {seed}: prefill holds blocks"
+        );
+    }
     // The pair still works: a clean request goes through.
     faults.store(false, Ordering::SeqCst);
     let last = REQUESTS;
     consumer.request_allocated(request(last)).unwrap();
-    producer
-        .request_finished(key(last), RequestId(u64::from(last)), blocks(last), TOKENS)
-        .unwrap();
+    for (_, producer) in &prefill {
+        producer
+            .request_finished(key(last), RequestId(u64::from(last)), blocks(last), TOKENS)
+            .unwrap();
+    }
     let events = consumer.wait_events(Duration::from_secs(10));
     assert!(
         matches!(&events[..], [RecvEvent::Ready { request, .. }] if request.0 == u64::from(last)),

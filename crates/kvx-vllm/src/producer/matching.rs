@@ -152,6 +152,20 @@ impl Driver {
             }
         }
         self.streams.retain(|k, _| !matches(k));
+        // Readers that claimed it before it finished hear that it never will be held.
+        let claimed: Vec<AttemptKey> = self
+            .early_claims
+            .keys()
+            .filter(|k| matches(k))
+            .copied()
+            .collect();
+        for key in claimed {
+            if let Some((conns, _)) = self.early_claims.remove(&key) {
+                for conn in conns {
+                    self.tell_consumer(conn, key, reason, "aborted before it finished here");
+                }
+            }
+        }
         if let Some((remembered, _)) = self.dead.get_mut(&transfer) {
             // Already remembered (its expiry is queued): another attempt widens it to all.
             if *remembered != attempt {

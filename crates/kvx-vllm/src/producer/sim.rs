@@ -777,6 +777,18 @@ fn a_claimed_pull_is_held_past_its_lease_and_a_late_claim_is_refused() {
     );
     sim.command(pull(early, ids(4..6)));
     assert!(matches!(sim.message(), Some(Message::Held(h)) if h.transfer == early.transfer));
+    // Claimed, then aborted by the engine before it finished: the reader hears so at once.
+    let dropped = key(53);
+    sim.command(claim(dropped));
+    assert!(sim.message().is_none());
+    sim.command(Command::Abort {
+        transfer: dropped.transfer,
+        attempt: None,
+    });
+    assert!(
+        matches!(sim.message(), Some(Message::Failure(f)) if f.transfer == dropped.transfer),
+        "an early claim of an aborted request was not answered"
+    );
     let bound = secs(60) + crate::config::QUIESCE_MARGIN;
     sim.at(secs(20) + bound - Duration::from_millis(1));
     assert!(
