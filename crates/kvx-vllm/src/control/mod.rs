@@ -316,6 +316,11 @@ impl ControlSender {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
+    /// The process at the other end, where this host's kernel says (a Unix socket).
+    pub(crate) fn process(&self) -> Option<Process> {
+        self.lock().stream.process()
+    }
+
     /// Sends one message (after any queued before it), blocking until the kernel took it.
     pub(crate) fn send(&self, message: &Message) -> Result<(), ControlError> {
         let bytes = message.to_bytes()?;

@@ -89,6 +89,7 @@ impl Driver {
             return;
         };
         debug!(conn, why, "control connection closed");
+        self.claimant_lost(now, conn, c.process);
         if let Some(gone) = &c.consumer {
             let shared = self
                 .conns
@@ -335,6 +336,11 @@ impl Driver {
                         // Given back, and remembered as ended: a claim that comes later is
                         // told that the blocks are no longer held.
                         self.abort(now, key.transfer, Some(key.attempt), Reason::LeaseExpired);
+                    }
+                }
+                ExpiryKind::ClaimantLook => {
+                    if self.next_claimant_look == Some(at) {
+                        self.look_at_lost_claimants(now);
                     }
                 }
                 ExpiryKind::EarlyClaim => {

@@ -43,8 +43,10 @@ impl Driver {
                 AwaitingRead {
                     held,
                     deadline,
+                    leased_until: deadline,
                     readers: None,
                     done: Vec::new(),
+                    claimants: HashSet::new(),
                 },
             );
             self.expiry.push(Reverse((deadline, key, ExpiryKind::Pull)));

@@ -16,6 +16,7 @@ use kvx_core::wire::{
 };
 use kvx_core::{Attempt, BlockId, EngineId, Incarnation, Rank, RequestId, TransferId};
 use kvx_layout::{plan_layers, CopyOp, Layout, PlanError, PlanRequest};
+use kvx_rdma::local_peer::Process;
 use kvx_rdma::transport::{Event, Notice, OpId, PeerId, Transport};
 use kvx_rendezvous::{
     Action, AttemptKey, Config, ConsumerId, Matcher, Reason, Timestamp, TransferOutcome,
@@ -142,6 +143,8 @@ struct ConsumerRank {
 
 struct Conn {
     sender: ControlSender,
+    /// Its peer's process, where it runs on this host.
+    process: Option<Process>,
     consumer: Option<ConsumerRank>,
     /// A router (`kvx proxy`): it may only abort transfers no consumer registered.
     router: bool,
@@ -164,6 +167,7 @@ const FORGET_AT_LEAST: usize = 64;
 impl Conn {
     fn new(sender: ControlSender, consumer: Option<ConsumerRank>, now: Timestamp) -> Self {
         Self {
+            process: sender.process(),
             sender,
             consumer,
             router: false,
@@ -600,6 +604,8 @@ enum ExpiryKind {
     Dead,
     /// Read claims that came before their request finished here.
     EarlyClaim,
+    /// A look at the processes of claimants whose connection closed (`Driver::lost_claimants`).
+    ClaimantLook,
     /// A request no consumer rank needs from this rank, remembered until it finishes.
     Unneeded,
     /// A request still computing whose progress was reported (push).
@@ -620,6 +626,9 @@ enum Sealed {
 
 /// How long an aborted transfer is remembered.
 const DEAD_TTL: Duration = Duration::from_secs(300);
+
+/// How often the processes of claimants whose connection closed are looked at.
+const LOST_CLAIMANT_LOOK: Duration = Duration::from_millis(100);
 
 /// A request still computing (push): the blocks and tokens of its KV that are final.
 struct Streaming {
@@ -723,8 +732,12 @@ enum Deferred {
 struct AwaitingRead {
     held: FinishedBlocks,
     deadline: Timestamp,
+    /// The producer lease's end: `deadline` until a reader claims the blocks.
+    leased_until: Timestamp,
     readers: Option<Vec<Rank>>,
     done: Vec<Rank>,
+    /// Connections of the consumer ranks that claimed the blocks and have not completed.
+    claimants: HashSet<ConnId>,
 }
 
 /// The matcher key of `key` for consumer rank `rank`: each consumer rank this producer rank
@@ -788,6 +801,12 @@ struct Driver {
     /// blocks over), each answered once it does, or failed at its claim's bound. Bounded by
     /// `max_dead`.
     early_claims: HashMap<AttemptKey, (Vec<ConnId>, Timestamp)>,
+    /// Claimants of held pulls whose connection closed while their process (on this host)
+    /// still ran: looked at every [`LOST_CLAIMANT_LOOK`] until it exits (their claims then end)
+    /// or no hold names them any more.
+    lost_claimants: HashMap<ConnId, Process>,
+    /// When `lost_claimants` is looked at next.
+    next_claimant_look: Option<Timestamp>,
     /// Most live registrations one consumer rank's connection may hold here: a share of
     /// `max_entries`, so that one peer cannot take the matcher's whole capacity.
     registration_quota: usize,
@@ -863,6 +882,8 @@ impl Driver {
             dead: HashMap::new(),
             unneeded: HashMap::new(),
             early_claims: HashMap::new(),
+            lost_claimants: HashMap::new(),
+            next_claimant_look: None,
             max_dead: config.max_entries,
             registration_quota: (config.max_entries / REGISTRATION_QUOTA_SHARE).max(1),
             streams: HashMap::new(),

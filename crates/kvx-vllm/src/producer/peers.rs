@@ -273,6 +273,7 @@ impl Driver {
                 kvx_layout::readers_for(self.rank, self.layout.spec().tp_size, &consumer.layout)
                     .unwrap_or_else(|_| vec![consumer.layout.rank()]);
             hold.readers.get_or_insert(readers);
+            hold.claimants.insert(conn);
             if until > hold.deadline {
                 hold.deadline = until;
                 self.expiry.push(Reverse((until, key, ExpiryKind::Pull)));
@@ -311,6 +312,70 @@ impl Driver {
         }
     }
 
+    /// The claims of the consumer rank on `conn`, whose connection closed and whose process has
+    /// exited, end: it reads no more. A held pull that no live claimant reads any more keeps
+    /// only its lease, and goes back now if that has run out.
+    pub(super) fn claims_end(&mut self, now: Timestamp, conn: ConnId) {
+        let mut expired = Vec::new();
+        for (key, hold) in &mut self.pull_held {
+            if !hold.claimants.remove(&conn) || !hold.claimants.is_empty() {
+                continue;
+            }
+            hold.deadline = hold.leased_until;
+            if hold.deadline <= now {
+                expired.push(*key);
+            } else {
+                self.expiry
+                    .push(Reverse((hold.deadline, *key, ExpiryKind::Pull)));
+            }
+        }
+        for key in expired {
+            debug!(%key, "every reader of a held pull is gone, and its lease has run out");
+            self.abort(now, key.transfer, Some(key.attempt), Reason::LeaseExpired);
+        }
+    }
+
+    /// A claimant's connection closed: its claims end now where its process is known to have
+    /// exited, or once it is seen to (looked at until then); where it cannot be seen (another
+    /// host, TCP), at their bound.
+    pub(super) fn claimant_lost(&mut self, now: Timestamp, conn: ConnId, process: Option<Process>) {
+        if !self.pull_held.values().any(|h| h.claimants.contains(&conn)) {
+            return;
+        }
+        match process {
+            Some(p) if p.exited() => self.claims_end(now, conn),
+            Some(p) => {
+                self.lost_claimants.insert(conn, p);
+                if self.next_claimant_look.is_none() {
+                    let at = now + LOST_CLAIMANT_LOOK;
+                    self.next_claimant_look = Some(at);
+                    self.expiry.push(Reverse((
+                        at,
+                        AttemptKey::new(TransferId(0), Attempt(0)),
+                        ExpiryKind::ClaimantLook,
+                    )));
+                }
+            }
+            None => {}
+        }
+    }
+
+    /// Looks at the processes of lost claimants (see [`Driver::claimant_lost`]).
+    pub(super) fn look_at_lost_claimants(&mut self, now: Timestamp) {
+        self.next_claimant_look = None;
+        let lost: Vec<(ConnId, Process)> = self.lost_claimants.drain().collect();
+        for (conn, process) in lost {
+            if !self.pull_held.values().any(|h| h.claimants.contains(&conn)) {
+                continue;
+            }
+            if process.exited() {
+                self.claims_end(now, conn);
+            } else {
+                self.claimant_lost(now, conn, Some(process));
+            }
+        }
+    }
+
     /// A consumer rank is done with `key` here. Pull mode: it has read the blocks; they go back
     /// once every reader has. Either mode, from a consumer engine that reads nothing from this
     /// rank (it takes a replica another rank serves, [`kvx_layout::idle_producers`]): the
@@ -330,6 +395,7 @@ impl Driver {
         let Some(hold) = self.pull_held.get_mut(&key) else {
             return;
         };
+        hold.claimants.remove(&conn);
         let expected = hold.readers.get_or_insert(readers).clone();
         if !hold.done.contains(&reader) {
             hold.done.push(reader);

@@ -800,3 +800,52 @@ fn a_claimed_pull_is_held_past_its_lease_and_a_late_claim_is_refused() {
     assert_eq!(freed.len(), 1, "{freed:?}");
     assert_eq!(freed[0].key, early);
 }
+
+/// Pull: a reader whose connection closes holds its claimed blocks while its process runs (its
+/// reads may still be in flight), and gives them back as soon as its process is seen to exit,
+/// once the lease has run out; a claim from a process of another host would wait for its bound.
+#[test]
+fn a_claim_ends_when_its_readers_process_exits() {
+    let lease = Duration::from_secs(2);
+    let mut sim = Sim::new(lease);
+    let mut reader = std::process::Command::new("sleep")
+        .arg("120")
+        .spawn()
+        .unwrap();
+    let process = kvx_rdma::local_peer::Process::of(i32::try_from(reader.id()).unwrap());
+    let (ours, _theirs) = UnixStream::pair().unwrap();
+    let sender = control::sender(&ControlStream::local_to(ours, Some(process))).unwrap();
+    let hello = control::hello(
+        &ConnectorConfig::new(EngineId(3)),
+        Role::Consumer,
+        &Layout::new(spec()).unwrap(),
+        &sim.consumer.local_desc(),
+        false,
+    );
+    sim.command(Command::Accepted(2, sender, Box::new(hello)));
+    let k = key(60);
+    sim.command(Command::Finished {
+        key: k,
+        held: FinishedBlocks::new(RequestId(1), ids(0..2), 8),
+        pull: true,
+    });
+    let claim = Message::Claim(kvx_core::wire::Claim {
+        transfer: k.transfer,
+        attempt: k.attempt,
+        capability: None,
+    });
+    sim.command(Command::Peer(2, claim, control::Queued::unbounded()));
+    sim.command(Command::PeerClosed(2, "connection reset".into()));
+    sim.at(Duration::from_secs(5));
+    assert!(
+        sim.finished().is_empty(),
+        "given back while the reader's process runs"
+    );
+    reader.kill().unwrap();
+    reader.wait().unwrap();
+    sim.at(Duration::from_secs(5) + super::LOST_CLAIMANT_LOOK);
+    let freed = sim.finished();
+    assert_eq!(freed.len(), 1, "{freed:?}");
+    assert_eq!(freed[0].key, k);
+    assert!(sim.driver.lost_claimants.is_empty());
+}
