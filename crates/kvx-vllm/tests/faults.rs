@@ -530,6 +530,7 @@ fn run(seed: u64) {
     eprintln!("fault schedule seed {seed} (KVX_FAULT_SEED={seed} replays it)");
     let mut schedule = Schedule(seed);
     let tp = 1 + schedule.below(2) as u32;
+    let dtp = 1 + schedule.below(2) as u32;
     let plans = plans(&mut schedule);
     let resets: Vec<Duration> = (0..schedule.below(3))
         .map(|_| schedule.millis(50..900))
@@ -570,7 +571,6 @@ fn run(seed: u64) {
         })
         .collect();
     let relay = Relay::start(p.listen, tp as u16);
-    let (decode_side, decode_cache) = Side::new(spec(1, 0));
     let mut d = ConnectorConfig::new(EngineId(2));
     d.registration_lease = Duration::from_millis(1500);
     // Decode's reads run for a second at most: prefill holds a claimed pull that long (and a
@@ -578,7 +578,14 @@ fn run(seed: u64) {
     d.transfer_timeout = Duration::from_secs(1);
     d.heartbeat_interval = Duration::from_millis(100);
     d.local_sockets = false;
-    let consumer = Consumer::start(d, decode_cache, Box::new(faulty())).unwrap();
+    // Decode's ranks: each its cache and its consumer.
+    let decode: Vec<(Side, Consumer)> = (0..dtp)
+        .map(|rank| {
+            let (side, cache) = Side::new(spec(dtp, rank));
+            let consumer = Consumer::start(d.clone(), cache, Box::new(faulty())).unwrap();
+            (side, consumer)
+        })
+        .collect();
 
     let request = |i: u32| PushRequest {
         key: key(i),
@@ -596,7 +603,7 @@ fn run(seed: u64) {
     let mut cancelled = HashSet::new();
     let mut resets_done = 0;
     // Decode's end of each request, and prefill's.
-    let mut ended: HashMap<u32, RecvEvent> = HashMap::new();
+    let mut ended: HashMap<(usize, u32), RecvEvent> = HashMap::new();
     let mut given_back: HashSet<(usize, u32)> = HashSet::new();
     let mut progressed = HashSet::new();
     let deadline = started + Duration::from_secs(30);
@@ -604,15 +611,16 @@ fn run(seed: u64) {
         let now = started.elapsed();
         for (i, plan) in (0..REQUESTS).zip(&plans) {
             if plan.register.is_some_and(|at| at <= now) && registered.insert(i) {
-                if plan.pull {
-                    consumer
-                        .pull(PullRequest {
+                for (_, consumer) in &decode {
+                    if plan.pull {
+                        consumer.pull(PullRequest {
                             push: request(i),
                             producer_blocks: blocks(i),
                         })
-                        .unwrap();
-                } else {
-                    consumer.request_allocated(request(i)).unwrap();
+                    } else {
+                        consumer.request_allocated(request(i))
+                    }
+                    .unwrap();
                 }
             }
             if plan.progress.is_some_and(|at| at <= now) && progressed.insert(i) {
@@ -636,26 +644,36 @@ fn run(seed: u64) {
                 }
             }
             if plan.cancel.is_some_and(|at| at <= now) && cancelled.insert(i) {
-                consumer.cancel(key(i).transfer, None).unwrap();
+                for (_, consumer) in &decode {
+                    consumer.cancel(key(i).transfer, None).unwrap();
+                }
             }
         }
         if resets.iter().filter(|at| **at <= now).count() > resets_done {
             resets_done += 1;
             relay.reset();
         }
-        for event in consumer.take_events() {
-            let (RecvEvent::Ready { request, .. } | RecvEvent::Failed { request, .. }) = &event;
-            let i = u32::try_from(request.0).unwrap();
-            if let RecvEvent::Ready { .. } = event {
-                assert!(
-                    decode_side.holds(&blocks(i), 0, TOKENS, SEED),
-                    "seed {seed}: request {i} ready but its KV is not all there"
-                );
-            }
-            // The engine reuses the blocks at once.
-            decode_side.overwrite(&blocks(i), TOKENS, REUSED);
-            if let Some(before) = ended.insert(i, event.clone()) {
-                panic!("seed {seed}: request {i} ended twice: {before:?}, then {event:?}");
+        for (rank, (side, consumer)) in decode.iter().enumerate() {
+            for event in consumer.take_events() {
+                let (RecvEvent::Ready { request, .. } | RecvEvent::Failed { request, .. }) = &event;
+                let i = u32::try_from(request.0).unwrap();
+                if let RecvEvent::Ready { .. } = event {
+                    assert!(
+                        side.holds(&blocks(i), 0, TOKENS, SEED),
+                        "seed {seed}: request {i} ready at decode rank {rank} but its KV is not \
+                         all there; its plan {:?}, after {:?}",
+                        plans[i as usize],
+                        started.elapsed()
+                    );
+                }
+                // The engine reuses the blocks at once.
+                side.overwrite(&blocks(i), TOKENS, REUSED);
+                if let Some(before) = ended.insert((rank, i), event.clone()) {
+                    panic!(
+                        "seed {seed}: request {i} ended twice at decode rank {rank}: {before:?}, \
+                         then {event:?}"
+                    );
+                }
             }
         }
         for (rank, (side, producer)) in prefill.iter().enumerate() {
@@ -681,7 +699,7 @@ fn run(seed: u64) {
             .filter(|p| p.finish.is_some() && !p.aborted)
             .count();
         if all_posted
-            && ended.len() == registered.len()
+            && ended.len() == registered.len() * decode.len()
             && given_back.len() == handed * prefill.len()
         {
             break;
@@ -700,11 +718,11 @@ fn run(seed: u64) {
         assert!(Instant::now() < deadline, "seed {seed}: writes never ended");
         std::thread::sleep(Duration::from_millis(5));
     }
-    for (i, event) in &ended {
+    for ((rank, i), event) in &ended {
         assert!(
-            decode_side.holds(&blocks(*i), 0, TOKENS, REUSED),
-            "seed {seed}: a write landed in request {i}'s blocks after decode gave them back \
-             ({event:?}); plans {plans:?}, resets at {resets:?}"
+            decode[*rank].0.holds(&blocks(*i), 0, TOKENS, REUSED),
+            "seed {seed}: a write landed in request {i}'s blocks at decode rank {rank} after it \
+             gave them back ({event:?}); plans {plans:?}, resets at {resets:?}"
         );
     }
     let ready = ended
@@ -712,13 +730,15 @@ fn run(seed: u64) {
         .filter(|e| matches!(e, RecvEvent::Ready { .. }))
         .count();
     eprintln!(
-        "seed {seed}: prefill TP {tp}, {ready} ready, {} failed, {} given back by prefill ranks, \
-         {resets_done} resets, ended after {:?}",
+        "seed {seed}: prefill TP {tp} into decode TP {dtp}, {ready} ready and {} failed at decode \
+         ranks, {} given back by prefill ranks, {resets_done} resets, ended after {:?}",
         ended.len() - ready,
         given_back.len(),
         started.elapsed()
     );
-    assert_eq!(consumer.stats().held, 0, "seed {seed}: decode holds blocks");
+    for (_, consumer) in &decode {
+        assert_eq!(consumer.stats().held, 0, "seed {seed}: decode holds blocks");
+    }
     for (_, producer) in &prefill {
         assert_eq!(
             producer.stats().held,
@@ -729,18 +749,22 @@ fn run(seed: u64) {
     // The pair still works: a clean request goes through.
     faults.store(false, Ordering::SeqCst);
     let last = REQUESTS;
-    consumer.request_allocated(request(last)).unwrap();
+    for (_, consumer) in &decode {
+        consumer.request_allocated(request(last)).unwrap();
+    }
     for (_, producer) in &prefill {
         producer
             .request_finished(key(last), RequestId(u64::from(last)), blocks(last), TOKENS)
             .unwrap();
     }
-    let events = consumer.wait_events(Duration::from_secs(10));
-    assert!(
-        matches!(&events[..], [RecvEvent::Ready { request, .. }] if request.0 == u64::from(last)),
-        "seed {seed}: a clean request after the faults: {events:?}"
-    );
-    assert!(decode_side.holds(&blocks(last), 0, TOKENS, SEED));
+    for (side, consumer) in &decode {
+        let events = consumer.wait_events(Duration::from_secs(10));
+        assert!(
+            matches!(&events[..], [RecvEvent::Ready { request, .. }] if request.0 == u64::from(last)),
+            "seed {seed}: a clean request after the faults: {events:?}"
+        );
+        assert!(side.holds(&blocks(last), 0, TOKENS, SEED));
+    }
 }
 
 #[test]

@@ -332,7 +332,9 @@ impl Driver {
                     }
                 }
                 ExpiryKind::Pull => {
-                    if self.pull_held.get(&key).is_some_and(|h| h.deadline == at) {
+                    if let Some(hold) = self.pull_held.get_mut(&key).filter(|h| h.deadline == at) {
+                        // The claims' bound: whoever still reads, the blocks go back.
+                        hold.claimants.clear();
                         // Given back, and remembered as ended: a claim that comes later is
                         // told that the blocks are no longer held.
                         self.abort(now, key.transfer, Some(key.attempt), Reason::LeaseExpired);

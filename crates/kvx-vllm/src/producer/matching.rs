@@ -47,6 +47,7 @@ impl Driver {
                     readers: None,
                     done: Vec::new(),
                     claimants: HashSet::new(),
+                    aborted: None,
                 },
             );
             self.expiry.push(Reverse((deadline, key, ExpiryKind::Pull)));
@@ -149,6 +150,17 @@ impl Driver {
             .copied()
             .collect();
         for key in pulled {
+            // Readers that claimed it still read it: it goes back once they are done (their
+            // completion or failure, their process gone, or their bound).
+            if let Some(hold) = self
+                .pull_held
+                .get_mut(&key)
+                .filter(|h| !h.claimants.is_empty())
+            {
+                debug!(%key, readers = hold.claimants.len(), "aborted while read: held until the reads end");
+                hold.aborted.get_or_insert(reason);
+                continue;
+            }
             if let Some(hold) = self.pull_held.remove(&key) {
                 self.give_back(key, hold.held, SendOutcome::NotSent(reason));
             }

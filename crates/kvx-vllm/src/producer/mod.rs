@@ -738,6 +738,8 @@ struct AwaitingRead {
     done: Vec<Rank>,
     /// Connections of the consumer ranks that claimed the blocks and have not completed.
     claimants: HashSet<ConnId>,
+    /// Aborted while claimants read it (why): it goes back once they are done.
+    aborted: Option<Reason>,
 }
 
 /// The matcher key of `key` for consumer rank `rank`: each consumer rank this producer rank

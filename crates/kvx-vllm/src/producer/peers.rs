@@ -217,6 +217,7 @@ impl Driver {
                     let quiet = abort
                         .attempt
                         .filter(|&attempt| self.writes_nothing_for(conn, abort.transfer, attempt));
+                    self.unclaim(conn, abort.transfer, abort.attempt);
                     self.abort(now, abort.transfer, abort.attempt, Reason::Aborted);
                     if let Some(attempt) = quiet {
                         self.tell_consumer(
@@ -230,6 +231,7 @@ impl Driver {
             }
             Message::Failure(f) => {
                 if self.may_abort(conn, f.transfer) {
+                    self.unclaim(conn, f.transfer, Some(f.attempt));
                     self.abort(now, f.transfer, Some(f.attempt), Reason::PeerFailed);
                 }
             }
@@ -268,7 +270,7 @@ impl Driver {
             return;
         };
         let until = now + consumer.claim_bound;
-        if let Some(hold) = self.pull_held.get_mut(&key) {
+        if let Some(hold) = self.pull_held.get_mut(&key).filter(|h| h.aborted.is_none()) {
             let readers =
                 kvx_layout::readers_for(self.rank, self.layout.spec().tp_size, &consumer.layout)
                     .unwrap_or_else(|_| vec![consumer.layout.rank()]);
@@ -294,7 +296,7 @@ impl Driver {
             .dead
             .get(&key.transfer)
             .is_some_and(|(attempt, _)| attempt.is_none_or(|a| a == key.attempt));
-        if ended {
+        if ended || self.pull_held.contains_key(&key) {
             self.tell_consumer(conn, key, Reason::Aborted, "its blocks are held no more");
             return;
         }
@@ -312,6 +314,16 @@ impl Driver {
         }
     }
 
+    /// The consumer rank on `conn` gives up on `transfer` (at `attempt`, or every attempt): it
+    /// reads what it claimed no more (what it still reads lands in blocks it fails anyway).
+    fn unclaim(&mut self, conn: ConnId, transfer: TransferId, attempt: Option<Attempt>) {
+        for (key, hold) in &mut self.pull_held {
+            if key.transfer == transfer && attempt.is_none_or(|a| a == key.attempt) {
+                hold.claimants.remove(&conn);
+            }
+        }
+    }
+
     /// The claims of the consumer rank on `conn`, whose connection closed and whose process has
     /// exited, end: it reads no more. A held pull that no live claimant reads any more keeps
     /// only its lease, and goes back now if that has run out.
@@ -321,7 +333,11 @@ impl Driver {
             if !hold.claimants.remove(&conn) || !hold.claimants.is_empty() {
                 continue;
             }
-            hold.deadline = hold.leased_until;
+            hold.deadline = if hold.aborted.is_some() {
+                now
+            } else {
+                hold.leased_until
+            };
             if hold.deadline <= now {
                 expired.push(*key);
             } else {
@@ -331,7 +347,8 @@ impl Driver {
         }
         for key in expired {
             debug!(%key, "every reader of a held pull is gone, and its lease has run out");
-            self.abort(now, key.transfer, Some(key.attempt), Reason::LeaseExpired);
+            let reason = self.pull_held[&key].aborted.unwrap_or(Reason::LeaseExpired);
+            self.abort(now, key.transfer, Some(key.attempt), reason);
         }
     }
 
@@ -396,6 +413,14 @@ impl Driver {
             return;
         };
         hold.claimants.remove(&conn);
+        if let Some(reason) = hold.aborted {
+            // Aborted while others read it: it goes back once the last of them is done.
+            if hold.claimants.is_empty() {
+                let hold = self.pull_held.remove(&key).expect("present");
+                self.give_back(key, hold.held, SendOutcome::NotSent(reason));
+            }
+            return;
+        }
         let expected = hold.readers.get_or_insert(readers).clone();
         if !hold.done.contains(&reader) {
             hold.done.push(reader);

@@ -849,3 +849,65 @@ fn a_claim_ends_when_its_readers_process_exits() {
     assert_eq!(freed[0].key, k);
     assert!(sim.driver.lost_claimants.is_empty());
 }
+
+/// Pull into two decode ranks: one gives up (its abort) while the other still reads what it
+/// claimed; the blocks stay held until that one is done too, so its read is never of blocks
+/// the engine got back (found by the fault harness: the other rank reported the next request's
+/// bytes as ready).
+#[test]
+fn an_abort_from_one_reader_waits_for_the_others_claimed_reads() {
+    let mut spec2 = spec();
+    spec2.tp_size = 2;
+    spec2.tp_rank = 0;
+    let mut sim = Sim::with_layouts(ConnectorConfig::new(EngineId(1)), spec(), spec2.clone());
+    // Decode's rank 1, on connection 2.
+    spec2.tp_rank = 1;
+    let (ours, _theirs) = UnixStream::pair().unwrap();
+    let sender = control::sender(&ControlStream::local(ours)).unwrap();
+    let hello = control::hello(
+        &ConnectorConfig::new(EngineId(2)),
+        Role::Consumer,
+        &Layout::new(spec2).unwrap(),
+        &sim.consumer.local_desc(),
+        false,
+    );
+    sim.command(Command::Accepted(2, sender, Box::new(hello)));
+    let k = key(70);
+    sim.command(Command::Finished {
+        key: k,
+        held: FinishedBlocks::new(RequestId(1), ids(0..2), 8),
+        pull: true,
+    });
+    for conn in [1, 2] {
+        let claim = Message::Claim(kvx_core::wire::Claim {
+            transfer: k.transfer,
+            attempt: k.attempt,
+            capability: None,
+        });
+        sim.command(Command::Peer(conn, claim, control::Queued::unbounded()));
+    }
+    let abort = Message::Abort(kvx_core::wire::Abort {
+        transfer: k.transfer,
+        attempt: Some(k.attempt),
+        reason: "consumer gave up".into(),
+        capability: None,
+    });
+    sim.command(Command::Peer(1, abort, control::Queued::unbounded()));
+    sim.at(Duration::from_millis(10));
+    assert!(
+        sim.finished().is_empty(),
+        "given back while another rank reads"
+    );
+    let done = Message::Completion(kvx_core::wire::Completion {
+        transfer: k.transfer,
+        attempt: k.attempt,
+        producer: EngineId(2),
+        producer_rank: Rank(0),
+        bytes: 0,
+        capability: None,
+    });
+    sim.command(Command::Peer(2, done, control::Queued::unbounded()));
+    let freed = sim.finished();
+    assert_eq!(freed.len(), 1, "{freed:?}");
+    assert_eq!(freed[0].outcome, SendOutcome::NotSent(Reason::Aborted));
+}
