@@ -154,3 +154,13 @@ impl FuzzBytes<'_> {
         ][usize::from(self.byte() % 7)]
     }
 }
+
+/// A process of this host that runs until the test kills it (`sleep`), and what it is known by.
+pub(crate) fn a_process() -> (std::process::Child, kvx_rdma::local_peer::Process) {
+    let child = std::process::Command::new("sleep")
+        .arg("120")
+        .spawn()
+        .expect("sleep runs");
+    let pid = i32::try_from(child.id()).expect("a pid");
+    (child, kvx_rdma::local_peer::Process::of(pid))
+}

@@ -182,6 +182,27 @@ impl Faulty {
         OpId(self.next_op)
     }
 
+    /// The event of inner operation `op` (a `kind`), which ended well (`done` makes it): as
+    /// this side's operation and peer, and failed where the schedule says so.
+    fn ended(
+        &mut self,
+        op: OpId,
+        peer: PeerId,
+        kind: OpKind,
+        done: impl FnOnce(OpId, PeerId) -> Event,
+    ) -> Event {
+        match self.posted.remove(&op) {
+            Some((ours, true, peer)) => Event::Failed {
+                op: ours,
+                kind,
+                peer,
+                error: OpError::TimedOut(Duration::ZERO),
+            },
+            Some((ours, false, peer)) => done(ours, peer),
+            None => done(op, peer),
+        }
+    }
+
     /// What the inner transport reported from `first` on, as the producer must see it.
     fn translate(&mut self, events: &mut Vec<Event>, first: usize) -> usize {
         let new: Vec<Event> = events.drain(first..).collect();
@@ -191,35 +212,19 @@ impl Faulty {
                     if self.duplicates.remove(&op) {
                         continue;
                     }
-                    match self.posted.remove(&op) {
-                        Some((ours, true, peer)) => Event::Failed {
-                            op: ours,
-                            kind: OpKind::Write,
-                            peer,
-                            error: OpError::TimedOut(Duration::ZERO),
-                        },
-                        Some((ours, false, peer)) => Event::WriteDone {
-                            op: ours,
-                            peer,
-                            bytes,
-                        },
-                        None => Event::WriteDone { op, peer, bytes },
-                    }
-                }
-                Event::ReadDone { op, peer, bytes } => match self.posted.remove(&op) {
-                    Some((ours, true, peer)) => Event::Failed {
-                        op: ours,
-                        kind: OpKind::Read,
-                        peer,
-                        error: OpError::TimedOut(Duration::ZERO),
-                    },
-                    Some((ours, false, peer)) => Event::ReadDone {
-                        op: ours,
+                    self.ended(op, peer, OpKind::Write, |op, peer| Event::WriteDone {
+                        op,
                         peer,
                         bytes,
-                    },
-                    None => Event::ReadDone { op, peer, bytes },
-                },
+                    })
+                }
+                Event::ReadDone { op, peer, bytes } => {
+                    self.ended(op, peer, OpKind::Read, |op, peer| Event::ReadDone {
+                        op,
+                        peer,
+                        bytes,
+                    })
+                }
                 Event::Failed {
                     op,
                     kind,

@@ -560,11 +560,7 @@ fn failed_once(sim: &Sim, reason: Reason) -> String {
 #[test]
 fn a_lost_connection_holds_the_blocks_while_the_producers_process_runs() {
     let mut sim = Sim::with(Duration::from_secs(60), None, Duration::from_secs(60));
-    let mut producer = std::process::Command::new("sleep")
-        .arg("120")
-        .spawn()
-        .unwrap();
-    let process = Process::of(i32::try_from(producer.id()).unwrap());
+    let (mut producer, process) = crate::sim_support::a_process();
     sim.register_from(key(30), 8, ids(0..2), None, Some(process));
     let lost = Duration::from_millis(10);
     lose_connection(&mut sim, lost);
@@ -593,11 +589,7 @@ fn a_lost_connection_holds_the_blocks_while_the_producers_process_runs() {
 #[test]
 fn a_lost_connection_to_an_exited_process_releases_the_blocks_at_once() {
     let mut sim = Sim::with(Duration::from_secs(60), None, Duration::from_secs(60));
-    let mut producer = std::process::Command::new("sleep")
-        .arg("120")
-        .spawn()
-        .unwrap();
-    let process = Process::of(i32::try_from(producer.id()).unwrap());
+    let (mut producer, process) = crate::sim_support::a_process();
     sim.register_from(key(31), 8, ids(0..2), None, Some(process));
     producer.kill().unwrap();
     producer.wait().unwrap();

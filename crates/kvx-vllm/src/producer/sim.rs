@@ -808,11 +808,7 @@ fn a_claimed_pull_is_held_past_its_lease_and_a_late_claim_is_refused() {
 fn a_claim_ends_when_its_readers_process_exits() {
     let lease = Duration::from_secs(2);
     let mut sim = Sim::new(lease);
-    let mut reader = std::process::Command::new("sleep")
-        .arg("120")
-        .spawn()
-        .unwrap();
-    let process = kvx_rdma::local_peer::Process::of(i32::try_from(reader.id()).unwrap());
+    let (mut reader, process) = crate::sim_support::a_process();
     let (ours, _theirs) = UnixStream::pair().unwrap();
     let sender = control::sender(&ControlStream::local_to(ours, Some(process))).unwrap();
     let hello = control::hello(
