@@ -176,10 +176,35 @@ impl Faulty {
         }
     }
 
-    /// This side's id for a new operation.
-    fn new_op(&mut self) -> OpId {
+    /// What the schedule does to the next operation, and this side's id for it.
+    fn next(&mut self) -> (Fault, OpId) {
+        let fault = if self.faults.load(Ordering::SeqCst) {
+            self.schedule.lock().unwrap().fault()
+        } else {
+            Fault::None
+        };
         self.next_op += 1;
-        OpId(self.next_op)
+        (fault, OpId(self.next_op))
+    }
+
+    /// Posts operation `op` only `by` from now.
+    fn delay(
+        &mut self,
+        by: Duration,
+        peer: PeerId,
+        ops: &[CopyOp],
+        notice: Option<Notice>,
+        read: bool,
+        op: OpId,
+    ) {
+        self.pending.push(Pending {
+            due: Instant::now() + by,
+            peer,
+            ops: ops.to_vec(),
+            notice,
+            read,
+            op,
+        });
     }
 
     /// The event of inner operation `op` (a `kind`), which ended well (`done` makes it): as
@@ -290,21 +315,9 @@ impl Transport for Faulty {
         ops: &[CopyOp],
         notice: Option<Notice>,
     ) -> Result<OpId, kvx_rdma::WriteError> {
-        let fault = if self.faults.load(Ordering::SeqCst) {
-            self.schedule.lock().unwrap().fault()
-        } else {
-            Fault::None
-        };
-        let op = self.new_op();
+        let (fault, op) = self.next();
         match fault {
-            Fault::Delay(by) => self.pending.push(Pending {
-                due: Instant::now() + by,
-                peer,
-                ops: ops.to_vec(),
-                notice,
-                read: false,
-                op,
-            }),
+            Fault::Delay(by) => self.delay(by, peer, ops, notice, false, op),
             Fault::DropNotice => {
                 let inner = self.inner.write(peer, ops, None)?;
                 self.posted.insert(inner, (op, false, peer));
@@ -332,21 +345,9 @@ impl Transport for Faulty {
     }
 
     fn read(&mut self, peer: PeerId, ops: &[CopyOp]) -> Result<OpId, kvx_rdma::ReadError> {
-        let fault = if self.faults.load(Ordering::SeqCst) {
-            self.schedule.lock().unwrap().fault()
-        } else {
-            Fault::None
-        };
-        let op = self.new_op();
+        let (fault, op) = self.next();
         match fault {
-            Fault::Delay(by) => self.pending.push(Pending {
-                due: Instant::now() + by,
-                peer,
-                ops: ops.to_vec(),
-                notice: None,
-                read: true,
-                op,
-            }),
+            Fault::Delay(by) => self.delay(by, peer, ops, None, true, op),
             Fault::FailAfterLanding => {
                 let inner = self.inner.read(peer, ops)?;
                 self.posted.insert(inner, (op, true, peer));
