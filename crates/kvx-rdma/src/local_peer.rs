@@ -187,3 +187,120 @@ mod tests {
         assert!(!peer.exited());
     }
 }
+
+/// Who may attach to this process with `ptrace` (Yama's `PR_SET_PTRACER`), which a peer's
+/// cross-memory attach (`process_vm_writev`, `process_vm_readv`) needs under Yama's
+/// `ptrace_scope` 1: the one peer process known to copy, or any process of the user.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Tracer {
+    /// Only this process (and its descendants).
+    Process(i32),
+    /// Any process (`PR_SET_PTRACER_ANY`).
+    Any,
+}
+
+/// The peers that may copy into or out of this process, each counted once per grant: `Some`
+/// for a process known by its pid, `None` for one that is not (reached over TCP).
+static TRACEES: std::sync::Mutex<Vec<Option<i32>>> = std::sync::Mutex::new(Vec::new());
+
+/// A peer's leave to copy into or out of this process by cross-memory attach, held for as long
+/// as the peer may: while exactly one known process holds leave, only it may attach
+/// ([`Tracer::Process`]); with none, several, or any unknown one, any process of the user may
+/// ([`Tracer::Any`], what a `cma` endpoint declares when it opens). Dropping it gives it back.
+#[derive(Debug)]
+#[must_use = "the leave ends when this is dropped"]
+pub struct TracerLeave {
+    peer: Option<i32>,
+}
+
+impl TracerLeave {
+    /// Gives `peer` leave (`None`: a peer whose process is not known) and declares the tracer
+    /// that follows.
+    pub fn grant(peer: Option<i32>) -> Self {
+        let mut tracees = TRACEES
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        tracees.push(peer);
+        declare(tracer_for(&tracees));
+        Self { peer }
+    }
+}
+
+impl Drop for TracerLeave {
+    fn drop(&mut self) {
+        let mut tracees = TRACEES
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(at) = tracees.iter().position(|p| *p == self.peer) {
+            tracees.swap_remove(at);
+        }
+        declare(tracer_for(&tracees));
+    }
+}
+
+/// The tracer that the leaves held now call for.
+#[must_use]
+pub fn tracer_now() -> Tracer {
+    tracer_for(
+        &TRACEES
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner),
+    )
+}
+
+/// Declares the tracer the leaves held now call for (a `cma` endpoint calls it when it opens).
+pub fn declare_tracer() {
+    declare(tracer_now());
+}
+
+/// The tracer for peers `tracees`: the one known process among them, else any.
+fn tracer_for(tracees: &[Option<i32>]) -> Tracer {
+    match tracees.first() {
+        Some(Some(pid)) if tracees.iter().all(|p| *p == Some(*pid)) => Tracer::Process(*pid),
+        _ => Tracer::Any,
+    }
+}
+
+/// Tells the kernel. Without Yama the call fails (`EINVAL`) and nothing needs declaring.
+fn declare(tracer: Tracer) {
+    let arg = match tracer {
+        Tracer::Process(pid) => libc::c_ulong::try_from(pid).unwrap_or(libc::PR_SET_PTRACER_ANY),
+        Tracer::Any => libc::PR_SET_PTRACER_ANY,
+    };
+    // SAFETY: prctl with PR_SET_PTRACER takes a pid (or PR_SET_PTRACER_ANY) and no pointers.
+    let _ = unsafe { libc::prctl(libc::PR_SET_PTRACER, arg, 0, 0, 0) };
+}
+
+#[cfg(test)]
+mod tracer_tests {
+    use super::*;
+
+    #[test]
+    fn one_known_peer_is_the_tracer_and_anything_else_is_any() {
+        assert_eq!(tracer_for(&[]), Tracer::Any);
+        assert_eq!(tracer_for(&[Some(7)]), Tracer::Process(7));
+        assert_eq!(tracer_for(&[Some(7), Some(7)]), Tracer::Process(7));
+        assert_eq!(tracer_for(&[Some(7), Some(8)]), Tracer::Any);
+        assert_eq!(tracer_for(&[Some(7), None]), Tracer::Any);
+        assert_eq!(tracer_for(&[None]), Tracer::Any);
+    }
+
+    #[test]
+    fn leaves_widen_the_tracer_and_narrow_it_again_when_given_back() {
+        // The only test of this process that holds leaves.
+        assert_eq!(tracer_now(), Tracer::Any);
+        let first = TracerLeave::grant(Some(4242));
+        assert_eq!(tracer_now(), Tracer::Process(4242));
+        let again = TracerLeave::grant(Some(4242));
+        let other = TracerLeave::grant(Some(4343));
+        assert_eq!(tracer_now(), Tracer::Any);
+        drop(other);
+        assert_eq!(tracer_now(), Tracer::Process(4242));
+        let unknown = TracerLeave::grant(None);
+        assert_eq!(tracer_now(), Tracer::Any);
+        drop((unknown, again));
+        assert_eq!(tracer_now(), Tracer::Process(4242));
+        drop(first);
+        assert_eq!(tracer_now(), Tracer::Any);
+    }
+}

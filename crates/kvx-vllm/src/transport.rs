@@ -298,6 +298,20 @@ pub fn resolve_for_cache(
     }
 }
 
+/// Whether the peers of a transport of `backend` copy into and out of this process by
+/// cross-memory attach, and so need leave to attach to it (`local_peer::TracerLeave`).
+pub(crate) fn peers_attach(backend: &str) -> bool {
+    #[cfg(feature = "cma")]
+    {
+        backend == kvx_rdma::cma::BACKEND
+    }
+    #[cfg(not(feature = "cma"))]
+    {
+        let _ = backend;
+        false
+    }
+}
+
 /// The process-wide loopback fabric.
 pub fn loopback_fabric() -> &'static LoopbackFabric {
     static FABRIC: OnceLock<LoopbackFabric> = OnceLock::new();

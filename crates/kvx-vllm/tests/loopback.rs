@@ -3431,3 +3431,49 @@ fn an_mla_prefill_rank_that_no_decode_rank_reads_gives_its_blocks_back_at_once()
         assert_eq!(p.stats().held, 0, "rank {rank}");
     }
 }
+
+/// Over `cma`, a peer copies into (push) or out of (pull) this process by cross-memory attach,
+/// which Yama's `ptrace_scope` 1 allows only to a declared tracer: each side declares the one
+/// peer process it knows from its local control socket (here this process, both sides being in
+/// it), before the registration or the hello that lets the peer copy, and any process again once
+/// no peer is connected.
+#[test]
+fn over_cma_the_known_peer_process_is_the_declared_tracer() {
+    use kvx_rdma::cma::{CmaConfig, CmaTransport};
+    use kvx_rdma::local_peer::{tracer_now, Tracer};
+    let cma = || Box::new(CmaTransport::open(CmaConfig::default()).unwrap());
+    let base = free_ports(1);
+    let (pre_side, pre_cache) =
+        Side::new(spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit));
+    let mut p = config(1);
+    p.listen = base;
+    let mut producer = Producer::start(p, pre_cache, cma()).unwrap();
+    let (dec_side, dec_cache) =
+        Side::new(spec(1, 0, 4, MemoryOrder::Nhd, Arrangement::PerLayerSplit));
+    let mut consumer = Consumer::start(config(2), dec_cache, cma()).unwrap();
+    let tokens = 8;
+    pre_side.fill(&ids(0..2), tokens);
+    register(&consumer, base, key(120, 0), tokens, ids(10..12));
+    producer
+        .request_finished(key(120, 0), RequestId(9), ids(0..2), tokens)
+        .unwrap();
+    expect_ready(&consumer, key(120, 0), RequestId(1));
+    dec_side.verify(&ids(10..12), 0, tokens);
+    assert_eq!(
+        consumer.stats().local_connections,
+        1,
+        "not over the local socket"
+    );
+    let me = i32::try_from(std::process::id()).unwrap();
+    assert_eq!(tracer_now(), Tracer::Process(me));
+    consumer.shutdown();
+    producer.shutdown();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while tracer_now() != Tracer::Any {
+        assert!(
+            Instant::now() < deadline,
+            "leave kept after both sides shut down"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}

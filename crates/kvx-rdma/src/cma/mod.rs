@@ -9,8 +9,10 @@
 //! - **Completion**: when the copy returned, the notice is sent on the same-host control socket
 //!   (`crate::same_host`), so the consumer sees it after every byte landed.
 //! - **Permission**: the kernel lets a process write into another one it may `ptrace` (same user,
-//!   and under Yama `ptrace_scope` 1 only a declared tracer): every endpoint declares any process
-//!   of the user as allowed (`PR_SET_PTRACER`), as libfabric's `shm` does for its CMA path. Where
+//!   and under Yama `ptrace_scope` 1 only a declared tracer): an endpoint declares any process of
+//!   the user as allowed (`PR_SET_PTRACER`), as libfabric's `shm` does for its CMA path, unless
+//!   its program names the one peer process that copies (`local_peer::TracerLeave`: the
+//!   connector does, from its local control sockets). Where
 //!   that is not enough (`ptrace_scope` 2 or 3, other users), writes fail with
 //!   [`OpError::RemoteAccess`] naming the cause.
 //! - **Failures**: a dead peer (`ESRCH`, or its socket closed) fails operations with
@@ -326,10 +328,10 @@ impl CmaTransport {
             what: "opening the control socket",
             source,
         })?;
-        // Let the peers of this user write into this process (Yama ptrace_scope 1); a kernel
+        // Let the peers write into this process (Yama ptrace_scope 1): any process of this user,
+        // or the one peer process a program gave leave to (`local_peer::TracerLeave`). A kernel
         // without Yama ignores it, and stricter settings make writes fail with a clear error.
-        // SAFETY: prctl with PR_SET_PTRACER takes a pid (or PR_SET_PTRACER_ANY) and no pointers.
-        let _ = unsafe { libc::prctl(libc::PR_SET_PTRACER, libc::PR_SET_PTRACER_ANY, 0, 0, 0) };
+        crate::local_peer::declare_tracer();
         let (shares, rx) = mpsc::channel();
         let rx = Arc::new(Mutex::new(rx));
         let mut workers = Vec::new();

@@ -94,6 +94,11 @@ impl Driver {
                 peer: None,
                 in_contact: false,
                 process: stream_process,
+                // Granted before the registration that lets its writes (or this side's reads)
+                // begin goes out.
+                _leave: self
+                    .peers_attach
+                    .then(|| TracerLeave::grant(stream_process.map(|p| p.pid()))),
             },
         );
         let interval = self.config.heartbeat_interval;

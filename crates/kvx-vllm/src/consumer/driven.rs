@@ -188,7 +188,8 @@ impl Driver {
             self.quiesced(key);
         }
         self.flush_backlogs();
-        for instance in self.instances.values() {
+        // Closed, and forgotten: their peers' leave to attach to this process ends with them.
+        for (_, instance) in self.instances.drain() {
             for conn in instance.ranks.values() {
                 conn.sender.close();
             }

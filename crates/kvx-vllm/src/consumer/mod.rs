@@ -15,7 +15,7 @@ use kvx_core::wire::{
 };
 use kvx_core::{Attempt, BlockId, Rank, RequestId, TransferId};
 use kvx_layout::{permute_for, plan, writers_for, Layout, PermutePlan, PlanError, PlanRequest};
-use kvx_rdma::local_peer::Process;
+use kvx_rdma::local_peer::{Process, TracerLeave};
 use kvx_rdma::region::LocalRegion;
 use kvx_rdma::transport::{Event, OpId, PeerId, Transport};
 use kvx_rendezvous::{AttemptKey, Reason, Timestamp, Waiter, WaiterAction, WaiterConfig};
@@ -241,6 +241,8 @@ struct RankConn {
     in_contact: bool,
     /// Its process, where it runs on this host (a Unix control socket says which).
     process: Option<Process>,
+    /// Its leave to attach to this process, where the transport copies by cross-memory attach.
+    _leave: Option<TracerLeave>,
 }
 
 struct Instance {
@@ -689,6 +691,9 @@ struct Driver {
     engine_ready: HashSet<AttemptKey>,
     /// The id of the next control connection.
     next_conn: ConnId,
+    /// The transport's peers copy by cross-memory attach: each connected rank gets leave to
+    /// attach to this process ([`TracerLeave`]).
+    peers_attach: bool,
     next_heartbeat: Option<Timestamp>,
     tx: CommandSender<Command>,
     events: Arc<Outbox>,
@@ -732,6 +737,7 @@ impl Driver {
         waiter_config.hash_seed = crate::config::random_seed();
         let waiter = Waiter::new(waiter_config)?;
         stats.set_rails(transport.rails());
+        let peers_attach = crate::transport::peers_attach(transport.backend());
         let caps = transport.capabilities();
         // With a board, notices need nothing from this side, so no hints are asked for.
         let finishing_hints = config
@@ -778,6 +784,7 @@ impl Driver {
             contact: (BOARD_POLL, Timestamp::ZERO),
             engine_ready: HashSet::new(),
             next_conn: 0,
+            peers_attach,
             next_heartbeat: None,
             tx,
             events,

@@ -22,6 +22,9 @@ pub(super) struct Acceptor {
     pub(super) tx: CommandSender<Command>,
     pub(super) stop: Arc<AtomicBool>,
     pub(super) hello: Message,
+    /// The transport's peers copy by cross-memory attach: each consumer gets leave to attach
+    /// to this process ([`TracerLeave`]) before it has this side's hello.
+    pub(super) peers_attach: bool,
     pub(super) handshake_timeout: Duration,
     pub(super) next: Arc<AtomicU64>,
     pub(super) open: Arc<AtomicUsize>,
@@ -188,7 +191,8 @@ impl Acceptor {
     /// warning naming both.
     fn serve_connection(&self, conn: ConnId, mut stream: ControlStream) {
         let deadline = std::time::Instant::now() + self.handshake_timeout;
-        let handshake = (|| -> Result<(ControlSender, Hello), LinkError> {
+        type Handshaken = (ControlSender, Hello, Option<TracerLeave>);
+        let handshake = (|| -> Result<Handshaken, LinkError> {
             if let Some(key) = &self.auth_key {
                 // Nothing is sent before the peer proved it holds the key.
                 stream
@@ -217,12 +221,16 @@ impl Acceptor {
                 Err(e) => return Err(e.into()),
             };
             let sender = control::sender(&stream).map_err(LinkError::Timeouts)?;
+            // A consumer may read (pull) once it has this side's hello: it has leave to attach
+            // to this process before, where the transport copies by cross-memory attach.
+            let leave = (theirs.role == Role::Consumer && self.peers_attach)
+                .then(|| TracerLeave::grant(stream.process().map(|p| p.pid())));
             sender.send(&self.hello)?;
             stream.set_read_timeout(None).map_err(LinkError::Timeouts)?;
-            Ok((sender, theirs))
+            Ok((sender, theirs, leave))
         })();
         self.waiting.done(conn);
-        let (sender, theirs) = match handshake {
+        let (sender, theirs, leave) = match handshake {
             Ok(h) => h,
             Err(why @ LinkError::Unauthenticated(_)) => {
                 let peer = stream.peer();
@@ -244,7 +252,7 @@ impl Acceptor {
         };
         let tx = &self.tx;
         if tx
-            .send(Command::Accepted(conn, sender, Box::new(theirs)))
+            .send(Command::Accepted(conn, sender, Box::new(theirs), leave))
             .is_err()
         {
             return;

@@ -208,11 +208,11 @@ impl Driver {
                     self.give_back(key, held, SendOutcome::NotSent(Reason::Preempted));
                 }
             }
-            Command::Accepted(conn, sender, hello) if hello.role == Role::Router => {
+            Command::Accepted(conn, sender, hello, _) if hello.role == Role::Router => {
                 debug!(conn, engine = hello.engine.0, "router connected");
                 self.conns.insert(conn, Conn::router(sender, now));
             }
-            Command::Accepted(conn, sender, hello) => {
+            Command::Accepted(conn, sender, hello, leave) => {
                 let consumer = match accept_consumer(
                     &self.layout,
                     &hello,
@@ -229,7 +229,9 @@ impl Driver {
                         None
                     }
                 };
-                self.conns.insert(conn, Conn::new(sender, consumer, now));
+                let mut c = Conn::new(sender, consumer, now);
+                c.leave = leave.filter(|_| c.consumer.is_some());
+                self.conns.insert(conn, c);
             }
             Command::Peer(conn, message, _queued) => {
                 if let Some(c) = self.conns.get_mut(&conn) {
@@ -419,7 +421,8 @@ impl Driver {
         for (key, hold) in std::mem::take(&mut self.pull_held) {
             self.give_back(key, hold.held, SendOutcome::NotSent(Reason::Shutdown));
         }
-        for c in self.conns.values() {
+        // Closed, and forgotten: their peers' leave to attach to this process ends with them.
+        for (_, c) in self.conns.drain() {
             c.sender.close();
         }
     }

@@ -78,7 +78,7 @@ pub fn session(data: &[u8]) {
         );
         turn(
             &mut driver,
-            Command::Accepted(conn, sender, Box::new(hello)),
+            Command::Accepted(conn, sender, Box::new(hello), None),
         );
         peers.push(Peer {
             conn,

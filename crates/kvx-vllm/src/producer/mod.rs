@@ -16,7 +16,7 @@ use kvx_core::wire::{
 };
 use kvx_core::{Attempt, BlockId, EngineId, Incarnation, Rank, RequestId, TransferId};
 use kvx_layout::{plan_layers, CopyOp, Layout, PlanError, PlanRequest};
-use kvx_rdma::local_peer::Process;
+use kvx_rdma::local_peer::{Process, TracerLeave};
 use kvx_rdma::transport::{Event, Notice, OpId, PeerId, Transport};
 use kvx_rendezvous::{
     Action, AttemptKey, Config, ConsumerId, Matcher, Reason, Timestamp, TransferOutcome,
@@ -92,7 +92,7 @@ enum Command {
     Preempted(AttemptKey),
     /// The engine's trace of a transfer: its `kvx.send` span.
     Trace(TransferId, crate::trace::TraceContext),
-    Accepted(ConnId, ControlSender, Box<Hello>),
+    Accepted(ConnId, ControlSender, Box<Hello>, Option<TracerLeave>),
     /// A consumer's message, holding its connection's place in the queue until handled.
     Peer(ConnId, Message, control::Queued),
     PeerClosed(ConnId, String),
@@ -145,6 +145,10 @@ struct Conn {
     sender: ControlSender,
     /// Its peer's process, where it runs on this host.
     process: Option<Process>,
+    /// A consumer's leave to attach to this process, where the transport's peers copy by
+    /// cross-memory attach (its reads, in pull): granted by the acceptor before this side's
+    /// hello, and given back when the connection goes.
+    leave: Option<TracerLeave>,
     consumer: Option<ConsumerRank>,
     /// A router (`kvx proxy`): it may only abort transfers no consumer registered.
     router: bool,
@@ -168,6 +172,7 @@ impl Conn {
     fn new(sender: ControlSender, consumer: Option<ConsumerRank>, now: Timestamp) -> Self {
         Self {
             process: sender.process(),
+            leave: None,
             sender,
             consumer,
             router: false,
@@ -314,6 +319,7 @@ impl Producer {
         let acceptor = Acceptor {
             tx: tx.clone(),
             stop: Arc::clone(&stop),
+            peers_attach: crate::transport::peers_attach(&hello.transport),
             hello: Message::Hello(hello),
             handshake_timeout: connect_timeout,
             next: Arc::new(AtomicU64::new(1)),

@@ -67,7 +67,7 @@ impl Sim {
             &consumer_endpoint.local_desc(),
             false,
         );
-        driver.command(Command::Accepted(1, sender, Box::new(hello)));
+        driver.command(Command::Accepted(1, sender, Box::new(hello), None));
         Self {
             driver,
             now,
@@ -567,7 +567,7 @@ fn remembered_aborts_are_bounded() {
     let (ours, _theirs) = UnixStream::pair().unwrap();
     let sender = control::sender(&ControlStream::local(ours)).unwrap();
     let router = Hello::router(EngineId(9), kvx_core::Incarnation(1));
-    sim.command(Command::Accepted(2, sender, Box::new(router)));
+    sim.command(Command::Accepted(2, sender, Box::new(router), None));
     for t in [30, 31, 32] {
         let abort = Message::Abort(kvx_core::wire::Abort {
             transfer: key(t).transfer,
@@ -818,7 +818,7 @@ fn a_claim_ends_when_its_readers_process_exits() {
         &sim.consumer.local_desc(),
         false,
     );
-    sim.command(Command::Accepted(2, sender, Box::new(hello)));
+    sim.command(Command::Accepted(2, sender, Box::new(hello), None));
     let k = key(60);
     sim.command(Command::Finished {
         key: k,
@@ -867,7 +867,7 @@ fn an_abort_from_one_reader_waits_for_the_others_claimed_reads() {
         &sim.consumer.local_desc(),
         false,
     );
-    sim.command(Command::Accepted(2, sender, Box::new(hello)));
+    sim.command(Command::Accepted(2, sender, Box::new(hello), None));
     let k = key(70);
     sim.command(Command::Finished {
         key: k,
