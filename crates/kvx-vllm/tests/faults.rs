@@ -1,5 +1,5 @@
-//! The connector over a transport and a network that misbehave as a seeded schedule says, in
-//! push and pull: prefill's writes and decode's reads land late (posted within the producer's
+//! The connector over a transport (loopback, or `cma` into this process) and a network that
+//! misbehave as a seeded schedule says, in push and pull: prefill's writes and decode's reads land late (posted within the producer's
 //! transfer timeout, and landing even where the caller has forgotten the peer meanwhile), fail
 //! after their data landed, lose their notice or deliver it twice; the control connections are
 //! reset (through a relay in front of prefill's ports); a prefill of one or two ranks streams
@@ -30,6 +30,7 @@ use kvx_core::{
     Arrangement, Attempt, BlockId, Dtype, EngineId, LayoutSpec, MemoryOrder, RequestId, TransferId,
 };
 use kvx_layout::CopyOp;
+use kvx_rdma::cma::{CmaConfig, CmaTransport};
 use kvx_rdma::loopback::LoopbackFabric;
 use kvx_rdma::region::LocalRegion;
 use kvx_rdma::{Capabilities, Event, Notice, OpError, OpId, OpKind, PeerId, Transport};
@@ -541,6 +542,9 @@ fn run(seed: u64) {
     let resets: Vec<Duration> = (0..schedule.below(3))
         .map(|_| schedule.millis(50..900))
         .collect();
+    // Under the injector: the in-process loopback transport, or `cma` (real cross-memory
+    // attach into this process, its completions and notices over its own sockets).
+    let over_cma = schedule.below(2) == 0;
     let schedule = Arc::new(Mutex::new(schedule));
     let faults = Arc::new(AtomicBool::new(true));
     let in_flight = Arc::new(AtomicUsize::new(0));
@@ -551,8 +555,15 @@ fn run(seed: u64) {
     p.producer_lease = Duration::from_secs(2);
     p.transfer_timeout = Duration::from_secs(1);
     p.local_sockets = false;
+    let endpoint = || -> Box<dyn Transport> {
+        if over_cma {
+            Box::new(CmaTransport::open(CmaConfig::default()).unwrap())
+        } else {
+            Box::new(fabric.endpoint())
+        }
+    };
     let faulty = || Faulty {
-        inner: Box::new(fabric.endpoint()),
+        inner: endpoint(),
         schedule: Arc::clone(&schedule),
         faults: Arc::clone(&faults),
         next_op: 1 << 40,
@@ -736,8 +747,9 @@ fn run(seed: u64) {
         .filter(|e| matches!(e, RecvEvent::Ready { .. }))
         .count();
     eprintln!(
-        "seed {seed}: prefill TP {tp} into decode TP {dtp}, {ready} ready and {} failed at decode \
+        "seed {seed}: {}, prefill TP {tp} into decode TP {dtp}, {ready} ready and {} failed at decode \
          ranks, {} given back by prefill ranks, {resets_done} resets, ended after {:?}",
+        if over_cma { "cma" } else { "loopback" },
         ended.len() - ready,
         given_back.len(),
         started.elapsed()
