@@ -221,6 +221,8 @@ pub(crate) fn render(args: &PlanArgs) -> anyhow::Result<String> {
         producer_blocks: &p_blocks,
         consumer_blocks: &c_blocks,
         only_producer: None,
+        producer_groups: &[],
+        consumer_groups: &[],
     })
     .context("cannot plan this transfer")?;
     let writers: Vec<JsonWriter> = planned

@@ -18,6 +18,7 @@ fn registration(blocks: u32) -> Message {
         lease_ms: 30_000,
         notice: 0,
         blocks: (0..blocks).map(BlockId).collect(),
+        groups: Vec::new(),
         capability: None,
     })
 }

@@ -21,6 +21,7 @@
 //!     lease_ms: 30_000,
 //!     notice: 7,
 //!     blocks: vec![BlockId(3), BlockId(4), BlockId(9)],
+//!     groups: Vec::new(),
 //!     capability: None,
 //! });
 //! let bytes = registration.to_bytes()?;
@@ -31,11 +32,13 @@
 //! ```
 #![forbid(unsafe_code)]
 
+pub mod blocks;
 pub mod ids;
 pub mod layout;
 pub mod memory;
 pub mod wire;
 
+pub use blocks::{GroupBlocks, RequestBlocks, MAX_GROUPS};
 pub use ids::{Attempt, BlockId, EngineId, Incarnation, Rank, RequestId, TransferId};
 pub use layout::{Arrangement, Dtype, LayoutSpec, MemoryOrder, UnknownName};
 pub use memory::{MemoryKind, RegionDesc};

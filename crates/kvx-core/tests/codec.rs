@@ -1,13 +1,13 @@
 //! Round-trip and hostile-input properties of the wire codec.
 
 use kvx_core::wire::{
-    Abort, Capability, Claim, Completion, DecodeError, FailureNotice, FailureReason, Finishing,
-    FrameHeader, Heartbeat, Held, Hello, Message, Registration, Role, HEADER_LEN, MAX_PAYLOAD,
-    MAX_STRING, PROTOCOL_VERSION,
+    Abort, Capability, Claim, Completion, DecodeError, EncodeError, FailureNotice, FailureReason,
+    Finishing, FrameHeader, Heartbeat, Held, Hello, Message, Registration, Role, HEADER_LEN,
+    MAX_PAYLOAD, MAX_STRING, PROTOCOL_VERSION,
 };
 use kvx_core::{
-    Arrangement, Attempt, BlockId, Dtype, EngineId, Incarnation, LayoutSpec, MemoryKind,
-    MemoryOrder, Rank, RegionDesc, RequestId, TransferId,
+    Arrangement, Attempt, BlockId, Dtype, EngineId, GroupBlocks, Incarnation, LayoutSpec,
+    MemoryKind, MemoryOrder, Rank, RegionDesc, RequestId, TransferId, MAX_GROUPS,
 };
 use proptest::prelude::*;
 
@@ -141,10 +141,14 @@ fn message() -> impl Strategy<Value = Message> {
         ),
         (any::<u32>(), any::<u32>(), any::<u32>(), any::<u32>()),
         prop::collection::vec(any::<u32>(), 0..100),
+        prop::collection::vec(
+            (any::<u32>(), prop::collection::vec(any::<u32>(), 0..20)),
+            0..4,
+        ),
         capability(),
     )
         .prop_map(
-            |((t, a, req, c, inc), (rank, n, skip, lease), blocks, capability)| {
+            |((t, a, req, c, inc), (rank, n, skip, lease), blocks, groups, capability)| {
                 Message::Registration(Registration {
                     transfer: TransferId(t),
                     attempt: Attempt(a),
@@ -157,6 +161,13 @@ fn message() -> impl Strategy<Value = Message> {
                     lease_ms: lease,
                     notice: (t as u64).rotate_left(7) ^ u64::from(lease),
                     blocks: blocks.into_iter().map(BlockId).collect(),
+                    groups: groups
+                        .into_iter()
+                        .map(|(first, blocks)| GroupBlocks {
+                            first_token: first.min(n),
+                            blocks: blocks.into_iter().map(BlockId).collect(),
+                        })
+                        .collect(),
                     capability,
                 })
             },
@@ -479,6 +490,7 @@ fn skip_beyond_tokens_is_rejected() {
         lease_ms: 0,
         notice: 0,
         blocks: vec![],
+        groups: Vec::new(),
         capability: None,
     };
     let mut bytes = Message::Registration(reg).to_bytes().unwrap();
@@ -491,6 +503,55 @@ fn skip_beyond_tokens_is_rejected() {
             value: 5
         })
     );
+}
+
+#[test]
+fn a_groups_first_token_past_the_request_or_too_many_groups_are_refused() {
+    let reg = |groups: Vec<GroupBlocks>| {
+        Message::Registration(Registration {
+            transfer: TransferId(1),
+            attempt: Attempt(0),
+            request: RequestId(0),
+            consumer: EngineId(0),
+            consumer_incarnation: Incarnation(0),
+            consumer_rank: Rank(0),
+            num_tokens: 8,
+            skip_tokens: 0,
+            lease_ms: 0,
+            notice: 0,
+            blocks: vec![BlockId(1), BlockId(2)],
+            groups,
+            capability: None,
+        })
+    };
+    let window = GroupBlocks {
+        first_token: 4,
+        blocks: vec![BlockId(0), BlockId(3)],
+    };
+    let ok = reg(vec![window.clone()]);
+    assert_eq!(Message::decode_exact(&ok.to_bytes().unwrap()), Ok(ok));
+
+    // The first group token sits right after the two main blocks and the group count.
+    let mut bytes = reg(vec![window.clone()]).to_bytes().unwrap();
+    let first_at = HEADER_LEN + 16 + 4 + 8 + 8 + 8 + 4 + 4 + 4 + 4 + 8 + 4 + 8 + 4;
+    assert_eq!(bytes[first_at], 4);
+    bytes[first_at] = 9;
+    assert_eq!(
+        Message::decode_exact(&bytes),
+        Err(DecodeError::InvalidField {
+            field: "groups.first_token",
+            value: 9
+        })
+    );
+
+    let many = reg(vec![window; MAX_GROUPS + 1]);
+    assert!(matches!(
+        many.to_bytes(),
+        Err(EncodeError::FieldTooLong {
+            field: "groups",
+            ..
+        })
+    ));
 }
 
 #[test]

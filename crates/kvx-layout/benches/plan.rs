@@ -117,6 +117,8 @@ fn bench(c: &mut Criterion) {
                 producer_blocks: &p_blocks,
                 consumer_blocks: &c_blocks,
                 only_producer: None,
+                producer_groups: &[],
+                consumer_groups: &[],
             };
             let planned = plan(&request).expect("plans");
             let writers = planned.writers().len();

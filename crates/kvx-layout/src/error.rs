@@ -134,6 +134,28 @@ pub enum PlanError {
         /// The model's layers.
         num_layers: u32,
     },
+    /// The two sides name different numbers of further KV cache groups.
+    #[error("the producer has {producer} further KV cache groups, the consumer {consumer}")]
+    GroupCount {
+        /// Further groups on the producer.
+        producer: usize,
+        /// Further groups on the consumer.
+        consumer: usize,
+    },
+    /// A further KV cache group of the producer no longer holds tokens the consumer's wants (a
+    /// sliding window the producer's engine has moved past them).
+    #[error(
+        "KV cache group {group}: the consumer wants tokens from {wanted_from}, the producer holds \
+         them from {held_from}"
+    )]
+    GroupTokensNotHeld {
+        /// The group (1 is the first further group).
+        group: usize,
+        /// The first token the consumer wants.
+        wanted_from: u64,
+        /// The first token the producer holds.
+        held_from: u64,
+    },
     /// More tokens skipped than requested.
     #[error("skip_tokens {skip} exceeds num_tokens {tokens}")]
     SkipBeyondTokens {

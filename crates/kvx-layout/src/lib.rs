@@ -41,6 +41,8 @@
 //!     producer_blocks: &blocks,
 //!     consumer_blocks: &blocks,
 //!     only_producer: None,
+//!     producer_groups: &[],
+//!     consumer_groups: &[],
 //! })?;
 //! assert_eq!(plan.writers().collect::<Vec<_>>(), [Rank(0), Rank(1)]);
 //! // Contiguous blocks: one (strided) operation per producer rank, layer and K/V.

@@ -13,7 +13,7 @@
 
 use std::ops::Range;
 
-use kvx_core::{Arrangement, BlockId, MemoryOrder, Rank};
+use kvx_core::{Arrangement, BlockId, GroupBlocks, MemoryOrder, Rank};
 
 use crate::error::{PlanError, Side};
 use crate::geometry::Layout;
@@ -37,6 +37,11 @@ pub struct PlanRequest<'a> {
     pub consumer_blocks: &'a [BlockId],
     /// Plan only the operations of this producer rank (a producer rank plans its own share).
     pub only_producer: Option<Rank>,
+    /// The request's further KV cache groups on the producer (hybrid models; empty for a model
+    /// of one group), as many as `consumer_groups`, in the same order.
+    pub producer_groups: &'a [GroupBlocks],
+    /// The request's further KV cache groups on the consumer rank.
+    pub consumer_groups: &'a [GroupBlocks],
 }
 
 /// The receiver's in-place re-layouts, needed when the two sides use different memory orders.
@@ -56,8 +61,9 @@ pub struct Plan {
 }
 
 impl Plan {
-    /// All copy operations, grouped by producer rank (ascending), then layer, then K/V (K and V
-    /// together where cells hold both, [`Arrangement::PerLayerCellKv`]).
+    /// All copy operations, grouped by producer rank (ascending), then KV cache group, then
+    /// layer, then K/V (K and V together where cells hold both,
+    /// [`Arrangement::PerLayerCellKv`]).
     #[must_use]
     pub fn ops(&self) -> &[CopyOp] {
         &self.ops
@@ -94,6 +100,52 @@ impl Plan {
     #[must_use]
     pub fn into_ops(self) -> Vec<CopyOp> {
         self.ops
+    }
+
+    /// One plan doing what `plans` do, in their order for each producer rank.
+    fn concat(plans: Vec<Plan>) -> Plan {
+        let mut plans = plans.into_iter();
+        let Some(first) = plans.next() else {
+            return Plan {
+                ops: Vec::new(),
+                writers: Vec::new(),
+                permute: None,
+                bytes: 0,
+            };
+        };
+        let rest: Vec<Plan> = plans.collect();
+        if rest.is_empty() {
+            return first;
+        }
+        let mut ranks: Vec<Rank> = std::iter::once(&first)
+            .chain(&rest)
+            .flat_map(Plan::writers)
+            .collect();
+        ranks.sort_unstable();
+        ranks.dedup();
+        let all = || std::iter::once(&first).chain(&rest);
+        let mut ops = Vec::with_capacity(all().map(|p| p.ops.len()).sum());
+        let mut writers = Vec::with_capacity(ranks.len());
+        for rank in ranks {
+            let start = ops.len();
+            for plan in all() {
+                ops.extend_from_slice(plan.ops_for(rank));
+            }
+            writers.push((rank, start..ops.len()));
+        }
+        let chunks: Vec<Permute> = all()
+            .filter_map(|p| p.permute.as_ref())
+            .flat_map(|p| p.chunks.iter().cloned())
+            .collect();
+        let permute = all()
+            .any(|p| p.permute.is_some())
+            .then_some(PermutePlan { chunks });
+        Plan {
+            bytes: all().map(|p| p.bytes).sum(),
+            ops,
+            writers,
+            permute,
+        }
     }
 }
 
@@ -572,6 +624,79 @@ pub fn plan(req: &PlanRequest<'_>) -> Result<Plan, PlanError> {
 /// [`PlanError::LayersOutOfRange`] when `layers` is not within the model's layers; otherwise
 /// as [`plan`].
 pub fn plan_layers(req: &PlanRequest<'_>, layers: Range<u32>) -> Result<Plan, PlanError> {
+    if req.producer_groups.is_empty() && req.consumer_groups.is_empty() {
+        plan_group(req, layers)
+    } else {
+        plan_groups(req, layers)
+    }
+}
+
+/// The plans of every KV cache group of a hybrid model's request, one after the other.
+fn plan_groups(req: &PlanRequest<'_>, layers: Range<u32>) -> Result<Plan, PlanError> {
+    let groups = req.producer_groups.len().max(req.consumer_groups.len());
+    let mut plans = vec![plan_group(&req.first_group(), layers.clone())?];
+    for group in 0..groups {
+        if let Some(alone) = req.further_group(group)? {
+            plans.push(plan_group(&alone, layers.clone())?);
+        }
+    }
+    Ok(Plan::concat(plans))
+}
+
+impl<'a> PlanRequest<'a> {
+    /// The request of its first KV cache group alone.
+    #[must_use]
+    pub fn first_group(&self) -> PlanRequest<'a> {
+        PlanRequest {
+            producer_groups: &[],
+            consumer_groups: &[],
+            ..*self
+        }
+    }
+
+    /// The request of further KV cache group `group` alone (0 is the first further group), or
+    /// `None` where that group moves nothing. A further group moves its tokens from the later
+    /// of the request's skip and the first token the consumer's group keeps; the producer's
+    /// group must still hold those.
+    ///
+    /// # Errors
+    /// [`PlanError::GroupCount`] where the two sides name different numbers of groups,
+    /// [`PlanError::GroupTokensNotHeld`] where the producer's group no longer holds them.
+    pub fn further_group(&self, group: usize) -> Result<Option<PlanRequest<'a>>, PlanError> {
+        if self.producer_groups.len() != self.consumer_groups.len() {
+            return Err(PlanError::GroupCount {
+                producer: self.producer_groups.len(),
+                consumer: self.consumer_groups.len(),
+            });
+        }
+        let (Some(produced), Some(wanted)) = (
+            self.producer_groups.get(group),
+            self.consumer_groups.get(group),
+        ) else {
+            return Ok(None);
+        };
+        let skip = self.skip_tokens.max(u64::from(wanted.first_token));
+        if skip >= self.num_tokens {
+            return Ok(None);
+        }
+        if u64::from(produced.first_token) > skip {
+            return Err(PlanError::GroupTokensNotHeld {
+                group: group + 1,
+                wanted_from: skip,
+                held_from: u64::from(produced.first_token),
+            });
+        }
+        Ok(Some(PlanRequest {
+            skip_tokens: skip,
+            producer_blocks: &produced.blocks,
+            consumer_blocks: &wanted.blocks,
+            ..self.first_group()
+        }))
+    }
+}
+
+/// [`plan_layers`] for the first KV cache group alone.
+fn plan_group(req: &PlanRequest<'_>, layers: Range<u32>) -> Result<Plan, PlanError> {
     let consumer = req.consumer;
     let num_layers = consumer.spec().num_layers;
     if layers.start > layers.end || layers.end > num_layers {
@@ -832,6 +957,29 @@ fn permute_plan(
 /// # Errors
 /// [`PlanError::UnalignedSkip`], [`PlanError::SkipBeyondTokens`] and block errors, as [`plan`].
 pub fn permute_for(
+    producer: &Layout,
+    consumer: &Layout,
+    num_tokens: u64,
+    skip_tokens: u64,
+    consumer_blocks: &[BlockId],
+    consumer_groups: &[GroupBlocks],
+) -> Result<Option<PermutePlan>, PlanError> {
+    let Some(mut whole) =
+        permute_group(producer, consumer, num_tokens, skip_tokens, consumer_blocks)?
+    else {
+        return Ok(None);
+    };
+    for group in consumer_groups {
+        let skip = skip_tokens.max(u64::from(group.first_token));
+        if let Some(more) = permute_group(producer, consumer, num_tokens, skip, &group.blocks)? {
+            whole.chunks.extend(more.chunks);
+        }
+    }
+    Ok(Some(whole))
+}
+
+/// [`permute_for`] for one KV cache group.
+fn permute_group(
     producer: &Layout,
     consumer: &Layout,
     num_tokens: u64,

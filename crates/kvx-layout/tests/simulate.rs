@@ -214,13 +214,15 @@ fn simulate(case: &Case) -> Result<usize, TestCaseError> {
         producer_blocks: &p_blocks,
         consumer_blocks: &c_blocks,
         only_producer: None,
+        producer_groups: &[],
+        consumer_groups: &[],
     };
     let planned = match plan(&request(skip)) {
         Err(PlanError::ArrangementMismatch { .. }) => {
             let cells = |s: &SideParams| s.arrangement == Arrangement::PerLayerCellKv;
             prop_assert!(cells(&case.producer) != cells(&case.consumer));
             let permute =
-                kvx_layout::permute_for(&producers[0], &consumer, case.tokens, 0, &c_blocks);
+                kvx_layout::permute_for(&producers[0], &consumer, case.tokens, 0, &c_blocks, &[]);
             prop_assert!(
                 matches!(permute, Err(PlanError::ArrangementMismatch { .. })),
                 "permute_for must refuse the pairing too: {:?}",
@@ -242,7 +244,8 @@ fn simulate(case: &Case) -> Result<usize, TestCaseError> {
                 &consumer,
                 case.tokens,
                 0,
-                &c_blocks
+                &c_blocks,
+                &[]
             )
             .is_err());
             return Ok(0);
@@ -365,7 +368,8 @@ fn simulate(case: &Case) -> Result<usize, TestCaseError> {
 
     // The consumer computes the same re-layout without the producer's block ids.
     let alone =
-        kvx_layout::permute_for(&producers[0], &consumer, case.tokens, skip, &c_blocks).unwrap();
+        kvx_layout::permute_for(&producers[0], &consumer, case.tokens, skip, &c_blocks, &[])
+            .unwrap();
     prop_assert_eq!(alone.as_ref(), planned.permute());
     // The consumer can tell its writers from the producer's TP size alone.
     if case.tokens > skip {
@@ -659,6 +663,8 @@ fn a_layer_range_beyond_the_model_is_refused() {
         producer_blocks: &blocks,
         consumer_blocks: &blocks,
         only_producer: None,
+        producer_groups: &[],
+        consumer_groups: &[],
     };
     for layers in [0..3, 2..3] {
         assert_eq!(

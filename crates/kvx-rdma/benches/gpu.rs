@@ -534,6 +534,8 @@ fn kernel_rows(rows: &mut Vec<Row>) -> Res<()> {
         producer_blocks: &pblocks,
         consumer_blocks: &cblocks,
         only_producer: None,
+        producer_groups: &[],
+        consumer_groups: &[],
     })?;
     let src = Arc::new(DeviceBuffer::new(&gpu, producer.region_len())?);
     let dst = Arc::new(DeviceBuffer::new(&gpu, consumer.region_len())?);

@@ -201,7 +201,7 @@ fn child_role() {
             let cblocks = blocks(&consumer, s.num_tokens);
             let producers = s.producers();
             if let Some(permute) =
-                kvx_layout::permute_for(&producers[0], &consumer, s.num_tokens, 0, &cblocks)
+                kvx_layout::permute_for(&producers[0], &consumer, s.num_tokens, 0, &cblocks, &[])
                     .expect("permute plan")
             {
                 let mut kernels = LayoutKernels::new(&gpu).expect("kernels");
@@ -260,6 +260,8 @@ fn child_role() {
                     producer_blocks: &pblocks,
                     consumer_blocks: &blocks(&consumer, s.num_tokens),
                     only_producer: Some(Rank(rank)),
+                    producer_groups: &[],
+                    consumer_groups: &[],
                 })
                 .expect("plan");
                 let ops = plan.ops_for(Rank(rank));

@@ -245,6 +245,8 @@ fn nixl_moves_gpu_memory_between_processes() {
         producer_blocks: &pblocks,
         consumer_blocks: &blocks(false),
         only_producer: None,
+        producer_groups: &[],
+        consumer_groups: &[],
     })
     .expect("plan");
     let op = transport

@@ -110,6 +110,8 @@ fn the_plan() -> Vec<CopyOp> {
         producer_blocks: &producer_blocks(),
         consumer_blocks: &consumer_blocks(),
         only_producer: None,
+        producer_groups: &[],
+        consumer_groups: &[],
     })
     .unwrap()
     .into_ops()

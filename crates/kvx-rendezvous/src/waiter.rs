@@ -184,6 +184,14 @@ impl<D> Waiter<D> {
             .map(|wait| &wait.payload)
     }
 
+    /// The payload of `key`, to change, if that attempt is waited for.
+    pub fn payload_mut(&mut self, key: AttemptKey) -> Option<&mut D> {
+        self.waits
+            .get_mut(&key.transfer)
+            .filter(|wait| wait.attempt == key.attempt)
+            .map(|wait| &mut wait.payload)
+    }
+
     /// Every attempt waited for with its deadline (O(n), for metrics and tests).
     pub fn entries(&self) -> impl Iterator<Item = (AttemptKey, Timestamp)> + '_ {
         self.waits

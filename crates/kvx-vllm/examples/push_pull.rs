@@ -143,6 +143,7 @@ fn main() -> Result<(), Box<dyn Error>> {
     let key = AttemptKey::new(TransferId(1), Attempt::FIRST);
     let tokens = 40;
     consumer.request_allocated(PushRequest {
+        groups: Vec::new(),
         key,
         request: RequestId(10),
         prefill: producer.control_addr(),
@@ -165,7 +166,9 @@ fn main() -> Result<(), Box<dyn Error>> {
     fill(&ids(8..10), tokens);
     producer.request_finished_pull(key, RequestId(2), ids(8..10), tokens)?;
     consumer.pull(PullRequest {
+        producer_groups: Vec::new(),
         push: PushRequest {
+            groups: Vec::new(),
             key,
             request: RequestId(11),
             prefill: producer.control_addr(),

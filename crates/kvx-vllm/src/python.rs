@@ -17,8 +17,8 @@ use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
 use kvx_core::{
-    Arrangement, Attempt, BlockId, Dtype, EngineId, LayoutSpec, MemoryKind, MemoryOrder, RequestId,
-    TransferId,
+    Arrangement, Attempt, BlockId, Dtype, EngineId, GroupBlocks, LayoutSpec, MemoryKind,
+    MemoryOrder, RequestBlocks, RequestId, TransferId,
 };
 use kvx_rdma::region::LocalRegion;
 use kvx_rdma::topology::RailOverrides;
@@ -75,6 +75,39 @@ fn blocks(ids: Vec<i64>) -> PyResult<Vec<BlockId>> {
             u32::try_from(b)
                 .map(BlockId)
                 .map_err(|_| value_err(format!("block id {b} out of range")))
+        })
+        .collect()
+}
+
+/// Which side a hybrid model's further KV cache groups are given for.
+#[derive(Clone, Copy)]
+enum GroupSide {
+    /// The blocks hold the group's tokens from `first_token` on (whole units from there).
+    Held,
+    /// The tokens from `first_token` on are wanted (every unit that has one of them).
+    Wanted,
+}
+
+/// A hybrid model's further KV cache groups, `(first_token, block_ids)` each, `first_token` in
+/// engine tokens, converted to units of `unit` tokens.
+fn groups(
+    groups: Option<Vec<(u64, Vec<i64>)>>,
+    unit: u64,
+    side: GroupSide,
+) -> PyResult<Vec<GroupBlocks>> {
+    groups
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(first, ids)| {
+            let first = match side {
+                GroupSide::Held => first.div_ceil(unit),
+                GroupSide::Wanted => first / unit,
+            };
+            Ok(GroupBlocks {
+                first_token: u32::try_from(first)
+                    .map_err(|_| value_err(format!("first token {first} out of range")))?,
+                blocks: blocks(ids)?,
+            })
         })
         .collect()
 }
@@ -321,14 +354,15 @@ impl PyProducer {
         &self,
         transfer_id: &str,
         block_ids: Vec<i64>,
+        further: Option<Vec<(u64, Vec<i64>)>>,
         num_tokens: u64,
         attempt: u32,
-    ) -> PyResult<(AttemptKey, Vec<BlockId>, u64)> {
-        Ok((
-            key(transfer_id, attempt),
-            blocks(block_ids)?,
-            self.tokens(num_tokens),
-        ))
+    ) -> PyResult<(AttemptKey, RequestBlocks, u64)> {
+        let blocks = RequestBlocks {
+            blocks: blocks(block_ids)?,
+            groups: groups(further, self.token_unit, GroupSide::Held)?,
+        };
+        Ok((key(transfer_id, attempt), blocks, self.tokens(num_tokens)))
     }
 
     fn finished(
@@ -336,12 +370,13 @@ impl PyProducer {
         transfer_id: &str,
         request_id: &str,
         block_ids: Vec<i64>,
+        groups: Option<Vec<(u64, Vec<i64>)>>,
         num_tokens: u64,
         attempt: u32,
         pull: bool,
     ) -> PyResult<()> {
         let (key, blocks, tokens) =
-            self.request_args(transfer_id, block_ids, num_tokens, attempt)?;
+            self.request_args(transfer_id, block_ids, groups, num_tokens, attempt)?;
         let request = self.names.insert(request_id);
         let sent = self.with(|p| {
             if pull {
@@ -436,7 +471,7 @@ impl PyProducer {
 
     /// Prefill finished the request (push): its blocks are held until decode's registration
     /// arrives, then written; they come back through `take_finished`.
-    #[pyo3(signature = (transfer_id, request_id, block_ids, num_tokens, attempt = 0))]
+    #[pyo3(signature = (transfer_id, request_id, block_ids, num_tokens, attempt = 0, groups = None))]
     fn request_finished(
         &self,
         transfer_id: &str,
@@ -444,11 +479,13 @@ impl PyProducer {
         block_ids: Vec<i64>,
         num_tokens: u64,
         attempt: u32,
+        groups: Option<Vec<(u64, Vec<i64>)>>,
     ) -> PyResult<()> {
         self.finished(
             transfer_id,
             request_id,
             block_ids,
+            groups,
             num_tokens,
             attempt,
             false,
@@ -459,7 +496,7 @@ impl PyProducer {
     /// finish the request with these tokens: it is written, and decode told, as soon as decode
     /// has registered. The blocks stay the engine's until `request_finished` for the same
     /// request, which must follow (or `abort`); `take_finished` reports them only after it.
-    #[pyo3(signature = (transfer_id, request_id, block_ids, num_tokens, attempt = 0))]
+    #[pyo3(signature = (transfer_id, request_id, block_ids, num_tokens, attempt = 0, groups = None))]
     fn request_sealed(
         &self,
         transfer_id: &str,
@@ -467,9 +504,10 @@ impl PyProducer {
         block_ids: Vec<i64>,
         num_tokens: u64,
         attempt: u32,
+        groups: Option<Vec<(u64, Vec<i64>)>>,
     ) -> PyResult<()> {
         let (key, blocks, tokens) =
-            self.request_args(transfer_id, block_ids, num_tokens, attempt)?;
+            self.request_args(transfer_id, block_ids, groups, num_tokens, attempt)?;
         // Named when the request finishes: an aborted one never is, and leaves no name here.
         let request = RequestId::from_str_hash(request_id);
         self.with(|p| p.request_sealed(key, request, blocks, tokens))?
@@ -501,7 +539,7 @@ impl PyProducer {
     }
 
     /// Prefill finished the request (pull): its blocks are held until decode has read them.
-    #[pyo3(signature = (transfer_id, request_id, block_ids, num_tokens, attempt = 0))]
+    #[pyo3(signature = (transfer_id, request_id, block_ids, num_tokens, attempt = 0, groups = None))]
     fn request_finished_pull(
         &self,
         transfer_id: &str,
@@ -509,11 +547,13 @@ impl PyProducer {
         block_ids: Vec<i64>,
         num_tokens: u64,
         attempt: u32,
+        groups: Option<Vec<(u64, Vec<i64>)>>,
     ) -> PyResult<()> {
         self.finished(
             transfer_id,
             request_id,
             block_ids,
+            groups,
             num_tokens,
             attempt,
             true,
@@ -609,6 +649,7 @@ impl PyConsumer {
         num_tokens: u64,
         skip_tokens: u64,
         block_ids: Vec<i64>,
+        further: Option<Vec<(u64, Vec<i64>)>>,
         attempt: u32,
     ) -> PyResult<PushRequest> {
         if skip_tokens > num_tokens {
@@ -623,6 +664,7 @@ impl PyConsumer {
             )));
         }
         Ok(PushRequest {
+            groups: groups(further, self.token_unit, GroupSide::Wanted)?,
             key: key(transfer_id, attempt),
             request: RequestId::from_str_hash(request_id),
             prefill: parse_addr(prefill)?,
@@ -720,7 +762,7 @@ impl PyConsumer {
     /// registers them with the prefill instance whose rank 0 listens at `prefill`.
     /// `capability`: the router's (`kvx_capability`, and `kvx_prefill` as the router wrote it);
     /// `trace`: the request's W3C `traceparent` (`kvx_trace`; a malformed one is ignored).
-    #[pyo3(signature = (transfer_id, request_id, prefill, num_tokens, skip_tokens, block_ids, attempt = 0, capability = None, trace = None))]
+    #[pyo3(signature = (transfer_id, request_id, prefill, num_tokens, skip_tokens, block_ids, attempt = 0, capability = None, trace = None, groups = None))]
     #[allow(clippy::too_many_arguments)]
     fn request_allocated(
         &self,
@@ -733,6 +775,7 @@ impl PyConsumer {
         attempt: u32,
         capability: Option<(String, String)>,
         trace: Option<&str>,
+        groups: Option<Vec<(u64, Vec<i64>)>>,
     ) -> PyResult<()> {
         let mut r = self.push_request(
             transfer_id,
@@ -741,6 +784,7 @@ impl PyConsumer {
             num_tokens,
             skip_tokens,
             block_ids,
+            groups,
             attempt,
         )?;
         r.capability = parse_capability(capability)?;
@@ -750,7 +794,7 @@ impl PyConsumer {
 
     /// Reads a prefilled request's KV (pull): `producer_block_ids` are prefill's blocks, as its
     /// response's `kv_transfer_params` relayed them.
-    #[pyo3(signature = (transfer_id, request_id, prefill, num_tokens, skip_tokens, block_ids, producer_block_ids, attempt = 0, capability = None, trace = None))]
+    #[pyo3(signature = (transfer_id, request_id, prefill, num_tokens, skip_tokens, block_ids, producer_block_ids, attempt = 0, capability = None, trace = None, groups = None, producer_groups = None))]
     #[allow(clippy::too_many_arguments)]
     fn pull(
         &self,
@@ -764,6 +808,8 @@ impl PyConsumer {
         attempt: u32,
         capability: Option<(String, String)>,
         trace: Option<&str>,
+        groups: Option<Vec<(u64, Vec<i64>)>>,
+        producer_groups: Option<Vec<(u64, Vec<i64>)>>,
     ) -> PyResult<()> {
         let mut push = self.push_request(
             transfer_id,
@@ -772,11 +818,13 @@ impl PyConsumer {
             num_tokens,
             skip_tokens,
             block_ids,
+            groups,
             attempt,
         )?;
         push.capability = parse_capability(capability)?;
         push.trace = trace.and_then(|t| t.parse().ok());
         let r = PullRequest {
+            producer_groups: self::groups(producer_groups, self.token_unit, GroupSide::Held)?,
             push,
             producer_blocks: blocks(producer_block_ids)?,
         };

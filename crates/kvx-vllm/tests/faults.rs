@@ -605,6 +605,7 @@ fn run(seed: u64) {
         .collect();
 
     let request = |i: u32| PushRequest {
+        groups: Vec::new(),
         key: key(i),
         request: RequestId(u64::from(i)),
         prefill: relay.addr,
@@ -631,6 +632,7 @@ fn run(seed: u64) {
                 for (_, consumer) in &decode {
                     if plan.pull {
                         consumer.pull(PullRequest {
+                            producer_groups: Vec::new(),
                             push: request(i),
                             producer_blocks: blocks(i),
                         })

@@ -160,6 +160,7 @@ fn push_tp2_into_tp1(test: &str, transport: &str) {
     let key = AttemptKey::new(TransferId(4242), Attempt(0));
     consumer
         .request_allocated(PushRequest {
+            groups: Vec::new(),
             key,
             request: RequestId(5),
             prefill: base,

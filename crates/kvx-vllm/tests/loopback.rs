@@ -9,7 +9,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvx_core::{
-    Arrangement, Attempt, BlockId, Dtype, EngineId, LayoutSpec, MemoryOrder, RequestId, TransferId,
+    Arrangement, Attempt, BlockId, Dtype, EngineId, GroupBlocks, LayoutSpec, MemoryOrder,
+    RequestBlocks, RequestId, TransferId,
 };
 use kvx_layout::synth::{for_each_head_vector_in, head_vector};
 use kvx_rdma::loopback::LoopbackFabric;
@@ -173,6 +174,7 @@ fn register_request(
 ) {
     consumer
         .request_allocated(PushRequest {
+            groups: Vec::new(),
             key,
             request,
             prefill,
@@ -448,7 +450,9 @@ fn pull_reads_then_frees_the_producer_blocks() {
     }
     consumer
         .pull(PullRequest {
+            producer_groups: Vec::new(),
             push: PushRequest {
+                groups: Vec::new(),
                 key: key(5, 0),
                 request: RequestId(2),
                 prefill: pre.base,
@@ -718,7 +722,9 @@ fn a_router_cannot_abandon_a_pull_transfer_a_decode_reads() {
     let pull = |consumer: &Consumer| {
         consumer
             .pull(PullRequest {
+                producer_groups: Vec::new(),
                 push: PushRequest {
+                    groups: Vec::new(),
                     key: k,
                     request: RequestId(3),
                     prefill: pre.base,
@@ -782,6 +788,7 @@ fn preempted_request_reregisters_with_a_new_attempt() {
     let tokens = 12;
     pre.sides[0].fill(&ids(0..3), tokens);
     let request = |attempt, blocks: Vec<BlockId>| PushRequest {
+        groups: Vec::new(),
         key: key(6, attempt),
         request: RequestId(1),
         prefill: pre.base,
@@ -882,6 +889,7 @@ fn one_producer_two_consumers(pull: bool, registration_first: bool) {
     pre.sides[0].fill(&p_blocks, tokens);
     let k = key(11, 0);
     let request = PushRequest {
+        groups: Vec::new(),
         key: k,
         request: RequestId(3),
         prefill: pre.base,
@@ -896,6 +904,7 @@ fn one_producer_two_consumers(pull: bool, registration_first: bool) {
             if pull {
                 consumer
                     .pull(PullRequest {
+                        producer_groups: Vec::new(),
                         push: request.clone(),
                         producer_blocks: p_blocks.clone(),
                     })
@@ -1830,7 +1839,9 @@ fn a_lost_prefill_fails_a_pull_only_once_its_reads_ended() {
         .unwrap();
     consumer
         .pull(PullRequest {
+            producer_groups: Vec::new(),
             push: PushRequest {
+                groups: Vec::new(),
                 key: key(9, 0),
                 request: RequestId(2),
                 prefill: pre.base,
@@ -3230,6 +3241,7 @@ fn with_a_deployment_key_a_peer_without_it_gets_no_byte() {
     );
     consumer
         .request_allocated(PushRequest {
+            groups: Vec::new(),
             key: k,
             request: RequestId(1),
             prefill: pre.base,
@@ -3314,6 +3326,7 @@ fn a_decode_with_another_key_or_none_fails_naming_the_key() {
         });
         consumer
             .request_allocated(PushRequest {
+                groups: Vec::new(),
                 key: key(907, 0),
                 request: RequestId(1),
                 prefill: pre.base,
@@ -3410,7 +3423,9 @@ fn an_mla_prefill_rank_that_no_decode_rank_reads_gives_its_blocks_back_at_once()
     }
     consumer
         .pull(PullRequest {
+            producer_groups: Vec::new(),
             push: PushRequest {
+                groups: Vec::new(),
                 key: pulled,
                 request: RequestId(2),
                 prefill: base,
@@ -3476,4 +3491,127 @@ fn over_cma_the_known_peer_process_is_the_declared_tracer() {
         );
         std::thread::sleep(Duration::from_millis(5));
     }
+}
+
+/// A hybrid model's sliding-window group: prefill keeps it from token 16 (block 0 stands for
+/// the rest, as vLLM's null block), decode wants it from token 24. Pattern apart from the full
+/// group's, so that a block of the wrong group shows.
+const WINDOW_SEED: u64 = 0x51d1;
+
+fn window_group(first_token: u32, block_tokens: u32, first_block: u32) -> GroupBlocks {
+    let placeholders = first_token / block_tokens;
+    GroupBlocks {
+        first_token,
+        blocks: (0..40_u32.div_ceil(block_tokens))
+            .map(|i| BlockId(if i < placeholders { 0 } else { first_block + i }))
+            .collect(),
+    }
+}
+
+#[test]
+fn a_hybrid_models_further_group_lands_in_its_own_blocks_push_and_pull() {
+    let tokens = 37;
+    for pull in [false, true] {
+        let fabric = LoopbackFabric::new();
+        let pre = tp2_prefill(&fabric);
+        // Other block size and memory order than prefill's: the re-layout covers both groups.
+        let (dec, consumer) = decode(
+            &fabric,
+            spec(1, 0, 8, MemoryOrder::Nhd, Arrangement::PerLayerSplit),
+            LONG,
+        );
+        let (p_full, c_full) = (ids(10..20), ids(40..45));
+        let (p_window, c_window) = (window_group(16, 4, 24), window_group(24, 8, 50));
+        for side in &pre.sides {
+            side.fill(&p_full, tokens);
+            side.overwrite(&p_window.blocks, tokens, WINDOW_SEED);
+        }
+        let held = RequestBlocks {
+            blocks: p_full.clone(),
+            groups: vec![p_window.clone()],
+        };
+        let push = PushRequest {
+            groups: vec![c_window.clone()],
+            key: key(8, 0),
+            request: RequestId(2),
+            prefill: pre.base,
+            num_tokens: tokens,
+            skip_tokens: 0,
+            blocks: c_full.clone(),
+            capability: None,
+            trace: None,
+        };
+        for p in &pre.producers {
+            if pull {
+                p.request_finished_pull(key(8, 0), RequestId(1), held.clone(), tokens)
+            } else {
+                p.request_finished(key(8, 0), RequestId(1), held.clone(), tokens)
+            }
+            .unwrap();
+        }
+        if pull {
+            consumer.pull(PullRequest {
+                push,
+                producer_blocks: p_full.clone(),
+                producer_groups: vec![p_window.clone()],
+            })
+        } else {
+            consumer.request_allocated(push)
+        }
+        .unwrap();
+        expect_ready(&consumer, key(8, 0), RequestId(2));
+        dec.verify(&c_full, 0, tokens);
+        assert!(
+            dec.holds(&c_window.blocks, 24, tokens, WINDOW_SEED),
+            "pull {pull}"
+        );
+        // Nothing landed in decode's placeholder block (the tokens it does not keep).
+        for seed in [SEED, WINDOW_SEED] {
+            assert!(!dec.holds(&[BlockId(0)], 0, 1, seed));
+        }
+        for p in &pre.producers {
+            assert_eq!(wait_finished(p, 1)[0].outcome, SendOutcome::Sent);
+        }
+    }
+}
+
+#[test]
+fn a_group_whose_window_prefill_has_passed_fails_the_request_with_why() {
+    let fabric = LoopbackFabric::new();
+    let (pre, _dec, consumer) = simple_pair(&fabric);
+    let tokens = 37;
+    let (p_full, c_full) = (ids(10..20), ids(40..50));
+    pre.sides[0].fill(&p_full, tokens);
+    consumer
+        .request_allocated(PushRequest {
+            // Decode wants the window group from token 8; prefill keeps it from 16.
+            groups: vec![window_group(8, 4, 50)],
+            key: key(9, 0),
+            request: RequestId(2),
+            prefill: pre.base,
+            num_tokens: tokens,
+            skip_tokens: 0,
+            blocks: c_full,
+            capability: None,
+            trace: None,
+        })
+        .unwrap();
+    let held = RequestBlocks {
+        blocks: p_full,
+        groups: vec![window_group(16, 4, 24)],
+    };
+    pre.producers[0]
+        .request_finished(key(9, 0), RequestId(1), held, tokens)
+        .unwrap();
+    let events = wait_events(&consumer, 1);
+    assert!(
+        matches!(&events[0], RecvEvent::Failed { detail, .. }
+            if detail.contains("KV cache group 1") && detail.contains("from 16")),
+        "{events:?}"
+    );
+    assert_eq!(
+        wait_finished(&pre.producers[0], 1)[0].outcome,
+        SendOutcome::NotSent(Reason::TransferFailed)
+    );
+    assert_eq!(pre.producers[0].stats().held, 0);
 }

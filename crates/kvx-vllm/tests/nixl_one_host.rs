@@ -116,6 +116,7 @@ fn push_with_an_early_write_and_pull_between_a_loopback_prefill_and_an_unaddress
     let key = AttemptKey::new(TransferId(71), Attempt(0));
     consumer
         .request_allocated(PushRequest {
+            groups: Vec::new(),
             key,
             request: RequestId(1),
             prefill: listen,
@@ -151,7 +152,9 @@ fn push_with_an_early_write_and_pull_between_a_loopback_prefill_and_an_unaddress
         .unwrap();
     consumer
         .pull(PullRequest {
+            producer_groups: Vec::new(),
             push: PushRequest {
+                groups: Vec::new(),
                 key,
                 request: RequestId(2),
                 prefill: listen,

@@ -88,6 +88,7 @@ fn a_traced_request_exports_one_span_per_side_under_the_routers_trace() {
     producer.trace(key.transfer, trace).unwrap();
     consumer
         .request_allocated(PushRequest {
+            groups: Vec::new(),
             key,
             request: RequestId(1),
             prefill: producer.control_addr(),

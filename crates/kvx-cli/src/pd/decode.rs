@@ -506,6 +506,7 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
                 let capability = grant(key.transfer);
                 for consumer in &consumers {
                     consumer.request_allocated(PushRequest {
+                        groups: Vec::new(),
                         key,
                         request: RequestId(i as u64),
                         prefill: args.prefill,
@@ -572,7 +573,9 @@ pub(crate) fn run(args: &DecodeArgs) -> anyhow::Result<()> {
                 let capability = grant(key.transfer);
                 for consumer in &consumers {
                     consumer.pull(PullRequest {
+                        producer_groups: Vec::new(),
                         push: PushRequest {
+                            groups: Vec::new(),
                             key,
                             request: RequestId(index as u64),
                             prefill: args.prefill,

@@ -336,6 +336,7 @@ mod tests {
         let pushed = kvx_rendezvous::AttemptKey::new(kvx_core::TransferId(6), kvx_core::Attempt(0));
         consumer
             .request_allocated(kvx_vllm::PushRequest {
+                groups: Vec::new(),
                 key: pushed,
                 request: kvx_core::RequestId(2),
                 prefill: producer.control_addr(),

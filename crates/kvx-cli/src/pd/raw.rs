@@ -181,6 +181,8 @@ fn plan_at(
         producer_blocks: &producer_blocks,
         consumer_blocks: &consumer_blocks,
         only_producer: None,
+        producer_groups: &[],
+        consumer_groups: &[],
     })?;
     Ok((plan, producer_blocks))
 }

@@ -8,6 +8,7 @@ use super::messages::{
     Hello, Message, MessageKind, Registration, Role,
 };
 use super::{HEADER_LEN, MAGIC, MAX_PAYLOAD, MAX_STRING, MAX_TRANSPORT_ADDR, PROTOCOL_VERSION};
+use crate::blocks::{GroupBlocks, MAX_GROUPS};
 use crate::ids::{Attempt, BlockId, EngineId, Incarnation, Rank, RequestId, TransferId};
 use crate::layout::{Arrangement, Dtype, LayoutSpec, MemoryOrder};
 use crate::memory::{MemoryKind, RegionDesc};
@@ -377,6 +378,15 @@ impl Writer<'_> {
         self.out.extend_from_slice(&c.tag);
         Ok(())
     }
+    /// Block ids (their count written before), in one pass over room made once: no capacity
+    /// check per id.
+    fn block_ids(&mut self, blocks: &[BlockId]) {
+        let start = self.out.len();
+        self.out.resize(start + 4 * blocks.len(), 0);
+        for (slot, b) in self.out[start..].chunks_exact_mut(4).zip(blocks) {
+            slot.copy_from_slice(&b.0.to_le_bytes());
+        }
+    }
     fn registration(&mut self, m: &Registration) -> Result<(), EncodeError> {
         self.u128(m.transfer.0);
         self.u32(m.attempt.0);
@@ -391,11 +401,19 @@ impl Writer<'_> {
         // A list longer than u32::MAX items cannot fit MAX_PAYLOAD; the length check in `encode`
         // rejects it, so a saturated count here is never sent.
         self.u32(u32::try_from(m.blocks.len()).unwrap_or(u32::MAX));
-        // The ids in one pass over room made once: no capacity check per id.
-        let start = self.out.len();
-        self.out.resize(start + 4 * m.blocks.len(), 0);
-        for (slot, b) in self.out[start..].chunks_exact_mut(4).zip(&m.blocks) {
-            slot.copy_from_slice(&b.0.to_le_bytes());
+        self.block_ids(&m.blocks);
+        if m.groups.len() > MAX_GROUPS {
+            return Err(EncodeError::FieldTooLong {
+                field: "groups",
+                len: m.groups.len(),
+                max: MAX_GROUPS,
+            });
+        }
+        self.count(m.groups.len())?;
+        for group in &m.groups {
+            self.u32(group.first_token);
+            self.u32(u32::try_from(group.blocks.len()).unwrap_or(u32::MAX));
+            self.block_ids(&group.blocks);
         }
         self.capability(m.capability.as_ref())
     }
@@ -672,13 +690,30 @@ impl<'a> Reader<'a> {
         }
         let lease_ms = self.u32()?;
         let notice = self.u64()?;
-        let n = self.count("blocks", 4)?;
-        // `count` checked that the ids are there: one slice, read in one pass.
-        let blocks = self
-            .take(4 * n)?
-            .chunks_exact(4)
-            .map(|id| BlockId(u32::from_le_bytes([id[0], id[1], id[2], id[3]])))
-            .collect();
+        let blocks = self.block_ids("blocks")?;
+        let n = self.count("groups", 8)?;
+        if n > MAX_GROUPS {
+            return Err(DecodeError::FieldTooLong {
+                field: "groups",
+                len: n as u64,
+                max: MAX_GROUPS as u64,
+            });
+        }
+        let mut groups = Vec::with_capacity(n);
+        for _ in 0..n {
+            let first_token = self.u32()?;
+            if first_token > num_tokens {
+                return Err(DecodeError::InvalidField {
+                    field: "groups.first_token",
+                    value: u64::from(first_token),
+                });
+            }
+            let blocks = self.block_ids("groups.blocks")?;
+            groups.push(GroupBlocks {
+                first_token,
+                blocks,
+            });
+        }
         let capability = self.capability()?;
         Ok(Registration {
             transfer,
@@ -692,8 +727,19 @@ impl<'a> Reader<'a> {
             lease_ms,
             notice,
             blocks,
+            groups,
             capability,
         })
+    }
+    /// A counted list of block ids: `count` checks that they are there, then one slice is
+    /// read in one pass.
+    fn block_ids(&mut self, field: &'static str) -> Result<Vec<BlockId>, DecodeError> {
+        let n = self.count(field, 4)?;
+        Ok(self
+            .take(4 * n)?
+            .chunks_exact(4)
+            .map(|id| BlockId(u32::from_le_bytes([id[0], id[1], id[2], id[3]])))
+            .collect())
     }
     fn capability(&mut self) -> Result<Option<Capability>, DecodeError> {
         if !self.flag("capability.present")? {

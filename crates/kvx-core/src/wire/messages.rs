@@ -1,5 +1,6 @@
 //! The messages of the push protocol ([`Message`] and one type per kind) and their wire codes.
 
+use crate::blocks::GroupBlocks;
 use crate::ids::{Attempt, BlockId, EngineId, Incarnation, Rank, RequestId, TransferId};
 use crate::layout::{Arrangement, Dtype, LayoutSpec, MemoryOrder};
 use crate::memory::RegionDesc;
@@ -153,6 +154,9 @@ pub struct Registration {
     pub notice: u64,
     /// Destination blocks, in token order, covering tokens from 0.
     pub blocks: Vec<BlockId>,
+    /// Destination blocks of the further KV cache groups of a hybrid model (none for a model
+    /// of one group), at most [`MAX_GROUPS`](crate::MAX_GROUPS).
+    pub groups: Vec<GroupBlocks>,
     /// The router's grant for this transfer (required by a producer that has a deployment
     /// key).
     pub capability: Option<Capability>,

@@ -23,7 +23,7 @@ pub use messages::{
 };
 
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u8 = 6;
+pub const PROTOCOL_VERSION: u8 = 7;
 /// The frame magic.
 pub const MAGIC: [u8; 2] = *b"KX";
 /// Bytes in a frame header.

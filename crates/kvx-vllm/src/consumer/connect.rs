@@ -257,8 +257,8 @@ impl Driver {
             Ok(missing) if missing.is_empty() => {
                 let connecting = self.connecting.remove(&instance).unwrap_or_default();
                 self.tell_abandoned(instance, &connecting.abandons);
-                for (request, producer_blocks) in connecting.queued {
-                    self.begin(request, producer_blocks);
+                for (request, pull) in connecting.queued {
+                    self.begin(request, pull);
                 }
             }
             Ok(missing) => {
@@ -307,7 +307,7 @@ impl Driver {
     pub(super) fn take_queued(
         &mut self,
         pick: impl Fn(&PushRequest) -> bool,
-    ) -> Vec<(PushRequest, Option<Vec<BlockId>>)> {
+    ) -> Vec<(PushRequest, Option<PullSource>)> {
         let mut taken = Vec::new();
         for connecting in self.connecting.values_mut() {
             let (out, kept) = std::mem::take(&mut connecting.queued)
@@ -359,6 +359,11 @@ impl Driver {
                 // its notice will not come.
                 self.notices
                     .retain(|_, (k, rank)| !(*k == key && *rank == f.rank));
+                if let Some(waiting) = self.waiter.payload_mut(key) {
+                    if waiting.cause.is_none() && !f.detail.is_empty() {
+                        waiting.cause = Some(format!("producer rank {}: {}", f.rank.0, f.detail));
+                    }
+                }
                 self.waiter.failure(now, key, Reason::from_peer(f.reason));
             }
             Message::Held(h) if h.producer_rank == rank => {

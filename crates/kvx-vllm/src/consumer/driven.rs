@@ -201,7 +201,13 @@ impl Driver {
     pub(super) fn handle(&mut self, command: Command) {
         match command {
             Command::Push(request) => self.start(request, None),
-            Command::Pull(request) => self.start(request.push, Some(request.producer_blocks)),
+            Command::Pull(request) => {
+                let source = PullSource {
+                    blocks: request.producer_blocks,
+                    groups: request.producer_groups,
+                };
+                self.start(request.push, Some(source));
+            }
             Command::Cancel { transfer, attempt } => {
                 let now = self.clock.now();
                 self.waiter.cancel(now, transfer, attempt, Reason::Aborted);

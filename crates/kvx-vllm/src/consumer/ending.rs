@@ -155,6 +155,7 @@ impl Driver {
             notices: payload.notices,
             reads,
             lost,
+            cause: payload.cause,
             bound,
             deadline: self.clock.now() + bound,
         };
@@ -215,7 +216,7 @@ impl Driver {
         }
         self.reads.retain(|_, (k, _)| *k != key);
         self.unheld.retain(|(k, _), _| *k != key);
-        let detail = if q.quiet() {
+        let unconfirmed = if q.quiet() {
             String::new()
         } else {
             self.stats
@@ -232,6 +233,11 @@ impl Driver {
                 "released after {:?} without confirmation from producer ranks {:?} ({} reads in flight)",
                 q.bound, q.ranks, q.reads
             )
+        };
+        let detail = match (q.cause, unconfirmed.is_empty()) {
+            (Some(cause), true) => cause,
+            (Some(cause), false) => format!("{cause}; {unconfirmed}"),
+            (None, _) => unconfirmed,
         };
         self.push_event(RecvEvent::Failed {
             key,

@@ -105,6 +105,7 @@ pub fn session(data: &[u8]) {
                     let request = RequestId(pushed.len() as u64 + 1);
                     pushed.insert(key, request);
                     Command::Push(PushRequest {
+                        groups: Vec::new(),
                         key,
                         request,
                         prefill: INSTANCE,

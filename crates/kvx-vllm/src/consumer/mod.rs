@@ -13,7 +13,7 @@ use std::time::{Duration, Instant, SystemTime};
 use kvx_core::wire::{
     Abort, Capability, Claim, Completion, Heartbeat, Hello, Message, Registration, Role,
 };
-use kvx_core::{Attempt, BlockId, Rank, RequestId, TransferId};
+use kvx_core::{Attempt, BlockId, GroupBlocks, Rank, RequestId, TransferId};
 use kvx_layout::{permute_for, plan, writers_for, Layout, PermutePlan, PlanError, PlanRequest};
 use kvx_rdma::local_peer::{Process, TracerLeave};
 use kvx_rdma::region::LocalRegion;
@@ -57,6 +57,9 @@ pub struct PushRequest {
     pub skip_tokens: u64,
     /// Decode's blocks for the request, in token order from token 0.
     pub blocks: Vec<BlockId>,
+    /// Decode's blocks in the further KV cache groups of a hybrid model (none for a model of
+    /// one group; as many as prefill's).
+    pub groups: Vec<GroupBlocks>,
     /// The router's grant for the transfer (`kvx_capability`): checked here before any
     /// connection, then sent with the registration. Required where this side has a deployment
     /// key.
@@ -73,6 +76,15 @@ pub struct PullRequest {
     pub push: PushRequest,
     /// The prefill's block ids for the request, relayed by the router.
     pub producer_blocks: Vec<BlockId>,
+    /// The prefill's blocks in the further KV cache groups, relayed likewise.
+    pub producer_groups: Vec<GroupBlocks>,
+}
+
+/// Where a pull reads from: the prefill's blocks, relayed by the router.
+#[derive(Debug)]
+struct PullSource {
+    blocks: Vec<BlockId>,
+    groups: Vec<GroupBlocks>,
 }
 
 /// What became of a request the consumer waited for.
@@ -130,7 +142,7 @@ enum Command {
 #[derive(Default)]
 struct Connecting {
     ranks: HashSet<Rank>,
-    queued: Vec<(PushRequest, Option<Vec<BlockId>>)>,
+    queued: Vec<(PushRequest, Option<PullSource>)>,
     /// Transfers the engine dropped before registering them, to tell every rank about once
     /// connected (see [`Consumer::abandon`]).
     abandons: Vec<(TransferId, Option<Capability>)>,
@@ -185,6 +197,8 @@ struct Waiting {
     capability: Option<Capability>,
     /// The request's `kvx.receive` span (disabled without a trace): it ends with the request.
     span: tracing::Span,
+    /// What a producer rank said when it failed the request, for the engine's event.
+    cause: Option<String>,
 }
 
 /// A failed request whose blocks a write may still reach: push, a producer rank that has
@@ -203,6 +217,8 @@ struct Quiescing {
     /// `deadline`. A lost connection alone never ends the wait: the process may live on (a
     /// network fault, a connection it closed) with its writes posted.
     lost: HashMap<Rank, Option<Process>>,
+    /// What a producer rank said when it failed the request.
+    cause: Option<String>,
     /// How long it waits at most, from the failure.
     bound: Duration,
     deadline: Timestamp,

@@ -207,6 +207,7 @@ fn push_request(
     capability: Option<Capability>,
 ) -> PushRequest {
     PushRequest {
+        groups: Vec::new(),
         key,
         request: RequestId(9),
         prefill: INSTANCE,
@@ -644,6 +645,7 @@ fn a_pull_is_ready_only_once_prefill_says_it_held_the_blocks() {
         let mut sim = Sim::new(Duration::from_secs(60), Duration::from_secs(1));
         let k = key(40);
         sim.command(Command::Pull(PullRequest {
+            producer_groups: Vec::new(),
             push: push_request(k, 8, ids(0..2), None),
             producer_blocks: ids(4..6),
         }));

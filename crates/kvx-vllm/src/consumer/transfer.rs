@@ -19,7 +19,7 @@ pub(super) enum Unreachable {
 }
 
 impl Driver {
-    pub(super) fn start(&mut self, request: PushRequest, producer_blocks: Option<Vec<BlockId>>) {
+    pub(super) fn start(&mut self, request: PushRequest, pull: Option<PullSource>) {
         if let Err(detail) = self.may_reach(
             request.prefill,
             request.key.transfer,
@@ -46,7 +46,7 @@ impl Driver {
         let instance = request.prefill;
         let missing = match self.missing_ranks(instance) {
             Ok(missing) if missing.is_empty() => {
-                self.begin(request, producer_blocks);
+                self.begin(request, pull);
                 return;
             }
             Ok(missing) => missing,
@@ -56,14 +56,14 @@ impl Driver {
             }
         };
         match self.connect_ranks(instance, missing) {
-            Ok(connecting) => connecting.queued.push((request, producer_blocks)),
+            Ok(connecting) => connecting.queued.push((request, pull)),
             Err(detail) => self.refuse(&request, Reason::PeerFailed, detail.to_string()),
         }
     }
 
     /// Registers (push) or reads (pull) a request whose prefill instance is connected.
-    pub(super) fn begin(&mut self, request: PushRequest, producer_blocks: Option<Vec<BlockId>>) {
-        if let Err(detail) = self.try_start(&request, producer_blocks) {
+    pub(super) fn begin(&mut self, request: PushRequest, pull: Option<PullSource>) {
+        if let Err(detail) = self.try_start(&request, pull) {
             self.refuse(&request, Reason::PeerFailed, detail.to_string());
         }
     }
@@ -161,7 +161,7 @@ impl Driver {
     pub(super) fn try_start(
         &mut self,
         request: &PushRequest,
-        producer_blocks: Option<Vec<BlockId>>,
+        source: Option<PullSource>,
     ) -> Result<(), TransferError> {
         let now = self.clock.now();
         let key = request.key;
@@ -178,12 +178,14 @@ impl Driver {
             request.num_tokens,
             request.skip_tokens,
             &request.blocks,
+            &request.groups,
         )?;
         if permute.is_some() && !self.can_permute() {
             return Err(TransferError::CannotReLayout);
         }
-        let pull = producer_blocks.is_some();
+        let pull = source.is_some();
         let mut waiting = Waiting {
+            cause: None,
             request: request.request,
             registered: now,
             instance,
@@ -204,8 +206,8 @@ impl Driver {
         // silent (a driver stuck, a peer that answers TCP but no longer this protocol) goes
         // long before decode's own lease would end.
         let producer_lease = lease.min(self.config.heartbeat_interval * HEARTBEATS_PER_LEASE);
-        if let Some(producer_blocks) = producer_blocks {
-            if let Err(detail) = self.post_reads(request, &producer_blocks, &writers) {
+        if let Some(source) = source {
+            if let Err(detail) = self.post_reads(request, &source, &writers) {
                 if !self.reads.values().any(|(k, _)| *k == key) {
                     return Err(detail);
                 }
@@ -261,6 +263,7 @@ impl Driver {
                     lease_ms: u32::try_from(producer_lease.as_millis()).unwrap_or(u32::MAX),
                     notice,
                     blocks: request.blocks.clone(),
+                    groups: request.groups.clone(),
                     capability: request.capability.clone(),
                 });
                 // Never blocks (the engine thread may be the caller): a full send buffer
@@ -356,7 +359,7 @@ impl Driver {
     pub(super) fn post_reads(
         &mut self,
         request: &PushRequest,
-        producer_blocks: &[BlockId],
+        source: &PullSource,
         writers: &[Rank],
     ) -> Result<(), TransferError> {
         let instance = request.prefill;
@@ -382,9 +385,11 @@ impl Driver {
             consumer: &self.layout,
             num_tokens: request.num_tokens,
             skip_tokens: request.skip_tokens,
-            producer_blocks,
+            producer_blocks: &source.blocks,
             consumer_blocks: &request.blocks,
             only_producer: None,
+            producer_groups: &source.groups,
+            consumer_groups: &request.groups,
         })?;
         for &rank in writers {
             let peer = self.instances[&instance].ranks[&rank]

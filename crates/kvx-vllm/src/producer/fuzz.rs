@@ -99,6 +99,7 @@ pub fn session(data: &[u8]) {
                 let num_tokens = u32::from(bytes.byte() % 70);
                 let shape = bytes.byte();
                 Some(peer_says(Message::Registration(Registration {
+                    groups: Vec::new(),
                     transfer: key.transfer,
                     attempt: key.attempt,
                     request: RequestId(u64::from(bytes.byte())),

@@ -383,7 +383,7 @@ impl Driver {
                 dest.skip_tokens.max(written).min(tokens)..tokens
             })
             .collect();
-        let (ops, bytes) = plan_by_layer(
+        let (mut ops, mut bytes) = plan_by_layer(
             &self.layout,
             &consumer.layout,
             &held.blocks,
@@ -391,6 +391,29 @@ impl Driver {
             &ranges,
         )
         .map_err(|source| TransferError::PlanOf { key, source })?;
+        // A hybrid model's further KV cache groups move whole here (early writes move the
+        // first group's tokens only).
+        let whole = PlanRequest {
+            producers: std::slice::from_ref(&self.layout),
+            consumer: &consumer.layout,
+            num_tokens: tokens,
+            skip_tokens: dest.skip_tokens.min(tokens),
+            producer_blocks: &held.blocks,
+            consumer_blocks: &dest.blocks,
+            only_producer: Some(self.layout.rank()),
+            producer_groups: &held.groups,
+            consumer_groups: &dest.groups,
+        };
+        for group in 0..held.groups.len().max(dest.groups.len()) {
+            let planned = whole
+                .further_group(group)
+                .and_then(|alone| alone.map(|alone| plan(&alone)).transpose())
+                .map_err(|source| TransferError::PlanOf { key, source })?;
+            if let Some(planned) = planned {
+                bytes += planned.bytes();
+                ops.extend_from_slice(planned.ops());
+            }
+        }
         self.stats.bytes_written.fetch_add(bytes, Ordering::Relaxed);
         self.stats.ops_posted.fetch_add(1, Ordering::Relaxed);
         self.transport

@@ -14,8 +14,11 @@ use std::time::{Duration, SystemTime};
 use kvx_core::wire::{
     Capability, FailureNotice, Finishing, Heartbeat, Held, Hello, Message, Registration, Role,
 };
-use kvx_core::{Attempt, BlockId, EngineId, Incarnation, Rank, RequestId, TransferId};
-use kvx_layout::{plan_layers, CopyOp, Layout, PlanError, PlanRequest};
+use kvx_core::{
+    Attempt, BlockId, EngineId, GroupBlocks, Incarnation, Rank, RequestBlocks, RequestId,
+    TransferId,
+};
+use kvx_layout::{plan, plan_layers, CopyOp, Layout, PlanError, PlanRequest};
 use kvx_rdma::local_peer::{Process, TracerLeave};
 use kvx_rdma::transport::{Event, Notice, OpId, PeerId, Transport};
 use kvx_rendezvous::{
@@ -104,14 +107,18 @@ enum Command {
 struct FinishedBlocks {
     request: RequestId,
     blocks: Vec<BlockId>,
+    /// The further KV cache groups' blocks (a hybrid model's).
+    groups: Vec<GroupBlocks>,
     num_tokens: u64,
 }
 
 impl FinishedBlocks {
-    fn new(request: RequestId, blocks: Vec<BlockId>, num_tokens: u64) -> Self {
+    fn new(request: RequestId, blocks: impl Into<RequestBlocks>, num_tokens: u64) -> Self {
+        let blocks = blocks.into();
         Self {
             request,
-            blocks,
+            blocks: blocks.blocks,
+            groups: blocks.groups,
             num_tokens,
         }
     }
@@ -123,6 +130,7 @@ struct Dest {
     /// The transfer as the consumer knows it.
     key: AttemptKey,
     blocks: Vec<BlockId>,
+    groups: Vec<GroupBlocks>,
     num_tokens: u64,
     skip_tokens: u64,
     notice: u64,
@@ -390,7 +398,7 @@ impl Producer {
         &self,
         key: AttemptKey,
         request: RequestId,
-        blocks: Vec<BlockId>,
+        blocks: impl Into<RequestBlocks>,
         num_tokens: u64,
     ) -> Result<(), Closed> {
         self.send(Command::Finished {
@@ -419,7 +427,7 @@ impl Producer {
         &self,
         key: AttemptKey,
         request: RequestId,
-        blocks: Vec<BlockId>,
+        blocks: impl Into<RequestBlocks>,
         num_tokens: u64,
     ) -> Result<(), Closed> {
         self.send(Command::Sealed {
@@ -488,7 +496,7 @@ impl Producer {
         &self,
         key: AttemptKey,
         request: RequestId,
-        blocks: Vec<BlockId>,
+        blocks: impl Into<RequestBlocks>,
         num_tokens: u64,
     ) -> Result<(), Closed> {
         self.send(Command::Finished {

@@ -24,25 +24,34 @@ fn check_destination(layout: &Layout, reg: &Registration) -> Result<(), BadDesti
             connection: layout.rank(),
         });
     }
-    let needed = u64::from(reg.num_tokens).div_ceil(u64::from(layout.spec().block_tokens));
-    if (reg.blocks.len() as u64) < needed {
+    check_blocks(layout, reg.num_tokens, &reg.blocks)?;
+    for group in &reg.groups {
+        check_blocks(layout, reg.num_tokens, &group.blocks)?;
+    }
+    Ok(())
+}
+
+/// Checks one KV cache group's blocks of a registration for `tokens` tokens.
+fn check_blocks(layout: &Layout, tokens: u32, blocks: &[BlockId]) -> Result<(), BadDestination> {
+    let needed = u64::from(tokens).div_ceil(u64::from(layout.spec().block_tokens));
+    if (blocks.len() as u64) < needed {
         return Err(BadDestination::TooFewBlocks {
-            blocks: reg.blocks.len(),
-            tokens: reg.num_tokens,
+            blocks: blocks.len(),
+            tokens,
         });
     }
     // What a registration may hold is bounded by what its tokens need (an engine may register
     // a few blocks it allocated ahead, never many), and its tokens by the consumer's cache.
     if needed > u64::from(layout.spec().num_blocks)
-        || reg.blocks.len() as u64 > 2 * needed + SPARE_BLOCKS
+        || blocks.len() as u64 > 2 * needed + SPARE_BLOCKS
     {
         return Err(BadDestination::TooManyBlocks {
-            blocks: reg.blocks.len(),
-            tokens: reg.num_tokens,
+            blocks: blocks.len(),
+            tokens,
             num_blocks: layout.spec().num_blocks,
         });
     }
-    if let Some(&block) = reg.blocks.iter().find(|b| b.0 >= layout.spec().num_blocks) {
+    if let Some(&block) = blocks.iter().find(|b| b.0 >= layout.spec().num_blocks) {
         return Err(BadDestination::BlockOutOfRange {
             block,
             num_blocks: layout.spec().num_blocks,
@@ -536,6 +545,7 @@ impl Driver {
                 conn,
                 key,
                 blocks: reg.blocks,
+                groups: reg.groups,
                 num_tokens: u64::from(reg.num_tokens),
                 skip_tokens: u64::from(reg.skip_tokens),
                 notice: reg.notice,

@@ -104,6 +104,7 @@ impl Sim {
         capability: Option<Capability>,
     ) {
         let registration = Message::Registration(Registration {
+            groups: Vec::new(),
             transfer: key.transfer,
             attempt: key.attempt,
             request: RequestId(7),
@@ -472,6 +473,7 @@ fn a_sealed_request_that_expired_is_reported_at_its_finish() {
 /// A registration `lease` long (as a decode with short heartbeats asks) for `key`.
 fn short_registration(sim: &Sim, key: AttemptKey, lease: Duration, notice: u64) -> Message {
     Message::Registration(Registration {
+        groups: Vec::new(),
         transfer: key.transfer,
         attempt: key.attempt,
         request: RequestId(7),

@@ -28,6 +28,8 @@ pub(super) fn plan_by_layer(
                     producer_blocks,
                     consumer_blocks,
                     only_producer: Some(producer.rank()),
+                    producer_groups: &[],
+                    consumer_groups: &[],
                 },
                 first as u32..end as u32,
             )?;
