@@ -12,6 +12,8 @@ The package, by role:
 * :mod:`kvx_vllm.scheduler`: the scheduler-role side, and the checks of ``kv_transfer_params``;
 * :mod:`kvx_vllm.worker`: the worker-role side, around this rank's native producer or consumer;
 * :mod:`kvx_vllm.metadata`: what the scheduler tells the workers each step;
+* :mod:`kvx_vllm.groups`: a hybrid model's KV cache groups (full attention beside sliding
+  window), as kvx moves them;
 * :mod:`kvx_vllm.stats`: kvx's counters in vLLM's connector stats;
 * :mod:`kvx_vllm.cpu_advice`: the start-up advice on CPU, and vLLM's CPU attention kernel.
 
@@ -21,7 +23,9 @@ Protocol with the router (``kvx proxy``), through ``kv_transfer_params``:
 * decode leg, push: ``{"do_remote_prefill": true, "kvx_transfer_id": T, "kvx_prefill": ADDR}``
   where ADDR is the prefill instance's kvx control address (its ``listen`` key);
 * decode leg, pull: the ``kv_transfer_params`` of prefill's response, which carry
-  ``kvx_transfer_id``, ``kvx_prefill``, ``kvx_remote_block_ids`` and ``kvx_num_tokens``.
+  ``kvx_transfer_id``, ``kvx_prefill``, ``kvx_remote_block_ids`` and ``kvx_num_tokens``
+  (and, for a hybrid model, ``kvx_remote_groups``: ``[first_token, block ids]`` per further
+  group).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 try:
@@ -64,7 +69,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-class _KvxConnector(KVConnectorBase_V1):
+class _KvxConnector(KVConnectorBase_V1, SupportsHMA):
     """Common part of the push and pull connectors."""
 
     _PULL = False
@@ -85,7 +90,7 @@ class _KvxConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._sched = _Scheduler(vllm_config, kv_cache_config, self._PULL)
         elif role == KVConnectorRole.WORKER:
-            self._worker = _Worker(vllm_config, self._PULL)
+            self._worker = _Worker(vllm_config, self._PULL, kv_cache_config)
         else:
             raise ValueError(f"unsupported connector role {role}")
 
@@ -116,6 +121,14 @@ class _KvxConnector(KVConnectorBase_V1):
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self._sched is not None
         return self._sched.request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """A hybrid model's request (several KV cache groups, vLLM's hybrid KV cache manager):
+        see :mod:`kvx_vllm.groups`."""
+        assert self._sched is not None
+        return self._sched.request_finished_all_groups(request, block_ids)
 
     def has_pending_push_work(self) -> bool:
         return self._sched is not None and self._sched.has_pending_work()

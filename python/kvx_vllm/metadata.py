@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from kvx_vllm.groups import NULL_BLOCK
+
 
 @dataclass
 class SendSpec:
@@ -16,6 +18,8 @@ class SendSpec:
     transfer_id: str
     block_ids: list[int]
     num_tokens: int
+    # A hybrid model's further KV cache groups: (first token kept, block ids) each.
+    groups: list[tuple[int, list[int]]] = field(default_factory=list)
 
 
 @dataclass
@@ -53,6 +57,10 @@ class RecvSpec:
     skip_tokens: int
     block_ids: list[int]
     producer_block_ids: list[int] | None = None
+    # A hybrid model's further KV cache groups: (first token wanted, block ids) each, and
+    # (pull) prefill's, (first token kept, block ids) each.
+    groups: list[tuple[int, list[int]]] = field(default_factory=list)
+    producer_groups: list[tuple[int, list[int]]] | None = None
     # Set when the request's kv_transfer_params were unusable: its load fails at once.
     error: str | None = None
     # Index in ``block_ids`` of the first block the load writes: those before it hold decode's
@@ -65,10 +73,14 @@ class RecvSpec:
 
     @property
     def loaded_block_ids(self) -> list[int]:
-        """The blocks this load writes: what a failed load reports to vLLM as load errors.
-        Never the prefix-cache hit before them: vLLM would cut back, or fail under the `fail`
-        policy, every other request sharing those blocks."""
-        return self.block_ids[self.loads_from:]
+        """The blocks this load writes, in every KV cache group: what a failed load reports to
+        vLLM as load errors. Never the prefix-cache hit before them (vLLM would cut back, or
+        fail under the `fail` policy, every other request sharing those blocks), nor vLLM's
+        null block, which a sliding-window group holds for the tokens before its window."""
+        out = self.block_ids[self.loads_from:]
+        for _, ids in self.groups:
+            out = out + [b for b in ids[self.loads_from:] if b != NULL_BLOCK]
+        return out
 
 
 @dataclass

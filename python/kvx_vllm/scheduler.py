@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.v1.request import RequestStatus
 
 from kvx_vllm.config import KvxConfig
+from kvx_vllm.groups import KvGroups, parse_groups
 from kvx_vllm.metadata import KvxConnectorMetadata, LayerSpec, ProgressSpec, RecvSpec, SendSpec
 from kvx_vllm.resolve import split
 
@@ -120,11 +121,8 @@ class _Scheduler:
         self.pull = pull
         self.cfg = KvxConfig.from_extra(ktc.kv_connector_extra_config)
         self.block_size = vllm_config.cache_config.block_size
-        groups = kv_cache_config.kv_cache_groups
-        if len(groups) != 1:
-            raise NotImplementedError(
-                f"kvx_vllm supports models with one KV cache group; this one has {len(groups)}"
-            )
+        # A hybrid model's groups (full attention beside sliding window): see kvx_vllm.groups.
+        self.groups = KvGroups.from_config(kv_cache_config, self.block_size)
         self.meta = KvxConnectorMetadata()
         # Prefill: requests whose blocks the producer holds (until finished_sending).
         self.held: set[str] = set()
@@ -164,9 +162,12 @@ class _Scheduler:
                 # Not streamed; request_finished says the same and keeps its KV here.
                 logger.warning("kvx: request %s: %s", request.request_id, e)
             else:
+                # Not a hybrid model's: its further groups' blocks are known only at the finish.
                 one_token = (
                     request.request_id
-                    if self.cfg.seal and getattr(request, "max_tokens", None) == 1
+                    if self.cfg.seal
+                    and getattr(request, "max_tokens", None) == 1
+                    and not self.groups.hybrid
                     else None
                 )
                 self.computing.setdefault(
@@ -183,7 +184,13 @@ class _Scheduler:
             # for nobody.
             self._abandon(params)
             return
-        (block_ids,) = blocks.get_block_ids()
+        per_group = blocks.get_block_ids()
+        block_ids = self.groups.first(per_group)
+        groups = (
+            self.groups.wanted(per_group, self.block_size, request.num_prompt_tokens)
+            if self.groups.hybrid
+            else []
+        )
         # Tokens of decode's own prefix-cache hit: whole blocks, which the load skips.
         skip_tokens = request.num_prompt_tokens - num_external_tokens
         loads_from = skip_tokens // self.block_size
@@ -192,6 +199,11 @@ class _Scheduler:
                 params, self.pull, request.num_prompt_tokens
             )
             _capability(params)
+            producer_groups = None
+            if self.pull and self.groups.hybrid:
+                producer_groups = parse_groups(
+                    params.get("kvx_remote_groups"), len(self.groups.order) - 1
+                )
         except ValueError as e:
             # The worker reports the load failed, and vLLM fails or recomputes the request
             # per its kv_load_failure_policy.
@@ -203,6 +215,7 @@ class _Scheduler:
                     num_tokens=0,
                     skip_tokens=skip_tokens,
                     block_ids=list(block_ids),
+                    groups=groups,
                     error=f"bad kv_transfer_params: {e}",
                     loads_from=loads_from,
                 )
@@ -217,6 +230,8 @@ class _Scheduler:
                 skip_tokens=skip_tokens,
                 block_ids=list(block_ids),
                 producer_block_ids=producer_blocks,
+                groups=groups,
+                producer_groups=producer_groups,
                 loads_from=loads_from,
                 capability=_capability(params),
                 trace=_trace(params),
@@ -283,7 +298,7 @@ class _Scheduler:
         for new in out.scheduled_new_reqs:
             c = self.computing.get(new.req_id)
             if c is not None:
-                c.block_ids = [int(b) for b in new.block_ids[0]]
+                c.block_ids = [int(b) for b in new.block_ids[self.groups.first_index]]
                 c.pending = None
                 self._layered(c, new.num_computed_tokens, scheduled.get(new.req_id, 0))
         cached = out.scheduled_cached_reqs
@@ -293,12 +308,12 @@ class _Scheduler:
                 continue
             added = cached.new_block_ids[i]
             if rid in cached.resumed_req_ids:
-                c.block_ids = [int(b) for b in added[0]] if added else []
+                c.block_ids = [int(b) for b in added[self.groups.first_index]] if added else []
                 c.pending = None
                 self._layered(c, cached.num_computed_tokens[i], scheduled.get(rid, 0))
                 continue
             if added:
-                c.block_ids.extend(int(b) for b in added[0])
+                c.block_ids.extend(int(b) for b in added[self.groups.first_index])
             now = cached.num_computed_tokens[i]
             self._layered(c, now, scheduled.get(rid, 0))
             final = c.pending if self.async_scheduling else now
@@ -343,6 +358,12 @@ class _Scheduler:
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        """A model of one KV cache group (vLLM without its hybrid KV cache manager)."""
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, per_group: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params
         if not params:
             return False, None
@@ -371,18 +392,21 @@ class _Scheduler:
         # finishes the step's requests), it is still sent, and its blocks are freed only once
         # nothing reads them.
         sealed = computing is not None and computing.sealed
+        block_ids = self.groups.first(per_group)
         if (request.status not in _FINISHED_OK and not sealed) or not block_ids:
             # Aborted (or nothing computed): a registration that arrived must fail now rather
             # than at the end of its lease.
             self.meta.aborts.append(transfer_id)
             return False, None
         num_tokens = request.num_computed_tokens
+        groups = self.groups.held(per_group, self.block_size) if self.groups.hybrid else []
         self.meta.sends.append(
             SendSpec(
                 request_id=rid,
                 transfer_id=transfer_id,
-                block_ids=[int(b) for b in block_ids],
+                block_ids=block_ids,
                 num_tokens=num_tokens,
+                groups=groups,
             )
         )
         self.held.add(rid)
@@ -394,7 +418,9 @@ class _Scheduler:
         }
         if self.pull:
             out["kvx_prefill"] = self.cfg.listen
-            out["kvx_remote_block_ids"] = [int(b) for b in block_ids]
+            out["kvx_remote_block_ids"] = block_ids
+            if groups:
+                out["kvx_remote_groups"] = [[first, ids] for first, ids in groups]
         return True, out
 
     def has_pending_work(self) -> bool:

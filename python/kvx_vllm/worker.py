@@ -15,6 +15,7 @@ from kvx_vllm import _native
 from kvx_vllm.compat import KVConnectorTransferResults
 from kvx_vllm.config import KvxConfig, nixl_library, resolve_transport
 from kvx_vllm.cpu_advice import cpu_attention_kernel, cpu_executor_advice
+from kvx_vllm.groups import KvGroups
 from kvx_vllm.layout import CacheDescription, describe, ordered_layers
 from kvx_vllm.metadata import KvxConnectorMetadata, LayerSpec, RecvSpec
 from kvx_vllm.resolve import Resolver
@@ -40,14 +41,37 @@ def _granted(capability: str | None, prefill: str) -> tuple[str, str] | None:
     return None if capability is None else (capability, prefill)
 
 
+def _layer_index(kv_caches: dict[str, torch.Tensor], groups: KvGroups) -> dict[str, int]:
+    """Prefill, layer-wise reports: the kvx layer (cache tensor) of each layer name whose save
+    makes that tensor's share of kvx's first KV cache group final: every layer of a model of
+    one group; the first group's layers of a hybrid model (the other groups' layers share the
+    tensors, and their KV moves at the finish)."""
+    layers = ordered_layers(kv_caches)
+    if not groups.hybrid:
+        return {name: i for i, (name, _) in enumerate(layers)}
+    position = {t.data_ptr(): i for i, (_, t) in enumerate(layers)}
+    return {
+        name: position[t.data_ptr()]
+        for name, t in kv_caches.items()
+        if name in groups.first_layers
+    }
+
+
 class _Worker:
     """Worker-role state: this rank's native producer or consumer."""
 
-    def __init__(self, vllm_config: VllmConfig, pull: bool):
+    def __init__(self, vllm_config: VllmConfig, pull: bool, kv_cache_config: Any = None):
         ktc = vllm_config.kv_transfer_config
         assert ktc is not None
         self.vllm_config = vllm_config
         self.pull = pull
+        # A hybrid model's KV cache groups (kvx_vllm.groups); vLLM releases that give the
+        # worker no KVCacheConfig run models of one group.
+        self.groups = (
+            KvGroups.from_config(kv_cache_config, vllm_config.cache_config.block_size)
+            if kv_cache_config is not None
+            else KvGroups.single()
+        )
         self.cfg = KvxConfig.from_extra(ktc.kv_connector_extra_config)
         if ktc.kv_role not in ("kv_producer", "kv_consumer"):
             raise ValueError(
@@ -152,9 +176,7 @@ class _Worker:
             if not self.pull and self.cfg.stream and not on_gpu:
                 # Layer-wise reports need the layer's kernels to have finished when vLLM saves
                 # it: true of the host (CPU) forward pass, not of a GPU's asynchronous one.
-                self.layer_index = {
-                    name: i for i, (name, _) in enumerate(ordered_layers(kv_caches))
-                }
+                self.layer_index = _layer_index(kv_caches, self.groups)
         else:
             self.consumer = _native.Consumer(
                 self.engine_id, self.cache.layout, self.cache.regions, **common
@@ -192,14 +214,14 @@ class _Worker:
                 self.producer.request_progress(p.transfer_id, p.block_ids, p.computed)
             for s in meta.sends:
                 self.handed.add(s.request_id)
-                if self.pull:
-                    self.producer.request_finished_pull(
-                        s.transfer_id, s.request_id, s.block_ids, s.num_tokens
-                    )
-                else:
-                    self.producer.request_finished(
-                        s.transfer_id, s.request_id, s.block_ids, s.num_tokens
-                    )
+                finish = (
+                    self.producer.request_finished_pull
+                    if self.pull
+                    else self.producer.request_finished
+                )
+                # A hybrid model's further groups only: a plain request's call stays plain.
+                groups = {"groups": s.groups} if s.groups else {}
+                finish(s.transfer_id, s.request_id, s.block_ids, s.num_tokens, **groups)
         if self.consumer is not None:
             for r in meta.recvs:
                 if r.error is not None:
@@ -268,8 +290,12 @@ class _Worker:
 
     def _receive(self, r: RecvSpec, prefill: str) -> None:
         request = (r.transfer_id, r.request_id, prefill, r.num_tokens, r.skip_tokens, r.block_ids)
-        given = {"capability": _granted(r.capability, r.prefill), "trace": r.trace}
+        given: dict[str, Any] = {"capability": _granted(r.capability, r.prefill), "trace": r.trace}
+        if r.groups:
+            given["groups"] = r.groups
         if r.producer_block_ids is not None:
+            if r.producer_groups:
+                given["producer_groups"] = r.producer_groups
             self.consumer.pull(*request, r.producer_block_ids, **given)
         else:
             self.consumer.request_allocated(*request, **given)

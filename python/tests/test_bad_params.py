@@ -12,6 +12,7 @@ from types import SimpleNamespace as NS
 import pytest
 
 from kvx_vllm.config import KvxConfig
+from kvx_vllm.groups import KvGroups
 from kvx_vllm.metadata import KvxConnectorMetadata, RecvSpec
 from kvx_vllm.resolve import Resolver
 from kvx_vllm.scheduler import _Scheduler
@@ -27,6 +28,7 @@ def decode_scheduler(pull: bool) -> _Scheduler:
     s = _Scheduler.__new__(_Scheduler)
     s.pull = pull
     s.block_size = 16
+    s.groups = KvGroups.single()
     s.meta = KvxConnectorMetadata()
     s.held = set()
     s.waiting = {}

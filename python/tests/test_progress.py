@@ -12,6 +12,7 @@ from types import SimpleNamespace as NS
 import pytest
 
 from kvx_vllm.config import KvxConfig
+from kvx_vllm.groups import KvGroups
 from kvx_vllm.metadata import KvxConnectorMetadata, LayerSpec, ProgressSpec, SendSpec
 from kvx_vllm.scheduler import _Computing, _Scheduler
 from kvx_vllm.worker import _Worker
@@ -23,6 +24,7 @@ def scheduler(async_scheduling: bool) -> _Scheduler:
     s = _Scheduler.__new__(_Scheduler)
     s.pull = False
     s.block_size = BLOCK
+    s.groups = KvGroups.single()
     s.meta = KvxConnectorMetadata()
     s.held = set()
     s.waiting = {}
