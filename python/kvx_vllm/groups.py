@@ -8,10 +8,10 @@ the worker's caches are described once and each group moves through every one of
 kvx's first group is the first full-attention group (vLLM keeps its blocks until the request
 ends, so its tokens may be written early, while prefill computes); the others follow in vLLM's
 order and move when the request finishes. A sliding-window group holds vLLM's null block (id 0)
-for the tokens that left its window: prefill keeps the group from its first real block, and
-decode wants it from the first token its window reaches (``N - W + 1`` of an ``N``-token prompt
-and window ``W``, the rule vLLM's allocator keeps blocks by). A group of another kind
-(Mamba state, chunked local attention, cross attention) is refused at start.
+for the tokens that left its window (vLLM's allocator keeps the blocks from token ``N - W + 1``
+of an ``N``-token prompt and window ``W``, on both sides): each side keeps the group from its
+first real block, and kvx moves the tokens both keep. A group of another kind (Mamba state,
+chunked local attention, cross attention) is refused at start.
 """
 
 from __future__ import annotations
@@ -93,28 +93,14 @@ class KvGroups:
         """The first group's block ids out of vLLM's per-group tuple."""
         return [int(b) for b in block_ids[self.first_index]]
 
-    def held(self, block_ids: Sequence[Sequence[int]], block_size: int) -> list[Group]:
-        """Prefill: the further groups of a finished request, each kept from its first block
-        that is not vLLM's null block."""
+    def kept(self, block_ids: Sequence[Sequence[int]], block_size: int) -> list[Group]:
+        """The further groups of a request, each kept from its first block that is not vLLM's
+        null block (prefill: what its window still holds at the finish; decode: what its
+        allocator gave real blocks). kvx moves the tokens that both sides keep."""
         out = []
         for index in self.order[1:]:
             ids = [int(b) for b in block_ids[index]]
             out.append((_leading_nulls(ids) * block_size if self.windows[index] else 0, ids))
-        return out
-
-    def wanted(
-        self, block_ids: Sequence[Sequence[int]], block_size: int, num_tokens: int
-    ) -> list[Group]:
-        """Decode: the further groups of a request of ``num_tokens`` prompt tokens, each
-        wanted from the first token its window reaches (and never from a null block)."""
-        out = []
-        for index in self.order[1:]:
-            ids = [int(b) for b in block_ids[index]]
-            window = self.windows[index]
-            first = 0
-            if window:
-                first = max(_leading_nulls(ids) * block_size, num_tokens - window + 1, 0)
-            out.append((min(first, num_tokens), ids))
         return out
 
 

@@ -57,7 +57,7 @@ class RecvSpec:
     skip_tokens: int
     block_ids: list[int]
     producer_block_ids: list[int] | None = None
-    # A hybrid model's further KV cache groups: (first token wanted, block ids) each, and
+    # A hybrid model's further KV cache groups: (first token kept, block ids) each, and
     # (pull) prefill's, (first token kept, block ids) each.
     groups: list[tuple[int, list[int]]] = field(default_factory=list)
     producer_groups: list[tuple[int, list[int]]] | None = None

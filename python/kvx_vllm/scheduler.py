@@ -187,7 +187,7 @@ class _Scheduler:
         per_group = blocks.get_block_ids()
         block_ids = self.groups.first(per_group)
         groups = (
-            self.groups.wanted(per_group, self.block_size, request.num_prompt_tokens)
+            self.groups.kept(per_group, self.block_size)
             if self.groups.hybrid
             else []
         )
@@ -399,7 +399,7 @@ class _Scheduler:
             self.meta.aborts.append(transfer_id)
             return False, None
         num_tokens = request.num_computed_tokens
-        groups = self.groups.held(per_group, self.block_size) if self.groups.hybrid else []
+        groups = self.groups.kept(per_group, self.block_size) if self.groups.hybrid else []
         self.meta.sends.append(
             SendSpec(
                 request_id=rid,

@@ -193,6 +193,14 @@ class _Worker:
             where,
             self.transport,
         )
+        if self.groups.hybrid:
+            logger.info(
+                "kvx: %d KV cache groups; windows %s; group %d (full attention) first, the others "
+                "at each request's finish",
+                len(self.groups.order),
+                [w for w in self.groups.windows],
+                self.groups.first_index,
+            )
         if not on_gpu:
             executor = getattr(
                 self.vllm_config.parallel_config, "distributed_executor_backend", None

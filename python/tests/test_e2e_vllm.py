@@ -1380,3 +1380,69 @@ def test_failures_never_hang_and_never_leak(model, workdir, reference):
             s.kill()
         for sock in sockets:
             sock.close()
+
+
+HYBRID_WINDOW = 64
+
+
+def test_a_hybrid_models_groups_move_push_and_pull_and_match_a_single_instance(workdir):
+    """A model whose layers alternate a 64-token sliding window and full attention: vLLM's
+    hybrid KV cache manager keeps two KV cache groups, each layer of one sharing its cache
+    tensor with a layer of the other, and holds only the window's blocks of the sliding group.
+    Push and pull through the proxy give the greedy tokens and logprobs of one instance, decode
+    computes none of the prompt tokens itself, and the writer's bytes are exactly the full
+    group's tokens plus the window group's tokens from the first block both sides keep of it
+    (decode blocks of 64 tokens against prefill's 32)."""
+    from tiny_model import build
+
+    model = build(workdir / "hybrid-model", kv_heads=2, window=HYBRID_WINDOW)
+    server, url = start_vllm("reference-hybrid", model, workdir, prefix_caching=False)
+    try:
+        server.wait_ready()
+        want = {n: complete(url, prompt(n)) for n in PROMPT_WORDS}
+    finally:
+        server.kill()
+    # Per token and group: two cache tensors (each holds a layer of both groups), K and V,
+    # two heads of 32 float32s.
+    token_kv = 2 * 2 * 2 * 32 * 4
+    for mode in ("push", "pull"):
+        p, p_url, d, d_url, proxy, proxy_url = run_pair(mode, model, workdir, {},
+                                                        d_block=2 * BLOCK)
+        writer = p_url if mode == "push" else d_url
+        with running(p, d, proxy):
+            for s in (p, d, proxy):
+                s.wait_ready()
+            before = prompt_sources(d_url)
+            moved_before = metric_or_zero(writer, "vllm:kvx_bytes_written_total")
+            expected = 0
+            for n in PROMPT_WORDS:
+                got = complete(proxy_url, prompt(n))
+                assert_same(got, want[n], f"hybrid {mode}, {got['prompt_tokens']}-token prompt")
+                tokens = got["prompt_tokens"]
+                # vLLM keeps the window group's blocks from token N - W + 1 on each side (in
+                # blocks of 32 tokens on prefill, 64 on decode); kvx moves what both keep.
+                window_from = max(0, tokens - HYBRID_WINDOW + 1)
+                kept_from = max(window_from // BLOCK * BLOCK,
+                                window_from // (2 * BLOCK) * 2 * BLOCK)
+                expected += token_kv * (2 * tokens - kept_from)
+            after = prompt_sources(d_url)
+            delta = {k: after[k] - before[k] for k in after}
+            assert delta["local_compute"] == 0, (mode, delta)
+            assert delta["external_kv_transfer"] == sum(
+                want[n]["prompt_tokens"] for n in PROMPT_WORDS), (mode, delta)
+            # The workers report their counters at most once a second, at an engine step.
+            deadline = time.monotonic() + 30
+            while True:
+                moved = metric_or_zero(writer, "vllm:kvx_bytes_written_total") - moved_before
+                if moved == expected:
+                    break
+                assert time.monotonic() < deadline and moved < expected, (mode, moved, expected)
+                time.sleep(1.2)
+                http("POST", f"{writer}/v1/completions",
+                     {"model": "tiny", "prompt": "x", "max_tokens": 1}, timeout=60)
+            for base in (p_url, d_url):
+                assert metric(base, "vllm:kvx_transfers_failed_total") == 0, (mode, base)
+            for s in (p, d):
+                text = s.log.read_text(errors="replace")
+                assert "Traceback" not in text, s.tail()
+                assert "2 KV cache groups" in text, s.tail()

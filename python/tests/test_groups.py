@@ -47,11 +47,8 @@ def test_the_first_full_attention_group_goes_first_and_windows_keep_their_tokens
     # Prefill, 128 tokens: vLLM nulled the window group's first two blocks.
     ids = ([0, 0, 5, 6], [1, 2, 3, 4])
     assert g.first(ids) == [1, 2, 3, 4]
-    assert g.held(ids, BLOCK) == [(64, [0, 0, 5, 6])]
-    # Decode wants the window from token 128 - 64 + 1, never from a null block.
-    assert g.wanted(ids, BLOCK, 128) == [(65, [0, 0, 5, 6])]
-    assert g.wanted(([7, 8], [1, 2]), BLOCK, 40) == [(0, [7, 8])]
-    assert g.wanted(([0, 0, 0, 9], [1, 2, 3, 4]), BLOCK, 100) == [(96, [0, 0, 0, 9])]
+    assert g.kept(ids, BLOCK) == [(64, [0, 0, 5, 6])]
+    assert g.kept(([7, 8], [1, 2]), BLOCK) == [(0, [7, 8])]
     # A model of one group, and one without a full-attention group.
     assert not KvGroups.from_config(config(spec("FullAttentionSpec")), BLOCK).hybrid
     two_windows = KvGroups.from_config(
@@ -99,7 +96,7 @@ def test_decode_registers_every_group_and_reports_no_null_block_as_a_load_error(
     s.update_state_after_alloc(request, blocks, 128)
     (recv,) = s.build_connector_meta(NS(preempted_req_ids=set())).recvs
     assert recv.error is None
-    assert recv.block_ids == [1, 2, 3, 4] and recv.groups == [(65, [0, 0, 5, 6])]
+    assert recv.block_ids == [1, 2, 3, 4] and recv.groups == [(64, [0, 0, 5, 6])]
     assert recv.loaded_block_ids == [1, 2, 3, 4, 5, 6]
     # Pull needs prefill's groups relayed too: without them the load fails, naming why.
     s = hybrid_scheduler(pull=True)
@@ -134,16 +131,17 @@ def test_prefill_hands_over_every_group_and_relays_them_in_pull(pull):
 @pytest.mark.parametrize("pull", [False, True])
 def test_a_hybrid_request_moves_each_groups_tokens_into_its_own_blocks(pull):
     """Two cache tensors, each holding one layer of both groups (as vLLM shares them): the full
-    group's 128 tokens and the window group's tokens from 65 land in their own blocks; nothing
-    lands in decode's null block (0) or in the window group's tokens before its window."""
+    group's 128 tokens land in their blocks, and the window group's tokens from 64 (where
+    prefill keeps it; decode keeps it from 32) in its own; nothing lands in decode's null block
+    (0) or in the window group's tokens prefill no longer keeps."""
     heads, tokens = 2, 128
     p_caches = cpu_caches(2, 16, heads, BLOCK, fill=True)
     d_caches = cpu_caches(2, 16, heads, BLOCK, fill=False)
     producer, consumer, _, _ = start_pair(p_caches, d_caches, heads=heads, p_bs=BLOCK,
                                           d_bs=BLOCK, mode="exact")
     p_full, p_window = [7, 2, 9, 4], [0, 0, 12, 15]
-    d_full, d_window = [3, 11, 5, 8], [0, 0, 1, 14]
-    held, wanted = [(64, p_window)], [(65, d_window)]
+    d_full, d_window = [3, 11, 5, 8], [0, 13, 1, 14]
+    held, wanted = [(64, p_window)], [(32, d_window)]
     if pull:
         producer.request_finished_pull("t-1", "preq", p_full, tokens, groups=held)
         consumer.pull("t-1", "dreq", producer.control_addr, tokens, 0, d_full, p_full,
@@ -157,11 +155,10 @@ def test_a_hybrid_request_moves_each_groups_tokens_into_its_own_blocks(pull):
         for tok in range(tokens):
             want = token_kv(p_caches[name], p_full, BLOCK, tok)
             assert torch.equal(token_kv(d_caches[name], d_full, BLOCK, tok), want), tok
-        for tok in range(65, tokens):
+        for tok in range(64, tokens):
             want = token_kv(p_caches[name], p_window, BLOCK, tok)
             assert torch.equal(token_kv(d_caches[name], d_window, BLOCK, tok), want), tok
-        for tok in range(64, 65):
-            assert torch.count_nonzero(token_kv(d_caches[name], d_window, BLOCK, tok)) == 0
+        assert torch.count_nonzero(d_caches[name][13]) == 0
         assert torch.count_nonzero(d_caches[name][0]) == 0
     deadline = time.monotonic() + 5
     while producer.stats()["held"]:

@@ -1,8 +1,9 @@
 """Builds a tiny random Llama model (or, with ``mla``, a DeepSeek-V2-style model with multi-head
-latent attention) and a tiny trained tokenizer in a folder, for tests that run real vLLM without
+latent attention; with ``window``, a hybrid one whose layers alternate sliding-window and full
+attention) and a tiny trained tokenizer in a folder, for tests that run real vLLM without
 downloading anything. Deterministic for a given seed.
 
-    python tiny_model.py OUT_DIR [--kv-heads N] [--mla]
+    python tiny_model.py OUT_DIR [--kv-heads N] [--mla] [--window TOKENS]
 """
 
 from __future__ import annotations
@@ -29,14 +30,15 @@ def corpus() -> list[str]:
     return lines
 
 
-def build(out: Path, kv_heads: int = 1, seed: int = 1234, mla: bool = False) -> Path:
+def build(out: Path, kv_heads: int = 1, seed: int = 1234, mla: bool = False,
+          window: int | None = None) -> Path:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     out.mkdir(parents=True, exist_ok=True)
     stamp = out / "kvx-tiny.json"
-    want = {"kv_heads": kv_heads, "seed": seed, "mla": mla, "rev": 1}
+    want = {"kv_heads": kv_heads, "seed": seed, "mla": mla, "window": window, "rev": 1}
     if stamp.exists() and json.loads(stamp.read_text()) == want:
         return out
 
@@ -59,7 +61,7 @@ def build(out: Path, kv_heads: int = 1, seed: int = 1234, mla: bool = False) -> 
     if mla:
         model = _mla_model(len(fast), fast.bos_token_id, fast.eos_token_id)
     else:
-        model = _llama_model(len(fast), kv_heads, fast.bos_token_id, fast.eos_token_id)
+        model = _llama_model(len(fast), kv_heads, fast.bos_token_id, fast.eos_token_id, window)
     # Larger random weights than the default init, so that greedy decoding does not collapse
     # onto one token and the logprobs differ from token to token.
     with torch.no_grad():
@@ -99,14 +101,23 @@ def _mla_model(vocab: int, bos: int, eos: int):
     return DeepseekV2ForCausalLM(config)
 
 
-def _llama_model(vocab: int, kv_heads: int, bos: int, eos: int):
+def _llama_model(vocab: int, kv_heads: int, bos: int, eos: int, window: int | None = None):
+    """Two layers of full attention; with ``window``, four that alternate a sliding window of
+    that many tokens and full attention (vLLM's hybrid KV cache manager keeps each kind in a
+    KV cache group of its own)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    hybrid = {}
+    if window is not None:
+        hybrid = {
+            "layer_types": ["sliding_attention", "full_attention"] * 2,
+            "sliding_window": window,
+        }
     config = LlamaConfig(
         vocab_size=vocab,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
+        num_hidden_layers=4 if window is not None else 2,
         num_attention_heads=2,
         num_key_value_heads=kv_heads,
         head_dim=32,
@@ -115,6 +126,7 @@ def _llama_model(vocab: int, kv_heads: int, bos: int, eos: int):
         eos_token_id=eos,
         tie_word_embeddings=False,
         torch_dtype="float32",
+        **hybrid,
     )
     return LlamaForCausalLM(config)
 
@@ -124,8 +136,9 @@ def main() -> None:
     ap.add_argument("out", type=Path)
     ap.add_argument("--kv-heads", type=int, default=1)
     ap.add_argument("--mla", action="store_true")
+    ap.add_argument("--window", type=int)
     args = ap.parse_args()
-    print(build(args.out, args.kv_heads, mla=args.mla))
+    print(build(args.out, args.kv_heads, mla=args.mla, window=args.window))
 
 
 if __name__ == "__main__":

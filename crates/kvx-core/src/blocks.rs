@@ -13,9 +13,8 @@ use crate::ids::BlockId;
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub struct GroupBlocks {
     /// The group keeps no KV for the tokens before this one (a sliding window's past): the
-    /// entries of `blocks` for them are placeholders, never read or written. On the receiving
-    /// side the tokens before it are not wanted; on the sending side they are not held, and a
-    /// receiver that wants them is refused.
+    /// entries of `blocks` for them are placeholders, never read or written. A group moves the
+    /// tokens that both sides keep.
     pub first_token: u32,
     /// The group's blocks in token order, covering tokens from token 0.
     pub blocks: Vec<BlockId>,

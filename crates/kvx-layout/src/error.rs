@@ -142,20 +142,6 @@ pub enum PlanError {
         /// Further groups on the consumer.
         consumer: usize,
     },
-    /// A further KV cache group of the producer no longer holds tokens the consumer's wants (a
-    /// sliding window the producer's engine has moved past them).
-    #[error(
-        "KV cache group {group}: the consumer wants tokens from {wanted_from}, the producer holds \
-         them from {held_from}"
-    )]
-    GroupTokensNotHeld {
-        /// The group (1 is the first further group).
-        group: usize,
-        /// The first token the consumer wants.
-        wanted_from: u64,
-        /// The first token the producer holds.
-        held_from: u64,
-    },
     /// More tokens skipped than requested.
     #[error("skip_tokens {skip} exceeds num_tokens {tokens}")]
     SkipBeyondTokens {

@@ -655,13 +655,11 @@ impl<'a> PlanRequest<'a> {
     }
 
     /// The request of further KV cache group `group` alone (0 is the first further group), or
-    /// `None` where that group moves nothing. A further group moves its tokens from the later
-    /// of the request's skip and the first token the consumer's group keeps; the producer's
-    /// group must still hold those.
+    /// `None` where that group moves nothing. A further group moves the tokens both sides'
+    /// groups hold ([`GroupBlocks::first_token`] on, beyond the request's skip).
     ///
     /// # Errors
-    /// [`PlanError::GroupCount`] where the two sides name different numbers of groups,
-    /// [`PlanError::GroupTokensNotHeld`] where the producer's group no longer holds them.
+    /// [`PlanError::GroupCount`] where the two sides name different numbers of groups.
     pub fn further_group(&self, group: usize) -> Result<Option<PlanRequest<'a>>, PlanError> {
         if self.producer_groups.len() != self.consumer_groups.len() {
             return Err(PlanError::GroupCount {
@@ -675,16 +673,12 @@ impl<'a> PlanRequest<'a> {
         ) else {
             return Ok(None);
         };
-        let skip = self.skip_tokens.max(u64::from(wanted.first_token));
+        let skip = self
+            .skip_tokens
+            .max(u64::from(wanted.first_token))
+            .max(u64::from(produced.first_token));
         if skip >= self.num_tokens {
             return Ok(None);
-        }
-        if u64::from(produced.first_token) > skip {
-            return Err(PlanError::GroupTokensNotHeld {
-                group: group + 1,
-                wanted_from: skip,
-                held_from: u64::from(produced.first_token),
-            });
         }
         Ok(Some(PlanRequest {
             skip_tokens: skip,
@@ -969,8 +963,12 @@ pub fn permute_for(
     else {
         return Ok(None);
     };
+    // A group's first token need not start a block: the re-layout covers the whole block (the
+    // group keeps nothing before it, so nothing there is moved or read).
+    let bc = u64::from(consumer.spec().block_tokens);
     for group in consumer_groups {
-        let skip = skip_tokens.max(u64::from(group.first_token));
+        let first = u64::from(group.first_token);
+        let skip = skip_tokens.max(first - first % bc);
         if let Some(more) = permute_group(producer, consumer, num_tokens, skip, &group.blocks)? {
             whole.chunks.extend(more.chunks);
         }

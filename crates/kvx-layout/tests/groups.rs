@@ -123,51 +123,48 @@ fn each_group_lands_in_its_own_blocks_from_the_first_token_its_consumer_keeps() 
 }
 
 #[test]
-fn a_group_whose_producer_no_longer_holds_the_wanted_tokens_is_refused() {
+fn a_group_moves_the_tokens_both_sides_keep_and_both_sides_name_as_many_groups() {
     let (producer, consumer) = (layout(4, MemoryOrder::Nhd), layout(4, MemoryOrder::Nhd));
     let full = blocks(1, 10, 0);
-    let p_window = GroupBlocks {
-        first_token: 16,
-        blocks: blocks(11, 10, 4),
+    let keeps = |first_token: u32, first: u32| GroupBlocks {
+        first_token,
+        blocks: blocks(first, 10, first_token / 4),
     };
-    let c_window = GroupBlocks {
-        first_token: 8,
-        blocks: blocks(11, 10, 2),
-    };
-    let request = PlanRequest {
-        producers: std::slice::from_ref(&producer),
-        consumer: &consumer,
-        num_tokens: TOKENS,
-        skip_tokens: 0,
-        producer_blocks: &full,
-        consumer_blocks: &full,
-        only_producer: None,
-        producer_groups: std::slice::from_ref(&p_window),
-        consumer_groups: std::slice::from_ref(&c_window),
-    };
-    assert_eq!(
-        plan(&request).unwrap_err(),
-        PlanError::GroupTokensNotHeld {
-            group: 1,
-            wanted_from: 8,
-            held_from: 16
-        }
-    );
-    // Unless the consumer already has them.
-    assert!(plan(&PlanRequest {
-        skip_tokens: 16,
-        ..request
-    })
-    .is_ok());
-    assert_eq!(
+    // The bytes planned where prefill keeps the group from `p_first`, decode from `c_first`,
+    // and (with `one_sided`) decode names no further group.
+    let planned = |p_first: u32, c_first: u32, one_sided: bool| {
+        let (p, c) = (keeps(p_first, 11), keeps(c_first, 21));
         plan(&PlanRequest {
-            consumer_groups: &[],
-            ..request
+            producers: std::slice::from_ref(&producer),
+            consumer: &consumer,
+            num_tokens: TOKENS,
+            skip_tokens: 0,
+            producer_blocks: &full,
+            consumer_blocks: &full,
+            only_producer: None,
+            producer_groups: std::slice::from_ref(&p),
+            consumer_groups: if one_sided {
+                &[]
+            } else {
+                std::slice::from_ref(&c)
+            },
         })
-        .unwrap_err(),
-        PlanError::GroupCount {
+        .map(|plan| plan.bytes())
+    };
+    let both_whole = planned(0, 0, false).unwrap();
+    let per_token = both_whole / (2 * TOKENS);
+    // Prefill keeps the group from token 16, decode from 8 (or the other way round): tokens
+    // 16.. of it move.
+    let from_16 = both_whole - per_token * 16;
+    assert_eq!(planned(16, 8, false), Ok(from_16));
+    assert_eq!(planned(8, 16, false), Ok(from_16));
+    // Nothing of a group that keeps none of the tokens.
+    assert_eq!(planned(40, 0, false), Ok(per_token * TOKENS));
+    assert_eq!(
+        planned(0, 0, true),
+        Err(PlanError::GroupCount {
             producer: 1,
             consumer: 0
-        }
+        })
     );
 }

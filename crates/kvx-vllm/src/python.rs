@@ -79,30 +79,15 @@ fn blocks(ids: Vec<i64>) -> PyResult<Vec<BlockId>> {
         .collect()
 }
 
-/// Which side a hybrid model's further KV cache groups are given for.
-#[derive(Clone, Copy)]
-enum GroupSide {
-    /// The blocks hold the group's tokens from `first_token` on (whole units from there).
-    Held,
-    /// The tokens from `first_token` on are wanted (every unit that has one of them).
-    Wanted,
-}
-
 /// A hybrid model's further KV cache groups, `(first_token, block_ids)` each, `first_token` in
-/// engine tokens, converted to units of `unit` tokens.
-fn groups(
-    groups: Option<Vec<(u64, Vec<i64>)>>,
-    unit: u64,
-    side: GroupSide,
-) -> PyResult<Vec<GroupBlocks>> {
+/// engine tokens: each group keeps the units of `unit` tokens from the first that lies wholly
+/// at or after it.
+fn groups(groups: Option<Vec<(u64, Vec<i64>)>>, unit: u64) -> PyResult<Vec<GroupBlocks>> {
     groups
         .unwrap_or_default()
         .into_iter()
         .map(|(first, ids)| {
-            let first = match side {
-                GroupSide::Held => first.div_ceil(unit),
-                GroupSide::Wanted => first / unit,
-            };
+            let first = first.div_ceil(unit);
             Ok(GroupBlocks {
                 first_token: u32::try_from(first)
                     .map_err(|_| value_err(format!("first token {first} out of range")))?,
@@ -360,7 +345,7 @@ impl PyProducer {
     ) -> PyResult<(AttemptKey, RequestBlocks, u64)> {
         let blocks = RequestBlocks {
             blocks: blocks(block_ids)?,
-            groups: groups(further, self.token_unit, GroupSide::Held)?,
+            groups: groups(further, self.token_unit)?,
         };
         Ok((key(transfer_id, attempt), blocks, self.tokens(num_tokens)))
     }
@@ -664,7 +649,7 @@ impl PyConsumer {
             )));
         }
         Ok(PushRequest {
-            groups: groups(further, self.token_unit, GroupSide::Wanted)?,
+            groups: groups(further, self.token_unit)?,
             key: key(transfer_id, attempt),
             request: RequestId::from_str_hash(request_id),
             prefill: parse_addr(prefill)?,
@@ -824,7 +809,7 @@ impl PyConsumer {
         push.capability = parse_capability(capability)?;
         push.trace = trace.and_then(|t| t.parse().ok());
         let r = PullRequest {
-            producer_groups: self::groups(producer_groups, self.token_unit, GroupSide::Held)?,
+            producer_groups: self::groups(producer_groups, self.token_unit)?,
             push,
             producer_blocks: blocks(producer_block_ids)?,
         };

@@ -3576,37 +3576,56 @@ fn a_hybrid_models_further_group_lands_in_its_own_blocks_push_and_pull() {
 }
 
 #[test]
-fn a_group_whose_window_prefill_has_passed_fails_the_request_with_why() {
+fn a_group_moves_only_what_both_sides_keep_and_a_group_count_mismatch_fails_with_why() {
     let fabric = LoopbackFabric::new();
-    let (pre, _dec, consumer) = simple_pair(&fabric);
+    let (pre, dec, consumer) = simple_pair(&fabric);
     let tokens = 37;
     let (p_full, c_full) = (ids(10..20), ids(40..50));
+    // Decode keeps the window group from token 8; prefill from 16.
+    let (p_window, c_window) = (window_group(16, 4, 24), window_group(8, 4, 50));
     pre.sides[0].fill(&p_full, tokens);
+    pre.sides[0].overwrite(&p_window.blocks, tokens, WINDOW_SEED);
+    let push = |key: AttemptKey, groups: Vec<GroupBlocks>| PushRequest {
+        groups,
+        key,
+        request: RequestId(2),
+        prefill: pre.base,
+        num_tokens: tokens,
+        skip_tokens: 0,
+        blocks: c_full.clone(),
+        capability: None,
+        trace: None,
+    };
     consumer
-        .request_allocated(PushRequest {
-            // Decode wants the window group from token 8; prefill keeps it from 16.
-            groups: vec![window_group(8, 4, 50)],
-            key: key(9, 0),
-            request: RequestId(2),
-            prefill: pre.base,
-            num_tokens: tokens,
-            skip_tokens: 0,
-            blocks: c_full,
-            capability: None,
-            trace: None,
-        })
+        .request_allocated(push(key(9, 0), vec![c_window.clone()]))
         .unwrap();
     let held = RequestBlocks {
-        blocks: p_full,
-        groups: vec![window_group(16, 4, 24)],
+        blocks: p_full.clone(),
+        groups: vec![p_window],
     };
     pre.producers[0]
         .request_finished(key(9, 0), RequestId(1), held, tokens)
         .unwrap();
+    expect_ready(&consumer, key(9, 0), RequestId(2));
+    dec.verify(&c_full, 0, tokens);
+    assert!(dec.holds(&c_window.blocks, 16, tokens, WINDOW_SEED));
+    assert!(!dec.holds(&c_window.blocks, 8, 9, WINDOW_SEED));
+    assert_eq!(
+        wait_finished(&pre.producers[0], 1)[0].outcome,
+        SendOutcome::Sent
+    );
+
+    // Decode names a further group, prefill none: the request fails, saying why.
+    consumer
+        .request_allocated(push(key(10, 0), vec![c_window]))
+        .unwrap();
+    pre.producers[0]
+        .request_finished(key(10, 0), RequestId(1), p_full, tokens)
+        .unwrap();
     let events = wait_events(&consumer, 1);
     assert!(
         matches!(&events[0], RecvEvent::Failed { detail, .. }
-            if detail.contains("KV cache group 1") && detail.contains("from 16")),
+            if detail.contains("the producer has 0 further KV cache groups, the consumer 1")),
         "{events:?}"
     );
     assert_eq!(
