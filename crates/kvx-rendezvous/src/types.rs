@@ -224,6 +224,7 @@ mod tests {
     fn keys_and_identities_from_wire_messages() {
         use kvx_core::ids::{EngineId, Incarnation, Rank, RequestId};
         let registration = Registration {
+            groups: Vec::new(),
             transfer: TransferId(5),
             attempt: Attempt(2),
             request: RequestId(1),

@@ -39,6 +39,7 @@
 //! consumer.request_allocated(PushRequest {
 //!     key, request: RequestId(1), prefill: producer.control_addr(),
 //!     num_tokens: 10, skip_tokens: 0, blocks: vec![BlockId(5), BlockId(6), BlockId(7)],
+//!     groups: Vec::new(), // a model of one KV cache group
 //!     capability: None, // no deployment key here
 //!     trace: None,
 //! })?;

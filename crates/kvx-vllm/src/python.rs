@@ -350,18 +350,13 @@ impl PyProducer {
         Ok((key(transfer_id, attempt), blocks, self.tokens(num_tokens)))
     }
 
+    /// Hands a finished request's blocks over (checked by [`Self::request_args`]).
     fn finished(
         &self,
-        transfer_id: &str,
         request_id: &str,
-        block_ids: Vec<i64>,
-        groups: Option<Vec<(u64, Vec<i64>)>>,
-        num_tokens: u64,
-        attempt: u32,
+        (key, blocks, tokens): (AttemptKey, RequestBlocks, u64),
         pull: bool,
     ) -> PyResult<()> {
-        let (key, blocks, tokens) =
-            self.request_args(transfer_id, block_ids, groups, num_tokens, attempt)?;
         let request = self.names.insert(request_id);
         let sent = self.with(|p| {
             if pull {
@@ -466,15 +461,8 @@ impl PyProducer {
         attempt: u32,
         groups: Option<Vec<(u64, Vec<i64>)>>,
     ) -> PyResult<()> {
-        self.finished(
-            transfer_id,
-            request_id,
-            block_ids,
-            groups,
-            num_tokens,
-            attempt,
-            false,
-        )
+        let args = self.request_args(transfer_id, block_ids, groups, num_tokens, attempt)?;
+        self.finished(request_id, args, false)
     }
 
     /// The request's KV (push) is complete and final in `block_ids`, and the engine will
@@ -534,15 +522,8 @@ impl PyProducer {
         attempt: u32,
         groups: Option<Vec<(u64, Vec<i64>)>>,
     ) -> PyResult<()> {
-        self.finished(
-            transfer_id,
-            request_id,
-            block_ids,
-            groups,
-            num_tokens,
-            attempt,
-            true,
-        )
+        let args = self.request_args(transfer_id, block_ids, groups, num_tokens, attempt)?;
+        self.finished(request_id, args, true)
     }
 
     /// Aborts every attempt of a transfer (or one, given `attempt`).

@@ -287,6 +287,7 @@ struct Instance {
 ///     num_tokens: 20,
 ///     skip_tokens: 0,
 ///     blocks: vec![BlockId(10), BlockId(11)],
+///     groups: Vec::new(),
 ///     capability: None,
 ///     trace: None,
 /// })?;

@@ -20,7 +20,7 @@ use std::time::Duration;
 use kvx_core::wire::{
     Abort, Claim, Completion, FailureNotice, Heartbeat, Message, Registration, Role,
 };
-use kvx_core::{BlockId, EngineId, Rank, RequestId, TransferId};
+use kvx_core::{BlockId, EngineId, GroupBlocks, Rank, RequestBlocks, RequestId, TransferId};
 use kvx_layout::Layout;
 use kvx_rdma::loopback::LoopbackFabric;
 use kvx_rdma::transport::Transport;
@@ -98,8 +98,19 @@ pub fn session(data: &[u8]) {
                 let key = bytes.key();
                 let num_tokens = u32::from(bytes.byte() % 70);
                 let shape = bytes.byte();
+                // Now and then a hybrid model's further group, kept from some token.
+                let groups = if shape & 2 == 0 {
+                    Vec::new()
+                } else {
+                    vec![GroupBlocks {
+                        first_token: u32::from(bytes.byte()) % (num_tokens + 1),
+                        blocks: (0..num_tokens.div_ceil(4))
+                            .map(|i| BlockId((u32::from(shape >> 2) + 8 + i) % 16))
+                            .collect(),
+                    }]
+                };
                 Some(peer_says(Message::Registration(Registration {
-                    groups: Vec::new(),
+                    groups,
                     transfer: key.transfer,
                     attempt: key.attempt,
                     request: RequestId(u64::from(bytes.byte())),
@@ -213,7 +224,7 @@ pub fn session(data: &[u8]) {
                 let tokens = request.tokens * fraction / 255;
                 (!request.pull && !request.sealed && !request.finished).then(|| Command::Progress {
                     key,
-                    blocks: request.blocks[..tokens.div_ceil(4) as usize].to_vec(),
+                    blocks: request.blocks.blocks[..tokens.div_ceil(4) as usize].to_vec(),
                     tokens,
                     layers: (layers < 3).then_some(u32::from(layers)),
                 })
@@ -272,7 +283,7 @@ pub fn session(data: &[u8]) {
 struct Planned {
     id: RequestId,
     pull: bool,
-    blocks: Vec<BlockId>,
+    blocks: RequestBlocks,
     tokens: u64,
     sealed: bool,
     finished: bool,
@@ -292,9 +303,21 @@ fn plan<'a>(
             id: next,
             pull: mode & 1 == 1,
             // Distinct blocks of the cache's 16, from any start.
-            blocks: (0..tokens.div_ceil(4) as u32)
-                .map(|i| BlockId((u32::from(first) + i) % 16))
-                .collect(),
+            blocks: RequestBlocks {
+                blocks: (0..tokens.div_ceil(4) as u32)
+                    .map(|i| BlockId((u32::from(first) + i) % 16))
+                    .collect(),
+                // A hybrid model's further group now and then (its window from some token).
+                groups: (mode & 2 == 2)
+                    .then(|| GroupBlocks {
+                        first_token: u32::from(mode >> 2).min(tokens as u32),
+                        blocks: (0..tokens.div_ceil(4) as u32)
+                            .map(|i| BlockId((u32::from(first) + 8 + i) % 16))
+                            .collect(),
+                    })
+                    .into_iter()
+                    .collect(),
+            },
             tokens,
             sealed: false,
             finished: false,
