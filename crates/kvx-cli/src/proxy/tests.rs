@@ -226,10 +226,11 @@ fn fake_prefill_control() -> (String, Arc<Mutex<Vec<kvx_core::TransferId>>>) {
     fn read(s: &mut std::net::TcpStream) -> Option<Message> {
         let mut header = [0; HEADER_LEN];
         s.read_exact(&mut header).ok()?;
-        let header = FrameHeader::parse(&header).unwrap();
+        // Anything but kvx ends the connection, as a real prefill's would.
+        let header = FrameHeader::parse(&header).ok()?;
         let mut payload = vec![0; header.payload_len as usize];
         s.read_exact(&mut payload).ok()?;
-        Some(Message::decode_payload(header.kind, &payload).unwrap())
+        Message::decode_payload(header.kind, &payload).ok()
     }
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap().to_string();
@@ -267,10 +268,11 @@ async fn wait_recorded<T: Clone>(record: &Mutex<Vec<T>>, n: usize) -> Vec<T> {
     record.lock().unwrap().clone()
 }
 
-/// The URL of an instance that is down: a port nobody listens on.
+/// The URL of an instance that is down: a port nobody listens on, below the ephemeral range
+/// (a port the kernel picked for a listener of its own and freed would be handed to the next
+/// one, a fake prefill of this very test, say, which then got the proxy's HTTP).
 fn dead_url() -> String {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    format!("http://{}", l.local_addr().unwrap())
+    format!("http://{}", kvx_testkit::free_ports(1))
 }
 
 /// Sends `n` requests one after the other; each must be answered 200.
