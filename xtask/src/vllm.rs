@@ -98,8 +98,8 @@ pub(crate) fn test_vllm(nixl_env: &[(&str, std::ffi::OsString)]) -> anyhow::Resu
     )
 }
 
-/// `cargo xtask vllm-versions`: the push and pull end-to-end tests on each of `releases`, with
-/// the package installed from a wheel of this checkout.
+/// `cargo xtask vllm-versions`: the push, pull and hybrid-model end-to-end tests on each of
+/// `releases`, with the package installed from a wheel of this checkout.
 ///
 /// # Errors
 /// When a venv, the wheel or a test fails (every release is still tried; the first failure is
@@ -115,7 +115,8 @@ pub(crate) fn test_releases(releases: &[String]) -> anyhow::Result<()> {
         let outcome = crate::wheel::test_release(
             &wheel,
             release,
-            "test_push_matches_a_single_instance or test_pull_matches_a_single_instance",
+            "test_push_matches_a_single_instance or test_pull_matches_a_single_instance \
+             or test_a_hybrid_models_groups_move_push_and_pull_and_match_a_single_instance",
             &env,
         );
         outcomes.push((release, outcome));
