@@ -7,7 +7,8 @@ the worker's caches are described once and each group moves through every one of
 
 kvx's first group is the first full-attention group (vLLM keeps its blocks until the request
 ends, so its tokens may be written early, while prefill computes); the others follow in vLLM's
-order and move when the request finishes. A sliding-window group holds vLLM's null block (id 0)
+order and move when the request finishes. A model without full-attention layers (every group
+windowed, or its one group) moves everything at the finish. A sliding-window group holds vLLM's null block (id 0)
 for the tokens that left its window (vLLM's allocator keeps the blocks from token ``N - W + 1``
 of an ``N``-token prompt and window ``W``, on both sides): each side keeps the group from its
 first real block, and kvx moves the tokens both keep. A group of another kind (Mamba state,
@@ -54,7 +55,11 @@ class KvGroups:
         groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
         if len(groups) <= 1:
             names = groups[0].layer_names if groups else ()
-            return cls(order=(0,), windows=(None,), first_layers=frozenset(names))
+            spec = groups[0].kv_cache_spec if groups else None
+            window = (
+                int(spec.sliding_window) if type(spec).__name__ in _WINDOWED else None
+            )
+            return cls(order=(0,), windows=(window,), first_layers=frozenset(names))
         windows: list[int | None] = []
         for index, group in enumerate(groups):
             spec = group.kv_cache_spec
@@ -83,6 +88,13 @@ class KvGroups:
     def hybrid(self) -> bool:
         """Whether the model has further groups beside the first."""
         return len(self.order) > 1
+
+    @property
+    def first_windowed(self) -> bool:
+        """Whether kvx's first group has a window too (a model with no full-attention layer):
+        vLLM then frees its blocks as the window moves, under writes made while the request
+        computes, so it moves only when the request finishes."""
+        return self.windows[self.first_index] is not None
 
     @property
     def first_index(self) -> int:

@@ -76,10 +76,11 @@ class RecvSpec:
         """The blocks this load writes, in every KV cache group: what a failed load reports to
         vLLM as load errors. Never the prefix-cache hit before them (vLLM would cut back, or
         fail under the `fail` policy, every other request sharing those blocks), nor vLLM's
-        null block, which a sliding-window group holds for the tokens before its window."""
-        out = self.block_ids[self.loads_from:]
+        null block (id 0), which a sliding-window group holds for the tokens before its window
+        (also a model's only group, where every layer has a window)."""
+        out = [b for b in self.block_ids[self.loads_from:] if b != NULL_BLOCK]
         for _, ids in self.groups:
-            out = out + [b for b in ids[self.loads_from:] if b != NULL_BLOCK]
+            out += [b for b in ids[self.loads_from:] if b != NULL_BLOCK]
         return out
 
 

@@ -130,7 +130,8 @@ class _Scheduler:
         self.waiting: dict[str, str] = {}
         # Prefill, push, streaming: requests being computed.
         self.computing: dict[str, _Computing] = {}
-        self.stream = self.cfg.stream and not pull
+        # A first group with a window loses blocks as it moves: nothing of it goes early.
+        self.stream = self.cfg.stream and not pull and not self.groups.first_windowed
         # Unknown counts as on: the later, always-safe report.
         self.async_scheduling = vllm_config.scheduler_config.async_scheduling is not False
 

@@ -54,7 +54,27 @@ def test_the_first_full_attention_group_goes_first_and_windows_keep_their_tokens
     two_windows = KvGroups.from_config(
         config(spec("SlidingWindowSpec", sliding_window=8),
                spec("SlidingWindowSpec", sliding_window=16)), BLOCK)
-    assert two_windows.order == (0, 1)
+    assert two_windows.order == (0, 1) and two_windows.first_windowed
+    assert not g.first_windowed
+    only_window = KvGroups.from_config(config(spec("SlidingWindowSpec", sliding_window=8)), BLOCK)
+    assert not only_window.hybrid and only_window.first_windowed
+
+
+@pytest.mark.parametrize("specs, streams", [
+    ((spec("SlidingWindowSpec", sliding_window=WINDOW), spec("FullAttentionSpec")), True),
+    ((spec("FullAttentionSpec"),), True),
+    ((spec("SlidingWindowSpec", sliding_window=WINDOW),), False),
+])
+def test_a_first_group_with_a_window_never_streams(specs, streams):
+    """vLLM frees a windowed group's blocks as its window moves, under early writes: where no
+    full-attention group exists, the request moves when it finishes."""
+    vllm_config = NS(
+        kv_transfer_config=NS(kv_connector_extra_config={"listen": "127.0.0.1:7100"}),
+        cache_config=NS(block_size=BLOCK),
+        scheduler_config=NS(async_scheduling=False),
+    )
+    s = _Scheduler(vllm_config, config(*specs), pull=False)
+    assert s.stream == streams
 
 
 def test_groups_kvx_cannot_move_are_refused_at_start():
