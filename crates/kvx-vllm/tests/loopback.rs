@@ -3634,3 +3634,55 @@ fn a_group_moves_only_what_both_sides_keep_and_a_group_count_mismatch_fails_with
     );
     assert_eq!(pre.producers[0].stats().held, 0);
 }
+
+#[test]
+fn a_hybrid_request_streams_its_first_group_and_moves_the_others_at_the_finish() {
+    let fabric = LoopbackFabric::new();
+    let (pre, dec, consumer) = simple_pair(&fabric);
+    let tokens = 37;
+    let (p_full, c_full) = (ids(10..20), ids(40..50));
+    let (p_window, c_window) = (window_group(16, 4, 24), window_group(16, 4, 50));
+    pre.sides[0].fill(&p_full, tokens);
+    pre.sides[0].overwrite(&p_window.blocks, tokens, WINDOW_SEED);
+    let k = key(12, 0);
+    consumer
+        .request_allocated(PushRequest {
+            groups: vec![c_window.clone()],
+            key: k,
+            request: RequestId(2),
+            prefill: pre.base,
+            num_tokens: tokens,
+            skip_tokens: 0,
+            blocks: c_full.clone(),
+            capability: None,
+            trace: None,
+        })
+        .unwrap();
+    let producer = &pre.producers[0];
+    // 21 tokens computed: the first group's first 20 go early (whole blocks).
+    producer
+        .request_progress(k, p_full[..6].to_vec(), 21)
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while producer.stats().bytes_streamed == 0 {
+        assert!(Instant::now() < deadline, "early writes never posted");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert!(consumer.take_events().is_empty());
+    let held = RequestBlocks {
+        blocks: p_full,
+        groups: vec![p_window],
+    };
+    producer
+        .request_finished(k, RequestId(1), held, tokens)
+        .unwrap();
+    expect_ready(&consumer, k, RequestId(2));
+    dec.verify(&c_full, 0, tokens);
+    assert!(dec.holds(&c_window.blocks, 16, tokens, WINDOW_SEED));
+    // Every byte once: the first group's 20 early tokens, its 17 others and the window
+    // group's 21 at the finish.
+    let stats = producer.stats();
+    let per_token = stats.bytes_streamed / 20;
+    assert_eq!(stats.bytes_streamed, 20 * per_token);
+    assert_eq!(stats.bytes_written, (tokens + (tokens - 16)) * per_token);
+}
