@@ -474,22 +474,30 @@ fn a_hello_flag_other_than_0_or_1_is_rejected() {
     assert_refused_with(bytes, last, 2, "finishing_hints");
 }
 
-#[test]
-fn skip_beyond_tokens_is_rejected() {
-    let reg = Registration {
+/// A registration of transfer 1 for `num_tokens` tokens in `blocks`, with `groups`.
+fn registration(num_tokens: u32, blocks: Vec<BlockId>, groups: Vec<GroupBlocks>) -> Registration {
+    Registration {
         transfer: TransferId(1),
         attempt: Attempt(0),
         request: RequestId(0),
         consumer: EngineId(0),
         consumer_incarnation: Incarnation(0),
         consumer_rank: Rank(0),
-        num_tokens: 4,
-        skip_tokens: 4,
+        num_tokens,
+        skip_tokens: 0,
         lease_ms: 0,
         notice: 0,
-        blocks: vec![],
-        groups: Vec::new(),
+        blocks,
+        groups,
         capability: None,
+    }
+}
+
+#[test]
+fn skip_beyond_tokens_is_rejected() {
+    let reg = Registration {
+        skip_tokens: 4,
+        ..registration(4, vec![], Vec::new())
     };
     let bytes = Message::Registration(reg).to_bytes().unwrap();
     let skip_at = HEADER_LEN + 16 + 4 + 8 + 8 + 8 + 4 + 4;
@@ -499,21 +507,7 @@ fn skip_beyond_tokens_is_rejected() {
 #[test]
 fn a_groups_first_token_past_the_request_or_too_many_groups_are_refused() {
     let reg = |groups: Vec<GroupBlocks>| {
-        Message::Registration(Registration {
-            transfer: TransferId(1),
-            attempt: Attempt(0),
-            request: RequestId(0),
-            consumer: EngineId(0),
-            consumer_incarnation: Incarnation(0),
-            consumer_rank: Rank(0),
-            num_tokens: 8,
-            skip_tokens: 0,
-            lease_ms: 0,
-            notice: 0,
-            blocks: vec![BlockId(1), BlockId(2)],
-            groups,
-            capability: None,
-        })
+        Message::Registration(registration(8, vec![BlockId(1), BlockId(2)], groups))
     };
     let window = GroupBlocks {
         first_token: 4,

@@ -3508,6 +3508,66 @@ fn window_group(first_token: u32, block_tokens: u32, first_block: u32) -> GroupB
     }
 }
 
+/// A one-rank prefill and decode (4-token blocks) with a 37-token hybrid request: the first
+/// group in prefill's blocks 10.. (decode's 40..), filled; the window group kept by prefill
+/// from token 16 (its pattern `WINDOW_SEED`) and by decode from `decode_keeps`.
+struct Hybrid {
+    _fabric: LoopbackFabric,
+    pre: Prefill,
+    dec: Side,
+    consumer: Consumer,
+    p_full: Vec<BlockId>,
+    c_full: Vec<BlockId>,
+    p_window: GroupBlocks,
+    c_window: GroupBlocks,
+}
+
+const HYBRID_TOKENS: u64 = 37;
+
+fn hybrid_pair(decode_keeps: u32) -> Hybrid {
+    let fabric = LoopbackFabric::new();
+    let (pre, dec, consumer) = simple_pair(&fabric);
+    let (p_full, c_full) = (ids(10..20), ids(40..50));
+    let (p_window, c_window) = (window_group(16, 4, 24), window_group(decode_keeps, 4, 50));
+    pre.sides[0].fill(&p_full, HYBRID_TOKENS);
+    pre.sides[0].overwrite(&p_window.blocks, HYBRID_TOKENS, WINDOW_SEED);
+    Hybrid {
+        _fabric: fabric,
+        pre,
+        dec,
+        consumer,
+        p_full,
+        c_full,
+        p_window,
+        c_window,
+    }
+}
+
+impl Hybrid {
+    /// Decode's request `key` (its request 2) into its blocks, with `groups`.
+    fn push(&self, key: AttemptKey, groups: Vec<GroupBlocks>) -> PushRequest {
+        PushRequest {
+            groups,
+            key,
+            request: RequestId(2),
+            prefill: self.pre.base,
+            num_tokens: HYBRID_TOKENS,
+            skip_tokens: 0,
+            blocks: self.c_full.clone(),
+            capability: None,
+            trace: None,
+        }
+    }
+
+    /// Prefill's blocks of the request, with its window group.
+    fn held(&self) -> RequestBlocks {
+        RequestBlocks {
+            blocks: self.p_full.clone(),
+            groups: vec![self.p_window.clone()],
+        }
+    }
+}
+
 #[test]
 fn a_hybrid_models_further_group_lands_in_its_own_blocks_push_and_pull() {
     let tokens = 37;
@@ -3577,108 +3637,67 @@ fn a_hybrid_models_further_group_lands_in_its_own_blocks_push_and_pull() {
 
 #[test]
 fn a_group_moves_only_what_both_sides_keep_and_a_group_count_mismatch_fails_with_why() {
-    let fabric = LoopbackFabric::new();
-    let (pre, dec, consumer) = simple_pair(&fabric);
-    let tokens = 37;
-    let (p_full, c_full) = (ids(10..20), ids(40..50));
     // Decode keeps the window group from token 8; prefill from 16.
-    let (p_window, c_window) = (window_group(16, 4, 24), window_group(8, 4, 50));
-    pre.sides[0].fill(&p_full, tokens);
-    pre.sides[0].overwrite(&p_window.blocks, tokens, WINDOW_SEED);
-    let push = |key: AttemptKey, groups: Vec<GroupBlocks>| PushRequest {
-        groups,
-        key,
-        request: RequestId(2),
-        prefill: pre.base,
-        num_tokens: tokens,
-        skip_tokens: 0,
-        blocks: c_full.clone(),
-        capability: None,
-        trace: None,
-    };
-    consumer
-        .request_allocated(push(key(9, 0), vec![c_window.clone()]))
+    let h = hybrid_pair(8);
+    let producer = &h.pre.producers[0];
+    h.consumer
+        .request_allocated(h.push(key(9, 0), vec![h.c_window.clone()]))
         .unwrap();
-    let held = RequestBlocks {
-        blocks: p_full.clone(),
-        groups: vec![p_window],
-    };
-    pre.producers[0]
-        .request_finished(key(9, 0), RequestId(1), held, tokens)
+    producer
+        .request_finished(key(9, 0), RequestId(1), h.held(), HYBRID_TOKENS)
         .unwrap();
-    expect_ready(&consumer, key(9, 0), RequestId(2));
-    dec.verify(&c_full, 0, tokens);
-    assert!(dec.holds(&c_window.blocks, 16, tokens, WINDOW_SEED));
-    assert!(!dec.holds(&c_window.blocks, 8, 9, WINDOW_SEED));
-    assert_eq!(
-        wait_finished(&pre.producers[0], 1)[0].outcome,
-        SendOutcome::Sent
-    );
+    expect_ready(&h.consumer, key(9, 0), RequestId(2));
+    h.dec.verify(&h.c_full, 0, HYBRID_TOKENS);
+    assert!(h
+        .dec
+        .holds(&h.c_window.blocks, 16, HYBRID_TOKENS, WINDOW_SEED));
+    assert!(!h.dec.holds(&h.c_window.blocks, 8, 9, WINDOW_SEED));
+    assert_eq!(wait_finished(producer, 1)[0].outcome, SendOutcome::Sent);
 
     // Decode names a further group, prefill none: the request fails, saying why.
-    consumer
-        .request_allocated(push(key(10, 0), vec![c_window]))
+    h.consumer
+        .request_allocated(h.push(key(10, 0), vec![h.c_window.clone()]))
         .unwrap();
-    pre.producers[0]
-        .request_finished(key(10, 0), RequestId(1), p_full, tokens)
+    producer
+        .request_finished(key(10, 0), RequestId(1), h.p_full.clone(), HYBRID_TOKENS)
         .unwrap();
-    let events = wait_events(&consumer, 1);
+    let events = wait_events(&h.consumer, 1);
     assert!(
         matches!(&events[0], RecvEvent::Failed { detail, .. }
             if detail.contains("the producer has 0 further KV cache groups, the consumer 1")),
         "{events:?}"
     );
     assert_eq!(
-        wait_finished(&pre.producers[0], 1)[0].outcome,
+        wait_finished(producer, 1)[0].outcome,
         SendOutcome::NotSent(Reason::TransferFailed)
     );
-    assert_eq!(pre.producers[0].stats().held, 0);
+    assert_eq!(producer.stats().held, 0);
 }
 
 #[test]
 fn a_hybrid_request_streams_its_first_group_and_moves_the_others_at_the_finish() {
-    let fabric = LoopbackFabric::new();
-    let (pre, dec, consumer) = simple_pair(&fabric);
-    let tokens = 37;
-    let (p_full, c_full) = (ids(10..20), ids(40..50));
-    let (p_window, c_window) = (window_group(16, 4, 24), window_group(16, 4, 50));
-    pre.sides[0].fill(&p_full, tokens);
-    pre.sides[0].overwrite(&p_window.blocks, tokens, WINDOW_SEED);
-    let k = key(12, 0);
-    consumer
-        .request_allocated(PushRequest {
-            groups: vec![c_window.clone()],
-            key: k,
-            request: RequestId(2),
-            prefill: pre.base,
-            num_tokens: tokens,
-            skip_tokens: 0,
-            blocks: c_full.clone(),
-            capability: None,
-            trace: None,
-        })
+    let h = hybrid_pair(16);
+    let (k, tokens) = (key(12, 0), HYBRID_TOKENS);
+    h.consumer
+        .request_allocated(h.push(k, vec![h.c_window.clone()]))
         .unwrap();
-    let producer = &pre.producers[0];
+    let producer = &h.pre.producers[0];
     // 21 tokens computed: the first group's first 20 go early (whole blocks).
     producer
-        .request_progress(k, p_full[..6].to_vec(), 21)
+        .request_progress(k, h.p_full[..6].to_vec(), 21)
         .unwrap();
     let deadline = Instant::now() + Duration::from_secs(20);
     while producer.stats().bytes_streamed == 0 {
         assert!(Instant::now() < deadline, "early writes never posted");
         std::thread::sleep(Duration::from_millis(2));
     }
-    assert!(consumer.take_events().is_empty());
-    let held = RequestBlocks {
-        blocks: p_full,
-        groups: vec![p_window],
-    };
+    assert!(h.consumer.take_events().is_empty());
     producer
-        .request_finished(k, RequestId(1), held, tokens)
+        .request_finished(k, RequestId(1), h.held(), tokens)
         .unwrap();
-    expect_ready(&consumer, k, RequestId(2));
-    dec.verify(&c_full, 0, tokens);
-    assert!(dec.holds(&c_window.blocks, 16, tokens, WINDOW_SEED));
+    expect_ready(&h.consumer, k, RequestId(2));
+    h.dec.verify(&h.c_full, 0, tokens);
+    assert!(h.dec.holds(&h.c_window.blocks, 16, tokens, WINDOW_SEED));
     // Every byte once: the first group's 20 early tokens, its 17 others and the window
     // group's 21 at the finish.
     let stats = producer.stats();
