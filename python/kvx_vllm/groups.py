@@ -8,11 +8,11 @@ the worker's caches are described once and each group moves through every one of
 kvx's first group is the first full-attention group (vLLM keeps its blocks until the request
 ends, so its tokens may be written early, while prefill computes); the others follow in vLLM's
 order and move when the request finishes. A model without full-attention layers (every group
-windowed, or its one group) moves everything at the finish. A sliding-window group holds vLLM's null block (id 0)
-for the tokens that left its window (vLLM's allocator keeps the blocks from token ``N - W + 1``
-of an ``N``-token prompt and window ``W``, on both sides): each side keeps the group from its
-first real block, and kvx moves the tokens both keep. A group of another kind (Mamba state,
-chunked local attention, cross attention) is refused at start.
+windowed, or its one group) moves everything at the finish. A sliding-window group holds vLLM's
+null block (id 0) for the tokens that left its window (vLLM's allocator keeps the blocks from
+token ``N - W + 1`` of an ``N``-token prompt and window ``W``, on both sides): each side keeps
+the group from its first real block, and kvx moves the tokens both keep. A group of another
+kind (Mamba state, chunked local attention, cross attention) is refused at start.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ _WINDOWED = ("SlidingWindowSpec", "SlidingWindowMLASpec")
 #: vLLM's null block: a placeholder for tokens a group does not keep.
 NULL_BLOCK = 0
 
-#: A further group's blocks as the native side takes them: the first token it keeps (prefill)
-#: or wants (decode), and its block ids from token 0.
+#: A further group's blocks as the native side takes them: the first token it keeps, and its
+#: block ids from token 0.
 Group = tuple[int, list[int]]
 
 
@@ -53,31 +53,10 @@ class KvGroups:
     def from_config(cls, kv_cache_config: Any, block_size: int) -> KvGroups:
         """Reads vLLM's ``KVCacheConfig``; ``NotImplementedError`` for a group kvx cannot move."""
         groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
-        if len(groups) <= 1:
-            names = groups[0].layer_names if groups else ()
-            spec = groups[0].kv_cache_spec if groups else None
-            window = (
-                int(spec.sliding_window) if type(spec).__name__ in _WINDOWED else None
-            )
-            return cls(order=(0,), windows=(window,), first_layers=frozenset(names))
-        windows: list[int | None] = []
-        for index, group in enumerate(groups):
-            spec = group.kv_cache_spec
-            kind = type(spec).__name__
-            if kind in _WHOLE:
-                windows.append(None)
-            elif kind in _WINDOWED:
-                windows.append(int(spec.sliding_window))
-            else:
-                raise NotImplementedError(
-                    f"kvx_vllm moves full-attention and sliding-window KV cache groups; group "
-                    f"{index} is a {kind} (layers {', '.join(group.layer_names[:4])}...)"
-                )
-            if getattr(spec, "block_size", block_size) != block_size:
-                raise NotImplementedError(
-                    f"KV cache group {index} has blocks of {spec.block_size} tokens, the cache "
-                    f"{block_size}: kvx_vllm needs one block size"
-                )
+        if not groups:
+            return cls.single()
+        # One group of any kind moves as before; several must each be one kvx can move.
+        windows = [_window(g, i, block_size, len(groups) > 1) for i, g in enumerate(groups)]
         first = next((i for i, w in enumerate(windows) if w is None), 0)
         order = (first, *(i for i in range(len(groups)) if i != first))
         return cls(
@@ -114,6 +93,28 @@ class KvGroups:
             ids = [int(b) for b in block_ids[index]]
             out.append((_leading_nulls(ids) * block_size if self.windows[index] else 0, ids))
         return out
+
+
+def _window(group: Any, index: int, block_size: int, hybrid: bool) -> int | None:
+    """A group's sliding window (``None``: it keeps every token). In a hybrid model, a group of
+    another kind or block size is refused (``NotImplementedError``)."""
+    spec = group.kv_cache_spec
+    kind = type(spec).__name__
+    if kind in _WINDOWED:
+        window: int | None = int(spec.sliding_window)
+    elif kind in _WHOLE or not hybrid:
+        window = None
+    else:
+        raise NotImplementedError(
+            f"kvx_vllm moves full-attention and sliding-window KV cache groups; group "
+            f"{index} is a {kind} (layers {', '.join(group.layer_names[:4])}...)"
+        )
+    if hybrid and getattr(spec, "block_size", block_size) != block_size:
+        raise NotImplementedError(
+            f"KV cache group {index} has blocks of {spec.block_size} tokens, the cache "
+            f"{block_size}: kvx_vllm needs one block size"
+        )
+    return window
 
 
 def _leading_nulls(ids: list[int]) -> int:

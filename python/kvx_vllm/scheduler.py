@@ -187,11 +187,7 @@ class _Scheduler:
             return
         per_group = blocks.get_block_ids()
         block_ids = self.groups.first(per_group)
-        groups = (
-            self.groups.kept(per_group, self.block_size)
-            if self.groups.hybrid
-            else []
-        )
+        groups = self.groups.kept(per_group, self.block_size)
         # Tokens of decode's own prefix-cache hit: whole blocks, which the load skips.
         skip_tokens = request.num_prompt_tokens - num_external_tokens
         loads_from = skip_tokens // self.block_size
@@ -215,7 +211,7 @@ class _Scheduler:
                     prefill="",
                     num_tokens=0,
                     skip_tokens=skip_tokens,
-                    block_ids=list(block_ids),
+                    block_ids=block_ids,
                     groups=groups,
                     error=f"bad kv_transfer_params: {e}",
                     loads_from=loads_from,
@@ -229,7 +225,7 @@ class _Scheduler:
                 prefill=prefill,
                 num_tokens=num_tokens,
                 skip_tokens=skip_tokens,
-                block_ids=list(block_ids),
+                block_ids=block_ids,
                 producer_block_ids=producer_blocks,
                 groups=groups,
                 producer_groups=producer_groups,
@@ -400,7 +396,7 @@ class _Scheduler:
             self.meta.aborts.append(transfer_id)
             return False, None
         num_tokens = request.num_computed_tokens
-        groups = self.groups.kept(per_group, self.block_size) if self.groups.hybrid else []
+        groups = self.groups.kept(per_group, self.block_size)
         self.meta.sends.append(
             SendSpec(
                 request_id=rid,

@@ -198,7 +198,7 @@ class _Worker:
                 "kvx: %d KV cache groups; windows %s; group %d (full attention) first, the others "
                 "at each request's finish",
                 len(self.groups.order),
-                [w for w in self.groups.windows],
+                list(self.groups.windows),
                 self.groups.first_index,
             )
         if not on_gpu:

@@ -20,17 +20,6 @@ pub struct GroupBlocks {
     pub blocks: Vec<BlockId>,
 }
 
-impl GroupBlocks {
-    /// A group whose blocks hold every token.
-    #[must_use]
-    pub fn whole(blocks: Vec<BlockId>) -> Self {
-        Self {
-            first_token: 0,
-            blocks,
-        }
-    }
-}
-
 /// Most groups one request may carry beside its first: more than any hybrid model has (a
 /// Gemma-3-style model with five sliding layers to one full layer has six groups).
 pub const MAX_GROUPS: usize = 64;

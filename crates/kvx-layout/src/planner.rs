@@ -102,46 +102,32 @@ impl Plan {
         self.ops
     }
 
-    /// One plan doing what `plans` do, in their order for each producer rank.
-    fn concat(plans: Vec<Plan>) -> Plan {
-        let mut plans = plans.into_iter();
-        let Some(first) = plans.next() else {
-            return Plan {
-                ops: Vec::new(),
-                writers: Vec::new(),
-                permute: None,
-                bytes: 0,
-            };
-        };
-        let rest: Vec<Plan> = plans.collect();
-        if rest.is_empty() {
-            return first;
+    /// One plan doing what `plans` (at least one) do, in their order for each producer rank.
+    fn concat(mut plans: Vec<Plan>) -> Plan {
+        if plans.len() == 1 {
+            return plans.pop().expect("one plan");
         }
-        let mut ranks: Vec<Rank> = std::iter::once(&first)
-            .chain(&rest)
-            .flat_map(Plan::writers)
-            .collect();
+        let mut ranks: Vec<Rank> = plans.iter().flat_map(Plan::writers).collect();
         ranks.sort_unstable();
         ranks.dedup();
-        let all = || std::iter::once(&first).chain(&rest);
-        let mut ops = Vec::with_capacity(all().map(|p| p.ops.len()).sum());
+        let mut ops = Vec::with_capacity(plans.iter().map(|p| p.ops.len()).sum());
         let mut writers = Vec::with_capacity(ranks.len());
         for rank in ranks {
             let start = ops.len();
-            for plan in all() {
+            for plan in &plans {
                 ops.extend_from_slice(plan.ops_for(rank));
             }
             writers.push((rank, start..ops.len()));
         }
-        let chunks: Vec<Permute> = all()
-            .filter_map(|p| p.permute.as_ref())
-            .flat_map(|p| p.chunks.iter().cloned())
-            .collect();
-        let permute = all()
-            .any(|p| p.permute.is_some())
-            .then_some(PermutePlan { chunks });
+        let permutes: Vec<&PermutePlan> = plans.iter().filter_map(|p| p.permute.as_ref()).collect();
+        let permute = (!permutes.is_empty()).then(|| PermutePlan {
+            chunks: permutes
+                .iter()
+                .flat_map(|p| p.chunks.iter().copied())
+                .collect(),
+        });
         Plan {
-            bytes: all().map(|p| p.bytes).sum(),
+            bytes: plans.iter().map(|p| p.bytes).sum(),
             ops,
             writers,
             permute,
@@ -633,12 +619,9 @@ pub fn plan_layers(req: &PlanRequest<'_>, layers: Range<u32>) -> Result<Plan, Pl
 
 /// The plans of every KV cache group of a hybrid model's request, one after the other.
 fn plan_groups(req: &PlanRequest<'_>, layers: Range<u32>) -> Result<Plan, PlanError> {
-    let groups = req.producer_groups.len().max(req.consumer_groups.len());
     let mut plans = vec![plan_group(&req.first_group(), layers.clone())?];
-    for group in 0..groups {
-        if let Some(alone) = req.further_group(group)? {
-            plans.push(plan_group(&alone, layers.clone())?);
-        }
+    for alone in req.further_groups()? {
+        plans.push(plan_group(&alone, layers.clone())?);
     }
     Ok(Plan::concat(plans))
 }
@@ -654,38 +637,36 @@ impl<'a> PlanRequest<'a> {
         }
     }
 
-    /// The request of further KV cache group `group` alone (0 is the first further group), or
-    /// `None` where that group moves nothing. A further group moves the tokens both sides'
-    /// groups hold ([`GroupBlocks::first_token`] on, beyond the request's skip).
+    /// The requests of its further KV cache groups alone, in order, leaving out those that move
+    /// nothing. A further group moves the tokens both sides' groups hold
+    /// ([`GroupBlocks::first_token`] on, beyond the request's skip).
     ///
     /// # Errors
     /// [`PlanError::GroupCount`] where the two sides name different numbers of groups.
-    pub fn further_group(&self, group: usize) -> Result<Option<PlanRequest<'a>>, PlanError> {
+    pub fn further_groups(&self) -> Result<Vec<PlanRequest<'a>>, PlanError> {
         if self.producer_groups.len() != self.consumer_groups.len() {
             return Err(PlanError::GroupCount {
                 producer: self.producer_groups.len(),
                 consumer: self.consumer_groups.len(),
             });
         }
-        let (Some(produced), Some(wanted)) = (
-            self.producer_groups.get(group),
-            self.consumer_groups.get(group),
-        ) else {
-            return Ok(None);
-        };
-        let skip = self
-            .skip_tokens
-            .max(u64::from(wanted.first_token))
-            .max(u64::from(produced.first_token));
-        if skip >= self.num_tokens {
-            return Ok(None);
-        }
-        Ok(Some(PlanRequest {
-            skip_tokens: skip,
-            producer_blocks: &produced.blocks,
-            consumer_blocks: &wanted.blocks,
-            ..self.first_group()
-        }))
+        Ok(self
+            .producer_groups
+            .iter()
+            .zip(self.consumer_groups)
+            .filter_map(|(produced, wanted)| {
+                let skip = self
+                    .skip_tokens
+                    .max(u64::from(wanted.first_token))
+                    .max(u64::from(produced.first_token));
+                (skip < self.num_tokens).then(|| PlanRequest {
+                    skip_tokens: skip,
+                    producer_blocks: &produced.blocks,
+                    consumer_blocks: &wanted.blocks,
+                    ..self.first_group()
+                })
+            })
+            .collect())
     }
 }
 

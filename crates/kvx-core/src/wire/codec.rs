@@ -378,9 +378,12 @@ impl Writer<'_> {
         self.out.extend_from_slice(&c.tag);
         Ok(())
     }
-    /// Block ids (their count written before), in one pass over room made once: no capacity
-    /// check per id.
+    /// A counted list of block ids, the ids in one pass over room made once: no capacity check
+    /// per id.
     fn block_ids(&mut self, blocks: &[BlockId]) {
+        // A list longer than u32::MAX items cannot fit MAX_PAYLOAD; the length check in `encode`
+        // rejects it, so a saturated count here is never sent.
+        self.u32(u32::try_from(blocks.len()).unwrap_or(u32::MAX));
         let start = self.out.len();
         self.out.resize(start + 4 * blocks.len(), 0);
         for (slot, b) in self.out[start..].chunks_exact_mut(4).zip(blocks) {
@@ -398,9 +401,6 @@ impl Writer<'_> {
         self.u32(m.skip_tokens);
         self.u32(m.lease_ms);
         self.u64(m.notice);
-        // A list longer than u32::MAX items cannot fit MAX_PAYLOAD; the length check in `encode`
-        // rejects it, so a saturated count here is never sent.
-        self.u32(u32::try_from(m.blocks.len()).unwrap_or(u32::MAX));
         self.block_ids(&m.blocks);
         if m.groups.len() > MAX_GROUPS {
             return Err(EncodeError::FieldTooLong {
@@ -412,7 +412,6 @@ impl Writer<'_> {
         self.count(m.groups.len())?;
         for group in &m.groups {
             self.u32(group.first_token);
-            self.u32(u32::try_from(group.blocks.len()).unwrap_or(u32::MAX));
             self.block_ids(&group.blocks);
         }
         self.capability(m.capability.as_ref())

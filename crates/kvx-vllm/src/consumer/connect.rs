@@ -307,7 +307,7 @@ impl Driver {
     pub(super) fn take_queued(
         &mut self,
         pick: impl Fn(&PushRequest) -> bool,
-    ) -> Vec<(PushRequest, Option<PullSource>)> {
+    ) -> Vec<(PushRequest, Option<RequestBlocks>)> {
         let mut taken = Vec::new();
         for connecting in self.connecting.values_mut() {
             let (out, kept) = std::mem::take(&mut connecting.queued)

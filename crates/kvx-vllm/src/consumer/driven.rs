@@ -202,7 +202,8 @@ impl Driver {
         match command {
             Command::Push(request) => self.start(request, None),
             Command::Pull(request) => {
-                let source = PullSource {
+                // Where it reads from: the prefill's blocks, relayed by the router.
+                let source = RequestBlocks {
                     blocks: request.producer_blocks,
                     groups: request.producer_groups,
                 };

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant, SystemTime};
 use kvx_core::wire::{
     Abort, Capability, Claim, Completion, Heartbeat, Hello, Message, Registration, Role,
 };
-use kvx_core::{Attempt, BlockId, GroupBlocks, Rank, RequestId, TransferId};
+use kvx_core::{Attempt, BlockId, GroupBlocks, Rank, RequestBlocks, RequestId, TransferId};
 use kvx_layout::{permute_for, plan, writers_for, Layout, PermutePlan, PlanError, PlanRequest};
 use kvx_rdma::local_peer::{Process, TracerLeave};
 use kvx_rdma::region::LocalRegion;
@@ -80,13 +80,6 @@ pub struct PullRequest {
     pub producer_groups: Vec<GroupBlocks>,
 }
 
-/// Where a pull reads from: the prefill's blocks, relayed by the router.
-#[derive(Debug)]
-struct PullSource {
-    blocks: Vec<BlockId>,
-    groups: Vec<GroupBlocks>,
-}
-
 /// What became of a request the consumer waited for.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum RecvEvent {
@@ -142,7 +135,7 @@ enum Command {
 #[derive(Default)]
 struct Connecting {
     ranks: HashSet<Rank>,
-    queued: Vec<(PushRequest, Option<PullSource>)>,
+    queued: Vec<(PushRequest, Option<RequestBlocks>)>,
     /// Transfers the engine dropped before registering them, to tell every rank about once
     /// connected (see [`Consumer::abandon`]).
     abandons: Vec<(TransferId, Option<Capability>)>,

@@ -19,7 +19,7 @@ pub(super) enum Unreachable {
 }
 
 impl Driver {
-    pub(super) fn start(&mut self, request: PushRequest, pull: Option<PullSource>) {
+    pub(super) fn start(&mut self, request: PushRequest, pull: Option<RequestBlocks>) {
         if let Err(detail) = self.may_reach(
             request.prefill,
             request.key.transfer,
@@ -62,7 +62,7 @@ impl Driver {
     }
 
     /// Registers (push) or reads (pull) a request whose prefill instance is connected.
-    pub(super) fn begin(&mut self, request: PushRequest, pull: Option<PullSource>) {
+    pub(super) fn begin(&mut self, request: PushRequest, pull: Option<RequestBlocks>) {
         if let Err(detail) = self.try_start(&request, pull) {
             self.refuse(&request, Reason::PeerFailed, detail.to_string());
         }
@@ -161,7 +161,7 @@ impl Driver {
     pub(super) fn try_start(
         &mut self,
         request: &PushRequest,
-        source: Option<PullSource>,
+        source: Option<RequestBlocks>,
     ) -> Result<(), TransferError> {
         let now = self.clock.now();
         let key = request.key;
@@ -359,7 +359,7 @@ impl Driver {
     pub(super) fn post_reads(
         &mut self,
         request: &PushRequest,
-        source: &PullSource,
+        source: &RequestBlocks,
         writers: &[Rank],
     ) -> Result<(), TransferError> {
         let instance = request.prefill;

@@ -404,15 +404,13 @@ impl Driver {
             producer_groups: &held.groups,
             consumer_groups: &dest.groups,
         };
-        for group in 0..held.groups.len().max(dest.groups.len()) {
-            let planned = whole
-                .further_group(group)
-                .and_then(|alone| alone.map(|alone| plan(&alone)).transpose())
-                .map_err(|source| TransferError::PlanOf { key, source })?;
-            if let Some(planned) = planned {
-                bytes += planned.bytes();
-                ops.extend_from_slice(planned.ops());
-            }
+        let further = whole
+            .further_groups()
+            .and_then(|groups| groups.iter().map(plan).collect::<Result<Vec<_>, _>>())
+            .map_err(|source| TransferError::PlanOf { key, source })?;
+        for planned in further {
+            bytes += planned.bytes();
+            ops.extend_from_slice(planned.ops());
         }
         self.stats.bytes_written.fetch_add(bytes, Ordering::Relaxed);
         self.stats.ops_posted.fetch_add(1, Ordering::Relaxed);
