@@ -784,90 +784,44 @@ struct GroupGeometry {
     nh: u64,
 }
 
-/// The template of part `kv` (which matters only for [`MemoryOrder::HndKt`]).
-fn build_templates(
+/// A stretch of the request's tokens that lies in one producer block and one consumer block.
+#[derive(Clone, Copy, Debug)]
+struct Segment {
+    /// The producer block's id.
+    p_block: u64,
+    /// The stretch's first slot in the producer block.
+    ps: u64,
+    /// The consumer block's offset in its chunk (`id * block stride`).
+    c_chunk: u64,
+    /// The stretch's first slot in the consumer block.
+    cs: u64,
+    /// Its tokens.
+    len: u64,
+}
+
+/// Calls `f` with each segment of the request's tokens past its skip, in token order. Block
+/// indices and offsets advance with the segments: no division per segment. Generic over `f`, so
+/// that each memory order's piece arithmetic is compiled into its own loop.
+fn for_each_segment(
     req: &PlanRequest<'_>,
-    groups: &[HeadGroup],
-    order: MemoryOrder,
-    kv: u32,
     bp: u64,
     bc: u64,
-) -> Vec<Vec<Piece>> {
-    let consumer = req.consumer;
-    let mut templates: Vec<Vec<Piece>> = vec![Vec::new(); groups.len()];
-    let mut mergers: Vec<Merger> = vec![Merger::default(); groups.len()];
-    // A head vector, or a whole K-then-V cell where cells hold both (the same on both sides).
-    let head_bytes = consumer.vector_pitch();
-    let hc = u64::from(consumer.local_heads());
-    let c_stride = consumer.block_stride();
-    let c_pitch = consumer.head_pitch();
-    let element = u64::from(consumer.spec().dtype.size());
-    let dims = head_bytes / element;
-    // What each group needs of its producer rank, read once instead of at every segment.
-    let geometry: Vec<GroupGeometry> = groups
-        .iter()
-        .map(|g| {
-            let producer = &req.producers[g.producer_index];
-            GroupGeometry {
-                hp: u64::from(producer.local_heads()),
-                p_pitch: producer.head_pitch(),
-                p_stride: producer.block_stride(),
-                jp: u64::from(g.producer_head),
-                jc: u64::from(g.consumer_head),
-                nh: u64::from(g.heads),
-            }
-        })
-        .collect();
+    c_stride: u64,
+    mut f: impl FnMut(Segment),
+) {
     let n = req.num_tokens;
     let mut t = req.skip_tokens;
-    // Block indices and offsets advance with the segments: no division per segment.
     let (mut pbi, mut ps) = (t / bp, t % bp);
     let (mut cbi, mut cs) = (t / bc, t % bc);
     while t < n {
         let len = (bp - ps).min(bc - cs).min(n - t);
-        let c_chunk = u64::from(req.consumer_blocks[cbi as usize].0) * c_stride;
-        let p_block = u64::from(req.producer_blocks[pbi as usize].0);
-        for (gi, g) in geometry.iter().enumerate() {
-            let p_chunk = p_block * g.p_stride;
-            let (hp, p_pitch, jp, jc, nh) = (g.hp, g.p_pitch, g.jp, g.jc, g.nh);
-            let piece = match order {
-                // One piece per token: the group's heads of that token.
-                MemoryOrder::Nhd => Piece::strided(
-                    p_chunk + (ps * hp + jp) * head_bytes,
-                    c_chunk + (cs * hc + jc) * head_bytes,
-                    nh * head_bytes,
-                    len,
-                    hp * head_bytes,
-                    hc * head_bytes,
-                ),
-                // Dimension-major keys: per head, one piece per dimension, each the segment's
-                // tokens of that dimension.
-                MemoryOrder::HndKt if kv == 0 => {
-                    for i in 0..nh {
-                        let piece = Piece::strided(
-                            p_chunk + (jp + i) * p_pitch + ps * element,
-                            c_chunk + (jc + i) * c_pitch + cs * element,
-                            len * element,
-                            dims,
-                            bp * element,
-                            bc * element,
-                        );
-                        mergers[gi].push(piece, &mut templates[gi]);
-                    }
-                    continue;
-                }
-                // One piece per head: the segment's tokens of that head.
-                MemoryOrder::Hnd | MemoryOrder::HndKt => Piece::strided(
-                    p_chunk + jp * p_pitch + ps * head_bytes,
-                    c_chunk + jc * c_pitch + cs * head_bytes,
-                    len * head_bytes,
-                    nh,
-                    p_pitch,
-                    c_pitch,
-                ),
-            };
-            mergers[gi].push(piece, &mut templates[gi]);
-        }
+        f(Segment {
+            p_block: u64::from(req.producer_blocks[pbi as usize].0),
+            ps,
+            c_chunk: u64::from(req.consumer_blocks[cbi as usize].0) * c_stride,
+            cs,
+            len,
+        });
         t += len;
         ps += len;
         if ps == bp {
@@ -880,10 +834,96 @@ fn build_templates(
             cbi += 1;
         }
     }
-    for (template, merger) in templates.iter_mut().zip(mergers) {
-        merger.finish(template);
+}
+
+/// The template of part `kv` (which matters only for [`MemoryOrder::HndKt`]).
+fn build_templates(
+    req: &PlanRequest<'_>,
+    groups: &[HeadGroup],
+    order: MemoryOrder,
+    kv: u32,
+    bp: u64,
+    bc: u64,
+) -> Vec<Vec<Piece>> {
+    let consumer = req.consumer;
+    // A head vector, or a whole K-then-V cell where cells hold both (the same on both sides).
+    let head_bytes = consumer.vector_pitch();
+    let hc = u64::from(consumer.local_heads());
+    let c_stride = consumer.block_stride();
+    let c_pitch = consumer.head_pitch();
+    let element = u64::from(consumer.spec().dtype.size());
+    let dims = head_bytes / element;
+    // Each group: what it needs of its producer rank (read once instead of at every segment),
+    // its merger and the template it grows.
+    let mut out: Vec<(GroupGeometry, Merger, Vec<Piece>)> = groups
+        .iter()
+        .map(|g| {
+            let producer = &req.producers[g.producer_index];
+            let geometry = GroupGeometry {
+                hp: u64::from(producer.local_heads()),
+                p_pitch: producer.head_pitch(),
+                p_stride: producer.block_stride(),
+                jp: u64::from(g.producer_head),
+                jc: u64::from(g.consumer_head),
+                nh: u64::from(g.heads),
+            };
+            (geometry, Merger::default(), Vec::new())
+        })
+        .collect();
+    match order {
+        // One piece per token: the group's heads of that token.
+        MemoryOrder::Nhd => for_each_segment(req, bp, bc, c_stride, |s| {
+            for (g, merger, template) in &mut out {
+                let piece = Piece::strided(
+                    s.p_block * g.p_stride + (s.ps * g.hp + g.jp) * head_bytes,
+                    s.c_chunk + (s.cs * hc + g.jc) * head_bytes,
+                    g.nh * head_bytes,
+                    s.len,
+                    g.hp * head_bytes,
+                    hc * head_bytes,
+                );
+                merger.push(piece, template);
+            }
+        }),
+        // Dimension-major keys: per head, one piece per dimension, each the segment's tokens
+        // of that dimension.
+        MemoryOrder::HndKt if kv == 0 => for_each_segment(req, bp, bc, c_stride, |s| {
+            for (g, merger, template) in &mut out {
+                let p_chunk = s.p_block * g.p_stride;
+                for i in 0..g.nh {
+                    let piece = Piece::strided(
+                        p_chunk + (g.jp + i) * g.p_pitch + s.ps * element,
+                        s.c_chunk + (g.jc + i) * c_pitch + s.cs * element,
+                        s.len * element,
+                        dims,
+                        bp * element,
+                        bc * element,
+                    );
+                    merger.push(piece, template);
+                }
+            }
+        }),
+        // One piece per head: the segment's tokens of that head.
+        MemoryOrder::Hnd | MemoryOrder::HndKt => for_each_segment(req, bp, bc, c_stride, |s| {
+            for (g, merger, template) in &mut out {
+                let piece = Piece::strided(
+                    s.p_block * g.p_stride + g.jp * g.p_pitch + s.ps * head_bytes,
+                    s.c_chunk + g.jc * c_pitch + s.cs * head_bytes,
+                    s.len * head_bytes,
+                    g.nh,
+                    g.p_pitch,
+                    c_pitch,
+                );
+                merger.push(piece, template);
+            }
+        }),
     }
-    templates
+    out.into_iter()
+        .map(|(_, merger, mut template)| {
+            merger.finish(&mut template);
+            template
+        })
+        .collect()
 }
 
 fn permute_plan(
