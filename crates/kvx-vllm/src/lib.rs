@@ -67,6 +67,8 @@ mod python;
 pub mod router;
 pub mod settings;
 pub use settings::config;
+#[cfg(test)]
+mod pair_sim;
 #[cfg(any(test, feature = "fuzzing"))]
 #[cfg_attr(not(test), allow(dead_code))]
 mod sim_support;

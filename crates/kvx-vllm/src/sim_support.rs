@@ -35,16 +35,25 @@ pub(crate) fn spec() -> LayoutSpec {
 
 /// An endpoint of `fabric` with the cache of [`spec`] registered, and its regions.
 pub(crate) fn endpoint(fabric: &LoopbackFabric) -> (Box<dyn Transport>, Vec<LocalRegion>) {
+    let (transport, regions, _) = cache_endpoint(fabric);
+    (transport, regions)
+}
+
+/// [`endpoint`], and the memory of its regions (to fill and to read).
+pub(crate) fn cache_endpoint(
+    fabric: &LoopbackFabric,
+) -> (Box<dyn Transport>, Vec<LocalRegion>, Vec<Arc<HostBuffer>>) {
     let mut transport: Box<dyn Transport> = Box::new(fabric.endpoint());
     let layout = Layout::new(spec()).expect("a valid layout");
-    let mut regions = Vec::new();
+    let (mut regions, mut buffers) = (Vec::new(), Vec::new());
     for i in 0..layout.region_count() {
         let buffer = Arc::new(HostBuffer::new(layout.region_len() as usize).expect("memory"));
-        let region = LocalRegion::host(i, buffer);
+        let region = LocalRegion::host(i, Arc::clone(&buffer));
         transport.register(region.clone()).expect("registered");
         regions.push(region);
+        buffers.push(buffer);
     }
-    (transport, regions)
+    (transport, regions, buffers)
 }
 
 /// The next message on `stream`, if one is there now.

@@ -103,7 +103,7 @@ pub enum RecvEvent {
     },
 }
 
-enum Command {
+pub(crate) enum Command {
     Push(PushRequest),
     Pull(PullRequest),
     Cancel {
@@ -602,9 +602,9 @@ impl Drop for Consumer {
 }
 
 /// Where the driver leaves events for the engine thread, raising [`PollHints::news`] after.
-struct Outbox {
-    hints: Arc<PollHints>,
-    events: Mailbox<(RecvEvent, SystemTime)>,
+pub(crate) struct Outbox {
+    pub(crate) hints: Arc<PollHints>,
+    pub(crate) events: Mailbox<(RecvEvent, SystemTime)>,
 }
 
 impl Outbox {
@@ -638,7 +638,7 @@ impl Outbox {
     }
 }
 
-struct Driver {
+pub(crate) struct Driver {
     config: ConnectorConfig,
     clock: Clock,
     layout: Layout,
@@ -729,7 +729,7 @@ impl Driver {
     /// # Errors
     /// [`StartError::WaiterConfig`] when the settings make an invalid waiter.
     #[allow(clippy::too_many_arguments)]
-    fn new(
+    pub(crate) fn new(
         config: ConnectorConfig,
         layout: Layout,
         regions: Vec<LocalRegion>,

@@ -2,7 +2,8 @@
 //! sleeps. A test feeds it what the driver loop would (the engine's requests, a producer rank's
 //! finished handshake over an in-memory control connection, its messages, the loopback
 //! transport's events, the time) and reads what it decided (the engine's events, the messages
-//! to the producer). `tests/loopback.rs` keeps what needs real threads on both sides.
+//! to the producer). `pair_sim` joins it to a producer's state machine; `tests/loopback.rs`
+//! keeps what needs real threads on both sides.
 
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::AtomicU64;
@@ -22,6 +23,18 @@ const INSTANCE: SocketAddr = SocketAddr::new(
     std::net::IpAddr::V4(std::net::Ipv4Addr::new(127, 0, 0, 1)),
     1,
 );
+
+impl Driver {
+    /// The hello this side sends producer ranks.
+    pub(crate) fn hello(&self) -> &Hello {
+        &self.hello
+    }
+
+    /// The live connection to `instance`'s `rank`.
+    pub(crate) fn conn_of(&self, instance: SocketAddr, rank: Rank) -> Option<ConnId> {
+        Some(self.instances.get(&instance)?.ranks.get(&rank)?.id)
+    }
+}
 
 /// One consumer rank's state machine and what surrounds it in a test.
 struct Sim {
@@ -535,7 +548,7 @@ fn cancel_waits_for_a_silent_producer_as_long_as_its_writes_can_run() {
 /// The producer rank's control connection is lost (a reset, a timeout) at `at`.
 fn lose_connection(sim: &mut Sim, at: Duration) {
     sim.at(at);
-    let conn = sim.driver.instances[&INSTANCE].ranks[&Rank(0)].id;
+    let conn = sim.driver.conn_of(INSTANCE, Rank(0)).expect("connected");
     sim.command(Command::PeerClosed(
         INSTANCE,
         Rank(0),
@@ -626,7 +639,7 @@ fn a_lost_connection_to_another_host_holds_the_blocks_as_long_as_its_writes_can_
 
 /// The producer rank sends `message` over the live connection.
 fn from_producer(sim: &mut Sim, message: Message) {
-    let conn = sim.driver.instances[&INSTANCE].ranks[&Rank(0)].id;
+    let conn = sim.driver.conn_of(INSTANCE, Rank(0)).expect("connected");
     sim.command(Command::Peer(
         INSTANCE,
         Rank(0),

@@ -70,7 +70,7 @@ pub enum SendOutcome {
 
 type ConnId = u64;
 
-enum Command {
+pub(crate) enum Command {
     Finished {
         key: AttemptKey,
         held: FinishedBlocks,
@@ -104,7 +104,7 @@ enum Command {
 
 /// A finished request's blocks, which this side holds until its consumers have them.
 #[derive(Debug)]
-struct FinishedBlocks {
+pub(crate) struct FinishedBlocks {
     request: RequestId,
     blocks: Vec<BlockId>,
     /// The further KV cache groups' blocks (a hybrid model's).
@@ -113,7 +113,11 @@ struct FinishedBlocks {
 }
 
 impl FinishedBlocks {
-    fn new(request: RequestId, blocks: impl Into<RequestBlocks>, num_tokens: u64) -> Self {
+    pub(crate) fn new(
+        request: RequestId,
+        blocks: impl Into<RequestBlocks>,
+        num_tokens: u64,
+    ) -> Self {
         let blocks = blocks.into();
         Self {
             request,
@@ -791,7 +795,7 @@ fn rank_key(key: AttemptKey, rank: Rank) -> AttemptKey {
     AttemptKey::new(TransferId(mixed), key.attempt)
 }
 
-struct Driver {
+pub(crate) struct Driver {
     clock: Clock,
     rank: Rank,
     layout: Layout,
@@ -864,7 +868,7 @@ impl Driver {
     ///
     /// # Errors
     /// [`StartError::Config`] when the settings make an invalid matcher.
-    fn new(
+    pub(crate) fn new(
         config: &ConnectorConfig,
         layout: Layout,
         transport: Box<dyn Transport>,

@@ -3,7 +3,8 @@
 //! messages over an in-memory control connection, the loopback transport's events, the time)
 //! and reads what it decided (the engine's mailbox, the messages to the consumer, the notices
 //! that reach the consumer's endpoint). Lease and timing behaviour is tested here exactly, at
-//! the nanosecond it is due; `tests/loopback.rs` keeps what needs real threads and processes.
+//! the nanosecond it is due. `pair_sim` joins it to a consumer's state machine;
+//! `tests/loopback.rs` keeps what needs real threads and processes.
 
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::AtomicU64;

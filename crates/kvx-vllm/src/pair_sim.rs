@@ -1,0 +1,716 @@
+//! Both sides' state machines joined and driven by hand, with one virtual clock: a prefill
+//! rank's and a decode rank's, on one loopback fabric, their control connection relayed message
+//! by message by the test. No driver thread, no sleep: what a transfer between them decides at
+//! each moment (leases, aborts, cancels under a write in flight, preemption, seals) is tested at
+//! the instant it is due, and a write "in flight" is one whose completion the test has not
+//! handed to prefill yet. `tests/loopback.rs` keeps what needs the real driver threads,
+//! sockets, engines and processes.
+
+use std::net::SocketAddr;
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use kvx_core::wire::{Hello, Role};
+use kvx_core::{Attempt, BlockId, EngineId, Rank, RequestId, TransferId};
+use kvx_layout::Layout;
+use kvx_rdma::local_peer::Process;
+use kvx_rdma::loopback::LoopbackFabric;
+use kvx_rdma::region::HostBuffer;
+use kvx_rdma::transport::Event;
+use kvx_rendezvous::AttemptKey;
+
+use crate::config::ConnectorConfig;
+use crate::consumer::{self, PushRequest, RecvEvent};
+use crate::control::{self, ControlStream, Queued};
+use crate::driver::{self, Clock, CommandReceiver, Driven, Mailbox};
+use crate::producer::{self, FinishedBlocks, FinishedSending};
+use crate::sim_support::{cache_endpoint, message, spec};
+use crate::stats::Stats;
+
+/// Where prefill is said to listen (decode never reaches it: the test makes the connection).
+const PREFILL: SocketAddr = SocketAddr::new(
+    std::net::IpAddr::V4(std::net::Ipv4Addr::new(127, 0, 0, 1)),
+    1,
+);
+
+/// The request ids each side's engine uses.
+pub(crate) const PREFILL_REQUEST: RequestId = RequestId(7);
+pub(crate) const DECODE_REQUEST: RequestId = RequestId(9);
+
+/// One prefill rank and one decode rank of [`spec`]'s layout, and what surrounds them.
+pub(crate) struct Pair {
+    now: &'static AtomicU64,
+    prefill: producer::Driver,
+    decode: consumer::Driver,
+    finished: Arc<Mailbox<(FinishedSending, SystemTime)>>,
+    events: Arc<consumer::Outbox>,
+    prefill_stats: Arc<Stats>,
+    decode_stats: Arc<Stats>,
+    prefill_memory: Vec<Arc<HostBuffer>>,
+    decode_memory: Vec<Arc<HostBuffer>>,
+    producer_hello: Hello,
+    /// The relay's ends, once connected: what decode sends arrives on the first, what prefill
+    /// sends on the second.
+    relay: Option<(UnixStream, UnixStream)>,
+    /// Decode's own queue: what its helper threads send (its failed attempt to reach
+    /// [`PREFILL`] itself; never fed back).
+    _queue: CommandReceiver<consumer::Command>,
+    /// Whether prefill's writes stay in flight: their completions wait in prefill's transport
+    /// and their notices are kept from decode until this is `false` again.
+    pub(crate) hold_writes: bool,
+    held_notices: Vec<Event>,
+    /// Notices decode's transport drops before its state machine sees them.
+    pub(crate) notices_to_lose: usize,
+}
+
+impl Pair {
+    /// A prefill rank (engine 1) and a decode rank (engine 2) with their default settings and
+    /// decode's registration lease `lease`.
+    pub(crate) fn new(lease: Duration) -> Self {
+        Self::configured(|_| {}, |decode| decode.registration_lease = lease)
+    }
+
+    /// A prefill rank and a decode rank whose settings `prefill` and `decode` change.
+    pub(crate) fn configured(
+        prefill: impl FnOnce(&mut ConnectorConfig),
+        decode: impl FnOnce(&mut ConnectorConfig),
+    ) -> Self {
+        let fabric = LoopbackFabric::new();
+        let now: &'static AtomicU64 = Box::leak(Box::new(AtomicU64::new(0)));
+        let clock = Clock::virtual_at(now);
+
+        let mut producer_config = ConnectorConfig::new(EngineId(1));
+        prefill(&mut producer_config);
+        let (transport, _, prefill_memory) = cache_endpoint(&fabric);
+        let layout = Layout::new(spec()).expect("a valid layout");
+        let producer_hello = control::hello(
+            &producer_config,
+            Role::Producer,
+            &layout,
+            &transport.local_desc(),
+            false,
+        );
+        let finished = Arc::new(Mailbox::default());
+        let prefill_stats = Arc::new(Stats::default());
+        let prefill = producer::Driver::new(
+            &producer_config,
+            layout.clone(),
+            transport,
+            clock,
+            Arc::clone(&finished),
+            Arc::clone(&prefill_stats),
+        )
+        .expect("a producer");
+
+        let mut consumer_config = ConnectorConfig::new(EngineId(2));
+        decode(&mut consumer_config);
+        // Notices come to the state machine as transport events, not through a board that the
+        // engine thread reads.
+        consumer_config.notice_board = false;
+        let (transport, regions, decode_memory) = cache_endpoint(&fabric);
+        let (tx, queue) = driver::command_queue(None);
+        let events = Arc::new(consumer::Outbox {
+            hints: Arc::default(),
+            events: Mailbox::default(),
+        });
+        let decode_stats = Arc::new(Stats::default());
+        let decode = consumer::Driver::new(
+            consumer_config,
+            layout,
+            regions,
+            transport,
+            None,
+            clock,
+            tx,
+            Arc::clone(&events),
+            Arc::clone(&decode_stats),
+        )
+        .expect("a consumer");
+        Self {
+            now,
+            prefill,
+            decode,
+            finished,
+            events,
+            prefill_stats,
+            decode_stats,
+            prefill_memory,
+            decode_memory,
+            producer_hello,
+            relay: None,
+            _queue: queue,
+            hold_writes: false,
+            held_notices: Vec::new(),
+            notices_to_lose: 0,
+        }
+    }
+
+    /// Decode's engine allocated `blocks` for `key`'s `tokens` tokens (push): it registers them
+    /// with prefill, connecting first if it has not yet.
+    pub(crate) fn register(&mut self, key: AttemptKey, tokens: u64, blocks: Vec<BlockId>) {
+        self.decode.command(consumer::Command::Push(PushRequest {
+            key,
+            request: DECODE_REQUEST,
+            prefill: PREFILL,
+            num_tokens: tokens,
+            skip_tokens: 0,
+            blocks,
+            groups: Vec::new(),
+            capability: None,
+            trace: None,
+        }));
+        if self.relay.is_none() {
+            self.connect();
+        }
+        self.settle();
+    }
+
+    /// Decode's handshake with prefill ends: each side gets its end of a control connection
+    /// whose other ends the relay holds.
+    fn connect(&mut self) {
+        let (decode_end, from_decode) = UnixStream::pair().expect("a socket pair");
+        let (prefill_end, from_prefill) = UnixStream::pair().expect("a socket pair");
+        let this_process = Process::of(i32::try_from(std::process::id()).expect("a pid"));
+        self.decode.command(consumer::Command::Handshaken(
+            PREFILL,
+            Rank(0),
+            Ok((
+                ControlStream::local_to(decode_end, Some(this_process)),
+                self.producer_hello.clone(),
+            )),
+        ));
+        let sender = control::sender(&ControlStream::local(prefill_end)).expect("a sender");
+        let hello = Box::new(self.decode.hello().clone());
+        self.prefill
+            .command(producer::Command::Accepted(1, sender, hello, None));
+        self.relay = Some((from_decode, from_prefill));
+    }
+
+    /// Prefill's engine finished `key` on `blocks` (push).
+    pub(crate) fn finish(&mut self, key: AttemptKey, tokens: u64, blocks: Vec<BlockId>) {
+        self.prefill_does(producer::Command::Finished {
+            key,
+            held: FinishedBlocks::new(PREFILL_REQUEST, blocks, tokens),
+            pull: false,
+        });
+    }
+
+    /// Prefill's engine sealed `key` on `blocks`: its KV is final, the engine keeps the blocks
+    /// until it finishes the request.
+    pub(crate) fn seal(&mut self, key: AttemptKey, tokens: u64, blocks: Vec<BlockId>) {
+        self.prefill_does(producer::Command::Sealed {
+            key,
+            held: FinishedBlocks::new(PREFILL_REQUEST, blocks, tokens),
+        });
+    }
+
+    /// Prefill's engine aborted `transfer` (`attempt`, or every attempt).
+    pub(crate) fn abort(&mut self, transfer: TransferId, attempt: Option<Attempt>) {
+        self.prefill_does(producer::Command::Abort { transfer, attempt });
+    }
+
+    /// Prefill's engine preempted `key`.
+    pub(crate) fn preempt(&mut self, key: AttemptKey) {
+        self.prefill_does(producer::Command::Preempted(key));
+    }
+
+    /// Decode's engine cancelled `transfer` (`attempt`, or every attempt).
+    pub(crate) fn cancel(&mut self, transfer: TransferId, attempt: Option<Attempt>) {
+        self.decode
+            .command(consumer::Command::Cancel { transfer, attempt });
+        self.settle();
+    }
+
+    fn prefill_does(&mut self, command: producer::Command) {
+        self.prefill.command(command);
+        self.settle();
+    }
+
+    /// Moves the virtual clock to `at` after the start; both sides see it and act on it.
+    pub(crate) fn at(&mut self, at: Duration) {
+        self.now.store(
+            u64::try_from(at.as_nanos()).unwrap_or(u64::MAX),
+            std::sync::atomic::Ordering::SeqCst,
+        );
+        self.settle();
+    }
+
+    /// Lets both sides' time pass and hands each what the other sent and what its transport
+    /// reported, until nothing moves.
+    fn settle(&mut self) {
+        loop {
+            let now = self.prefill.clock().now();
+            self.prefill.tick(now);
+            self.decode.tick(now);
+            let mut moved = false;
+            if let Some((from_decode, from_prefill)) = &mut self.relay {
+                while let Some(m) = message(from_decode) {
+                    let queued = Queued::unbounded();
+                    self.prefill.command(producer::Command::Peer(1, m, queued));
+                    moved = true;
+                }
+                while let Some(m) = message(from_prefill) {
+                    let conn = self.decode.conn_of(PREFILL, Rank(0)).expect("connected");
+                    let queued = Queued::unbounded();
+                    let peer = consumer::Command::Peer(PREFILL, Rank(0), conn, m, queued);
+                    self.decode.command(peer);
+                    moved = true;
+                }
+            }
+            if !self.hold_writes {
+                moved |= deliver(&mut self.prefill, Vec::new(), Some);
+            }
+            let (lose, hold) = (&mut self.notices_to_lose, self.hold_writes);
+            let mut held = Vec::new();
+            let earlier = if hold {
+                Vec::new()
+            } else {
+                std::mem::take(&mut self.held_notices)
+            };
+            moved |= deliver(&mut self.decode, earlier, |event| match event {
+                Event::Notice(_) if *lose > 0 => {
+                    *lose -= 1;
+                    None
+                }
+                Event::Notice(_) if hold => {
+                    held.push(event);
+                    None
+                }
+                _ => Some(event),
+            });
+            self.held_notices.extend(held);
+            if !moved {
+                return;
+            }
+        }
+    }
+
+    /// Prefill's engine hears what it may free now.
+    pub(crate) fn finished(&self) -> Vec<FinishedSending> {
+        self.finished.take().into_iter().map(|(f, _)| f).collect()
+    }
+
+    /// Decode's engine hears what became of its requests.
+    pub(crate) fn events(&self) -> Vec<RecvEvent> {
+        self.events
+            .events
+            .take()
+            .into_iter()
+            .map(|(e, _)| e)
+            .collect()
+    }
+
+    /// Requests whose blocks prefill holds.
+    pub(crate) fn prefill_held(&self) -> i64 {
+        self.prefill_stats.snapshot().held
+    }
+
+    /// Requests whose registrations decode holds.
+    pub(crate) fn decode_held(&self) -> i64 {
+        self.decode_stats.snapshot().held
+    }
+
+    /// Prefill's counters.
+    pub(crate) fn prefill_stats(&self) -> crate::StatsSnapshot {
+        self.prefill_stats.snapshot()
+    }
+
+    /// Decode's counters.
+    pub(crate) fn decode_stats(&self) -> crate::StatsSnapshot {
+        self.decode_stats.snapshot()
+    }
+
+    /// Fills prefill's `blocks` with bytes of `salt` (each byte of every layer's K and V
+    /// differs from its neighbours).
+    pub(crate) fn fill(&self, blocks: &[BlockId], salt: u8) {
+        for_each_block(blocks, u64::MAX, |region, range| {
+            let bytes: Vec<u8> = range
+                .clone()
+                .map(|i| (i as u8).wrapping_mul(31).wrapping_add(salt))
+                .collect();
+            self.prefill_memory[region]
+                .write_at(range.start, &bytes)
+                .expect("within the cache");
+        });
+    }
+
+    /// Whether decode's `landing` blocks hold what prefill's `blocks` hold, block for block,
+    /// in the request's first `tokens` tokens.
+    pub(crate) fn landed(&self, blocks: &[BlockId], landing: &[BlockId], tokens: u64) -> bool {
+        let read = |memory: &[Arc<HostBuffer>], of: &[BlockId]| {
+            let mut bytes = Vec::new();
+            for_each_block(of, tokens, |region, range| {
+                let mut chunk = vec![0; range.len()];
+                memory[region]
+                    .read_at(range.start, &mut chunk)
+                    .expect("within the cache");
+                bytes.push(chunk);
+            });
+            bytes
+        };
+        blocks.len() == landing.len()
+            && read(&self.prefill_memory, blocks) == read(&self.decode_memory, landing)
+    }
+}
+
+/// Calls `f` with the bytes of the first `tokens` tokens in `blocks` (each block's bytes, or
+/// fewer in the last) in every layer's K and V chunk, in order: region index and byte range.
+/// [`spec`]'s memory order is NHD: a block's tokens lie one after the other.
+fn for_each_block(
+    blocks: &[BlockId],
+    tokens: u64,
+    mut f: impl FnMut(usize, std::ops::Range<usize>),
+) {
+    let layout = Layout::new(spec()).expect("a valid layout");
+    let stride = layout.block_stride();
+    let block_tokens = u64::from(layout.spec().block_tokens);
+    for layer in 0..layout.spec().num_layers {
+        for kv in 0..layout.kv_parts() {
+            let place = layout.chunk_place(layer, kv);
+            for (i, &block) in (0u64..).zip(blocks) {
+                let filled = tokens.saturating_sub(i * block_tokens).min(block_tokens);
+                let start = place.base + u64::from(block.0) * stride;
+                let len = stride / block_tokens * filled;
+                f(
+                    place.region as usize,
+                    start as usize..(start + len) as usize,
+                );
+            }
+        }
+    }
+}
+
+/// Hands `driver` `earlier` events, then those its transport reported, each as `route` passes it
+/// on (`None`: kept from it); whether any came.
+fn deliver(
+    driver: &mut impl Driven,
+    mut events: Vec<Event>,
+    mut route: impl FnMut(Event) -> Option<Event>,
+) -> bool {
+    driver
+        .transport()
+        .expect("open")
+        .poll(&mut events)
+        .expect("a loopback poll");
+    let came = !events.is_empty();
+    for event in events.into_iter().filter_map(&mut route) {
+        driver.transport_event(event);
+    }
+    came
+}
+
+#[cfg(test)]
+mod tests {
+    use kvx_rendezvous::Reason;
+
+    use super::*;
+    use crate::producer::SendOutcome;
+    use crate::sim_support::{ids, key};
+
+    fn ms(ms: u64) -> Duration {
+        Duration::from_millis(ms)
+    }
+
+    /// Asserts that decode's engine heard exactly that `key` failed for `reason`, and returns
+    /// the failure's detail.
+    fn expect_failed(pair: &Pair, key: AttemptKey, reason: Reason) -> String {
+        match &pair.events()[..] {
+            [RecvEvent::Failed {
+                key: failed,
+                reason: r,
+                detail,
+                ..
+            }] if *failed == key && *r == reason => detail.clone(),
+            other => panic!("expected {key} to fail for {reason:?}, got {other:?}"),
+        }
+    }
+
+    /// Asserts that decode's engine heard exactly that `key` is ready.
+    fn expect_ready(pair: &Pair, key: AttemptKey) {
+        assert_eq!(
+            pair.events(),
+            vec![RecvEvent::Ready {
+                key,
+                request: DECODE_REQUEST
+            }]
+        );
+    }
+
+    /// Asserts that prefill's engine heard exactly that `key`'s blocks are free, with `outcome`.
+    fn expect_given_back(pair: &Pair, key: AttemptKey, outcome: SendOutcome) {
+        assert_eq!(
+            pair.finished(),
+            vec![FinishedSending {
+                request: PREFILL_REQUEST,
+                key,
+                outcome
+            }]
+        );
+    }
+
+    /// A registration that prefill never serves fails at its lease, to the nanosecond; a finish
+    /// that comes for it afterwards is given back at once, unsent.
+    #[test]
+    fn a_registration_prefill_never_serves_fails_at_its_lease_and_a_late_finish_goes_back_at_once()
+    {
+        let mut pair = Pair::new(ms(300));
+        pair.register(key(1), 8, ids(0..2));
+        pair.at(ms(300) - Duration::from_nanos(1));
+        assert_eq!(pair.events(), vec![]);
+        pair.at(ms(300));
+        expect_failed(&pair, key(1), Reason::LeaseExpired);
+        assert_eq!(pair.decode_held(), 0);
+        pair.finish(key(1), 8, ids(0..2));
+        assert!(matches!(
+            &pair.finished()[..],
+            [FinishedSending { key: k, outcome: SendOutcome::NotSent(_), .. }] if *k == key(1)
+        ));
+        assert_eq!(pair.prefill_held(), 0);
+    }
+
+    /// Prefill's engine aborts a transfer decode waits for: decode fails it at once.
+    #[test]
+    fn prefills_abort_fails_the_waiting_request_at_once() {
+        let mut pair = Pair::new(Duration::from_secs(60));
+        pair.register(key(3), 8, ids(0..2));
+        pair.at(ms(50));
+        pair.abort(TransferId(3), None);
+        expect_failed(&pair, key(3), Reason::Aborted);
+        assert_eq!(pair.decode_held(), 0);
+    }
+
+    /// Decode's engine cancels a registered request: it fails once prefill confirmed it writes
+    /// nothing more (at once here, not at the quiesce bound), and prefill gives the blocks of
+    /// its later finish back unsent.
+    #[test]
+    fn decodes_cancel_fails_once_prefill_confirms_and_prefill_gives_the_blocks_back() {
+        let mut pair = Pair::new(Duration::from_secs(60));
+        pair.register(key(4), 8, ids(0..2));
+        pair.at(ms(50));
+        pair.cancel(TransferId(4), None);
+        let detail = expect_failed(&pair, key(4), Reason::Aborted);
+        assert!(!detail.contains("without confirmation"), "{detail}");
+        assert_eq!(pair.decode_stats().released_unconfirmed, 0);
+        pair.at(ms(100));
+        pair.finish(key(4), 8, ids(0..2));
+        expect_given_back(&pair, key(4), SendOutcome::NotSent(Reason::Aborted));
+        assert_eq!(pair.prefill_held(), 0);
+    }
+
+    /// Decode cancels while prefill's write is in flight: its engine hears of it only once
+    /// prefill says the write ended (it may land until then), however long that takes within
+    /// the quiesce bound; prefill holds the blocks until then too.
+    #[test]
+    fn a_cancel_under_a_write_in_flight_fails_only_once_the_write_ended() {
+        let mut pair = Pair::configured(
+            |_| {},
+            |decode| {
+                decode.registration_lease = Duration::from_secs(600);
+                decode.quiesce_timeout = Some(Duration::from_secs(600));
+            },
+        );
+        let k = key(101);
+        pair.fill(&ids(5..8), 1);
+        pair.register(k, 12, ids(0..3));
+        pair.hold_writes = true;
+        pair.finish(k, 12, ids(5..8));
+        assert_eq!(pair.prefill_held(), 1);
+        pair.cancel(k.transfer, Some(k.attempt));
+        pair.at(Duration::from_secs(300));
+        assert_eq!(pair.events(), vec![], "failed with a write in flight");
+        assert_eq!(pair.finished(), vec![]);
+        assert_eq!(pair.prefill_held(), 1, "blocks released under a write");
+        pair.hold_writes = false;
+        pair.at(Duration::from_secs(301));
+        expect_failed(&pair, k, Reason::Aborted);
+        assert!(matches!(
+            &pair.finished()[..],
+            [FinishedSending {
+                outcome: SendOutcome::NotSent(_),
+                ..
+            }]
+        ));
+        assert_eq!((pair.prefill_held(), pair.decode_held()), (0, 0));
+    }
+
+    /// Prefill's engine preempts an attempt: decode's wait for it fails at once, a finish for it
+    /// goes back unsent, and the request's next attempt is served.
+    #[test]
+    fn a_prefill_preempted_at_an_attempt_fails_it_and_serves_the_next() {
+        let mut pair = Pair::new(Duration::from_secs(60));
+        let first = key(102);
+        pair.register(first, 8, ids(0..2));
+        pair.at(ms(100));
+        pair.preempt(first);
+        expect_failed(&pair, first, Reason::Preempted);
+        assert_eq!(pair.decode_held(), 0);
+        pair.finish(first, 8, ids(2..4));
+        assert!(matches!(
+            &pair.finished()[..],
+            [FinishedSending {
+                outcome: SendOutcome::NotSent(_),
+                ..
+            }]
+        ));
+        let second = AttemptKey::new(first.transfer, first.attempt.next());
+        pair.fill(&ids(0..2), 2);
+        pair.register(second, 8, ids(4..6));
+        pair.finish(second, 8, ids(0..2));
+        expect_ready(&pair, second);
+        assert!(pair.landed(&ids(0..2), &ids(4..6), 8));
+        assert!(
+            !pair.landed(&ids(0..2), &ids(0..2), 8),
+            "the preempted attempt's blocks were written"
+        );
+        expect_given_back(&pair, second, SendOutcome::Sent);
+        assert_eq!(pair.prefill_held(), 0);
+    }
+
+    /// Decode re-registers a request at a newer attempt (its engine preempted and rescheduled
+    /// it): the older wait fails as superseded, and prefill's finish of the newer lands.
+    #[test]
+    fn a_preempted_request_registers_again_at_a_newer_attempt_and_lands() {
+        let mut pair = Pair::new(Duration::from_secs(60));
+        let first = key(6);
+        let second = AttemptKey::new(first.transfer, first.attempt.next());
+        pair.fill(&ids(0..3), 3);
+        pair.register(first, 12, ids(5..8));
+        pair.at(ms(30));
+        pair.register(second, 12, ids(8..11));
+        expect_failed(&pair, first, Reason::Superseded);
+        pair.finish(second, 12, ids(0..3));
+        expect_ready(&pair, second);
+        assert!(pair.landed(&ids(0..3), &ids(8..11), 12));
+    }
+
+    /// Prefill wrote and gave its blocks back, but the notice never reached decode: the
+    /// request fails at its lease (not later: prefill, holding nothing of it, answers decode's
+    /// abort at once), and nothing stays held on either side.
+    #[test]
+    fn a_lost_notice_fails_the_request_at_its_lease_and_nothing_stays_held() {
+        let mut pair = Pair::new(ms(500));
+        pair.notices_to_lose = 1;
+        let k = key(97);
+        pair.fill(&ids(0..2), 4);
+        pair.register(k, 8, ids(4..6));
+        pair.finish(k, 8, ids(0..2));
+        expect_given_back(&pair, k, SendOutcome::Sent);
+        assert_eq!(pair.notices_to_lose, 0, "the notice was not lost");
+        pair.at(ms(499));
+        assert_eq!(pair.events(), vec![]);
+        pair.at(ms(500));
+        let detail = expect_failed(&pair, k, Reason::LeaseExpired);
+        assert!(!detail.contains("without confirmation"), "{detail}");
+        assert_eq!(pair.decode_stats().released_unconfirmed, 0);
+        assert_eq!((pair.prefill_held(), pair.decode_held()), (0, 0));
+    }
+
+    /// A sealed request is written, and decode told, without waiting for the engine to finish
+    /// it (registration first or seal first); its blocks go back only once the engine has
+    /// finished it, at once then, and the finish writes nothing more.
+    #[test]
+    fn a_sealed_request_lands_before_it_finishes() {
+        for registration_first in [true, false] {
+            let mut pair = Pair::new(Duration::from_secs(60));
+            let k = key(30);
+            pair.fill(&ids(0..5), 5);
+            if registration_first {
+                pair.register(k, 19, ids(8..13));
+                pair.seal(k, 19, ids(0..5));
+            } else {
+                pair.seal(k, 19, ids(0..5));
+                pair.at(ms(20));
+                pair.register(k, 19, ids(8..13));
+            }
+            expect_ready(&pair, k);
+            assert!(pair.landed(&ids(0..5), &ids(8..13), 19));
+            pair.at(Duration::from_secs(30));
+            assert_eq!(pair.finished(), vec![], "given back before the finish");
+            assert_eq!(pair.prefill_stats().transfers_ok, 1);
+            pair.finish(k, 19, ids(0..5));
+            expect_given_back(&pair, k, SendOutcome::Sent);
+            assert_eq!(pair.prefill_held(), 0);
+            assert_eq!(pair.prefill_stats().transfers_started, 1);
+        }
+    }
+
+    /// A request finished after its seal but before decode registered is written when the
+    /// registration comes, and given back then.
+    #[test]
+    fn a_sealed_request_finished_before_its_registration_is_given_back_when_written() {
+        let mut pair = Pair::new(Duration::from_secs(60));
+        let k = key(31);
+        pair.fill(&ids(0..3), 6);
+        pair.seal(k, 12, ids(0..3));
+        pair.finish(k, 12, ids(0..3));
+        pair.at(Duration::from_secs(10));
+        assert_eq!(pair.finished(), vec![]);
+        pair.register(k, 12, ids(8..11));
+        expect_ready(&pair, k);
+        assert!(pair.landed(&ids(0..3), &ids(8..11), 12));
+        expect_given_back(&pair, k, SendOutcome::Sent);
+        assert_eq!(pair.prefill_stats().transfers_started, 1);
+    }
+
+    /// The engine aborts a sealed request (it frees the blocks itself): nothing is given back,
+    /// whether its transfer ended before or nobody registered yet, and a registration that
+    /// comes later fails.
+    #[test]
+    fn a_sealed_request_the_engine_aborts_is_never_given_back() {
+        let mut pair = Pair::new(Duration::from_secs(60));
+        let delivered = key(33);
+        pair.fill(&ids(0..2), 7);
+        pair.register(delivered, 8, ids(8..10));
+        pair.seal(delivered, 8, ids(0..2));
+        expect_ready(&pair, delivered);
+        pair.abort(delivered.transfer, None);
+        let late = key(34);
+        pair.seal(late, 8, ids(2..4));
+        pair.abort(late.transfer, None);
+        pair.at(Duration::from_secs(30));
+        assert_eq!(pair.finished(), vec![]);
+        assert_eq!(pair.prefill_held(), 0);
+        pair.register(late, 8, ids(12..14));
+        expect_failed(&pair, late, Reason::Aborted);
+        pair.at(Duration::from_secs(60));
+        assert_eq!(pair.finished(), vec![]);
+    }
+
+    /// A seal after the request finished, or a second seal, changes nothing.
+    #[test]
+    fn a_second_seal_is_ignored() {
+        let mut pair = Pair::new(Duration::from_secs(60));
+        let k = key(35);
+        pair.fill(&ids(0..2), 8);
+        pair.seal(k, 8, ids(0..2));
+        pair.seal(k, 8, ids(0..2));
+        pair.finish(k, 8, ids(0..2));
+        pair.seal(k, 8, ids(0..2));
+        pair.register(k, 8, ids(8..10));
+        expect_ready(&pair, k);
+        assert!(pair.landed(&ids(0..2), &ids(8..10), 8));
+        expect_given_back(&pair, k, SendOutcome::Sent);
+        assert_eq!(pair.prefill_stats().transfers_started, 1);
+        assert_eq!(pair.prefill_held(), 0);
+    }
+
+    /// Requests that all came over one connection and all ended are forgotten: prefill
+    /// remembers at most the 64 it keeps before it next forgets, not the whole history.
+    #[test]
+    fn a_long_lived_connection_forgets_the_registrations_that_ended() {
+        let mut pair = Pair::new(Duration::from_secs(60));
+        pair.fill(&ids(10..12), 9);
+        for t in 0..200 {
+            let k = key(1000 + t);
+            pair.register(k, 8, ids(4..6));
+            pair.finish(k, 8, ids(10..12));
+            expect_ready(&pair, k);
+            expect_given_back(&pair, k, SendOutcome::Sent);
+        }
+        assert!(pair.landed(&ids(10..12), &ids(4..6), 8));
+        let remembered = pair.prefill_stats().remembered_registrations;
+        assert!(remembered <= 64, "{remembered} registrations remembered");
+    }
+}
