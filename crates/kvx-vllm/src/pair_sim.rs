@@ -7,6 +7,7 @@
 //! sockets, engines and processes.
 
 use std::net::SocketAddr;
+use std::ops::Range;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
@@ -150,9 +151,20 @@ impl Pair {
     /// Decode's engine allocated `blocks` for `key`'s `tokens` tokens (push): it registers them
     /// with prefill, connecting first if it has not yet.
     pub(crate) fn register(&mut self, key: AttemptKey, tokens: u64, blocks: Vec<BlockId>) {
+        self.register_as(key, DECODE_REQUEST, tokens, blocks);
+    }
+
+    /// [`Pair::register`] for decode's engine request `request`.
+    pub(crate) fn register_as(
+        &mut self,
+        key: AttemptKey,
+        request: RequestId,
+        tokens: u64,
+        blocks: Vec<BlockId>,
+    ) {
         self.decode.command(consumer::Command::Push(PushRequest {
             key,
-            request: DECODE_REQUEST,
+            request,
             prefill: PREFILL,
             num_tokens: tokens,
             skip_tokens: 0,
@@ -203,6 +215,23 @@ impl Pair {
         self.prefill_does(producer::Command::Sealed {
             key,
             held: FinishedBlocks::new(PREFILL_REQUEST, blocks, tokens),
+        });
+    }
+
+    /// Prefill's engine computed `key`'s first `tokens` tokens into `blocks`, in its first
+    /// `layers` layers (`None`: all of them).
+    pub(crate) fn progress(
+        &mut self,
+        key: AttemptKey,
+        blocks: Vec<BlockId>,
+        tokens: u64,
+        layers: Option<u32>,
+    ) {
+        self.prefill_does(producer::Command::Progress {
+            key,
+            blocks,
+            tokens,
+            layers,
         });
     }
 
@@ -322,26 +351,51 @@ impl Pair {
         self.decode_stats.snapshot()
     }
 
-    /// Fills prefill's `blocks` with bytes of `salt` (each byte of every layer's K and V
-    /// differs from its neighbours).
+    /// Fills prefill's `blocks` (every layer's K and V) with bytes that `salt` and each byte's
+    /// place choose.
     pub(crate) fn fill(&self, blocks: &[BlockId], salt: u8) {
-        for_each_block(blocks, u64::MAX, |region, range| {
-            let bytes: Vec<u8> = range
-                .clone()
-                .map(|i| (i as u8).wrapping_mul(31).wrapping_add(salt))
-                .collect();
-            self.prefill_memory[region]
-                .write_at(range.start, &bytes)
-                .expect("within the cache");
-        });
+        for_each_block(
+            blocks,
+            0..u64::MAX,
+            0..spec().num_layers,
+            |region, range| {
+                // A byte of a hash of its place and the salt: no two blocks alike.
+                let bytes: Vec<u8> = range
+                    .clone()
+                    .map(|i| {
+                        let x =
+                            (i as u64 ^ u64::from(salt) << 40).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                        (x >> 56) as u8
+                    })
+                    .collect();
+                self.prefill_memory[region]
+                    .write_at(range.start, &bytes)
+                    .expect("within the cache");
+            },
+        );
     }
 
     /// Whether decode's `landing` blocks hold what prefill's `blocks` hold, block for block,
     /// in the request's first `tokens` tokens.
     pub(crate) fn landed(&self, blocks: &[BlockId], landing: &[BlockId], tokens: u64) -> bool {
+        let layers = Layout::new(spec())
+            .expect("a valid layout")
+            .spec()
+            .num_layers;
+        self.landed_in(blocks, landing, 0..tokens, 0..layers)
+    }
+
+    /// [`Pair::landed`] for the request's `tokens` in `layers` only.
+    pub(crate) fn landed_in(
+        &self,
+        blocks: &[BlockId],
+        landing: &[BlockId],
+        tokens: Range<u64>,
+        layers: Range<u32>,
+    ) -> bool {
         let read = |memory: &[Arc<HostBuffer>], of: &[BlockId]| {
             let mut bytes = Vec::new();
-            for_each_block(of, tokens, |region, range| {
+            for_each_block(of, tokens.clone(), layers.clone(), |region, range| {
                 let mut chunk = vec![0; range.len()];
                 memory[region]
                     .read_at(range.start, &mut chunk)
@@ -355,27 +409,31 @@ impl Pair {
     }
 }
 
-/// Calls `f` with the bytes of the first `tokens` tokens in `blocks` (each block's bytes, or
-/// fewer in the last) in every layer's K and V chunk, in order: region index and byte range.
+/// Calls `f` with the bytes of `tokens` in `blocks` (the request's blocks in order) in every
+/// layer of `layers`, K and V: region index and byte range, one range per block and chunk.
 /// [`spec`]'s memory order is NHD: a block's tokens lie one after the other.
 fn for_each_block(
     blocks: &[BlockId],
-    tokens: u64,
-    mut f: impl FnMut(usize, std::ops::Range<usize>),
+    tokens: Range<u64>,
+    layers: Range<u32>,
+    mut f: impl FnMut(usize, Range<usize>),
 ) {
     let layout = Layout::new(spec()).expect("a valid layout");
     let stride = layout.block_stride();
     let block_tokens = u64::from(layout.spec().block_tokens);
-    for layer in 0..layout.spec().num_layers {
+    let token_bytes = stride / block_tokens;
+    for layer in layers {
         for kv in 0..layout.kv_parts() {
             let place = layout.chunk_place(layer, kv);
             for (i, &block) in (0u64..).zip(blocks) {
-                let filled = tokens.saturating_sub(i * block_tokens).min(block_tokens);
+                let first = i * block_tokens;
+                let from = tokens.start.clamp(first, first + block_tokens) - first;
+                let to = tokens.end.clamp(first, first + block_tokens) - first;
                 let start = place.base + u64::from(block.0) * stride;
-                let len = stride / block_tokens * filled;
+                let range = start + from * token_bytes..start + to * token_bytes;
                 f(
                     place.region as usize,
-                    start as usize..(start + len) as usize,
+                    range.start as usize..range.end as usize,
                 );
             }
         }
@@ -712,5 +770,162 @@ mod tests {
         assert!(pair.landed(&ids(10..12), &ids(4..6), 8));
         let remembered = pair.prefill_stats().remembered_registrations;
         assert!(remembered <= 64, "{remembered} registrations remembered");
+    }
+
+    /// The bytes of `tokens` tokens of every layer's K and V.
+    fn request_bytes(tokens: u64) -> u64 {
+        let layout = Layout::new(spec()).expect("a valid layout");
+        let token_bytes = layout.block_stride() / u64::from(layout.spec().block_tokens);
+        tokens * token_bytes * u64::from(layout.kv_parts() * layout.spec().num_layers)
+    }
+
+    /// Layer-wise progress that goes back (fewer tokens in fewer layers: the engine computes
+    /// again) writes nothing more early, even once it is back where it was; the finish then
+    /// writes the whole request again, and decode gets every byte.
+    #[test]
+    fn layer_progress_going_back_is_rewritten_at_the_finish() {
+        let mut pair = Pair::new(Duration::from_secs(60));
+        pair.fill(&ids(0..4), 10);
+        let k = key(14);
+        pair.register(k, 16, ids(8..12));
+        pair.progress(k, ids(0..4), 16, Some(1));
+        // Whole blocks of both sides, never the last token.
+        assert!(pair.landed_in(&ids(0..4), &ids(8..12), 0..12, 0..1));
+        assert!(!pair.landed_in(&ids(0..4), &ids(8..12), 0..12, 1..2));
+        let streamed = pair.prefill_stats().bytes_streamed;
+        assert_eq!(streamed, request_bytes(12) / 2);
+        pair.progress(k, ids(0..2), 8, Some(0));
+        pair.progress(k, ids(0..4), 16, Some(1));
+        pair.finish(k, 16, ids(0..4));
+        expect_ready(&pair, k);
+        assert!(pair.landed(&ids(0..4), &ids(8..12), 16));
+        let stats = pair.prefill_stats();
+        assert_eq!(
+            stats.bytes_streamed, streamed,
+            "no early write after going back"
+        );
+        assert_eq!(
+            stats.bytes_written,
+            streamed + request_bytes(16),
+            "the finish rewrote everything"
+        );
+    }
+
+    /// A preemption (progress without blocks) after layer-wise progress forgets what was
+    /// final: decode registering only afterwards gets the resumed request's KV from its new
+    /// blocks, written early as it computes again, and every byte is right.
+    #[test]
+    fn preemption_after_layer_progress_starts_over_for_a_later_registration() {
+        let mut pair = Pair::new(Duration::from_secs(60));
+        // The old blocks never hold the request's KV; the new ones do.
+        pair.fill(&ids(0..4), 11);
+        pair.fill(&ids(10..14), 12);
+        let k = key(15);
+        pair.progress(k, ids(0..4), 16, Some(1));
+        pair.progress(k, Vec::new(), 0, None);
+        pair.register(k, 16, ids(4..8));
+        pair.at(ms(50));
+        assert_eq!(
+            pair.prefill_stats().bytes_streamed,
+            0,
+            "nothing is final after the preemption"
+        );
+        pair.progress(k, ids(10..14), 16, Some(1));
+        assert!(pair.landed_in(&ids(10..14), &ids(4..8), 0..12, 0..1));
+        pair.finish(k, 16, ids(10..14));
+        expect_ready(&pair, k);
+        assert!(pair.landed(&ids(10..14), &ids(4..8), 16));
+        expect_given_back(&pair, k, SendOutcome::Sent);
+    }
+
+    /// An abort while early writes have landed fails decode's request; the later finish goes
+    /// back unsent.
+    #[test]
+    fn abort_after_early_writes_fails_the_consumer_and_releases_the_finish() {
+        let mut pair = Pair::new(Duration::from_secs(60));
+        let k = key(8);
+        pair.fill(&ids(0..4), 13);
+        pair.register(k, 16, ids(8..12));
+        pair.at(ms(50));
+        pair.progress(k, ids(0..3), 12, None);
+        assert!(pair.landed(&ids(0..3), &ids(8..11), 12));
+        pair.abort(k.transfer, None);
+        expect_failed(&pair, k, Reason::Aborted);
+        pair.finish(k, 16, ids(0..4));
+        expect_given_back(&pair, k, SendOutcome::NotSent(Reason::Aborted));
+        assert_eq!(pair.prefill_held(), 0);
+    }
+
+    /// Progress naming blocks outside prefill's cache fails decode's request at once (not at
+    /// the end of its lease), and the finish goes back unsent.
+    #[test]
+    fn bad_progress_fails_the_consumer_at_once() {
+        let mut pair = Pair::new(Duration::from_secs(60));
+        let k = key(6);
+        pair.register(k, 16, ids(8..12));
+        pair.at(ms(50));
+        pair.progress(k, vec![BlockId(1), BlockId(9999)], 8, None);
+        expect_failed(&pair, k, Reason::TransferFailed);
+        pair.finish(k, 16, ids(0..4));
+        assert!(matches!(
+            &pair.finished()[..],
+            [FinishedSending {
+                outcome: SendOutcome::NotSent(_),
+                ..
+            }]
+        ));
+        assert_eq!(pair.prefill_held(), 0);
+    }
+
+    /// The engine computed a request again in other blocks (a preemption) after some of it was
+    /// written early from the old ones: the finish rewrites everything from the new blocks.
+    #[test]
+    fn changed_blocks_after_early_writes_are_rewritten_at_the_finish() {
+        let mut pair = Pair::new(Duration::from_secs(60));
+        // The old blocks hold stale bytes; the new ones the request's KV.
+        pair.fill(&ids(0..4), 14);
+        pair.fill(&ids(10..14), 15);
+        let k = key(12);
+        pair.register(k, 16, ids(4..8));
+        pair.at(ms(50));
+        pair.progress(k, ids(0..3), 12, None);
+        assert!(pair.prefill_stats().bytes_streamed > 0, "no early write");
+        pair.progress(k, ids(10..12), 8, None);
+        pair.finish(k, 16, ids(10..14));
+        expect_ready(&pair, k);
+        assert!(pair.landed(&ids(10..14), &ids(4..8), 16));
+        expect_given_back(&pair, k, SendOutcome::Sent);
+    }
+
+    /// A second wait for the same attempt is refused, and the refusal reaches neither prefill
+    /// nor the first wait, which lands.
+    #[test]
+    fn a_second_wait_for_the_same_attempt_is_refused_and_the_first_still_lands() {
+        let mut pair = Pair::new(Duration::from_secs(60));
+        let k = key(8);
+        pair.fill(&ids(0..3), 16);
+        pair.register_as(k, RequestId(1), 12, ids(4..7));
+        pair.register_as(k, RequestId(2), 12, ids(8..11));
+        assert!(
+            matches!(
+                &pair.events()[..],
+                [RecvEvent::Failed {
+                    request: RequestId(2),
+                    reason: Reason::Duplicate,
+                    ..
+                }]
+            ),
+            "the second wait was not refused"
+        );
+        pair.finish(k, 12, ids(0..3));
+        assert_eq!(
+            pair.events(),
+            vec![RecvEvent::Ready {
+                key: k,
+                request: RequestId(1)
+            }]
+        );
+        assert!(pair.landed(&ids(0..3), &ids(4..7), 12));
+        assert!(!pair.landed(&ids(0..3), &ids(8..11), 12));
     }
 }

@@ -187,22 +187,6 @@ fn register_request(
         .unwrap();
 }
 
-/// Prefill finishes `key` and gets its blocks back, not sent, for `reason`; nothing stays held.
-fn finish_and_expect(
-    producer: &Producer,
-    key: AttemptKey,
-    blocks: Vec<BlockId>,
-    tokens: u64,
-    reason: Reason,
-) {
-    producer
-        .request_finished(key, RequestId(7), blocks, tokens)
-        .unwrap();
-    let done = wait_finished(producer, 1);
-    assert_eq!(done[0].outcome, SendOutcome::NotSent(reason));
-    assert_eq!(producer.stats().held, 0);
-}
-
 fn wait_events(consumer: &Consumer, n: usize) -> Vec<RecvEvent> {
     let deadline = Instant::now() + Duration::from_secs(20);
     let mut events = Vec::new();
@@ -672,34 +656,6 @@ fn a_router_cannot_abandon_a_pull_transfer_a_decode_reads() {
 }
 
 #[test]
-fn a_second_wait_for_the_same_attempt_is_refused_and_the_first_still_lands() {
-    let fabric = LoopbackFabric::new();
-    let (pre, dec, consumer) = simple_pair(&fabric);
-    let tokens = 12;
-    pre.sides[0].fill(&ids(0..3), tokens);
-    let k = key(8, 0);
-    register_request(&consumer, pre.base, k, RequestId(1), tokens, ids(10..13));
-    register_request(&consumer, pre.base, k, RequestId(2), tokens, ids(20..23));
-    let refused = wait_events(&consumer, 1);
-    assert!(
-        matches!(
-            refused[..],
-            [RecvEvent::Failed {
-                request: RequestId(2),
-                reason: Reason::Duplicate,
-                ..
-            }]
-        ),
-        "{refused:?}"
-    );
-    // The refusal reached neither the producer nor the first wait.
-    pre.finish(k, &ids(0..3), tokens);
-    expect_ready(&consumer, k, RequestId(1));
-    dec.verify(&ids(10..13), 0, tokens);
-    assert!(!landed(&dec, &ids(20..23), 0, tokens));
-}
-
-#[test]
 fn killed_prefill_fails_waiting_requests_at_once() {
     let fabric = LoopbackFabric::new();
     let mut pre = tp1_prefill(&fabric);
@@ -1107,79 +1063,6 @@ fn push_streams_layer_by_layer_progress_first() {
     push_streams_layer_by_layer(false);
 }
 
-/// Layer-wise progress that goes back (fewer tokens: the engine recomputes the request) stops
-/// early writes; the finish rewrites everything.
-#[test]
-fn layer_progress_going_back_is_rewritten_at_the_finish() {
-    let fabric = LoopbackFabric::new();
-    let (pre, dec, consumer) = simple_pair(&fabric);
-    pre.sides[0].fill(&ids(0..4), 16);
-    let k = key(14, 0);
-    let producer = &pre.producers[0];
-    register(&consumer, pre.base, k, 16, ids(20..24));
-    std::thread::sleep(Duration::from_millis(50));
-    producer
-        .request_layer_progress(k, ids(0..4), 16, 2)
-        .unwrap();
-    wait_landed_layers(&dec, &ids(20..24), 0..12, 0..2);
-    let streamed = producer.stats().bytes_streamed;
-    producer.request_layer_progress(k, ids(0..2), 8, 1).unwrap();
-    producer
-        .request_layer_progress(k, ids(0..4), 16, 2)
-        .unwrap();
-    producer
-        .request_finished(k, RequestId(7), ids(0..4), 16)
-        .unwrap();
-    assert_eq!(wait_events(&consumer, 1).len(), 1);
-    dec.verify(&ids(20..24), 0, 16);
-    let stats = producer.stats();
-    assert_eq!(
-        stats.bytes_streamed, streamed,
-        "no early write after going back"
-    );
-    let l = &pre.sides[0].layout;
-    let request = 16 * 3 * l.head_bytes() * u64::from(l.local_heads() * l.kv_parts());
-    assert_eq!(
-        stats.bytes_written,
-        streamed + request,
-        "the finish rewrote everything"
-    );
-}
-
-/// A preemption (progress without blocks) after layer-wise progress forgets what was final:
-/// decode registering only afterwards gets the resumed request's KV from its new blocks,
-/// written early as it computes again, and every byte is right.
-#[test]
-fn preemption_after_layer_progress_starts_over_for_a_later_registration() {
-    let fabric = LoopbackFabric::new();
-    let (pre, dec, consumer) = simple_pair(&fabric);
-    // The old blocks 0..4 never hold the request's KV; the new ones 10..14 do.
-    pre.sides[0].fill(&ids(10..14), 16);
-    let k = key(15, 0);
-    let producer = &pre.producers[0];
-    producer
-        .request_layer_progress(k, ids(0..4), 16, 2)
-        .unwrap();
-    producer.request_progress(k, Vec::new(), 0).unwrap();
-    register(&consumer, pre.base, k, 16, ids(20..24));
-    std::thread::sleep(Duration::from_millis(50));
-    assert_eq!(
-        producer.stats().bytes_streamed,
-        0,
-        "nothing is final after the preemption"
-    );
-    producer
-        .request_layer_progress(k, ids(10..14), 16, 1)
-        .unwrap();
-    wait_landed_layers(&dec, &ids(20..24), 0..12, 0..1);
-    producer
-        .request_finished(k, RequestId(7), ids(10..14), 16)
-        .unwrap();
-    expect_ready(&consumer, k, RequestId(1));
-    dec.verify(&ids(20..24), 0, 16);
-    assert_eq!(wait_finished(producer, 1)[0].outcome, SendOutcome::Sent);
-}
-
 fn wait_landed_layers(
     side: &Side,
     blocks: &[BlockId],
@@ -1194,78 +1077,6 @@ fn wait_landed_layers(
         );
         std::thread::sleep(Duration::from_millis(2));
     }
-}
-
-/// An abort while early writes have landed fails the consumer; the later finish is released.
-#[test]
-fn abort_after_early_writes_fails_the_consumer_and_releases_the_finish() {
-    let fabric = LoopbackFabric::new();
-    let (pre, dec, consumer) = simple_pair(&fabric);
-    pre.sides[0].fill(&ids(0..4), 16);
-    register(&consumer, pre.base, key(8, 0), 16, ids(20..24));
-    std::thread::sleep(Duration::from_millis(50));
-    pre.producers[0]
-        .request_progress(key(8, 0), ids(0..3), 12)
-        .unwrap();
-    wait_landed(&dec, &ids(20..24), 0, 12);
-    pre.producers[0].abort(TransferId(8), None).unwrap();
-    expect_failed(&consumer, Reason::Aborted);
-    finish_and_expect(&pre.producers[0], key(8, 0), ids(0..4), 16, Reason::Aborted);
-}
-
-/// Progress naming blocks outside the producer's cache fails the consumer at once (not at the
-/// end of its lease), and the finish is released without a write.
-#[test]
-fn bad_progress_fails_the_consumer_at_once() {
-    let fabric = LoopbackFabric::new();
-    let (pre, _dec, consumer) = simple_pair(&fabric);
-    register(&consumer, pre.base, key(6, 0), 16, ids(20..24));
-    std::thread::sleep(Duration::from_millis(50));
-    let started = Instant::now();
-    pre.producers[0]
-        .request_progress(key(6, 0), vec![BlockId(1), BlockId(9999)], 8)
-        .unwrap();
-    expect_failed(&consumer, Reason::TransferFailed);
-    assert!(started.elapsed() < LONG / 2);
-    pre.producers[0]
-        .request_finished(key(6, 0), RequestId(7), ids(0..4), 16)
-        .unwrap();
-    let done = wait_finished(&pre.producers[0], 1);
-    assert!(
-        matches!(done[0].outcome, SendOutcome::NotSent(_)),
-        "{done:?}"
-    );
-    assert_eq!(pre.producers[0].stats().held, 0);
-}
-
-/// The engine recomputed a request in other blocks (a preemption) after some of it was written
-/// early from the old ones: the finish rewrites everything from the new blocks.
-#[test]
-fn changed_blocks_after_early_writes_are_rewritten_at_the_finish() {
-    let fabric = LoopbackFabric::new();
-    let (pre, dec, consumer) = simple_pair(&fabric);
-    // The old blocks 0..4 never get the request's KV (stale bytes); the new ones 10..14 do.
-    pre.sides[0].fill(&ids(10..14), 16);
-    let k = key(12, 0);
-    register(&consumer, pre.base, k, 16, ids(20..24));
-    std::thread::sleep(Duration::from_millis(50));
-    pre.producers[0].request_progress(k, ids(0..3), 12).unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while pre.producers[0].stats().bytes_streamed == 0 {
-        assert!(Instant::now() < deadline, "no early write");
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    // Recomputed from the start in new blocks.
-    pre.producers[0]
-        .request_progress(k, ids(10..12), 8)
-        .unwrap();
-    pre.producers[0]
-        .request_finished(k, RequestId(7), ids(10..14), 16)
-        .unwrap();
-    expect_ready(&consumer, k, RequestId(1));
-    dec.verify(&ids(20..24), 0, 16);
-    let done = wait_finished(&pre.producers[0], 1);
-    assert_eq!(done[0].outcome, SendOutcome::Sent);
 }
 
 /// Counts the reads (polls and waits) of a decode endpoint.
