@@ -13,21 +13,21 @@ use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use kvx_core::wire::{Hello, Role};
+use kvx_core::wire::{Hello, Message, Role};
 use kvx_core::{Attempt, BlockId, EngineId, Rank, RequestId, TransferId};
 use kvx_layout::Layout;
 use kvx_rdma::local_peer::Process;
 use kvx_rdma::loopback::LoopbackFabric;
 use kvx_rdma::region::HostBuffer;
 use kvx_rdma::transport::Event;
-use kvx_rendezvous::AttemptKey;
+use kvx_rendezvous::{AttemptKey, Timestamp};
 
 use crate::config::ConnectorConfig;
 use crate::consumer::{self, PushRequest, RecvEvent};
-use crate::control::{self, ControlStream, Queued};
+use crate::control::{self, ControlError, ControlStream, Queued};
 use crate::driver::{self, Clock, CommandReceiver, Driven, Mailbox};
 use crate::producer::{self, FinishedBlocks, FinishedSending};
-use crate::sim_support::{cache_endpoint, message, spec};
+use crate::sim_support::{cache_endpoint, spec};
 use crate::stats::Stats;
 
 /// Where prefill is said to listen (decode never reaches it: the test makes the connection).
@@ -52,9 +52,11 @@ pub(crate) struct Pair {
     prefill_memory: Vec<Arc<HostBuffer>>,
     decode_memory: Vec<Arc<HostBuffer>>,
     producer_hello: Hello,
-    /// The relay's ends, once connected: what decode sends arrives on the first, what prefill
-    /// sends on the second.
-    relay: Option<(UnixStream, UnixStream)>,
+    /// The relay's ends while connected: what decode sends arrives on the first, what prefill
+    /// sends on the second; and prefill's id of the connection.
+    relay: Option<(UnixStream, UnixStream, u64)>,
+    /// Prefill's id of the next connection.
+    next_conn: u64,
     /// Decode's own queue: what its helper threads send (its failed attempt to reach
     /// [`PREFILL`] itself; never fed back).
     _queue: CommandReceiver<consumer::Command>,
@@ -141,6 +143,7 @@ impl Pair {
             decode_memory,
             producer_hello,
             relay: None,
+            next_conn: 1,
             _queue: queue,
             hold_writes: false,
             held_notices: Vec::new(),
@@ -195,9 +198,11 @@ impl Pair {
         ));
         let sender = control::sender(&ControlStream::local(prefill_end)).expect("a sender");
         let hello = Box::new(self.decode.hello().clone());
+        let conn = self.next_conn;
+        self.next_conn += 1;
         self.prefill
-            .command(producer::Command::Accepted(1, sender, hello, None));
-        self.relay = Some((from_decode, from_prefill));
+            .command(producer::Command::Accepted(conn, sender, hello, None));
+        self.relay = Some((from_decode, from_prefill, conn));
     }
 
     /// Prefill's engine finished `key` on `blocks` (push).
@@ -257,13 +262,31 @@ impl Pair {
         self.settle();
     }
 
-    /// Moves the virtual clock to `at` after the start; both sides see it and act on it.
+    /// Moves the virtual clock to `at` after the start, stopping at every moment either side
+    /// asked to wake at on the way (its leases, heartbeats, sweeps), as its driver loop would.
     pub(crate) fn at(&mut self, at: Duration) {
+        let target = Timestamp::from_nanos(u64::try_from(at.as_nanos()).unwrap_or(u64::MAX));
+        loop {
+            let now = self.prefill.clock().now();
+            let next = [self.prefill.wake_at(), self.decode.wake_at()]
+                .into_iter()
+                .flatten()
+                .filter(|&t| t > now && t < target)
+                .min();
+            let Some(next) = next else { break };
+            self.set_clock(next);
+            self.settle();
+        }
+        self.set_clock(target);
+        self.settle();
+    }
+
+    fn set_clock(&self, at: Timestamp) {
+        let nanos = at.saturating_duration_since(Timestamp::ZERO).as_nanos();
         self.now.store(
-            u64::try_from(at.as_nanos()).unwrap_or(u64::MAX),
+            u64::try_from(nanos).unwrap_or(u64::MAX),
             std::sync::atomic::Ordering::SeqCst,
         );
-        self.settle();
     }
 
     /// Lets both sides' time pass and hands each what the other sent and what its transport
@@ -274,20 +297,7 @@ impl Pair {
             self.prefill.tick(now);
             self.decode.tick(now);
             let mut moved = false;
-            if let Some((from_decode, from_prefill)) = &mut self.relay {
-                while let Some(m) = message(from_decode) {
-                    let queued = Queued::unbounded();
-                    self.prefill.command(producer::Command::Peer(1, m, queued));
-                    moved = true;
-                }
-                while let Some(m) = message(from_prefill) {
-                    let conn = self.decode.conn_of(PREFILL, Rank(0)).expect("connected");
-                    let queued = Queued::unbounded();
-                    let peer = consumer::Command::Peer(PREFILL, Rank(0), conn, m, queued);
-                    self.decode.command(peer);
-                    moved = true;
-                }
-            }
+            moved |= self.relay();
             if !self.hold_writes {
                 moved |= deliver(&mut self.prefill, Vec::new(), Some);
             }
@@ -316,6 +326,57 @@ impl Pair {
         }
     }
 
+    /// Hands each side what the other sent; a side that closed the connection closes it for
+    /// both, as one socket would. Whether anything moved.
+    fn relay(&mut self) -> bool {
+        let Some((from_decode, from_prefill, conn)) = &mut self.relay else {
+            return false;
+        };
+        let conn = *conn;
+        let mut moved = false;
+        let mut closed = None;
+        loop {
+            match relayed(from_decode) {
+                Relayed::Message(m) => {
+                    let queued = Queued::unbounded();
+                    self.prefill
+                        .command(producer::Command::Peer(conn, m, queued));
+                    moved = true;
+                }
+                Relayed::Nothing => break,
+                Relayed::Closed(why) => {
+                    closed = Some(why);
+                    break;
+                }
+            }
+        }
+        let decode_conn = self.decode.conn_of(PREFILL, Rank(0));
+        while closed.is_none() {
+            match relayed(from_prefill) {
+                Relayed::Message(m) => {
+                    let decode_conn = decode_conn.expect("connected");
+                    let queued = Queued::unbounded();
+                    let peer = consumer::Command::Peer(PREFILL, Rank(0), decode_conn, m, queued);
+                    self.decode.command(peer);
+                    moved = true;
+                }
+                Relayed::Nothing => break,
+                Relayed::Closed(why) => closed = Some(why),
+            }
+        }
+        if let Some(why) = closed {
+            self.relay = None;
+            self.prefill
+                .command(producer::Command::PeerClosed(conn, why.clone()));
+            if let Some(decode_conn) = decode_conn {
+                let gone = consumer::Command::PeerClosed(PREFILL, Rank(0), decode_conn, why);
+                self.decode.command(gone);
+            }
+            moved = true;
+        }
+        moved
+    }
+
     /// Prefill's engine hears what it may free now.
     pub(crate) fn finished(&self) -> Vec<FinishedSending> {
         self.finished.take().into_iter().map(|(f, _)| f).collect()
@@ -329,6 +390,11 @@ impl Pair {
             .into_iter()
             .map(|(e, _)| e)
             .collect()
+    }
+
+    /// Whether a write of decode's request `key` is in flight at prefill.
+    pub(crate) fn prefill_writing(&self, key: AttemptKey) -> bool {
+        self.prefill.writing(key)
     }
 
     /// Requests whose blocks prefill holds.
@@ -406,6 +472,27 @@ impl Pair {
         };
         blocks.len() == landing.len()
             && read(&self.prefill_memory, blocks) == read(&self.decode_memory, landing)
+    }
+}
+
+/// What one end of the relay holds now.
+enum Relayed {
+    Message(Message),
+    Nothing,
+    /// The side at the other end closed the connection (or sent what is no message).
+    Closed(String),
+}
+
+fn relayed(stream: &mut UnixStream) -> Relayed {
+    stream.set_nonblocking(true).expect("a socket");
+    let read = control::read_message(stream);
+    stream.set_nonblocking(false).expect("a socket");
+    match read {
+        Ok(message) => Relayed::Message(message),
+        Err(ControlError::Read(e)) if e.kind() == std::io::ErrorKind::WouldBlock => {
+            Relayed::Nothing
+        }
+        Err(e) => Relayed::Closed(e.to_string()),
     }
 }
 
@@ -593,6 +680,71 @@ mod tests {
         assert_eq!((pair.prefill_held(), pair.decode_held()), (0, 0));
     }
 
+    /// Decode cancels while prefill's write of a sealed request is in flight: it fails once
+    /// prefill says the write ended, as for a finished request; the engine's finish later gives
+    /// the blocks back.
+    #[test]
+    fn a_cancel_under_a_sealed_requests_write_fails_once_the_write_ended() {
+        let mut pair = Pair::configured(
+            |_| {},
+            |decode| decode.quiesce_timeout = Some(Duration::from_secs(600)),
+        );
+        let k = key(103);
+        pair.fill(&ids(5..7), 18);
+        pair.register(k, 8, ids(0..2));
+        pair.hold_writes = true;
+        pair.seal(k, 8, ids(5..7));
+        pair.cancel(k.transfer, Some(k.attempt));
+        pair.at(Duration::from_secs(1));
+        assert_eq!(pair.events(), vec![], "failed with a write in flight");
+        pair.hold_writes = false;
+        pair.at(Duration::from_secs(2));
+        expect_failed(&pair, k, Reason::Aborted);
+        assert_eq!(pair.decode_held(), 0);
+        pair.finish(k, 8, ids(5..7));
+        assert!(matches!(&pair.finished()[..], [FinishedSending { key: done, .. }] if *done == k));
+        assert_eq!(pair.prefill_held(), 0);
+    }
+
+    /// Decode gives up on a request (its lease) in the very turn in which prefill's write of
+    /// it ends (finished or sealed, its notice lost): prefill, which heard the abort first,
+    /// tells decode that nothing runs any more once the write's end comes, and decode fails the
+    /// request then, not at its bound for prefill's word.
+    #[test]
+    fn an_abort_in_the_turn_a_write_ends_is_answered_once_the_write_ended() {
+        for seal in [true, false] {
+            let mut pair = Pair::configured(
+                |_| {},
+                |decode| {
+                    decode.quiesce_timeout = Some(Duration::from_secs(600));
+                    decode.registration_lease = Duration::from_secs(2);
+                },
+            );
+            let k = key(104);
+            pair.fill(&ids(5..7), 18);
+            pair.register(k, 8, ids(0..2));
+            pair.hold_writes = true;
+            if seal {
+                pair.seal(k, 8, ids(5..7));
+            } else {
+                pair.finish(k, 8, ids(5..7));
+            }
+            pair.at(Duration::from_secs(1));
+            // At the lease, the write's end (its notice lost) and decode's abort meet.
+            pair.hold_writes = false;
+            pair.notices_to_lose = 1;
+            pair.at(Duration::from_secs(2));
+            assert_eq!(pair.notices_to_lose, 0);
+            let detail = expect_failed(&pair, k, Reason::LeaseExpired);
+            assert!(
+                !detail.contains("without confirmation"),
+                "seal {seal}: {detail}"
+            );
+            assert_eq!(pair.decode_stats().released_unconfirmed, 0);
+            assert_eq!(pair.decode_held(), 0);
+        }
+    }
+
     /// Prefill's engine preempts an attempt: decode's wait for it fails at once, a finish for it
     /// goes back unsent, and the request's next attempt is served.
     #[test]
@@ -663,6 +815,34 @@ mod tests {
         assert!(!detail.contains("without confirmation"), "{detail}");
         assert_eq!(pair.decode_stats().released_unconfirmed, 0);
         assert_eq!((pair.prefill_held(), pair.decode_held()), (0, 0));
+    }
+
+    /// A sealed request written in full whose notice was lost: decode fails it at its lease, at
+    /// once (prefill, whose write ended, says so), not at its bound for prefill's word; the
+    /// engine's finish then gives the blocks back.
+    #[test]
+    fn a_sealed_requests_lost_notice_fails_it_at_its_lease_at_once() {
+        let mut pair = Pair::configured(
+            |_| {},
+            |decode| {
+                decode.registration_lease = ms(500);
+                decode.quiesce_timeout = Some(Duration::from_secs(600));
+            },
+        );
+        pair.cancel(TransferId(36), None);
+        pair.notices_to_lose = 1;
+        let k = key(36);
+        pair.fill(&ids(0..2), 17);
+        pair.seal(k, 8, ids(0..2));
+        pair.register(k, 8, ids(4..6));
+        assert_eq!(pair.notices_to_lose, 0, "the notice was not lost");
+        pair.at(Duration::from_secs(600));
+        let detail = expect_failed(&pair, k, Reason::LeaseExpired);
+        assert!(!detail.contains("without confirmation"), "{detail}");
+        assert_eq!(pair.decode_held(), 0);
+        pair.finish(k, 8, ids(0..2));
+        expect_given_back(&pair, k, SendOutcome::Sent);
+        assert_eq!(pair.prefill_held(), 0);
     }
 
     /// A sealed request is written, and decode told, without waiting for the engine to finish
@@ -927,5 +1107,288 @@ mod tests {
         );
         assert!(pair.landed(&ids(0..3), &ids(4..7), 12));
         assert!(!pair.landed(&ids(0..3), &ids(8..11), 12));
+    }
+}
+
+/// Random interleavings of everything both engines, both peers and the clock can do to a few
+/// transfers, checked against what must hold whatever the order.
+#[cfg(test)]
+mod interleavings {
+    use std::collections::{HashMap, HashSet};
+
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::producer::SendOutcome;
+    use crate::sim_support::ids;
+
+    /// Transfers 1 to 3, attempts 0 and 1; every request is 8 tokens (2 blocks).
+    const TOKENS: u64 = 8;
+    const LEASE: Duration = Duration::from_secs(2);
+
+    #[derive(Clone, Copy, Debug)]
+    enum Step {
+        Register {
+            transfer: u8,
+            attempt: u8,
+        },
+        Progress {
+            transfer: u8,
+            attempt: u8,
+            tokens: u8,
+            layers: Option<u8>,
+        },
+        Seal {
+            transfer: u8,
+            attempt: u8,
+        },
+        Finish {
+            transfer: u8,
+            attempt: u8,
+        },
+        Abort {
+            transfer: u8,
+        },
+        Preempt {
+            transfer: u8,
+            attempt: u8,
+        },
+        Cancel {
+            transfer: u8,
+        },
+        Wait {
+            ms: u16,
+        },
+        HoldWrites(bool),
+        LoseNotice,
+    }
+
+    fn step() -> impl Strategy<Value = Step> {
+        let t = 1u8..=3;
+        // Mostly the first attempt, so that registrations and finishes meet.
+        let a = prop_oneof![3 => Just(0u8), 1 => Just(1u8)];
+        prop_oneof![
+            3 => (t.clone(), a.clone()).prop_map(|(transfer, attempt)| Step::Register { transfer, attempt }),
+            2 => (t.clone(), a.clone(), 1u8..=2, proptest::option::of(0u8..=2))
+                .prop_map(|(transfer, attempt, blocks, layers)| Step::Progress {
+                    transfer,
+                    attempt,
+                    tokens: blocks * 4,
+                    layers,
+                }),
+            1 => (t.clone(), a.clone()).prop_map(|(transfer, attempt)| Step::Seal { transfer, attempt }),
+            3 => (t.clone(), a.clone()).prop_map(|(transfer, attempt)| Step::Finish { transfer, attempt }),
+            1 => t.clone().prop_map(|transfer| Step::Abort { transfer }),
+            1 => (t.clone(), a).prop_map(|(transfer, attempt)| Step::Preempt { transfer, attempt }),
+            1 => t.prop_map(|transfer| Step::Cancel { transfer }),
+            3 => (0u16..3000).prop_map(|ms| Step::Wait { ms }),
+            1 => any::<bool>().prop_map(Step::HoldWrites),
+            1 => Just(Step::LoseNotice),
+        ]
+    }
+
+    fn key_of(transfer: u8, attempt: u8) -> AttemptKey {
+        let mut a = Attempt::FIRST;
+        for _ in 0..attempt {
+            a = a.next();
+        }
+        AttemptKey::new(TransferId(u128::from(transfer)), a)
+    }
+
+    /// Prefill computes transfer `t` into blocks `2(t-1)..`.
+    fn prefill_blocks(transfer: u8) -> Vec<BlockId> {
+        let first = u32::from(transfer - 1) * 2;
+        ids(first..first + 2)
+    }
+
+    /// Decode lands attempt `a` of transfer `t` in blocks of its own.
+    fn decode_blocks(key: AttemptKey) -> Vec<BlockId> {
+        let t = u32::try_from(key.transfer.0).expect("small") - 1;
+        let a = u32::from(key.attempt != Attempt::FIRST);
+        let first = (t * 2 + a) * 2;
+        ids(first..first + 2)
+    }
+
+    /// What the test saw, to check against.
+    #[derive(Default)]
+    struct Seen {
+        registered: HashSet<AttemptKey>,
+        /// Decode's end of each request, as many as came.
+        ends: HashMap<AttemptKey, Vec<RecvEvent>>,
+        /// Prefill's computed (progress or seal), and finished, requests.
+        computed: HashSet<AttemptKey>,
+        finished: HashSet<AttemptKey>,
+        given_back: HashMap<AttemptKey, Vec<SendOutcome>>,
+    }
+
+    impl Seen {
+        /// Reads what both engines heard, checking each Ready's bytes as it comes.
+        fn collect(&mut self, pair: &Pair) {
+            for event in pair.events() {
+                let key = match &event {
+                    RecvEvent::Ready { key, .. } => {
+                        assert!(
+                            self.computed.contains(key) || self.finished.contains(key),
+                            "{key} ready, but prefill never computed it"
+                        );
+                        let from = prefill_blocks(u8::try_from(key.transfer.0).expect("small"));
+                        assert!(
+                            pair.landed(&from, &decode_blocks(*key), TOKENS),
+                            "{key} ready, but its KV is not all there"
+                        );
+                        *key
+                    }
+                    RecvEvent::Failed { key, .. } => *key,
+                };
+                assert!(
+                    self.registered.contains(&key),
+                    "an end for {key}, never registered"
+                );
+                // Decode's engine may reuse the blocks at once: nothing may still write there
+                // (decode's bound for prefill's word is longer than the test).
+                assert!(
+                    !pair.prefill_writing(key),
+                    "{key} ended with a write to it in flight: {event:?}"
+                );
+                self.ends.entry(key).or_default().push(event);
+            }
+            for done in pair.finished() {
+                assert!(
+                    self.finished.contains(&done.key),
+                    "{} given back, but never finished",
+                    done.key
+                );
+                self.given_back
+                    .entry(done.key)
+                    .or_default()
+                    .push(done.outcome);
+            }
+        }
+    }
+
+    fn run(steps: &[Step]) {
+        let mut pair = Pair::configured(
+            |_| {},
+            |decode| {
+                decode.registration_lease = LEASE;
+                decode.quiesce_timeout = Some(Duration::from_secs(3600));
+            },
+        );
+        for t in 1..=3 {
+            pair.fill(&prefill_blocks(t), t);
+        }
+        let mut seen = Seen::default();
+        let mut now = Duration::ZERO;
+        for &step in steps {
+            match step {
+                Step::Register { transfer, attempt } => {
+                    let key = key_of(transfer, attempt);
+                    if seen.registered.insert(key) {
+                        pair.register(key, TOKENS, decode_blocks(key));
+                    }
+                }
+                Step::Progress {
+                    transfer,
+                    attempt,
+                    tokens,
+                    layers,
+                } => {
+                    let key = key_of(transfer, attempt);
+                    if !seen.finished.contains(&key) {
+                        let blocks = prefill_blocks(transfer)[..usize::from(tokens / 4)].to_vec();
+                        pair.progress(key, blocks, u64::from(tokens), layers.map(u32::from));
+                    }
+                }
+                Step::Seal { transfer, attempt } => {
+                    let key = key_of(transfer, attempt);
+                    if !seen.finished.contains(&key) {
+                        seen.computed.insert(key);
+                        pair.seal(key, TOKENS, prefill_blocks(transfer));
+                    }
+                }
+                Step::Finish { transfer, attempt } => {
+                    let key = key_of(transfer, attempt);
+                    if seen.finished.insert(key) {
+                        pair.finish(key, TOKENS, prefill_blocks(transfer));
+                    }
+                }
+                Step::Abort { transfer } => {
+                    pair.abort(TransferId(u128::from(transfer)), None);
+                }
+                Step::Preempt { transfer, attempt } => {
+                    let key = key_of(transfer, attempt);
+                    if !seen.finished.contains(&key) {
+                        pair.preempt(key);
+                    }
+                }
+                Step::Cancel { transfer } => {
+                    pair.cancel(TransferId(u128::from(transfer)), None);
+                }
+                Step::Wait { ms } => {
+                    now += Duration::from_millis(u64::from(ms));
+                    pair.at(now);
+                }
+                Step::HoldWrites(hold) => {
+                    pair.hold_writes = hold;
+                    pair.at(now);
+                }
+                Step::LoseNotice => pair.notices_to_lose += 1,
+            }
+            seen.collect(&pair);
+        }
+        // The writes end, every request prefill computed is finished, and every bound passes.
+        pair.hold_writes = false;
+        now += Duration::from_secs(600);
+        pair.at(now);
+        seen.collect(&pair);
+        for key in seen.computed.clone() {
+            if seen.finished.insert(key) {
+                let transfer = u8::try_from(key.transfer.0).expect("small");
+                pair.finish(key, TOKENS, prefill_blocks(transfer));
+            }
+        }
+        now += Duration::from_secs(600);
+        pair.at(now);
+        seen.collect(&pair);
+
+        for key in &seen.registered {
+            let ends = seen.ends.get(key).map_or(0, Vec::len);
+            assert_eq!(
+                ends,
+                1,
+                "{key} ended {ends} times: {:?}",
+                seen.ends.get(key)
+            );
+        }
+        for key in &seen.finished {
+            let back = seen.given_back.get(key).map_or(0, Vec::len);
+            assert_eq!(
+                back,
+                1,
+                "{key} given back {back} times: {:?}",
+                seen.given_back.get(key)
+            );
+        }
+        assert_eq!(pair.prefill_held(), 0, "prefill holds blocks at the end");
+        assert_eq!(
+            pair.decode_held(),
+            0,
+            "decode holds registrations at the end"
+        );
+        assert_eq!(pair.decode_stats().released_unconfirmed, 0);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        /// Whatever the order of both engines' calls, peers' messages, lost notices, slow
+        /// writes and time: every registered request ends exactly once, a ready one holds all
+        /// its KV, every finished request's blocks go back exactly once, and nothing stays held.
+        #[test]
+        fn every_interleaving_ends_each_request_once_and_holds_nothing(
+            steps in proptest::collection::vec(step(), 0..40),
+        ) {
+            run(&steps);
+        }
     }
 }

@@ -47,6 +47,11 @@ impl driver::Driven for Driver {
 
     fn command(&mut self, command: Command) {
         self.handle(command);
+        // What the matcher decided goes out before the next input: a transfer cancelled by
+        // this command must be marked so before its write's completion, which may come next
+        // in the same turn, is handled (else the write ends as sent, and the consumer that
+        // cancelled it never hears that nothing runs any more).
+        self.actions();
     }
 
     fn transport_event(&mut self, event: Event) {

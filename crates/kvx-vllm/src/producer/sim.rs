@@ -18,6 +18,15 @@ use super::*;
 use crate::driver::Driven;
 use crate::sim_support::{endpoint, ids, key, spec};
 
+impl Driver {
+    /// Whether a write to the consumer's request `key` is in flight: posted, and its end not
+    /// heard yet.
+    pub(crate) fn writing(&self, key: AttemptKey) -> bool {
+        self.flights.values().any(|f| f.original == key)
+            || self.partials.values().any(|p| p.rkey == key)
+    }
+}
+
 /// One producer rank's state machine and what surrounds it in a test.
 struct Sim {
     driver: Driver,
