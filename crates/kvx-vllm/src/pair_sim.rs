@@ -19,7 +19,7 @@ use kvx_layout::Layout;
 use kvx_rdma::local_peer::Process;
 use kvx_rdma::loopback::LoopbackFabric;
 use kvx_rdma::region::HostBuffer;
-use kvx_rdma::transport::Event;
+use kvx_rdma::transport::{Event, OpKind};
 use kvx_rendezvous::{AttemptKey, Timestamp};
 
 use crate::config::ConnectorConfig;
@@ -60,8 +60,9 @@ pub(crate) struct Pair {
     /// Decode's own queue: what its helper threads send (its failed attempt to reach
     /// [`PREFILL`] itself; never fed back).
     _queue: CommandReceiver<consumer::Command>,
-    /// Whether prefill's writes stay in flight: their completions wait in prefill's transport
-    /// and their notices are kept from decode until this is `false` again.
+    /// Whether transfers stay in flight: prefill's writes (their completions wait in prefill's
+    /// transport, their notices are kept from decode) and decode's reads (their completions are
+    /// kept from decode), until this is `false` again.
     pub(crate) hold_writes: bool,
     held_notices: Vec<Event>,
     /// Notices decode's transport drops before its state machine sees them.
@@ -182,6 +183,37 @@ impl Pair {
         self.settle();
     }
 
+    /// Decode's engine allocated `blocks` for `key`'s `tokens` tokens (pull): it reads them from
+    /// prefill's `producer_blocks` once prefill holds them, connecting first if it has not yet.
+    pub(crate) fn pull(
+        &mut self,
+        key: AttemptKey,
+        tokens: u64,
+        blocks: Vec<BlockId>,
+        producer_blocks: Vec<BlockId>,
+    ) {
+        self.decode
+            .command(consumer::Command::Pull(consumer::PullRequest {
+                push: PushRequest {
+                    key,
+                    request: DECODE_REQUEST,
+                    prefill: PREFILL,
+                    num_tokens: tokens,
+                    skip_tokens: 0,
+                    blocks,
+                    groups: Vec::new(),
+                    capability: None,
+                    trace: None,
+                },
+                producer_blocks,
+                producer_groups: Vec::new(),
+            }));
+        if self.relay.is_none() {
+            self.connect();
+        }
+        self.settle();
+    }
+
     /// Decode's handshake with prefill ends: each side gets its end of a control connection
     /// whose other ends the relay holds.
     fn connect(&mut self) {
@@ -211,6 +243,15 @@ impl Pair {
             key,
             held: FinishedBlocks::new(PREFILL_REQUEST, blocks, tokens),
             pull: false,
+        });
+    }
+
+    /// Prefill's engine finished `key` on `blocks` for decode to read (pull).
+    pub(crate) fn finish_pull(&mut self, key: AttemptKey, tokens: u64, blocks: Vec<BlockId>) {
+        self.prefill_does(producer::Command::Finished {
+            key,
+            held: FinishedBlocks::new(PREFILL_REQUEST, blocks, tokens),
+            pull: true,
         });
     }
 
@@ -313,7 +354,11 @@ impl Pair {
                     *lose -= 1;
                     None
                 }
-                Event::Notice(_) if hold => {
+                Event::Notice(_)
+                | Event::ReadDone { .. }
+                | Event::Failed {
+                    kind: OpKind::Read, ..
+                } if hold => {
                     held.push(event);
                     None
                 }
@@ -392,9 +437,10 @@ impl Pair {
             .collect()
     }
 
-    /// Whether a write of decode's request `key` is in flight at prefill.
-    pub(crate) fn prefill_writing(&self, key: AttemptKey) -> bool {
-        self.prefill.writing(key)
+    /// Whether a write of decode's request `key` is in flight at prefill, or a read of it at
+    /// decode.
+    pub(crate) fn in_flight(&self, key: AttemptKey) -> bool {
+        self.prefill.writing(key) || self.decode.reading(key)
     }
 
     /// Requests whose blocks prefill holds.
@@ -1122,9 +1168,13 @@ mod interleavings {
     use crate::producer::SendOutcome;
     use crate::sim_support::ids;
 
-    /// Transfers 1 to 3, attempts 0 and 1; every request is 8 tokens (2 blocks).
+    /// Transfers 1 to 3, attempts 0 and 1; every request is 8 tokens (2 blocks). Transfer 3
+    /// moves by pull, the others by push.
     const TOKENS: u64 = 8;
     const LEASE: Duration = Duration::from_secs(2);
+    const PULLED: u8 = 3;
+    /// Prefill blocks no request ends in.
+    const STALE: [BlockId; 2] = [BlockId(12), BlockId(13)];
 
     #[derive(Clone, Copy, Debug)]
     enum Step {
@@ -1132,11 +1182,14 @@ mod interleavings {
             transfer: u8,
             attempt: u8,
         },
+        /// Prefill computed `tokens` in `layers`; `elsewhere`: in blocks it later leaves (the
+        /// engine computes the request again in its own blocks before it finishes).
         Progress {
             transfer: u8,
             attempt: u8,
             tokens: u8,
             layers: Option<u8>,
+            elsewhere: bool,
         },
         Seal {
             transfer: u8,
@@ -1169,12 +1222,13 @@ mod interleavings {
         let a = prop_oneof![3 => Just(0u8), 1 => Just(1u8)];
         prop_oneof![
             3 => (t.clone(), a.clone()).prop_map(|(transfer, attempt)| Step::Register { transfer, attempt }),
-            2 => (t.clone(), a.clone(), 1u8..=2, proptest::option::of(0u8..=2))
-                .prop_map(|(transfer, attempt, blocks, layers)| Step::Progress {
+            2 => (t.clone(), a.clone(), 1u8..=2, proptest::option::of(0u8..=2), any::<bool>())
+                .prop_map(|(transfer, attempt, blocks, layers, elsewhere)| Step::Progress {
                     transfer,
                     attempt,
                     tokens: blocks * 4,
                     layers,
+                    elsewhere,
                 }),
             1 => (t.clone(), a.clone()).prop_map(|(transfer, attempt)| Step::Seal { transfer, attempt }),
             3 => (t.clone(), a.clone()).prop_map(|(transfer, attempt)| Step::Finish { transfer, attempt }),
@@ -1247,8 +1301,8 @@ mod interleavings {
                 // Decode's engine may reuse the blocks at once: nothing may still write there
                 // (decode's bound for prefill's word is longer than the test).
                 assert!(
-                    !pair.prefill_writing(key),
-                    "{key} ended with a write to it in flight: {event:?}"
+                    !pair.in_flight(key),
+                    "{key} ended with a transfer of it in flight: {event:?}"
                 );
                 self.ends.entry(key).or_default().push(event);
             }
@@ -1277,6 +1331,7 @@ mod interleavings {
         for t in 1..=3 {
             pair.fill(&prefill_blocks(t), t);
         }
+        pair.fill(&STALE, 99);
         let mut seen = Seen::default();
         let mut now = Duration::ZERO;
         for &step in steps {
@@ -1284,7 +1339,12 @@ mod interleavings {
                 Step::Register { transfer, attempt } => {
                     let key = key_of(transfer, attempt);
                     if seen.registered.insert(key) {
-                        pair.register(key, TOKENS, decode_blocks(key));
+                        if transfer == PULLED {
+                            let from = prefill_blocks(transfer);
+                            pair.pull(key, TOKENS, decode_blocks(key), from);
+                        } else {
+                            pair.register(key, TOKENS, decode_blocks(key));
+                        }
                     }
                 }
                 Step::Progress {
@@ -1292,16 +1352,22 @@ mod interleavings {
                     attempt,
                     tokens,
                     layers,
+                    elsewhere,
                 } => {
                     let key = key_of(transfer, attempt);
-                    if !seen.finished.contains(&key) {
-                        let blocks = prefill_blocks(transfer)[..usize::from(tokens / 4)].to_vec();
+                    if transfer != PULLED && !seen.finished.contains(&key) {
+                        let blocks = if elsewhere {
+                            STALE.to_vec()
+                        } else {
+                            prefill_blocks(transfer)
+                        };
+                        let blocks = blocks[..usize::from(tokens / 4)].to_vec();
                         pair.progress(key, blocks, u64::from(tokens), layers.map(u32::from));
                     }
                 }
                 Step::Seal { transfer, attempt } => {
                     let key = key_of(transfer, attempt);
-                    if !seen.finished.contains(&key) {
+                    if transfer != PULLED && !seen.finished.contains(&key) {
                         seen.computed.insert(key);
                         pair.seal(key, TOKENS, prefill_blocks(transfer));
                     }
@@ -1309,7 +1375,11 @@ mod interleavings {
                 Step::Finish { transfer, attempt } => {
                     let key = key_of(transfer, attempt);
                     if seen.finished.insert(key) {
-                        pair.finish(key, TOKENS, prefill_blocks(transfer));
+                        if transfer == PULLED {
+                            pair.finish_pull(key, TOKENS, prefill_blocks(transfer));
+                        } else {
+                            pair.finish(key, TOKENS, prefill_blocks(transfer));
+                        }
                     }
                 }
                 Step::Abort { transfer } => {

@@ -30,6 +30,11 @@ impl Driver {
         &self.hello
     }
 
+    /// Whether a read of this side's request `key` is in flight (pull).
+    pub(crate) fn reading(&self, key: AttemptKey) -> bool {
+        self.reads.values().any(|(k, _)| *k == key)
+    }
+
     /// The live connection to `instance`'s `rank`.
     pub(crate) fn conn_of(&self, instance: SocketAddr, rank: Rank) -> Option<ConnId> {
         Some(self.instances.get(&instance)?.ranks.get(&rank)?.id)
