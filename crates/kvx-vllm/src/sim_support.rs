@@ -35,16 +35,19 @@ pub(crate) fn spec() -> LayoutSpec {
 
 /// An endpoint of `fabric` with the cache of [`spec`] registered, and its regions.
 pub(crate) fn endpoint(fabric: &LoopbackFabric) -> (Box<dyn Transport>, Vec<LocalRegion>) {
-    let (transport, regions, _) = cache_endpoint(fabric);
+    let (transport, regions, _) = cache_endpoint_of(fabric, &spec());
     (transport, regions)
 }
 
-/// [`endpoint`], and the memory of its regions (to fill and to read).
-pub(crate) fn cache_endpoint(
+/// An endpoint of `fabric` with a cache laid out as `spec` registered, its regions, and their
+/// memory (to fill and to read).
+#[cfg_attr(not(test), allow(dead_code))]
+pub(crate) fn cache_endpoint_of(
     fabric: &LoopbackFabric,
+    spec: &LayoutSpec,
 ) -> (Box<dyn Transport>, Vec<LocalRegion>, Vec<Arc<HostBuffer>>) {
     let mut transport: Box<dyn Transport> = Box::new(fabric.endpoint());
-    let layout = Layout::new(spec()).expect("a valid layout");
+    let layout = Layout::new(spec.clone()).expect("a valid layout");
     let (mut regions, mut buffers) = (Vec::new(), Vec::new());
     for i in 0..layout.region_count() {
         let buffer = Arc::new(HostBuffer::new(layout.region_len() as usize).expect("memory"));

@@ -35,6 +35,14 @@ impl Driver {
         self.reads.values().any(|(k, _)| *k == key)
     }
 
+    /// The prefill ranks this side is dialling (their handshakes run on helper threads).
+    pub(crate) fn handshakes(&self) -> Vec<(SocketAddr, Rank)> {
+        let dialling = self.connecting.iter();
+        dialling
+            .flat_map(|(addr, c)| c.ranks.iter().map(|rank| (*addr, *rank)))
+            .collect()
+    }
+
     /// The live connection to `instance`'s `rank`.
     pub(crate) fn conn_of(&self, instance: SocketAddr, rank: Rank) -> Option<ConnId> {
         Some(self.instances.get(&instance)?.ranks.get(&rank)?.id)

@@ -19,11 +19,17 @@ use crate::driver::Driven;
 use crate::sim_support::{endpoint, ids, key, spec};
 
 impl Driver {
-    /// Whether a write to the consumer's request `key` is in flight: posted, and its end not
-    /// heard yet.
-    pub(crate) fn writing(&self, key: AttemptKey) -> bool {
-        self.flights.values().any(|f| f.original == key)
-            || self.partials.values().any(|p| p.rkey == key)
+    /// Whether a write to the consumer's request `key` is in flight (over connection `conn`,
+    /// or any): posted, and its end not heard yet.
+    pub(crate) fn writing(&self, key: AttemptKey, conn: Option<ConnId>) -> bool {
+        let over = |c: ConnId| conn.is_none_or(|conn| conn == c);
+        self.flights
+            .values()
+            .any(|f| f.original == key && over(f.conn))
+            || self
+                .partials
+                .values()
+                .any(|p| p.rkey == key && over(p.conn))
     }
 }
 
