@@ -248,6 +248,15 @@ impl Pair {
         });
     }
 
+    /// Decode's engine dropped `transfer` before registering it: prefill gives its KV back now.
+    pub(crate) fn abandon(&mut self, transfer: TransferId) {
+        self.decode_does(|| consumer::Command::Abandon {
+            prefill: PREFILL,
+            transfer,
+            capability: None,
+        });
+    }
+
     /// Decode's engine cancelled `transfer` (`attempt`, or every attempt).
     pub(crate) fn cancel(&mut self, transfer: TransferId, attempt: Option<Attempt>) {
         self.decode_does(|| consumer::Command::Cancel { transfer, attempt });
@@ -1441,6 +1450,10 @@ mod interleavings {
         },
         HoldWrites(bool),
         LoseNotice,
+        /// Decode's engine drops a pushed transfer it never registered (and never will).
+        Abandon {
+            transfer: u8,
+        },
         /// The control connection between these ranks (modulo the sizes) breaks.
         Disconnect {
             decode_rank: u8,
@@ -1470,6 +1483,7 @@ mod interleavings {
             3 => (0u16..3000).prop_map(|ms| Step::Wait { ms }),
             1 => any::<bool>().prop_map(Step::HoldWrites),
             1 => Just(Step::LoseNotice),
+            1 => (1u8..PULLED).prop_map(|transfer| Step::Abandon { transfer }),
             1 => (0u8..2, 0u8..2).prop_map(|(decode_rank, prefill_rank)| Step::Disconnect {
                 decode_rank,
                 prefill_rank,
@@ -1512,6 +1526,8 @@ mod interleavings {
         given_back: HashMap<(usize, AttemptKey), Vec<SendOutcome>>,
         /// Whether a control connection broke.
         disconnected: bool,
+        /// Transfers decode's engine dropped unregistered.
+        abandoned: HashSet<u8>,
     }
 
     impl Seen {
@@ -1583,7 +1599,7 @@ mod interleavings {
             match step {
                 Step::Register { transfer, attempt } => {
                     let key = key_of(transfer, attempt);
-                    if seen.registered.insert(key) {
+                    if !seen.abandoned.contains(&transfer) && seen.registered.insert(key) {
                         if transfer == PULLED {
                             let from = prefill_blocks(transfer);
                             pair.pull(key, TOKENS, decode_blocks(key), from);
@@ -1648,6 +1664,15 @@ mod interleavings {
                     pair.at(now);
                 }
                 Step::LoseNotice => pair.notices_to_lose += 1,
+                Step::Abandon { transfer } => {
+                    let registered = seen
+                        .registered
+                        .iter()
+                        .any(|k| k.transfer.0 == u128::from(transfer));
+                    if !registered && seen.abandoned.insert(transfer) {
+                        pair.abandon(TransferId(u128::from(transfer)));
+                    }
+                }
                 Step::Disconnect {
                     decode_rank,
                     prefill_rank,
