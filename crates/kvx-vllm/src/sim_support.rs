@@ -10,7 +10,7 @@ use kvx_core::{Arrangement, Attempt, BlockId, Dtype, LayoutSpec, MemoryOrder, Tr
 use kvx_layout::Layout;
 use kvx_rdma::loopback::LoopbackFabric;
 use kvx_rdma::region::{HostBuffer, LocalRegion};
-use kvx_rdma::transport::Transport;
+use kvx_rdma::transport::{Event, Transport};
 use kvx_rendezvous::AttemptKey;
 
 use crate::control;
@@ -61,10 +61,32 @@ pub(crate) fn cache_endpoint_of(
 
 /// The next message on `stream`, if one is there now.
 pub(crate) fn message(stream: &mut UnixStream) -> Option<Message> {
+    match incoming(stream) {
+        Incoming::Message(message) => Some(message),
+        Incoming::Nothing | Incoming::Closed(_) => None,
+    }
+}
+
+/// What a control connection's end holds now.
+pub(crate) enum Incoming {
+    Message(Message),
+    Nothing,
+    /// The other end closed the connection (or sent what is no message).
+    Closed(String),
+}
+
+/// What `stream` holds now, without waiting.
+pub(crate) fn incoming(stream: &mut UnixStream) -> Incoming {
     stream.set_nonblocking(true).expect("a socket");
-    let message = control::read_message(stream).ok();
+    let read = control::read_message(stream);
     stream.set_nonblocking(false).expect("a socket");
-    message
+    match read {
+        Ok(message) => Incoming::Message(message),
+        Err(control::ControlError::Read(e)) if e.kind() == std::io::ErrorKind::WouldBlock => {
+            Incoming::Nothing
+        }
+        Err(e) => Incoming::Closed(e.to_string()),
+    }
 }
 
 /// The first attempt of `transfer`.
@@ -79,15 +101,26 @@ pub(crate) fn ids(range: std::ops::Range<u32>) -> Vec<BlockId> {
 
 /// Hands `driver` what its transport reported, as a turn of the driver loop does.
 pub(crate) fn transport_events(driver: &mut impl Driven) {
-    let mut events = Vec::new();
+    deliver(driver, Vec::new(), Some);
+}
+
+/// Hands `driver` `earlier` events, then those its transport reported, each as `route` passes it
+/// on (`None`: kept from it); whether any came.
+pub(crate) fn deliver(
+    driver: &mut impl Driven,
+    mut events: Vec<Event>,
+    mut route: impl FnMut(Event) -> Option<Event>,
+) -> bool {
     driver
         .transport()
         .expect("open")
         .poll(&mut events)
         .expect("a loopback poll");
-    for event in events {
+    let came = !events.is_empty();
+    for event in events.into_iter().filter_map(&mut route) {
         driver.transport_event(event);
     }
+    came
 }
 
 /// Hands `driver` `command` and lets its time pass, as one turn of the driver loop does.

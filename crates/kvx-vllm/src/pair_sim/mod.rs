@@ -14,7 +14,7 @@ use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use kvx_core::wire::{Hello, Message, Role};
+use kvx_core::wire::{Hello, Role};
 use kvx_core::{Attempt, BlockId, EngineId, LayoutSpec, Rank, RequestId, TransferId};
 use kvx_layout::Layout;
 use kvx_rdma::local_peer::Process;
@@ -25,10 +25,10 @@ use kvx_rendezvous::{AttemptKey, Timestamp};
 
 use crate::config::ConnectorConfig;
 use crate::consumer::{self, PushRequest, RecvEvent};
-use crate::control::{self, ControlError, ControlStream, Queued};
+use crate::control::{self, ControlStream, Queued};
 use crate::driver::{self, Clock, CommandReceiver, Driven, Mailbox};
 use crate::producer::{self, FinishedBlocks, FinishedSending};
-use crate::sim_support::{cache_endpoint_of, spec};
+use crate::sim_support::{cache_endpoint_of, deliver, incoming, spec, Incoming};
 use crate::stats::Stats;
 
 /// Where prefill is said to listen (decode never reaches it: the test makes the connections).
@@ -366,7 +366,14 @@ impl Pair {
     /// Lets every rank's time pass and hands each what its peers sent and what its transport
     /// reported, connecting what decode ranks dial, until nothing moves.
     fn settle(&mut self) {
+        // Turns of the driver loops: what came (messages, then transport events), then the
+        // time; until a turn after the time brings nothing.
+        let mut settled = false;
         loop {
+            let moved = self.pass();
+            if !moved && settled {
+                return;
+            }
             let now = self.clock().now();
             for rank in &mut self.prefill {
                 rank.machine.tick(now);
@@ -374,45 +381,49 @@ impl Pair {
             for rank in &mut self.decode {
                 rank.machine.tick(now);
             }
-            let mut moved = self.connect_dialled();
-            let links: Vec<(usize, usize)> = self.links.keys().copied().collect();
-            for link in links {
-                moved |= self.relay(link);
-            }
-            if !self.hold_transfers {
-                for rank in &mut self.prefill {
-                    moved |= deliver(&mut rank.machine, Vec::new(), Some);
-                }
-            }
-            for rank in &mut self.decode {
-                let (lose, hold) = (&mut self.notices_to_lose, self.hold_transfers);
-                let mut held = Vec::new();
-                let earlier = if hold {
-                    Vec::new()
-                } else {
-                    std::mem::take(&mut rank.held)
-                };
-                moved |= deliver(&mut rank.machine, earlier, |event| match event {
-                    Event::Notice(_) if *lose > 0 => {
-                        *lose -= 1;
-                        None
-                    }
-                    Event::Notice(_)
-                    | Event::ReadDone { .. }
-                    | Event::Failed {
-                        kind: OpKind::Read, ..
-                    } if hold => {
-                        held.push(event);
-                        None
-                    }
-                    _ => Some(event),
-                });
-                rank.held.extend(held);
-            }
-            if !moved {
-                return;
+            settled = !moved;
+        }
+    }
+
+    /// Hands every rank what its peers sent and what its transport reported, connecting what
+    /// decode ranks dial; whether anything came.
+    fn pass(&mut self) -> bool {
+        let mut moved = self.connect_dialled();
+        let links: Vec<(usize, usize)> = self.links.keys().copied().collect();
+        for link in links {
+            moved |= self.relay(link);
+        }
+        if !self.hold_transfers {
+            for rank in &mut self.prefill {
+                moved |= deliver(&mut rank.machine, Vec::new(), Some);
             }
         }
+        for rank in &mut self.decode {
+            let (lose, hold) = (&mut self.notices_to_lose, self.hold_transfers);
+            let mut held = Vec::new();
+            let earlier = if hold {
+                Vec::new()
+            } else {
+                std::mem::take(&mut rank.held)
+            };
+            moved |= deliver(&mut rank.machine, earlier, |event| match event {
+                Event::Notice(_) if *lose > 0 => {
+                    *lose -= 1;
+                    None
+                }
+                Event::Notice(_)
+                | Event::ReadDone { .. }
+                | Event::Failed {
+                    kind: OpKind::Read, ..
+                } if hold => {
+                    held.push(event);
+                    None
+                }
+                _ => Some(event),
+            });
+            rank.held.extend(held);
+        }
+        moved
     }
 
     /// Ends the handshakes decode ranks began with prefill ranks they have no connection to:
@@ -472,30 +483,30 @@ impl Pair {
         let mut moved = false;
         let mut closed = None;
         loop {
-            match relayed(&mut link.from_decode) {
-                Relayed::Message(m) => {
+            match incoming(&mut link.from_decode) {
+                Incoming::Message(m) => {
                     let queued = Queued::unbounded();
                     prefill.command(producer::Command::Peer(link.conn, m, queued));
                     moved = true;
                 }
-                Relayed::Nothing => break,
-                Relayed::Closed(why) => {
+                Incoming::Nothing => break,
+                Incoming::Closed(why) => {
                     closed = Some(why);
                     break;
                 }
             }
         }
         while closed.is_none() {
-            match relayed(&mut link.from_prefill) {
-                Relayed::Message(m) => {
+            match incoming(&mut link.from_prefill) {
+                Incoming::Message(m) => {
                     let decode_conn = decode_conn.expect("connected");
                     let queued = Queued::unbounded();
                     let peer = consumer::Command::Peer(PREFILL, rank, decode_conn, m, queued);
                     decode.command(peer);
                     moved = true;
                 }
-                Relayed::Nothing => break,
-                Relayed::Closed(why) => closed = Some(why),
+                Incoming::Nothing => break,
+                Incoming::Closed(why) => closed = Some(why),
             }
         }
         if let Some(why) = closed {
@@ -783,46 +794,6 @@ fn kv_bytes(salt: u8, v: Vector, layout: &Layout) -> Vec<u8> {
     (0..layout.head_bytes())
         .map(|j| ((place ^ j).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as u8)
         .collect()
-}
-
-/// What one end of the relay holds now.
-enum Relayed {
-    Message(Message),
-    Nothing,
-    /// The side at the other end closed the connection (or sent what is no message).
-    Closed(String),
-}
-
-fn relayed(stream: &mut UnixStream) -> Relayed {
-    stream.set_nonblocking(true).expect("a socket");
-    let read = control::read_message(stream);
-    stream.set_nonblocking(false).expect("a socket");
-    match read {
-        Ok(message) => Relayed::Message(message),
-        Err(ControlError::Read(e)) if e.kind() == std::io::ErrorKind::WouldBlock => {
-            Relayed::Nothing
-        }
-        Err(e) => Relayed::Closed(e.to_string()),
-    }
-}
-
-/// Hands `driver` `earlier` events, then those its transport reported, each as `route` passes it
-/// on (`None`: kept from it); whether any came.
-fn deliver(
-    driver: &mut impl Driven,
-    mut events: Vec<Event>,
-    mut route: impl FnMut(Event) -> Option<Event>,
-) -> bool {
-    driver
-        .transport()
-        .expect("open")
-        .poll(&mut events)
-        .expect("a loopback poll");
-    let came = !events.is_empty();
-    for event in events.into_iter().filter_map(&mut route) {
-        driver.transport_event(event);
-    }
-    came
 }
 
 mod interleavings;
