@@ -4,7 +4,9 @@ use std::io;
 
 use kvx_core::{BlockId, Rank};
 use kvx_layout::{LayoutError, PlanError};
-use kvx_rdma::error::{ReadError, RegisterError, WriteError};
+use kvx_rdma::error::RegisterError;
+
+use crate::driver::PostError;
 use kvx_rendezvous::{AttemptKey, ConfigError, WaiterConfigError};
 
 use crate::control::ControlError;
@@ -116,9 +118,6 @@ pub(crate) enum TransferError {
         #[source]
         source: ControlError,
     },
-    /// The engine thread holds no transport here (the driver posts reads).
-    #[error("the transport is in use (reads are posted by the driver thread)")]
-    TransportInUse,
     /// A producer rank is not connected.
     #[error("not connected")]
     NotConnected,
@@ -127,7 +126,7 @@ pub(crate) enum TransferError {
     Read {
         rank: Rank,
         #[source]
-        source: ReadError,
+        source: PostError,
     },
     /// The blocks of a request to write are no longer held.
     #[error("the request's blocks are gone")]
@@ -150,7 +149,7 @@ pub(crate) enum TransferError {
     Write {
         key: AttemptKey,
         #[source]
-        source: WriteError,
+        source: PostError,
     },
     /// The CUDA re-layout kernels failed.
     #[cfg(feature = "cuda")]

@@ -439,13 +439,7 @@ impl Driver {
             conn.sender.close();
             // Its endpoint (connected for pull) is forgotten once its reads in flight end.
             if let Some(peer) = conn.peer {
-                let shared = self
-                    .instances
-                    .values()
-                    .any(|i| i.ranks.values().any(|r| r.peer == Some(peer)));
-                if let Some(transport) = self.transport.as_deref_mut().filter(|_| !shared) {
-                    transport.disconnect(peer);
-                }
+                self.posts.disconnect(peer);
             }
         }
     }

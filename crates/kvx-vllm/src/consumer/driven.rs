@@ -46,23 +46,34 @@ impl driver::Driven for Driver {
         self.stats.driver_turns.fetch_add(1, Ordering::Relaxed);
     }
 
-    fn transport_slot(&mut self) -> &mut Option<Box<dyn Transport>> {
-        &mut self.transport
+    fn io(&mut self) -> &mut TransportIo {
+        &mut self.io
+    }
+
+    fn posts(&mut self) -> &mut Posts {
+        &mut self.posts
     }
 
     fn is_shutdown(command: &Command) -> bool {
         matches!(command, Command::Shutdown)
     }
 
-    fn command(&mut self, command: Command) {
+    fn handle_command(&mut self, command: Command) {
         self.handle(command);
     }
 
-    fn transport_event(&mut self, event: Event) {
+    fn handle_event(&mut self, event: Event) {
         self.on_event(event);
     }
 
-    fn tick(&mut self, now: Timestamp) {
+    fn refused(&mut self, refused: Refused) {
+        match refused {
+            Refused::Connect { peer, error } => self.endpoint_unreachable(peer, &error),
+            Refused::Op { op, error, .. } => self.not_posted(op, error),
+        }
+    }
+
+    fn handle_timeout(&mut self, now: Timestamp) {
         self.board_quiesce();
         self.first_contacts();
         self.waiter.handle_timeout(now);
@@ -86,7 +97,7 @@ impl driver::Driven for Driver {
         self.flush_backlogs();
     }
 
-    fn stopped(&mut self, left: Vec<Command>) {
+    fn stopping(&mut self, left: Vec<Command>) {
         self.finish_run();
         // What the engine queued behind the shutdown fails too, never silently.
         self.refuse_all(left);
@@ -142,7 +153,11 @@ impl Driver {
         // scanning every notice due.
         let newly_busy = (std::mem::take(&mut self.transport_wanted) || !self.quiescing.is_empty())
             && !parked.busy;
-        sooner || newly_busy || self.backlogged || self.waiter.has_actions()
+        sooner
+            || newly_busy
+            || self.backlogged
+            || self.waiter.has_actions()
+            || !self.posts.is_empty()
     }
 
     /// Sends the control messages that waited for room in their connection.
@@ -194,8 +209,8 @@ impl Driver {
                 conn.sender.close();
             }
         }
-        // Closed here, at shutdown, not whenever the engine drops its handle.
-        drop(self.transport.take());
+        // The driver closes the transport next, at shutdown, not whenever the engine drops
+        // its handle.
     }
 
     pub(super) fn handle(&mut self, command: Command) {

@@ -46,11 +46,8 @@ impl Driver {
         if self.closed {
             return false;
         }
-        let Some(transport) = self.transport.as_deref_mut() else {
-            return false;
-        };
         let mut events = Vec::new();
-        if let Err(e) = transport.poll(&mut events) {
+        if let Err(e) = self.io.poll(&mut events) {
             // The driver's next read meets it too, and handles it.
             debug!(error = %e, "transport poll failed on the engine thread");
             return false;

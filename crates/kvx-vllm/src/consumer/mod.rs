@@ -24,7 +24,7 @@ use tracing::{debug, info, warn};
 use crate::cache::{register_cache, KvCache};
 use crate::config::{ConnectorConfig, QUIESCE_MARGIN};
 use crate::control::{self, ControlSender, ControlStream};
-use crate::driver::{self, Clock, CommandSender, Mailbox};
+use crate::driver::{self, Clock, CommandSender, Mailbox, PostError, Posts, Refused, TransportIo};
 use crate::error::{Closed, LinkError, StartError, TransferError};
 use crate::stats::{Stats, StatsSnapshot};
 use board::{BoardSlots, Disarmed, PollHints, SharedBoard, BOARD_SLOTS};
@@ -643,8 +643,11 @@ pub(crate) struct Driver {
     clock: Clock,
     layout: Layout,
     regions: Vec<LocalRegion>,
-    /// The driver thread takes it out while it waits on it.
-    transport: Option<Box<dyn Transport>>,
+    /// The transport, as the driver holds it (the state machine only asks, through `posts`);
+    /// the driver thread takes it out while it waits on it.
+    io: TransportIo,
+    /// The transport operations asked for and not yet carried out.
+    posts: Posts,
     /// While the driver thread waits: until when, and whether on the transport.
     parked: Option<Parked>,
     /// The driver thread has ended.
@@ -767,7 +770,8 @@ impl Driver {
             clock,
             layout,
             regions,
-            transport: Some(transport),
+            io: TransportIo::new(transport),
+            posts: Posts::default(),
             parked: None,
             closed: false,
             backlogged: false,

@@ -365,10 +365,6 @@ impl Driver {
         let instance = request.prefill;
         let mut layouts = Vec::new();
         for &rank in writers {
-            let transport = self
-                .transport
-                .as_deref_mut()
-                .ok_or(TransferError::TransportInUse)?;
             let conn = self
                 .instances
                 .get_mut(&instance)
@@ -376,7 +372,9 @@ impl Driver {
                 .ok_or(TransferError::NotConnected)?;
             if conn.peer.is_none() {
                 let desc = control::peer_desc(&conn.hello).ok_or(LinkError::EndpointDesc)?;
-                conn.peer = Some(transport.connect(&desc).map_err(LinkError::from)?);
+                // Connected by the driver after this input: reads from an endpoint it cannot
+                // connect to are refused then.
+                conn.peer = Some(self.posts.connect(desc));
             }
             layouts.push(conn.layout.clone());
         }
@@ -395,12 +393,7 @@ impl Driver {
             let peer = self.instances[&instance].ranks[&rank]
                 .peer
                 .expect("connected above");
-            let op = self
-                .transport
-                .as_deref_mut()
-                .ok_or(TransferError::TransportInUse)?
-                .read(peer, planned.ops_for(rank))
-                .map_err(|source| TransferError::Read { rank, source })?;
+            let op = self.posts.read(peer, planned.ops_for(rank).to_vec());
             self.reads.insert(op, (request.key, rank));
             // The rank holds the blocks for this read, or says that it no longer does.
             let claim = Message::Claim(Claim {
@@ -479,38 +472,62 @@ impl Driver {
                     );
                 }
             }
-            Event::ReadDone { op, .. } | Event::Failed { op, .. }
-                if self
-                    .reads
-                    .get(&op)
-                    .is_some_and(|(k, _)| self.quiescing.contains_key(k)) =>
-            {
-                let (key, _) = self.reads.remove(&op).expect("checked");
-                if let Some(q) = self.quiescing.get_mut(&key) {
-                    q.reads -= 1;
-                    if q.quiet() {
-                        self.quiesced(key);
-                    }
-                }
-            }
-            Event::ReadDone { op, .. } => {
-                if let Some((key, rank)) = self.reads.remove(&op) {
-                    match self.unheld.get_mut(&(key, rank)) {
-                        // Counted once the rank says it held the blocks.
-                        Some(read) => *read = true,
-                        None => {
-                            self.waiter.completion(now, key, rank);
-                        }
-                    }
-                }
-            }
-            Event::Failed { op, error, .. } => {
-                if let Some((key, _)) = self.reads.remove(&op) {
-                    warn!(%key, %error, "read failed");
-                    self.waiter.failure(now, key, Reason::TransferFailed);
-                }
-            }
+            Event::ReadDone { op, .. } => self.read_ended(op, None),
+            Event::Failed { op, error, .. } => self.read_ended(op, Some(error.to_string())),
             _ => {}
+        }
+    }
+
+    /// Read `op` ended: all of it landed, or it failed for `failure`.
+    fn read_ended(&mut self, op: OpId, failure: Option<String>) {
+        let Some((key, rank)) = self.reads.remove(&op) else {
+            return;
+        };
+        if let Some(q) = self.quiescing.get_mut(&key) {
+            q.reads -= 1;
+            if q.quiet() {
+                self.quiesced(key);
+            }
+            return;
+        }
+        let now = self.clock.now();
+        match failure {
+            None => match self.unheld.get_mut(&(key, rank)) {
+                // Counted once the rank says it held the blocks.
+                Some(read) => *read = true,
+                None => {
+                    self.waiter.completion(now, key, rank);
+                }
+            },
+            Some(error) => {
+                warn!(%key, %error, "read failed");
+                self.waiter.failure(now, key, Reason::TransferFailed);
+            }
+        }
+    }
+
+    /// The transport did not accept read `op`: it ends as one that failed in flight does.
+    pub(super) fn not_posted(&mut self, op: OpId, error: PostError) {
+        let Some(&(_, rank)) = self.reads.get(&op) else {
+            return;
+        };
+        let why = TransferError::Read {
+            rank,
+            source: error,
+        };
+        self.read_ended(op, Some(why.to_string()));
+    }
+
+    /// The driver could not connect to the endpoint of the prefill ranks it named `peer`: they
+    /// are connected again for their next reads.
+    pub(super) fn endpoint_unreachable(&mut self, peer: PeerId, error: &PostError) {
+        for (addr, instance) in &mut self.instances {
+            for (rank, conn) in &mut instance.ranks {
+                if conn.peer == Some(peer) {
+                    warn!(%addr, %rank, %error, "cannot connect to a prefill rank's endpoint");
+                    conn.peer = None;
+                }
+            }
         }
     }
 

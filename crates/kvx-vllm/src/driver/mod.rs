@@ -10,9 +10,11 @@ use kvx_rdma::transport::{Event, Transport};
 use kvx_rendezvous::Timestamp;
 use tracing::warn;
 
+mod io;
 mod mailbox;
 mod queue;
 
+pub(crate) use io::{PostError, Posts, Refused, TransportIo};
 pub(crate) use mailbox::Mailbox;
 pub(crate) use queue::{command_queue, wait_commands, wait_turn, CommandReceiver, CommandSender};
 
@@ -82,12 +84,21 @@ pub(crate) const TRANSPORT_SLICE: Duration = Duration::from_millis(1);
 
 /// What a side's driver thread plugs into [`drive`]: its state machine, and how it waits.
 ///
+/// The state machine takes its inputs through the `handle_*` methods and [`Driven::refused`],
+/// and asks for transport operations through its [`Posts`]; it never touches the transport. The
+/// provided methods ([`Driven::command`], [`Driven::transport_event`], [`Driven::tick`]) are the
+/// driver's side of each input: they hand it over, then carry out the operations it asked for
+/// and hand back, as inputs, those the transport refused, before the next input.
+///
 /// The state sits behind a mutex that [`drive`] holds while it handles what came, and releases
 /// while it waits, so that an engine thread may take an explicit fast path into the same state
 /// meanwhile (the consumer's registration and notice-board reads; see `consumer`).
 pub(crate) trait Driven {
     /// Commands from the engine and the connection threads.
     type Command;
+    /// How long the loop, once stopping, waits for operations still in flight
+    /// ([`Driven::draining`]) before it closes the transport.
+    const DRAIN: Duration = Duration::ZERO;
     /// The side's clock.
     fn clock(&self) -> Clock;
     /// When the loop must look again at the latest, even with nothing to do.
@@ -99,33 +110,70 @@ pub(crate) trait Driven {
     fn parking(&mut self, _until: Option<Timestamp>, _busy: bool) {}
     /// The loop woke.
     fn woke(&mut self) {}
-    /// Where the side keeps its transport (`None` while the loop has it out for a wait, or
-    /// once it is closed).
-    fn transport_slot(&mut self) -> &mut Option<Box<dyn Transport>>;
-    /// Takes the transport out for a wait on it (given back with [`Driven::return_transport`]);
-    /// `None`: the transport is gone, and the loop stops.
-    fn lend_transport(&mut self) -> Option<Box<dyn Transport>> {
-        self.transport_slot().take()
+    /// The side's transport, as the driver holds it.
+    fn io(&mut self) -> &mut TransportIo;
+    /// The transport operations the state machine asked for and the driver has not carried
+    /// out yet.
+    fn posts(&mut self) -> &mut Posts;
+    /// Whether `command` asks the driver to stop.
+    fn is_shutdown(command: &Self::Command) -> bool;
+    /// The state machine handles one command.
+    fn handle_command(&mut self, command: Self::Command);
+    /// The state machine handles one transport event (in its own names of operations and peers).
+    fn handle_event(&mut self, event: Event);
+    /// The state machine hears that the transport did not do what it asked.
+    fn refused(&mut self, refused: Refused);
+    /// The state machine lets time pass.
+    fn handle_timeout(&mut self, now: Timestamp);
+    /// The loop stops (a shutdown command, the engine's side of the queue gone, or the
+    /// transport gone): the state machine's last decisions while the transport is open.
+    /// `left`: the commands queued behind the shutdown.
+    fn stopping(&mut self, left: Vec<Self::Command>);
+    /// Once stopping: whether operations are in flight that the loop waits for (at most
+    /// [`Driven::DRAIN`]) before it closes the transport.
+    fn draining(&self) -> bool {
+        false
     }
-    /// Gives back the transport lent for a wait.
-    fn return_transport(&mut self, transport: Box<dyn Transport>) {
-        *self.transport_slot() = Some(transport);
+    /// The transport is closed: whatever still waited ends.
+    fn stopped(&mut self) {}
+
+    /// Hands the state machine `command`, then carries out what it asked for.
+    fn command(&mut self, command: Self::Command) {
+        self.handle_command(command);
+        self.carry_out();
+    }
+    /// Hands the state machine what the transport reported (in the transport's names), then
+    /// carries out what it asked for.
+    fn transport_event(&mut self, event: Event) {
+        if let Some(event) = self.io().translate(event) {
+            self.handle_event(event);
+        }
+        self.carry_out();
+    }
+    /// Lets time pass in the state machine, then carries out what it asked for.
+    fn tick(&mut self, now: Timestamp) {
+        self.handle_timeout(now);
+        self.carry_out();
+    }
+    /// Carries out the transport operations the state machine asked for, handing back those
+    /// the transport refused (which may ask for more), until none is left.
+    fn carry_out(&mut self) {
+        loop {
+            let posts = self.posts().take();
+            if posts.is_empty() {
+                return;
+            }
+            let mut refused = Vec::new();
+            self.io().carry_out(posts, &mut refused);
+            for r in refused {
+                self.refused(r);
+            }
+        }
     }
     /// The transport, to read after a wait on the command queue alone; `None`: gone.
     fn transport(&mut self) -> Option<&mut (dyn Transport + 'static)> {
-        self.transport_slot().as_deref_mut()
+        self.io().transport()
     }
-    /// Whether `command` asks the driver to stop.
-    fn is_shutdown(command: &Self::Command) -> bool;
-    /// Handles one command.
-    fn command(&mut self, command: Self::Command);
-    /// Handles one transport event.
-    fn transport_event(&mut self, event: Event);
-    /// Lets time pass in the state machines and carries out their actions.
-    fn tick(&mut self, now: Timestamp);
-    /// The loop ends: a shutdown command, the engine's side of the queue gone, or the transport
-    /// gone. `left`: the commands queued behind the shutdown.
-    fn stopped(&mut self, left: Vec<Self::Command>);
 }
 
 /// The driver thread's loop, the one both sides run: wait for commands, transport events or
@@ -144,12 +192,13 @@ pub(crate) fn drive<D: Driven>(state: &Mutex<D>, rx: &CommandReceiver<D::Command
             driver.parking(deadline, busy);
             if driver.transport().is_none() {
                 warn!("the driver's transport is gone");
-                driver.stopped(Vec::new());
+                driver.stopping(Vec::new());
+                driver.stopped();
                 return;
             }
             // Waiting on the transport, the loop takes it along; otherwise it stays in the
             // state, where an engine thread's fast path can read it.
-            let lent = if busy { driver.lend_transport() } else { None };
+            let lent = if busy { driver.io().lend() } else { None };
             (lent, deadline)
         };
         let (turn, mut driver) = if let Some(mut transport) = lent {
@@ -163,7 +212,7 @@ pub(crate) fn drive<D: Driven>(state: &Mutex<D>, rx: &CommandReceiver<D::Command
                 &mut commands,
             );
             let mut driver = lock();
-            driver.return_transport(transport);
+            driver.io().give_back(transport);
             (turn, driver)
         } else {
             let open = wait_commands(rx, clock, deadline, &mut commands);
@@ -192,9 +241,9 @@ pub(crate) fn drive<D: Driven>(state: &Mutex<D>, rx: &CommandReceiver<D::Command
         }
         if stop {
             events.clear();
-            // What the engine queued behind the shutdown goes to `stopped` too.
+            // What the engine queued behind the shutdown goes to `stopping` too.
             left.extend(rx.take_queued());
-            driver.stopped(left);
+            stop_driven(&mut *driver, clock, left);
             return;
         }
         for event in events.drain(..) {
@@ -202,4 +251,29 @@ pub(crate) fn drive<D: Driven>(state: &Mutex<D>, rx: &CommandReceiver<D::Command
         }
         driver.tick(clock.now());
     }
+}
+
+/// The end of a driver loop: the state machine's last decisions, the operations in flight
+/// waited for (at most [`Driven::DRAIN`]), the transport closed, and then what still waited
+/// ended.
+fn stop_driven<D: Driven>(driver: &mut D, clock: Clock, left: Vec<D::Command>) {
+    driver.stopping(left);
+    driver.carry_out();
+    let deadline = clock.now() + D::DRAIN;
+    let mut events = Vec::new();
+    while driver.draining() {
+        let left = clock.until(deadline);
+        let Some(transport) = driver.transport().filter(|_| !left.is_zero()) else {
+            break;
+        };
+        if let Err(e) = transport.wait(&mut events, left) {
+            warn!(error = %e, "transport wait failed while draining");
+            break;
+        }
+        for event in events.drain(..) {
+            driver.transport_event(event);
+        }
+    }
+    driver.io().close();
+    driver.stopped();
 }

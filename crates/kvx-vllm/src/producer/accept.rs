@@ -270,7 +270,7 @@ impl Acceptor {
 pub(super) fn accept_consumer(
     own: &Layout,
     hello: &Hello,
-    transport: &mut dyn Transport,
+    posts: &mut Posts,
 ) -> Result<ConsumerRank, LinkError> {
     if hello.role != Role::Consumer {
         return Err(LinkError::NotAConsumer);
@@ -283,7 +283,8 @@ pub(super) fn accept_consumer(
     }
     let layout = Layout::new(hello.layout.clone())?;
     let desc = control::peer_desc(hello).ok_or(LinkError::EndpointDesc)?;
-    let peer = transport.connect(&desc)?;
+    // Connecting is the driver's, after this input; if it fails, the consumer is refused then.
+    let peer = posts.connect(desc);
     Ok(ConsumerRank {
         id: ConsumerId {
             engine: hello.engine,

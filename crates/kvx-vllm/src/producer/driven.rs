@@ -5,6 +5,8 @@ use super::*;
 
 impl driver::Driven for Driver {
     type Command = Command;
+    /// Writes in flight end as they would (their notices reach decode), for a while.
+    const DRAIN: Duration = SHUTDOWN_DRAIN;
 
     fn clock(&self) -> Clock {
         self.clock
@@ -37,15 +39,19 @@ impl driver::Driven for Driver {
             .store(in_flight as i64, Ordering::Relaxed);
     }
 
-    fn transport_slot(&mut self) -> &mut Option<Box<dyn Transport>> {
-        &mut self.transport
+    fn io(&mut self) -> &mut TransportIo {
+        &mut self.io
+    }
+
+    fn posts(&mut self) -> &mut Posts {
+        &mut self.posts
     }
 
     fn is_shutdown(command: &Command) -> bool {
         matches!(command, Command::Shutdown)
     }
 
-    fn command(&mut self, command: Command) {
+    fn handle_command(&mut self, command: Command) {
         self.handle(command);
         // What the matcher decided goes out before the next input: a transfer cancelled by
         // this command must be marked so before its write's completion, which may come next
@@ -54,11 +60,18 @@ impl driver::Driven for Driver {
         self.actions();
     }
 
-    fn transport_event(&mut self, event: Event) {
+    fn handle_event(&mut self, event: Event) {
         self.on_event(event);
     }
 
-    fn tick(&mut self, now: Timestamp) {
+    fn refused(&mut self, refused: Refused) {
+        match refused {
+            Refused::Connect { peer, error } => self.consumer_unreachable(peer, &error),
+            Refused::Op { op, error, .. } => self.not_posted(op, error),
+        }
+    }
+
+    fn handle_timeout(&mut self, now: Timestamp) {
         self.matcher.handle_timeout(now);
         self.expire(now);
         self.actions();
@@ -66,7 +79,7 @@ impl driver::Driven for Driver {
         self.close_idle(now);
     }
 
-    fn stopped(&mut self, left: Vec<Command>) {
+    fn stopping(&mut self, left: Vec<Command>) {
         // Blocks the engine handed over behind the shutdown go back with the rest (a sealed
         // request's blocks go back when its finish comes).
         for command in left {
@@ -81,11 +94,34 @@ impl driver::Driven for Driver {
                 ));
             }
         }
+        let now = self.clock.now();
+        self.matcher.shutdown(now);
+        self.actions();
+    }
+
+    fn draining(&self) -> bool {
+        !(self.flights.is_empty() && self.partials.is_empty())
+    }
+
+    fn stopped(&mut self) {
         self.shutdown();
     }
 }
 
 impl Driver {
+    /// Connecting to a consumer's endpoint failed: its connections are refused, as a consumer
+    /// whose hello is refused is.
+    fn consumer_unreachable(&mut self, peer: PeerId, error: &PostError) {
+        for c in self.conns.values_mut() {
+            if c.consumer.as_ref().is_some_and(|x| x.peer == peer) {
+                warn!(why = %error, "refusing consumer");
+                c.sender.close();
+                c.consumer = None;
+                c.leave = None;
+            }
+        }
+    }
+
     /// Forgets connection `conn`, which closed for `why`: its consumer's registrations will
     /// never be served, and the transport forgets the consumer's endpoint (once its writes in
     /// flight end) unless another connection of the same endpoint still uses it.
@@ -96,16 +132,7 @@ impl Driver {
         debug!(conn, why, "control connection closed");
         self.claimant_lost(now, conn, c.process);
         if let Some(gone) = &c.consumer {
-            let shared = self
-                .conns
-                .values()
-                .any(|o| o.consumer.as_ref().is_some_and(|x| x.peer == gone.peer));
-            if !shared {
-                self.transport
-                    .as_deref_mut()
-                    .expect(OPEN)
-                    .disconnect(gone.peer);
-            }
+            self.posts.disconnect(gone.peer);
         }
         self.stats
             .remembered_registrations
@@ -218,11 +245,7 @@ impl Driver {
                 self.conns.insert(conn, Conn::router(sender, now));
             }
             Command::Accepted(conn, sender, hello, leave) => {
-                let consumer = match accept_consumer(
-                    &self.layout,
-                    &hello,
-                    self.transport.as_deref_mut().expect(OPEN),
-                ) {
+                let consumer = match accept_consumer(&self.layout, &hello, &mut self.posts) {
                     Ok(consumer) => {
                         self.max_consumer_tp =
                             self.max_consumer_tp.max(consumer.layout.spec().tp_size);
@@ -369,37 +392,17 @@ impl Driver {
         }
     }
 
+    /// The transport is closed: what was still in flight or waited for it fails with
+    /// `Shutdown`, and every block goes back to the engine. (Decode hears of it only now: once
+    /// told, it gives the blocks back to its engine, and nothing of ours may land in them after
+    /// that.)
     pub(super) fn shutdown(&mut self) {
-        let now = self.clock.now();
-        self.matcher.shutdown(now);
-        self.actions();
-        // Writes in flight end as they would (their notices reach decode), for a while.
-        let deadline = now + SHUTDOWN_DRAIN;
-        let mut events = Vec::new();
-        while !(self.flights.is_empty() && self.partials.is_empty()) {
-            let left = self.clock.until(deadline);
-            if left.is_zero() {
-                break;
-            }
-            let transport = self.transport.as_deref_mut().expect(OPEN);
-            if let Err(e) = transport.wait(&mut events, left) {
-                warn!(error = %e, "transport wait failed while draining writes");
-                break;
-            }
-            for event in events.drain(..) {
-                self.on_event(event);
-            }
-        }
-        // Close the transport before decode hears that the rest failed: once a consumer is
-        // told, it gives the blocks back to its engine, and nothing of ours may land in them
-        // after that (closing waits for or cancels what is still in flight).
-        if !(self.flights.is_empty() && self.partials.is_empty()) {
+        if driver::Driven::draining(self) {
             warn!(
                 writes = self.flights.len() + self.partials.len(),
-                "closing the transport with writes in flight"
+                "closed the transport with writes in flight"
             );
         }
-        drop(self.transport.take());
         for (_, flight) in std::mem::take(&mut self.flights) {
             self.tell_consumer(flight.conn, flight.original, Reason::Shutdown, "");
             self.ticket_back(flight.ticket, SendOutcome::NotSent(Reason::Shutdown));

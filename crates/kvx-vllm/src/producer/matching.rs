@@ -414,12 +414,35 @@ impl Driver {
         }
         self.stats.bytes_written.fetch_add(bytes, Ordering::Relaxed);
         self.stats.ops_posted.fetch_add(1, Ordering::Relaxed);
-        self.transport
-            .as_deref_mut()
-            .expect(OPEN)
-            .write(consumer.peer, &ops, Some(Notice(dest.notice)))
-            .map(|op| (op, bytes))
-            .map_err(|source| TransferError::Write { key, source })
+        let op = self
+            .posts
+            .write(consumer.peer, ops, Some(Notice(dest.notice)));
+        Ok((op, bytes))
+    }
+
+    /// The transport did not accept write `op`: it ends as one that failed in flight does.
+    pub(super) fn not_posted(&mut self, op: OpId, error: PostError) {
+        if let Some(partial) = self.partials.get(&op) {
+            let why = format!("cannot post the early writes of {}: {error}", partial.rkey);
+            self.early_done(op, Some(why));
+            return;
+        }
+        let Some(flight) = self.flights.remove(&op) else {
+            return;
+        };
+        let why = TransferError::Write {
+            key: flight.original,
+            source: error,
+        }
+        .to_string();
+        warn!(key = %flight.original, why, "transfer could not start");
+        self.tell_consumer(flight.conn, flight.original, Reason::TransferFailed, &why);
+        let now = self.clock.now();
+        self.matcher
+            .transfer_finished(now, flight.key, TransferOutcome::Failed);
+        self.stats.transfers_failed.fetch_add(1, Ordering::Relaxed);
+        self.ticket_back(flight.ticket, SendOutcome::NotSent(Reason::TransferFailed));
+        self.actions();
     }
 
     pub(super) fn on_event(&mut self, event: Event) {

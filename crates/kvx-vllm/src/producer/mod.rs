@@ -29,7 +29,9 @@ use tracing::{debug, info, warn};
 use crate::cache::{register_cache, KvCache};
 use crate::config::ConnectorConfig;
 use crate::control::{self, ControlError, ControlSender, ControlStream};
-use crate::driver::{self, Clock, CommandReceiver, CommandSender, Mailbox};
+use crate::driver::{
+    self, Clock, CommandReceiver, CommandSender, Mailbox, PostError, Posts, Refused, TransportIo,
+};
 use crate::error::{BadDestination, Closed, LinkError, StartError, TransferError};
 use crate::stats::{Stats, StatsSnapshot};
 
@@ -781,9 +783,6 @@ const NUDGE_AFTER: Duration = Duration::from_millis(2);
 /// between one and 1¼ timeouts after its peer last spoke.
 const IDLE_SWEEPS_PER_TIMEOUT: u32 = 4;
 
-/// The transport is open from start until shutdown.
-const OPEN: &str = "the transport is open until shutdown";
-
 /// How long a shutting-down producer lets its writes in flight end before it closes the
 /// transport and tells their consumers that they failed.
 const SHUTDOWN_DRAIN: Duration = Duration::from_secs(2);
@@ -799,8 +798,10 @@ pub(crate) struct Driver {
     clock: Clock,
     rank: Rank,
     layout: Layout,
-    /// Open until [`Driver::shutdown`] closes it.
-    transport: Option<Box<dyn Transport>>,
+    /// The transport, as the driver holds it (the state machine only asks, through `posts`).
+    io: TransportIo,
+    /// The transport operations asked for and not yet carried out.
+    posts: Posts,
     matcher: Matcher<Ticket, Dest>,
     conns: HashMap<ConnId, Conn>,
     flights: HashMap<OpId, Flight>,
@@ -891,7 +892,8 @@ impl Driver {
             clock,
             rank: layout.rank(),
             layout,
-            transport: Some(transport),
+            io: TransportIo::new(transport),
+            posts: Posts::default(),
             matcher,
             conns: HashMap::new(),
             flights: HashMap::new(),

@@ -925,3 +925,35 @@ fn an_abort_from_one_reader_waits_for_the_others_claimed_reads() {
     assert_eq!(freed.len(), 1, "{freed:?}");
     assert_eq!(freed[0].outcome, SendOutcome::NotSent(Reason::Aborted));
 }
+
+/// A consumer whose endpoint the transport cannot connect to (here, one on another fabric) is
+/// refused: its control connection closes and nothing it sends is served. Connecting is the
+/// driver's, after the hello: the refusal comes back to the state machine before its next input.
+#[test]
+fn a_consumer_whose_endpoint_cannot_be_connected_is_refused() {
+    let mut sim = Sim::new(Duration::from_secs(2));
+    let elsewhere = endpoint(&LoopbackFabric::new()).0;
+    let (ours, mut theirs) = UnixStream::pair().unwrap();
+    let sender = control::sender(&ControlStream::local(ours)).unwrap();
+    let hello = control::hello(
+        &ConnectorConfig::new(EngineId(3)),
+        Role::Consumer,
+        &Layout::new(spec()).unwrap(),
+        &elsewhere.local_desc(),
+        false,
+    );
+    sim.command(Command::Accepted(2, sender, Box::new(hello), None));
+    assert!(
+        matches!(
+            crate::sim_support::incoming(&mut theirs),
+            crate::sim_support::Incoming::Closed(_)
+        ),
+        "the refused consumer's connection is closed"
+    );
+    let refused = &sim.driver.conns[&2];
+    assert!(refused.consumer.is_none() && refused.leave.is_none());
+    assert!(
+        sim.driver.conns[&1].consumer.is_some(),
+        "the reachable consumer stays"
+    );
+}

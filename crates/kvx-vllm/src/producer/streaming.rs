@@ -161,14 +161,9 @@ impl Driver {
             &ranges,
         )
         .map_err(|e| format!("cannot plan the early writes of {key}: {e}"))
-        .and_then(|(ops, bytes)| {
+        .map(|(ops, bytes)| {
             self.stats.ops_posted.fetch_add(1, Ordering::Relaxed);
-            self.transport
-                .as_deref_mut()
-                .expect(OPEN)
-                .write(consumer.peer, &ops, None)
-                .map(|op| (op, bytes))
-                .map_err(|e| format!("cannot post the early writes of {key}: {e}"))
+            (self.posts.write(consumer.peer, ops, None), bytes)
         });
         match posted {
             Ok((op, bytes)) => {
