@@ -219,9 +219,7 @@ impl Driver {
                     return;
                 };
                 for message in &pending {
-                    if let Ok(queued) = conn.sender.send_or_queue(message) {
-                        self.backlogged |= queued;
-                    }
+                    self.posts.tell(&conn.sender, message);
                 }
             }
             Err(why) => {
@@ -436,7 +434,7 @@ impl Driver {
         self.lost_ranks.remove(instance);
         self.next_lost_look.get_or_insert(now + LOST_LOOK);
         for conn in lost.ranks.values() {
-            conn.sender.close();
+            self.posts.close(&conn.sender);
             // Its endpoint (connected for pull) is forgotten once its reads in flight end.
             if let Some(peer) = conn.peer {
                 self.posts.disconnect(peer);
@@ -497,7 +495,7 @@ impl Driver {
                 transfers: instance.waiting.iter().map(|k| k.transfer).collect(),
             });
             for conn in instance.ranks.values() {
-                let _ = conn.sender.send(&message);
+                self.posts.tell(&conn.sender, &message);
             }
         }
         self.next_heartbeat =

@@ -46,7 +46,7 @@ impl driver::Driven for Driver {
         self.stats.driver_turns.fetch_add(1, Ordering::Relaxed);
     }
 
-    fn io(&mut self) -> &mut TransportIo {
+    fn io(&mut self) -> &mut Io {
         &mut self.io
     }
 
@@ -93,8 +93,6 @@ impl driver::Driven for Driver {
             warn!(%key, "producer ranks did not confirm the end of their writes in time");
             self.quiesced(key);
         }
-        // Last: what this turn (or the engine thread) queued on a full connection.
-        self.flush_backlogs();
     }
 
     fn stopping(&mut self, left: Vec<Command>) {
@@ -155,24 +153,9 @@ impl Driver {
             && !parked.busy;
         sooner
             || newly_busy
-            || self.backlogged
+            || self.io.backlogged()
             || self.waiter.has_actions()
             || !self.posts.is_empty()
-    }
-
-    /// Sends the control messages that waited for room in their connection.
-    pub(super) fn flush_backlogs(&mut self) {
-        if !std::mem::take(&mut self.backlogged) {
-            return;
-        }
-        for (addr, instance) in &self.instances {
-            for (rank, conn) in &instance.ranks {
-                if let Err(e) = conn.sender.flush() {
-                    // Its reader sees the connection fail, and the instance is then lost.
-                    warn!(%addr, %rank, error = %e, "cannot send to a prefill rank");
-                }
-            }
-        }
     }
 
     /// Requests queued for a driver that has ended: each fails with `Shutdown`.
@@ -202,11 +185,11 @@ impl Driver {
         for key in keys {
             self.quiesced(key);
         }
-        self.flush_backlogs();
-        // Closed, and forgotten: their peers' leave to attach to this process ends with them.
+        // Closed once what waits in them is sent, and forgotten: their peers' leave to attach
+        // to this process ends with them.
         for (_, instance) in self.instances.drain() {
             for conn in instance.ranks.values() {
-                conn.sender.close();
+                self.posts.close_flushed(&conn.sender);
             }
         }
         // The driver closes the transport next, at shutdown, not whenever the engine drops

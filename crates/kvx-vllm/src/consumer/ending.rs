@@ -320,9 +320,7 @@ impl Driver {
                 capability: capability.clone(),
             });
             for conn in instance.ranks.values() {
-                if let Ok(queued) = conn.sender.send_or_queue(&message) {
-                    self.backlogged |= queued;
-                }
+                self.posts.tell(&conn.sender, &message);
             }
             debug!(%prefill, %transfer, ranks = instance.ranks.len(), "told prefill: dropped before registration");
         }
@@ -355,9 +353,7 @@ impl Driver {
             };
             // Never blocks: the engine thread may be the caller (a registration that failed
             // half-way); what a full connection does not take waits for the driver's flush.
-            if let Ok(queued) = conn.sender.send_or_queue(&message) {
-                self.backlogged |= queued;
-            }
+            self.posts.tell(&conn.sender, &message);
         }
     }
 }

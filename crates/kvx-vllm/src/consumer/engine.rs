@@ -7,6 +7,10 @@
 //! - [`Driver::engine_read_transport`]: the transport's queue is read once where the driver is
 //!   not reading it (libfabric `shm` needs its reads for peers' writes to land).
 //!
+//! Each carries out what the state machine asked for at once, as the driver does after an input
+//! (a registration goes out from the engine thread, never blocking); a transport operation met
+//! while the driver has the transport out for a wait is left to the driver.
+//!
 //! Each returns whether the parked driver must look again ([`Driver::needs_wake`]); the handle
 //! then queues a `Command::Wake`. Everything else reaches the state machine as a command.
 
@@ -34,6 +38,7 @@ impl Driver {
             return EngineRegistration::ThroughQueue(Box::new(request));
         }
         self.start(request, None);
+        driver::Driven::carry_out(self);
         EngineRegistration::Registered {
             wake: self.needs_wake(),
         }
@@ -58,6 +63,7 @@ impl Driver {
         for event in events {
             self.on_event(event);
         }
+        driver::Driven::carry_out(self);
         self.needs_wake()
     }
 }

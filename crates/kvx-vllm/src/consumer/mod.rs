@@ -24,7 +24,7 @@ use tracing::{debug, info, warn};
 use crate::cache::{register_cache, KvCache};
 use crate::config::{ConnectorConfig, QUIESCE_MARGIN};
 use crate::control::{self, ControlSender, ControlStream};
-use crate::driver::{self, Clock, CommandSender, Mailbox, PostError, Posts, Refused, TransportIo};
+use crate::driver::{self, Clock, CommandSender, Io, Mailbox, PostError, Posts, Refused, Sending};
 use crate::error::{Closed, LinkError, StartError, TransferError};
 use crate::stats::{Stats, StatsSnapshot};
 use board::{BoardSlots, Disarmed, PollHints, SharedBoard, BOARD_SLOTS};
@@ -645,15 +645,13 @@ pub(crate) struct Driver {
     regions: Vec<LocalRegion>,
     /// The transport, as the driver holds it (the state machine only asks, through `posts`);
     /// the driver thread takes it out while it waits on it.
-    io: TransportIo,
+    io: Io,
     /// The transport operations asked for and not yet carried out.
     posts: Posts,
     /// While the driver thread waits: until when, and whether on the transport.
     parked: Option<Parked>,
     /// The driver thread has ended.
     closed: bool,
-    /// A control message waits for a flush (its connection's send buffer was full).
-    backlogged: bool,
     /// A request registered since the last look waits for message notices.
     transport_wanted: bool,
     /// A board notice came as a message (a producer whose transport writes no boards): from
@@ -770,11 +768,10 @@ impl Driver {
             clock,
             layout,
             regions,
-            io: TransportIo::new(transport),
+            io: Io::new(transport, Sending::Queued),
             posts: Posts::default(),
             parked: None,
             closed: false,
-            backlogged: false,
             transport_wanted: false,
             board_notices_as_messages: false,
             waiter,

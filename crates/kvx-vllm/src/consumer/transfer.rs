@@ -266,12 +266,11 @@ impl Driver {
                     groups: request.groups.clone(),
                     capability: request.capability.clone(),
                 });
-                // Never blocks (the engine thread may be the caller): a full send buffer
-                // leaves the registration for the driver to flush.
-                let sent = conn.sender.send_or_queue(&registration).map(|queued| {
-                    self.backlogged |= queued;
-                });
-                if let Err(source) = sent {
+                // Sent once this input is handled, never blocking (the engine thread may be
+                // the caller): a full send buffer leaves it for the driver's flush; a
+                // connection that fails is lost, and the request with it.
+                let sent = self.posts.send(&conn.sender, &registration);
+                if let Err(source) = sent.map_err(crate::control::ControlError::from) {
                     let detail = TransferError::Register { rank, source };
                     self.notices.remove(&notice);
                     waiting.notices.pop();
@@ -350,9 +349,7 @@ impl Driver {
             };
             // Never blocks (the engine thread may be the caller); a rank that is gone holds
             // nothing past its lease.
-            if let Ok(queued) = conn.sender.send_or_queue(&message) {
-                self.backlogged |= queued;
-            }
+            self.posts.tell(&conn.sender, &message);
         }
     }
 
@@ -402,9 +399,7 @@ impl Driver {
                 capability: request.capability.clone(),
             });
             let conn = &self.instances[&instance].ranks[&rank];
-            if let Ok(queued) = conn.sender.send_or_queue(&claim) {
-                self.backlogged |= queued;
-            }
+            self.posts.tell(&conn.sender, &claim);
             // (A connection that fails is lost, and the request with it.)
             self.unheld.insert((request.key, rank), false);
             self.stats.ops_posted.fetch_add(1, Ordering::Relaxed);

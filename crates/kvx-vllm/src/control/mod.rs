@@ -316,6 +316,11 @@ impl ControlSender {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
+    /// Whether `other` sends on the same connection.
+    pub(crate) fn same(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.out, &other.out)
+    }
+
     /// The process at the other end, where this host's kernel says (a Unix socket).
     pub(crate) fn process(&self) -> Option<Process> {
         self.lock().stream.process()
@@ -323,7 +328,11 @@ impl ControlSender {
 
     /// Sends one message (after any queued before it), blocking until the kernel took it.
     pub(crate) fn send(&self, message: &Message) -> Result<(), ControlError> {
-        let bytes = message.to_bytes()?;
+        self.send_encoded(message.to_bytes()?)
+    }
+
+    /// [`ControlSender::send`] of a message already encoded (`Message::to_bytes`).
+    pub(crate) fn send_encoded(&self, bytes: Vec<u8>) -> Result<(), ControlError> {
         let mut out = self.lock();
         out.flush()?;
         // Sealed under the lock: the messages' counters follow their order on the wire.
@@ -336,8 +345,13 @@ impl ControlSender {
     /// Sends one message without ever blocking: what the kernel does not take at once (its
     /// send buffer is full) waits, in order, for [`ControlSender::flush`]. Returns whether
     /// something waits.
+    #[cfg(test)]
     pub(crate) fn send_or_queue(&self, message: &Message) -> Result<bool, ControlError> {
-        let bytes = message.to_bytes()?;
+        self.send_or_queue_encoded(message.to_bytes()?)
+    }
+
+    /// [`ControlSender::send_or_queue`] of a message already encoded (`Message::to_bytes`).
+    pub(crate) fn send_or_queue_encoded(&self, bytes: Vec<u8>) -> Result<bool, ControlError> {
         let mut out = self.lock();
         let bytes = out.stream.seal(bytes).map_err(ControlError::Write)?;
         if !out.backlog.is_empty() {

@@ -1,17 +1,24 @@
-//! Transport operations as a state machine's outputs. The state machine names its operations
-//! and peers itself and queues what it wants done ([`Posts`]); its driver carries the queue out
-//! on the transport after each input ([`TransportIo`]), puts the machine's names on what the
-//! transport reports, and hands back, as inputs, what the transport refused ([`Refused`]).
+//! I/O as a state machine's outputs. The state machine names its transport operations and peers
+//! itself and queues what it wants done, with the control messages it sends and the control
+//! connections it closes, in one queue ([`Posts`]); its driver carries the queue out, in order,
+//! after each input ([`Io`]), puts the machine's names on what the transport reports, and hands
+//! back, as inputs, what the transport refused ([`Refused`]).
 //!
 //! A refused operation is one the transport never accepted: no event reports it, and the
-//! machine ends it as it ends one that failed in flight.
+//! machine ends it as it ends one that failed in flight. A control message that cannot be
+//! sent closes its connection, whose reader then reports the close to the machine like any
+//! other.
 
 use std::collections::HashMap;
 
+use kvx_core::wire::{EncodeError, Message};
 use kvx_layout::CopyOp;
 use kvx_rdma::desc::EndpointDesc;
 use kvx_rdma::error::{ConnectError, PollError, ReadError, WriteError};
 use kvx_rdma::transport::{Event, Notice, OpId, PeerId, Transport};
+use tracing::debug;
+
+use crate::control::ControlSender;
 
 /// A transport operation a state machine asks for, under its own names.
 #[derive(Debug)]
@@ -33,6 +40,11 @@ pub(crate) enum Post {
         peer: PeerId,
         ops: Vec<CopyOp>,
     },
+    /// Send an encoded control message on connection `to`.
+    Send { to: ControlSender, bytes: Vec<u8> },
+    /// Close control connection `to` (its reader then reports the close); `flush`: send what
+    /// waits for room first.
+    Close { to: ControlSender, flush: bool },
 }
 
 /// The transport operations a state machine asked for and its driver has not carried out yet,
@@ -77,6 +89,47 @@ impl Posts {
         op
     }
 
+    /// Sends `message` on control connection `to`.
+    ///
+    /// # Errors
+    /// The message cannot be encoded (nothing is queued then).
+    pub(crate) fn send(
+        &mut self,
+        to: &ControlSender,
+        message: &Message,
+    ) -> Result<(), EncodeError> {
+        let bytes = message.to_bytes()?;
+        self.queue.push(Post::Send {
+            to: to.clone(),
+            bytes,
+        });
+        Ok(())
+    }
+
+    /// [`Posts::send`] of a message that cannot fail to encode, or whose loss its connection's
+    /// end covers (the peer then fails what it waited for).
+    pub(crate) fn tell(&mut self, to: &ControlSender, message: &Message) {
+        if let Err(e) = self.send(to, message) {
+            debug!(kind = ?message.kind(), error = %e, "cannot encode a control message");
+        }
+    }
+
+    /// Closes control connection `to`.
+    pub(crate) fn close(&mut self, to: &ControlSender) {
+        self.queue.push(Post::Close {
+            to: to.clone(),
+            flush: false,
+        });
+    }
+
+    /// Closes control connection `to` once what waits for room in it is sent.
+    pub(crate) fn close_flushed(&mut self, to: &ControlSender) {
+        self.queue.push(Post::Close {
+            to: to.clone(),
+            flush: true,
+        });
+    }
+
     /// Whether operations wait to be carried out.
     pub(crate) fn is_empty(&self) -> bool {
         self.queue.is_empty()
@@ -90,6 +143,12 @@ impl Posts {
     /// What waits, for the driver.
     pub(super) fn take(&mut self) -> Vec<Post> {
         std::mem::take(&mut self.queue)
+    }
+
+    /// Puts back, in front, what the driver could not carry out yet.
+    pub(super) fn put_back(&mut self, mut left: Vec<Post>) {
+        left.append(&mut self.queue);
+        self.queue = left;
     }
 }
 
@@ -123,11 +182,26 @@ pub(crate) enum PostError {
     Closed,
 }
 
-/// A side's transport as its driver holds it, and the translation between the transport's names
-/// for operations and peers and the state machine's.
-pub(crate) struct TransportIo {
+/// How a side's control messages are sent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Sending {
+    /// Each blocks until the kernel took it.
+    Blocking,
+    /// None blocks: what the kernel does not take at once waits, in order, for
+    /// [`Io::flush`] at the end of the driver's turn (the engine thread sends too, and must
+    /// never wait).
+    Queued,
+}
+
+/// A side's I/O as its driver holds it: the transport, the translation between the transport's
+/// names for operations and peers and the state machine's, and how control messages go out.
+pub(crate) struct Io {
     /// `None` while the driver has it out for a wait, and once it is closed.
     transport: Option<Box<dyn Transport>>,
+    closed: bool,
+    sending: Sending,
+    /// Connections with messages that wait for room.
+    backlogged: Vec<ControlSender>,
     /// The machine's connected peers: the transport's name for each.
     peers: HashMap<PeerId, PeerId>,
     /// How many of the machine's peers each transport peer is (connecting again to an address
@@ -137,9 +211,9 @@ pub(crate) struct TransportIo {
     ops: HashMap<OpId, (OpId, PeerId)>,
 }
 
-impl std::fmt::Debug for TransportIo {
+impl std::fmt::Debug for Io {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TransportIo")
+        f.debug_struct("Io")
             .field("open", &self.transport.is_some())
             .field("peers", &self.peers.len())
             .field("ops", &self.ops.len())
@@ -147,10 +221,13 @@ impl std::fmt::Debug for TransportIo {
     }
 }
 
-impl TransportIo {
-    pub(crate) fn new(transport: Box<dyn Transport>) -> Self {
+impl Io {
+    pub(crate) fn new(transport: Box<dyn Transport>, sending: Sending) -> Self {
         Self {
             transport: Some(transport),
+            closed: false,
+            sending,
+            backlogged: Vec::new(),
             peers: HashMap::new(),
             users: HashMap::new(),
             ops: HashMap::new(),
@@ -175,7 +252,24 @@ impl TransportIo {
     /// Closes the transport (closing waits for or cancels what is still in flight).
     pub(super) fn close(&mut self) {
         drop(self.transport.take());
+        self.closed = true;
         self.ops.clear();
+    }
+
+    /// Whether control messages wait for room ([`Io::flush`]).
+    pub(crate) fn backlogged(&self) -> bool {
+        !self.backlogged.is_empty()
+    }
+
+    /// Sends the control messages that waited for room, blocking until the kernel took them.
+    pub(super) fn flush(&mut self) {
+        for to in std::mem::take(&mut self.backlogged) {
+            if let Err(e) = to.flush() {
+                // Its reader sees the connection end, and the machine hears of it then.
+                debug!(error = %e, "cannot send on a control connection; closing it");
+                to.close();
+            }
+        }
     }
 
     /// Reads what the transport reported, without waiting, in the machine's names (the engine
@@ -223,61 +317,96 @@ impl TransportIo {
         })
     }
 
-    /// Carries out `posts` in order; what the transport refused goes to `refused`.
-    pub(super) fn carry_out(&mut self, posts: Vec<Post>, refused: &mut Vec<Refused>) {
-        for post in posts {
-            match post {
-                Post::Connect { peer, desc } => {
-                    let Some(transport) = self.transport.as_deref_mut() else {
-                        refused.push(Refused::Connect {
-                            peer,
-                            error: PostError::Closed,
-                        });
-                        continue;
-                    };
-                    match transport.connect(&desc) {
-                        Ok(theirs) => {
-                            self.peers.insert(peer, theirs);
-                            *self.users.entry(theirs).or_default() += 1;
-                        }
-                        Err(error) => refused.push(Refused::Connect {
-                            peer,
-                            error: error.into(),
-                        }),
+    /// Carries out `posts` in order; what the transport refused goes to `refused`. Returns what
+    /// waits for the transport, lent out for a wait (from the first such operation on).
+    pub(super) fn carry_out(&mut self, posts: Vec<Post>, refused: &mut Vec<Refused>) -> Vec<Post> {
+        let mut posts = posts.into_iter();
+        while let Some(post) = posts.next() {
+            let needs_transport = !matches!(post, Post::Send { .. } | Post::Close { .. });
+            if needs_transport && self.transport.is_none() && !self.closed {
+                return std::iter::once(post).chain(posts).collect();
+            }
+            self.carry_out_one(post, refused);
+        }
+        Vec::new()
+    }
+
+    fn carry_out_one(&mut self, post: Post, refused: &mut Vec<Refused>) {
+        match post {
+            Post::Connect { peer, desc } => {
+                let Some(transport) = self.transport.as_deref_mut() else {
+                    refused.push(Refused::Connect {
+                        peer,
+                        error: PostError::Closed,
+                    });
+                    return;
+                };
+                match transport.connect(&desc) {
+                    Ok(theirs) => {
+                        self.peers.insert(peer, theirs);
+                        *self.users.entry(theirs).or_default() += 1;
+                    }
+                    Err(error) => refused.push(Refused::Connect {
+                        peer,
+                        error: error.into(),
+                    }),
+                }
+            }
+            Post::Disconnect { peer } => {
+                let Some(theirs) = self.peers.remove(&peer) else {
+                    return;
+                };
+                let users = self.users.entry(theirs).or_default();
+                *users = users.saturating_sub(1);
+                if *users == 0 {
+                    self.users.remove(&theirs);
+                    if let Some(transport) = self.transport.as_deref_mut() {
+                        transport.disconnect(theirs);
                     }
                 }
-                Post::Disconnect { peer } => {
-                    let Some(theirs) = self.peers.remove(&peer) else {
-                        continue;
-                    };
-                    let users = self.users.entry(theirs).or_default();
-                    *users = users.saturating_sub(1);
-                    if *users == 0 {
-                        self.users.remove(&theirs);
-                        if let Some(transport) = self.transport.as_deref_mut() {
-                            transport.disconnect(theirs);
+            }
+            Post::Write {
+                op,
+                peer,
+                ops,
+                notice,
+            } => {
+                let posted = self.post(peer, |transport, theirs| {
+                    transport
+                        .write(theirs, &ops, notice)
+                        .map_err(PostError::from)
+                });
+                self.posted(op, peer, posted, refused);
+            }
+            Post::Read { op, peer, ops } => {
+                let posted = self.post(peer, |transport, theirs| {
+                    transport.read(theirs, &ops).map_err(PostError::from)
+                });
+                self.posted(op, peer, posted, refused);
+            }
+            Post::Send { to, bytes } => {
+                let sent = match self.sending {
+                    Sending::Blocking => to.send_encoded(bytes),
+                    Sending::Queued => to.send_or_queue_encoded(bytes).map(|queued| {
+                        if queued && !self.backlogged.iter().any(|b| b.same(&to)) {
+                            self.backlogged.push(to.clone());
                         }
+                    }),
+                };
+                if let Err(e) = sent {
+                    // Its reader sees the connection end, and the machine hears of it then.
+                    debug!(error = %e, "cannot send on a control connection; closing it");
+                    to.close();
+                }
+            }
+            Post::Close { to, flush } => {
+                if flush {
+                    if let Err(e) = to.flush() {
+                        debug!(error = %e, "cannot send on a control connection");
                     }
                 }
-                Post::Write {
-                    op,
-                    peer,
-                    ops,
-                    notice,
-                } => {
-                    let posted = self.post(peer, |transport, theirs| {
-                        transport
-                            .write(theirs, &ops, notice)
-                            .map_err(PostError::from)
-                    });
-                    self.posted(op, peer, posted, refused);
-                }
-                Post::Read { op, peer, ops } => {
-                    let posted = self.post(peer, |transport, theirs| {
-                        transport.read(theirs, &ops).map_err(PostError::from)
-                    });
-                    self.posted(op, peer, posted, refused);
-                }
+                self.backlogged.retain(|b| !b.same(&to));
+                to.close();
             }
         }
     }
@@ -328,7 +457,7 @@ mod tests {
         let (fabric, elsewhere) = (LoopbackFabric::new(), LoopbackFabric::new());
         let (ours, theirs) = (endpoint(&fabric).0, endpoint(&fabric).0);
         let foreign = endpoint(&elsewhere).0;
-        let mut io = TransportIo::new(ours);
+        let mut io = Io::new(ours, Sending::Blocking);
         let mut posts = Posts::default();
 
         let peer = posts.connect(theirs.local_desc());
@@ -379,7 +508,7 @@ mod tests {
     fn an_endpoint_two_of_the_machines_peers_share_is_forgotten_with_the_last() {
         let fabric = LoopbackFabric::new();
         let (ours, theirs) = (endpoint(&fabric).0, endpoint(&fabric).0);
-        let mut io = TransportIo::new(ours);
+        let mut io = Io::new(ours, Sending::Blocking);
         let mut posts = Posts::default();
         let first = posts.connect(theirs.local_desc());
         let second = posts.connect(theirs.local_desc());
@@ -391,7 +520,7 @@ mod tests {
             io.peers[&second], shared,
             "one endpoint, one transport peer"
         );
-        let write = |io: &mut TransportIo| io.transport().unwrap().write(shared, &run(64), None);
+        let write = |io: &mut Io| io.transport().unwrap().write(shared, &run(64), None);
 
         posts.disconnect(first);
         io.carry_out(posts.take(), &mut refused);
@@ -409,5 +538,62 @@ mod tests {
         assert!(
             matches!(refused.as_slice(), [Refused::Op { op, error: PostError::NotConnected }] if *op == ended)
         );
+    }
+
+    /// Queued control messages never block: what a full connection does not take waits for the
+    /// end of the turn's flush, in order, and a close sends what waits first where asked.
+    #[test]
+    fn control_messages_go_out_in_order_without_blocking_until_the_flush() {
+        use std::os::unix::net::UnixStream;
+
+        use kvx_core::wire::Heartbeat;
+        use kvx_core::{EngineId, Incarnation, TransferId};
+
+        use crate::control::{self, ControlStream};
+
+        let (ours, mut theirs) = UnixStream::pair().unwrap();
+        socket2::SockRef::from(&ours)
+            .set_send_buffer_size(4096)
+            .unwrap();
+        let to = control::sender(&ControlStream::local(ours)).unwrap();
+        let fabric = LoopbackFabric::new();
+        let mut io = Io::new(endpoint(&fabric).0, Sending::Queued);
+        let mut posts = Posts::default();
+        let message = |i: u128| {
+            Message::Heartbeat(Heartbeat {
+                engine: EngineId(1),
+                incarnation: Incarnation(2),
+                transfers: (0..50).map(|t| TransferId(i * 100 + t)).collect(),
+            })
+        };
+        let mut sent = 0;
+        let mut refused = Vec::new();
+        while !io.backlogged() {
+            posts.send(&to, &message(sent)).unwrap();
+            let left = io.carry_out(posts.take(), &mut refused);
+            assert!(left.is_empty());
+            sent += 1;
+            assert!(sent < 100_000, "the send buffer never filled");
+        }
+        for _ in 0..10 {
+            posts.send(&to, &message(sent)).unwrap();
+            sent += 1;
+        }
+        posts.close_flushed(&to);
+        let reader = std::thread::spawn(move || {
+            let mut received = Vec::new();
+            while let Ok(m) = control::read_message(&mut theirs) {
+                received.push(m);
+            }
+            received
+        });
+        io.carry_out(posts.take(), &mut refused);
+        assert!(!io.backlogged());
+        assert_eq!(
+            reader.join().unwrap(),
+            (0..sent).map(message).collect::<Vec<_>>(),
+            "every message, in order, then the close"
+        );
+        assert!(refused.is_empty());
     }
 }

@@ -14,7 +14,7 @@ mod io;
 mod mailbox;
 mod queue;
 
-pub(crate) use io::{PostError, Posts, Refused, TransportIo};
+pub(crate) use io::{Io, PostError, Posts, Refused, Sending};
 pub(crate) use mailbox::Mailbox;
 pub(crate) use queue::{command_queue, wait_commands, wait_turn, CommandReceiver, CommandSender};
 
@@ -111,7 +111,7 @@ pub(crate) trait Driven {
     /// The loop woke.
     fn woke(&mut self) {}
     /// The side's transport, as the driver holds it.
-    fn io(&mut self) -> &mut TransportIo;
+    fn io(&mut self) -> &mut Io;
     /// The transport operations the state machine asked for and the driver has not carried
     /// out yet.
     fn posts(&mut self) -> &mut Posts;
@@ -150,13 +150,16 @@ pub(crate) trait Driven {
         }
         self.carry_out();
     }
-    /// Lets time pass in the state machine, then carries out what it asked for.
+    /// Lets time pass in the state machine, then carries out what it asked for; last in the
+    /// driver's turn, sends what waited for room in its control connections.
     fn tick(&mut self, now: Timestamp) {
         self.handle_timeout(now);
         self.carry_out();
+        self.io().flush();
     }
-    /// Carries out the transport operations the state machine asked for, handing back those
-    /// the transport refused (which may ask for more), until none is left.
+    /// Carries out what the state machine asked for, in order, handing back what the transport
+    /// refused (which may ask for more), until nothing is left or what is left waits for the
+    /// transport, out for a wait (an engine thread's entry: the driver carries it out next).
     fn carry_out(&mut self) {
         loop {
             let posts = self.posts().take();
@@ -164,9 +167,14 @@ pub(crate) trait Driven {
                 return;
             }
             let mut refused = Vec::new();
-            self.io().carry_out(posts, &mut refused);
+            let left = self.io().carry_out(posts, &mut refused);
+            let waits = !left.is_empty();
+            self.posts().put_back(left);
             for r in refused {
                 self.refused(r);
+            }
+            if waits {
+                return;
             }
         }
     }
@@ -194,6 +202,7 @@ pub(crate) fn drive<D: Driven>(state: &Mutex<D>, rx: &CommandReceiver<D::Command
                 warn!("the driver's transport is gone");
                 driver.stopping(Vec::new());
                 driver.stopped();
+                driver.carry_out();
                 return;
             }
             // Waiting on the transport, the loop takes it along; otherwise it stays in the
@@ -276,4 +285,7 @@ fn stop_driven<D: Driven>(driver: &mut D, clock: Clock, left: Vec<D::Command>) {
     }
     driver.io().close();
     driver.stopped();
+    // What it said last (its peers hear why their requests failed) and the connections it
+    // closed; a transport operation is refused now.
+    driver.carry_out();
 }

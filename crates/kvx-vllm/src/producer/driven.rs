@@ -39,7 +39,7 @@ impl driver::Driven for Driver {
             .store(in_flight as i64, Ordering::Relaxed);
     }
 
-    fn io(&mut self) -> &mut TransportIo {
+    fn io(&mut self) -> &mut Io {
         &mut self.io
     }
 
@@ -115,7 +115,7 @@ impl Driver {
         for c in self.conns.values_mut() {
             if c.consumer.as_ref().is_some_and(|x| x.peer == peer) {
                 warn!(why = %error, "refusing consumer");
-                c.sender.close();
+                self.posts.close(&c.sender);
                 c.consumer = None;
                 c.leave = None;
             }
@@ -167,7 +167,7 @@ impl Driver {
         );
         for conn in idle {
             if let Some(c) = self.conns.get(&conn) {
-                c.sender.close();
+                self.posts.close(&c.sender);
             }
             self.stats.idle_closed.fetch_add(1, Ordering::Relaxed);
             self.conn_closed(now, conn, "idle timeout");
@@ -253,7 +253,7 @@ impl Driver {
                     }
                     Err(why) => {
                         warn!(%why, "refusing consumer");
-                        sender.close();
+                        self.posts.close(&sender);
                         None
                     }
                 };
@@ -431,7 +431,7 @@ impl Driver {
         }
         // Closed, and forgotten: their peers' leave to attach to this process ends with them.
         for (_, c) in self.conns.drain() {
-            c.sender.close();
+            self.posts.close(&c.sender);
         }
     }
 }

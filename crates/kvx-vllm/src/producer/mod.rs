@@ -30,7 +30,7 @@ use crate::cache::{register_cache, KvCache};
 use crate::config::ConnectorConfig;
 use crate::control::{self, ControlError, ControlSender, ControlStream};
 use crate::driver::{
-    self, Clock, CommandReceiver, CommandSender, Mailbox, PostError, Posts, Refused, TransportIo,
+    self, Clock, CommandReceiver, CommandSender, Io, Mailbox, PostError, Posts, Refused, Sending,
 };
 use crate::error::{BadDestination, Closed, LinkError, StartError, TransferError};
 use crate::stats::{Stats, StatsSnapshot};
@@ -799,7 +799,7 @@ pub(crate) struct Driver {
     rank: Rank,
     layout: Layout,
     /// The transport, as the driver holds it (the state machine only asks, through `posts`).
-    io: TransportIo,
+    io: Io,
     /// The transport operations asked for and not yet carried out.
     posts: Posts,
     matcher: Matcher<Ticket, Dest>,
@@ -892,7 +892,7 @@ impl Driver {
             clock,
             rank: layout.rank(),
             layout,
-            io: TransportIo::new(transport),
+            io: Io::new(transport, Sending::Blocking),
             posts: Posts::default(),
             matcher,
             conns: HashMap::new(),

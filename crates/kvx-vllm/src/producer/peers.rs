@@ -295,9 +295,7 @@ impl Driver {
                 producer_rank: self.rank,
             });
             if let Some(c) = self.conns.get(&conn) {
-                if let Err(e) = c.sender.send(&held) {
-                    debug!(%key, error = %e, "cannot answer a read claim");
-                }
+                self.posts.tell(&c.sender, &held);
             }
             return;
         }
@@ -478,9 +476,10 @@ impl Driver {
                 let key = AttemptKey::new(reg.transfer, reg.attempt);
                 let detail = format!("registration refused: {e}");
                 if let Some(c) = self.conns.get(&conn) {
-                    let _ = c
-                        .sender
-                        .send(&failure(key, self.rank, Reason::Unauthorized, &detail));
+                    self.posts.tell(
+                        &c.sender,
+                        &failure(key, self.rank, Reason::Unauthorized, &detail),
+                    );
                 }
                 return;
             }
@@ -490,18 +489,22 @@ impl Driver {
         };
         let key = AttemptKey::new(reg.transfer, reg.attempt);
         let Some(consumer) = &c.consumer else {
-            let _ = c.sender.send(&failure(
-                key,
-                self.rank,
-                Reason::Conflict,
-                "registration before hello",
-            ));
+            self.posts.tell(
+                &c.sender,
+                &failure(
+                    key,
+                    self.rank,
+                    Reason::Conflict,
+                    "registration before hello",
+                ),
+            );
             return;
         };
         if let Err(why) = check_destination(&consumer.layout, &reg) {
-            let _ = c
-                .sender
-                .send(&failure(key, self.rank, Reason::Conflict, &why.to_string()));
+            self.posts.tell(
+                &c.sender,
+                &failure(key, self.rank, Reason::Conflict, &why.to_string()),
+            );
             return;
         }
         let readers = match kvx_layout::readers_for(self.rank, producer_tp, &consumer.layout) {
@@ -511,9 +514,10 @@ impl Driver {
                     "{} does not write to consumer {}",
                     self.rank, reg.consumer_rank
                 );
-                let _ = c
-                    .sender
-                    .send(&failure(key, self.rank, Reason::Conflict, &why.to_string()));
+                self.posts.tell(
+                    &c.sender,
+                    &failure(key, self.rank, Reason::Conflict, &why.to_string()),
+                );
                 return;
             }
         };
@@ -526,9 +530,8 @@ impl Driver {
                 "this consumer rank holds {} registrations here, the most one may",
                 self.registration_quota
             );
-            let _ = c
-                .sender
-                .send(&failure(key, self.rank, Reason::Conflict, &why));
+            self.posts
+                .tell(&c.sender, &failure(key, self.rank, Reason::Conflict, &why));
             return;
         }
         c.remember(rkey, &self.matcher, &self.stats);
@@ -594,7 +597,7 @@ impl Driver {
         });
         for conn in due {
             self.nudged.insert(conn, now);
-            self.send_counted(conn, &message, &self.stats.nudges);
+            self.send_counted(conn, &message, |s| &s.nudges);
         }
         let partials = &self.partials;
         self.nudged
@@ -611,42 +614,42 @@ impl Driver {
 
     /// Tells a consumer rank that asked for it that the final writes of `dest` begin (before
     /// any wait for early writes), so that it reads its transport until the notice.
-    pub(super) fn hint_finishing(&self, dest: &Dest) {
+    pub(super) fn hint_finishing(&mut self, dest: &Dest) {
         if self.wants_hints(dest.conn) {
             let message = Message::Finishing(Finishing {
                 transfer: dest.key.transfer,
                 attempt: dest.key.attempt,
                 producer_rank: self.rank,
             });
-            self.send_counted(dest.conn, &message, &self.stats.finishing_hints);
+            self.send_counted(dest.conn, &message, |s| &s.finishing_hints);
         }
     }
 
     /// Sends `message` on `conn` (if it is still open) and counts it in `sent`; a hint or a
     /// nudge that cannot be sent needs no more: the closed connection fails what it served.
-    pub(super) fn send_counted(&self, conn: ConnId, message: &Message, sent: &AtomicU64) {
+    pub(super) fn send_counted(
+        &mut self,
+        conn: ConnId,
+        message: &Message,
+        sent: fn(&Stats) -> &AtomicU64,
+    ) {
         let Some(c) = self.conns.get(&conn) else {
             return;
         };
-        match c.sender.send(message) {
-            Ok(()) => {
-                sent.fetch_add(1, Ordering::Relaxed);
-            }
-            Err(e) => debug!(conn, kind = ?message.kind(), error = %e, "cannot send"),
-        }
+        self.posts.tell(&c.sender, message);
+        sent(&self.stats).fetch_add(1, Ordering::Relaxed);
     }
 
     pub(super) fn tell_consumer(
-        &self,
+        &mut self,
         conn: ConnId,
         key: AttemptKey,
         reason: Reason,
         detail: &str,
     ) {
         if let Some(c) = self.conns.get(&conn) {
-            if let Err(e) = c.sender.send(&failure(key, self.rank, reason, detail)) {
-                debug!(%key, error = %e, "cannot send failure notice");
-            }
+            self.posts
+                .tell(&c.sender, &failure(key, self.rank, reason, detail));
         }
     }
 }
