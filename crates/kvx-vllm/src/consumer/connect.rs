@@ -19,9 +19,13 @@ impl Driver {
         &mut self,
         instance: SocketAddr,
         rank: Rank,
-        stream: ControlStream,
-        hello: Hello,
+        dialled: Dialled,
     ) -> Result<(), LinkError> {
+        let Dialled {
+            sender,
+            reader: stream,
+            hello,
+        } = dialled;
         let addr = crate::settings::rank_addr(instance, rank);
         if hello.role != Role::Producer {
             return Err(LinkError::NotAProducer { addr });
@@ -63,14 +67,23 @@ impl Driver {
             self.stats.local_connections.fetch_add(1, Ordering::Relaxed);
         }
         let stream_process = stream.process();
-        let sender = control::start(stream, format!("kvx-ctl-{addr}"), move |result| {
-            let command = match result {
-                Ok((m, queued)) => Command::Peer(instance, rank, id, m, queued),
-                Err(e) => Command::PeerClosed(instance, rank, id, e.to_string()),
-            };
-            tx.send(command).is_ok()
-        })
-        .map_err(|source| LinkError::Reader { addr, source })?;
+        let failed = tx.clone();
+        self.posts.spawn(
+            format!("kvx-ctl-{addr}"),
+            move || {
+                control::read_loop(stream, |result| {
+                    let command = match result {
+                        Ok((m, queued)) => Command::Peer(instance, rank, id, m, queued),
+                        Err(e) => Command::PeerClosed(instance, rank, id, e.to_string()),
+                    };
+                    tx.send(command).is_ok()
+                });
+            },
+            move |source| {
+                let why = LinkError::Reader { addr, source };
+                let _ = failed.send(Command::PeerClosed(instance, rank, id, why.to_string()));
+            },
+        );
         // The instance is known once a rank of it is connected: a prefill that cannot be
         // reached leaves nothing behind.
         // Rank 0's hello says the instance's TP size, and with it which of its ranks are idle
@@ -146,16 +159,8 @@ impl Driver {
     /// result comes back as [`Command::Handshaken`].
     pub(super) fn handshake_in_background(&mut self, instance: SocketAddr, rank: Rank) {
         let connecting = self.connecting.entry(instance).or_default();
-        if !connecting.ranks.insert(rank) {
-            return;
-        }
-        if let Err(e) = self.spawn_handshake(instance, rank) {
-            let addr = crate::settings::rank_addr(instance, rank);
-            self.handshaken(
-                instance,
-                rank,
-                Err(LinkError::HandshakeThread { addr, source: e }),
-            );
+        if connecting.ranks.insert(rank) {
+            self.spawn_handshake(instance, rank);
         }
     }
 
@@ -169,26 +174,32 @@ impl Driver {
             _ => {}
         }
         self.idle_links.insert((instance, rank), None);
-        if self.spawn_handshake(instance, rank).is_err() {
-            self.idle_links.insert((instance, rank), Some(now));
-        }
+        self.spawn_handshake(instance, rank);
     }
 
-    /// Handshakes with `rank` of `instance` on a helper thread; the result comes back as
-    /// [`Command::Handshaken`].
-    fn spawn_handshake(&self, instance: SocketAddr, rank: Rank) -> std::io::Result<()> {
+    /// Handshakes with `rank` of `instance` on a helper thread; the result (or why the thread
+    /// could not start) comes back as [`Command::Handshaken`].
+    fn spawn_handshake(&mut self, instance: SocketAddr, rank: Rank) {
         let addr = crate::settings::rank_addr(instance, rank);
         let hello = Message::Hello(self.hello.clone());
         let (timeout, local) = (self.config.connect_timeout, self.config.local_sockets);
         let key = self.config.auth_key.clone();
-        let tx = self.tx.clone();
-        thread::Builder::new()
-            .name(format!("kvx-hs-{addr}"))
-            .spawn(move || {
-                let result = control::handshake(addr, &hello, timeout, local, key.as_deref());
+        let (tx, failed) = (self.tx.clone(), self.tx.clone());
+        self.posts.spawn(
+            format!("kvx-hs-{addr}"),
+            move || {
+                let result = control::handshake(addr, &hello, timeout, local, key.as_deref())
+                    .and_then(|(stream, hello)| {
+                        Dialled::new(stream, hello)
+                            .map_err(|source| LinkError::Reader { addr, source })
+                    });
                 let _ = tx.send(Command::Handshaken(instance, rank, result));
-            })
-            .map(drop)
+            },
+            move |source| {
+                let why = LinkError::HandshakeThread { addr, source };
+                let _ = failed.send(Command::Handshaken(instance, rank, Err(why)));
+            },
+        );
     }
 
     /// A handshake with an idle rank ended: adopted, or tried again later.
@@ -196,10 +207,10 @@ impl Driver {
         &mut self,
         instance: SocketAddr,
         rank: Rank,
-        result: Result<(ControlStream, Hello), LinkError>,
+        result: Result<Dialled, LinkError>,
     ) {
         let adopted = if self.instances.contains_key(&instance) {
-            result.and_then(|(stream, hello)| self.adopt(instance, rank, stream, hello))
+            result.and_then(|dialled| self.adopt(instance, rank, dialled))
         } else {
             // The instance was lost meanwhile: this connection is not wanted (it closes).
             Ok(())
@@ -237,7 +248,7 @@ impl Driver {
         &mut self,
         instance: SocketAddr,
         rank: Rank,
-        result: Result<(ControlStream, Hello), LinkError>,
+        result: Result<Dialled, LinkError>,
     ) {
         if self.idle_links.get(&(instance, rank)) == Some(&None) {
             self.idle_handshaken(instance, rank, result);
@@ -249,7 +260,7 @@ impl Driver {
         };
         connecting.ranks.remove(&rank);
         let next = result
-            .and_then(|(stream, hello)| self.adopt(instance, rank, stream, hello))
+            .and_then(|dialled| self.adopt(instance, rank, dialled))
             .and_then(|()| self.missing_ranks(instance).map_err(LinkError::from));
         match next {
             Ok(missing) if missing.is_empty() => {

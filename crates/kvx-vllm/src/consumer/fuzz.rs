@@ -27,7 +27,7 @@ use kvx_rendezvous::AttemptKey;
 
 use super::{Command, Driver, Outbox, PollHints, PushRequest, RecvEvent};
 use crate::config::ConnectorConfig;
-use crate::control::{self, ControlStream, Queued};
+use crate::control::{self, ControlStream, Dialled, Queued};
 use crate::driver::{self, Clock, Mailbox};
 use crate::error::LinkError;
 use crate::sim_support::{advance, endpoint, message, spec, transport_events, turn, FuzzBytes};
@@ -134,7 +134,10 @@ pub fn session(data: &[u8]) {
                 Command::Handshaken(
                     INSTANCE,
                     Rank(0),
-                    Ok((ControlStream::local(ours), producer_hello.clone())),
+                    Ok(
+                        Dialled::new(ControlStream::local(ours), producer_hello.clone())
+                            .expect("a sender"),
+                    ),
                 )
             } else {
                 refused()

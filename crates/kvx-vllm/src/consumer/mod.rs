@@ -23,7 +23,7 @@ use tracing::{debug, info, warn};
 
 use crate::cache::{register_cache, KvCache};
 use crate::config::{ConnectorConfig, QUIESCE_MARGIN};
-use crate::control::{self, ControlSender, ControlStream};
+use crate::control::{self, ControlSender, Dialled};
 use crate::driver::{self, Clock, CommandSender, Io, Mailbox, PostError, Posts, Refused, Sending};
 use crate::error::{Closed, LinkError, StartError, TransferError};
 use crate::stats::{Stats, StatsSnapshot};
@@ -122,7 +122,7 @@ pub(crate) enum Command {
     /// That connection closed.
     PeerClosed(SocketAddr, Rank, ConnId, String),
     /// A helper thread's handshake with one rank of a prefill instance ended.
-    Handshaken(SocketAddr, Rank, Result<(ControlStream, Hello), LinkError>),
+    Handshaken(SocketAddr, Rank, Result<Dialled, LinkError>),
     /// The engine thread registered a request itself and the driver must look again (a
     /// deadline moved closer, the transport needs reading, an action or a message waits).
     Wake,

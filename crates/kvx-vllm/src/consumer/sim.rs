@@ -14,6 +14,7 @@ use kvx_rdma::loopback::LoopbackFabric;
 use kvx_rdma::transport::Notice;
 
 use super::*;
+use crate::control::ControlStream;
 use crate::driver::{CommandReceiver, Driven};
 use crate::sim_support::{endpoint, ids, key, spec};
 use kvx_core::wire::Held;
@@ -174,7 +175,7 @@ impl Sim {
         self.command(Command::Handshaken(
             INSTANCE,
             Rank(0),
-            Ok((ControlStream::local_to(ours, process), hello)),
+            Ok(Dialled::new(ControlStream::local_to(ours, process), hello).unwrap()),
         ));
         match self.message() {
             Some(Message::Registration(r)) => r,
@@ -681,7 +682,7 @@ fn a_pull_is_ready_only_once_prefill_says_it_held_the_blocks() {
         sim.command(Command::Handshaken(
             INSTANCE,
             Rank(0),
-            Ok((ControlStream::local(ours), hello)),
+            Ok(Dialled::new(ControlStream::local(ours), hello).unwrap()),
         ));
         match sim.message() {
             Some(Message::Claim(c)) => assert_eq!((c.transfer, c.attempt), (k.transfer, k.attempt)),

@@ -486,17 +486,27 @@ impl Drop for Queued {
     }
 }
 
-/// Splits an established stream into a sender and a reader thread running [`read_loop`].
-pub(crate) fn start(
-    stream: ControlStream,
-    name: String,
-    deliver: impl FnMut(Result<(Message, Queued), ControlError>) -> bool + Send + 'static,
-) -> io::Result<ControlSender> {
-    let sender = sender(&stream)?;
-    thread::Builder::new()
-        .name(name)
-        .spawn(move || read_loop(stream, deliver))?;
-    Ok(sender)
+/// A control connection dialled and past its handshake: its sender, the stream its reader
+/// reads ([`read_loop`]), and the peer's hello.
+#[derive(Debug)]
+pub(crate) struct Dialled {
+    pub(crate) sender: ControlSender,
+    pub(crate) reader: ControlStream,
+    pub(crate) hello: Hello,
+}
+
+impl Dialled {
+    /// Splits `stream` into its sender and the stream to read.
+    ///
+    /// # Errors
+    /// The socket's options cannot be set or it cannot be cloned.
+    pub(crate) fn new(stream: ControlStream, hello: Hello) -> io::Result<Self> {
+        Ok(Self {
+            sender: sender(&stream)?,
+            reader: stream,
+            hello,
+        })
+    }
 }
 
 /// Connects with a bounded wait: with `local`, over the producer's Unix socket where `addr` is

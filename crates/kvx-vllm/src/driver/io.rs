@@ -45,6 +45,24 @@ pub(crate) enum Post {
     /// Close control connection `to` (its reader then reports the close); `flush`: send what
     /// waits for room first.
     Close { to: ControlSender, flush: bool },
+    /// Start a helper thread (a handshake, a control connection's reader).
+    Spawn(Spawn),
+}
+
+/// A helper thread a state machine asks for: `run` on a thread named `name`, or, if no thread
+/// can be started, `failed` with why (it tells the machine, through its command queue).
+pub(crate) struct Spawn {
+    name: String,
+    run: Box<dyn FnOnce() + Send>,
+    failed: Box<dyn FnOnce(std::io::Error) + Send>,
+}
+
+impl std::fmt::Debug for Spawn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Spawn")
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
 }
 
 /// The transport operations a state machine asked for and its driver has not carried out yet,
@@ -128,6 +146,21 @@ impl Posts {
             to: to.clone(),
             flush: true,
         });
+    }
+
+    /// Runs `run` on a helper thread named `name`; if none can be started, `failed` runs with
+    /// why, on the driver's thread.
+    pub(crate) fn spawn(
+        &mut self,
+        name: String,
+        run: impl FnOnce() + Send + 'static,
+        failed: impl FnOnce(std::io::Error) + Send + 'static,
+    ) {
+        self.queue.push(Post::Spawn(Spawn {
+            name,
+            run: Box::new(run),
+            failed: Box::new(failed),
+        }));
     }
 
     /// Whether operations wait to be carried out.
@@ -322,7 +355,10 @@ impl Io {
     pub(super) fn carry_out(&mut self, posts: Vec<Post>, refused: &mut Vec<Refused>) -> Vec<Post> {
         let mut posts = posts.into_iter();
         while let Some(post) = posts.next() {
-            let needs_transport = !matches!(post, Post::Send { .. } | Post::Close { .. });
+            let needs_transport = !matches!(
+                post,
+                Post::Send { .. } | Post::Close { .. } | Post::Spawn(_)
+            );
             if needs_transport && self.transport.is_none() && !self.closed {
                 return std::iter::once(post).chain(posts).collect();
             }
@@ -407,6 +443,12 @@ impl Io {
                 }
                 self.backlogged.retain(|b| !b.same(&to));
                 to.close();
+            }
+            Post::Spawn(Spawn { name, run, failed }) => {
+                let started = std::thread::Builder::new().name(name).spawn(run);
+                if let Err(e) = started {
+                    failed(e);
+                }
             }
         }
     }

@@ -25,7 +25,7 @@ use kvx_rendezvous::{AttemptKey, Timestamp};
 
 use crate::config::ConnectorConfig;
 use crate::consumer::{self, PushRequest, RecvEvent};
-use crate::control::{self, ControlStream, Queued};
+use crate::control::{self, ControlStream, Dialled, Queued};
 use crate::driver::{self, Clock, CommandReceiver, Driven, Mailbox};
 use crate::producer::{self, FinishedBlocks, FinishedSending};
 use crate::sim_support::{cache_endpoint_of, deliver, incoming, spec, Incoming};
@@ -449,7 +449,7 @@ impl Pair {
                     .command(consumer::Command::Handshaken(
                         PREFILL,
                         rank,
-                        Ok((stream, hello)),
+                        Ok(Dialled::new(stream, hello).expect("a sender")),
                     ));
                 let sender = control::sender(&ControlStream::local(prefill_end)).expect("a sender");
                 let hello = Box::new(self.decode[d].machine.hello().clone());
