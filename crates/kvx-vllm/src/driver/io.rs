@@ -1,6 +1,6 @@
 //! I/O as a state machine's outputs. The state machine names its transport operations and peers
-//! itself and queues what it wants done, with the control messages it sends and the control
-//! connections it closes, in one queue ([`Posts`]); its driver carries the queue out, in order,
+//! itself and queues what it wants done, with the control messages it sends, the control
+//! connections it closes and the helper threads it needs, in one queue ([`Posts`]); its driver carries the queue out, in order,
 //! after each input ([`Io`]), puts the machine's names on what the transport reports, and hands
 //! back, as inputs, what the transport refused ([`Refused`]).
 //!
@@ -20,7 +20,7 @@ use tracing::debug;
 
 use crate::control::ControlSender;
 
-/// A transport operation a state machine asks for, under its own names.
+/// What a state machine asks its driver to do, naming operations and peers its own way.
 #[derive(Debug)]
 pub(crate) enum Post {
     /// Connect to the endpoint `desc` as `peer`.
