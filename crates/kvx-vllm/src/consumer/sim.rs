@@ -720,3 +720,70 @@ fn a_pull_is_ready_only_once_prefill_says_it_held_the_blocks() {
         assert!(sim.driver.unheld.is_empty());
     }
 }
+
+/// Pull from a prefill rank whose endpoint decode's transport cannot connect to (here, one on
+/// another fabric): connecting is the driver's, after the input that asked for it; the read on
+/// the unconnected endpoint is refused, the request fails as a read that failed does (prefill
+/// hears the abort after the claim), and the rank is connected again for its next read.
+#[test]
+fn a_pull_from_an_endpoint_that_cannot_be_connected_fails_and_connects_again_next_time() {
+    let mut sim = Sim::new(Duration::from_secs(60), Duration::from_secs(1));
+    let elsewhere = endpoint(&LoopbackFabric::new()).0;
+    sim.producer_hello = control::hello(
+        &ConnectorConfig::new(EngineId(1)),
+        Role::Producer,
+        &Layout::new(spec()).unwrap(),
+        &elsewhere.local_desc(),
+        false,
+    );
+    let pull = |k| {
+        Command::Pull(PullRequest {
+            producer_groups: Vec::new(),
+            push: push_request(k, 8, ids(0..2), None),
+            producer_blocks: ids(4..6),
+        })
+    };
+    let k = key(41);
+    sim.command(pull(k));
+    let (ours, theirs) = UnixStream::pair().unwrap();
+    sim.control = theirs;
+    let hello = sim.producer_hello.clone();
+    sim.command(Command::Handshaken(
+        INSTANCE,
+        Rank(0),
+        Ok(Dialled::new(ControlStream::local(ours), hello).unwrap()),
+    ));
+    match sim.message() {
+        Some(Message::Claim(c)) => assert_eq!((c.transfer, c.attempt), (k.transfer, k.attempt)),
+        other => panic!("expected the read's claim, got {other:?}"),
+    }
+    match sim.message() {
+        Some(Message::Abort(a)) => {
+            assert_eq!((a.transfer, a.attempt), (k.transfer, Some(k.attempt)))
+        }
+        other => panic!("expected the abort, got {other:?}"),
+    }
+    match &sim.events()[..] {
+        [RecvEvent::Failed {
+            key: failed,
+            reason: Reason::TransferFailed,
+            ..
+        }] => {
+            assert_eq!(*failed, k);
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(sim.driver.reads.is_empty() && sim.driver.quiescing.is_empty());
+    let rank = &sim.driver.instances[&INSTANCE].ranks[&Rank(0)];
+    assert!(rank.peer.is_none(), "connected again for the next read");
+
+    let again = key(42);
+    sim.command(pull(again));
+    assert!(matches!(sim.message(), Some(Message::Claim(_))));
+    assert!(sim.driver.instances[&INSTANCE].ranks[&Rank(0)]
+        .peer
+        .is_none());
+    assert!(
+        matches!(&sim.events()[..], [RecvEvent::Failed { key: failed, .. }] if *failed == again)
+    );
+}
