@@ -1170,3 +1170,60 @@ fn device_memory_needs_a_provider_with_hmem() {
         }
     }
 }
+
+/// The handler installed for `signal` now.
+fn signal_handler(signal: libc::c_int) -> libc::sighandler_t {
+    // SAFETY: all-zero bytes are a valid `sigaction`; with a null new action the call only reads
+    // the current one into it.
+    unsafe {
+        let mut action: libc::sigaction = std::mem::zeroed();
+        assert_eq!(libc::sigaction(signal, std::ptr::null(), &mut action), 0);
+        action.sa_sigaction
+    }
+}
+
+/// Loading libfabric leaves the process's signal handlers as they were: where the system's
+/// libfabric links `libinfinipath` (its PSM provider, as Debian's does), its constructor installs
+/// handlers for SIGTERM, SIGABRT and more that call `exit` from the handler (a process that can
+/// then hang on SIGTERM, when the signal lands inside `malloc`, and an engine that loses its own
+/// shutdown), which the loader (`libfabric-sys`'s shim) puts back. Checked in a child process
+/// (this test run again), where libfabric is not loaded yet.
+#[test]
+fn loading_libfabric_keeps_the_processs_signal_handlers() {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--ignored",
+            "--exact",
+            "libfabric::tests::signal_handlers_child_role",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("KVX_SIGNAL_HANDLERS_CHILD", "1")
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("1 passed"), "the child ran the check: {text}");
+}
+
+#[test]
+#[ignore = "the child of loading_libfabric_keeps_the_processs_signal_handlers"]
+fn signal_handlers_child_role() {
+    if std::env::var_os("KVX_SIGNAL_HANDLERS_CHILD").is_none() {
+        return;
+    }
+    // What the process chose before: SIGTERM ignored, the others as they came.
+    // SAFETY: installs the predefined "ignore" disposition, no handler code.
+    unsafe { libc::signal(libc::SIGTERM, libc::SIG_IGN) };
+    let signals = [
+        libc::SIGINT,
+        libc::SIGTERM,
+        libc::SIGABRT,
+        libc::SIGILL,
+        libc::SIGSEGV,
+    ];
+    let before = signals.map(signal_handler);
+    load_library().expect("libfabric loads");
+    assert_eq!(signals.map(signal_handler), before);
+}
