@@ -185,7 +185,7 @@ impl SharedBoard {
         (armed.requests.len(), traced_ready)
     }
 
-    /// Driver: arms a request before its registrations go out.
+    /// Machine: arms a request before its registrations go out.
     pub(crate) fn arm(
         &self,
         key: AttemptKey,
@@ -206,7 +206,7 @@ impl SharedBoard {
         );
     }
 
-    /// Driver: the requests the engine thread found ready since the last call.
+    /// Machine: the requests the engine thread found ready since the last call.
     pub(crate) fn take_ready(&self) -> Vec<(AttemptKey, Vec<Rank>)> {
         let mut armed = self.lock();
         if armed.ready.is_empty() {
@@ -215,7 +215,7 @@ impl SharedBoard {
         std::mem::take(&mut armed.ready)
     }
 
-    /// Driver: takes `key` back to decide its outcome itself, unless the engine thread has
+    /// Machine: takes `key` back to decide its outcome itself, unless the engine thread has
     /// reported it ready already.
     pub(crate) fn disarm(&self, key: AttemptKey) -> Disarmed {
         let mut armed = self.lock();
@@ -231,7 +231,7 @@ impl SharedBoard {
         }
     }
 
-    /// Driver: `notice` came as a message instead (a producer whose transport has no board
+    /// Machine: `notice` came as a message instead (a producer whose transport has no board
     /// writes): it counts as in the board. Returns whether `key` is armed.
     pub(crate) fn seen_elsewhere(&self, key: AttemptKey, notice: u64) -> bool {
         let mut armed = self.lock();

@@ -4,7 +4,7 @@
 
 use super::*;
 
-impl Driver {
+impl Machine {
     /// Whether `conn` is the live control connection to `rank` of `instance`.
     pub(super) fn is_current(&self, instance: SocketAddr, rank: Rank, conn: ConnId) -> bool {
         self.instances

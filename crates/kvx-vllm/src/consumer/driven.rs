@@ -4,7 +4,7 @@
 
 use super::*;
 
-impl driver::Driven for Driver {
+impl driver::Driven for Machine {
     type Command = Command;
 
     fn clock(&self) -> Clock {
@@ -102,7 +102,7 @@ impl driver::Driven for Driver {
     }
 }
 
-impl Driver {
+impl Machine {
     /// When the state machines next need the time.
     pub(super) fn deadline(&mut self) -> Option<Timestamp> {
         let mut quiesce = self.quiescing.values().map(|q| q.deadline).min();

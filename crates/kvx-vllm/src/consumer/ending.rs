@@ -3,7 +3,7 @@
 
 use super::*;
 
-impl Driver {
+impl Machine {
     /// Whether a failed request waits for a writer rank whose notice would land in the board.
     pub(super) fn quiescing_on_board(&self) -> bool {
         self.board.is_some()

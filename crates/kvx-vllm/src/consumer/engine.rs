@@ -2,21 +2,21 @@
 //! thread other than the driver touches its state (under the same mutex, taken with `try_lock`
 //! so that the engine never waits for the driver):
 //!
-//! - [`Driver::engine_register`]: a push request whose prefill ranks are all connected is
+//! - [`Machine::engine_register`]: a push request whose prefill ranks are all connected is
 //!   registered at once, from the engine thread, instead of waking the driver for it;
-//! - [`Driver::engine_read_transport`]: the transport's queue is read once where the driver is
+//! - [`Machine::engine_read_transport`]: the transport's queue is read once where the driver is
 //!   not reading it (libfabric `shm` needs its reads for peers' writes to land).
 //!
 //! Each carries out what the state machine asked for at once, as the driver does after an input
 //! (a registration goes out from the engine thread, never blocking); a transport operation met
 //! while the driver has the transport out for a wait is left to the driver.
 //!
-//! Each returns whether the parked driver must look again ([`Driver::needs_wake`]); the handle
+//! Each returns whether the parked driver must look again ([`Machine::needs_wake`]); the handle
 //! then queues a `Command::Wake`. Everything else reaches the state machine as a command.
 
 use super::*;
 
-/// What became of a push request offered to [`Driver::engine_register`].
+/// What became of a push request offered to [`Machine::engine_register`].
 pub(super) enum EngineRegistration {
     /// Registered; `wake`: the driver must look again.
     Registered { wake: bool },
@@ -26,7 +26,7 @@ pub(super) enum EngineRegistration {
     Closed,
 }
 
-impl Driver {
+impl Machine {
     /// Registers `request` on the engine thread when every writer rank of its prefill instance
     /// is connected. What the engine thread found ready in the board is left for the driver's
     /// next turn: taking it over here would queue actions, and so a wake-up.

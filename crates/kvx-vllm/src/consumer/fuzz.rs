@@ -25,7 +25,7 @@ use kvx_rdma::loopback::LoopbackFabric;
 use kvx_rdma::transport::{Notice, Transport};
 use kvx_rendezvous::AttemptKey;
 
-use super::{Command, Driver, Outbox, PollHints, PushRequest, RecvEvent};
+use super::{Command, Machine, Outbox, PollHints, PushRequest, RecvEvent};
 use crate::config::ConnectorConfig;
 use crate::control::{self, ControlStream, Dialled, Queued};
 use crate::driver::{self, Clock, Mailbox};
@@ -56,7 +56,7 @@ pub fn session(data: &[u8]) {
         hints: Arc::new(PollHints::default()),
         events: Mailbox::default(),
     });
-    let mut driver = Driver::new(
+    let mut driver = Machine::new(
         config,
         Layout::new(spec()).expect("a valid layout"),
         regions,
@@ -255,7 +255,7 @@ fn refused() -> Command {
 }
 
 /// The rogue producer rank writes a little with `notice`.
-fn write(driver: &mut Driver, producer: &mut dyn Transport, notice: u64) {
+fn write(driver: &mut Machine, producer: &mut dyn Transport, notice: u64) {
     let Some(consumer) = crate::driver::Driven::transport(driver).map(|t| t.local_desc()) else {
         return;
     };

@@ -217,7 +217,7 @@ struct Quiescing {
     deadline: Timestamp,
 }
 
-/// A producer rank whose control connection was just lost, as `Driver::give_up` needs it for
+/// A producer rank whose control connection was just lost, as `Machine::give_up` needs it for
 /// the requests that fail with it.
 #[derive(Clone, Copy, Debug)]
 struct LostRank {
@@ -246,7 +246,7 @@ struct RankConn {
     layout: Layout,
     peer: Option<PeerId>,
     /// A write of this rank has landed here: its transport has made first contact with this
-    /// endpoint (see `Driver::awaiting_contact`).
+    /// endpoint (see `Machine::awaiting_contact`).
     in_contact: bool,
     /// Its process, where it runs on this host (a Unix control socket says which).
     process: Option<Process>,
@@ -260,7 +260,7 @@ struct Instance {
     /// On this engine's rank 0: the instance's ranks that write to no rank of this engine (they
     /// hold a replica of what another rank serves, [`kvx_layout::idle_producers`]). Told, for
     /// each request, that nothing of them is needed, so that they give their blocks back at
-    /// once instead of at their lease; connected best effort ([`Driver::connect_idle`]): no
+    /// once instead of at their lease; connected best effort ([`Machine::connect_idle`]): no
     /// request waits for them.
     idle: Vec<Rank>,
 }
@@ -308,10 +308,10 @@ pub struct Consumer {
     /// The engine thread's last look at the board found requests waiting there.
     board_waiting: AtomicBool,
     started: Instant,
-    /// The driver's state: the engine thread registers a push request itself when the state is
+    /// The state machine: the engine thread registers a push request itself when the state is
     /// free and the request's prefill is connected (with a notice board only, where the
     /// request then costs the driver thread no wake-up at all).
-    driver: Arc<Mutex<Driver>>,
+    driver: Arc<Mutex<Machine>>,
     stats: Arc<Stats>,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
@@ -343,7 +343,7 @@ impl Consumer {
             events: Mailbox::default(),
         });
         let stats = Arc::new(Stats::default());
-        let driver = Driver::new(
+        let driver = Machine::new(
             config,
             layout,
             regions,
@@ -638,7 +638,11 @@ impl Outbox {
     }
 }
 
-pub(crate) struct Driver {
+/// One decode rank's state machine: its requests, its connections to prefill ranks, its reads
+/// and notices awaited, and (held for its driver, [`driver::Io`]) its transport. The driver
+/// thread feeds it ([`driver::Driven`]); the engine thread enters it only through the entries in
+/// `engine.rs`.
+pub(crate) struct Machine {
     config: ConnectorConfig,
     clock: Clock,
     layout: Layout,
@@ -680,7 +684,7 @@ pub(crate) struct Driver {
     /// read may be another request's.
     unheld: HashMap<(AttemptKey, Rank), bool>,
     quiescing: HashMap<AttemptKey, Quiescing>,
-    /// The ranks of an instance whose connection is being given up on (`Driver::instance_lost`),
+    /// The ranks of an instance whose connection is being given up on (`Machine::instance_lost`),
     /// while the requests that waited on it fail.
     lost_ranks: HashMap<SocketAddr, HashMap<Rank, LostRank>>,
     /// When the processes of lost ranks that failed requests wait for are looked at next.
@@ -721,7 +725,7 @@ struct Parked {
     busy: bool,
 }
 
-impl Driver {
+impl Machine {
     /// The state machine of one consumer rank over `transport`, which holds `layout`'s
     /// registered cache (`regions`), with the notice board `board` where the transport has one;
     /// `tx` is its own command queue (for its connections' threads), `events` where it reports

@@ -25,7 +25,7 @@ const INSTANCE: SocketAddr = SocketAddr::new(
     1,
 );
 
-impl Driver {
+impl Machine {
     /// The hello this side sends producer ranks.
     pub(crate) fn hello(&self) -> &Hello {
         &self.hello
@@ -52,7 +52,7 @@ impl Driver {
 
 /// One consumer rank's state machine and what surrounds it in a test.
 struct Sim {
-    driver: Driver,
+    driver: Machine,
     now: &'static AtomicU64,
     events: Arc<Outbox>,
     /// The producer rank's endpoint, which writes to the consumer.
@@ -95,7 +95,7 @@ impl Sim {
             hints: Arc::new(PollHints::default()),
             events: Mailbox::default(),
         });
-        let driver = Driver::new(
+        let driver = Machine::new(
             config,
             Layout::new(spec()).unwrap(),
             regions,

@@ -18,7 +18,7 @@ pub(super) enum Unreachable {
     },
 }
 
-impl Driver {
+impl Machine {
     pub(super) fn start(&mut self, request: PushRequest, pull: Option<RequestBlocks>) {
         if let Err(detail) = self.may_reach(
             request.prefill,

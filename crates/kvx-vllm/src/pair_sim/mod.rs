@@ -61,7 +61,7 @@ pub(crate) struct Pair {
 }
 
 struct PrefillRank {
-    machine: producer::Driver,
+    machine: producer::Machine,
     finished: Arc<Mailbox<(FinishedSending, SystemTime)>>,
     stats: Arc<Stats>,
     hello: Hello,
@@ -72,7 +72,7 @@ struct PrefillRank {
 }
 
 struct DecodeRank {
-    machine: consumer::Driver,
+    machine: consumer::Machine,
     events: Arc<consumer::Outbox>,
     stats: Arc<Stats>,
     memory: Vec<Arc<HostBuffer>>,
@@ -142,7 +142,7 @@ impl Pair {
                 );
                 let finished = Arc::new(Mailbox::default());
                 let stats = Arc::new(Stats::default());
-                let machine = producer::Driver::new(
+                let machine = producer::Machine::new(
                     &config,
                     layout.clone(),
                     transport,
@@ -177,7 +177,7 @@ impl Pair {
                     events: Mailbox::default(),
                 });
                 let stats = Arc::new(Stats::default());
-                let machine = consumer::Driver::new(
+                let machine = consumer::Machine::new(
                     config,
                     layout.clone(),
                     regions,

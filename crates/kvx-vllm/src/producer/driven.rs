@@ -3,7 +3,7 @@
 
 use super::*;
 
-impl driver::Driven for Driver {
+impl driver::Driven for Machine {
     type Command = Command;
     /// Writes in flight end as they would (their notices reach decode), for a while.
     const DRAIN: Duration = SHUTDOWN_DRAIN;
@@ -108,7 +108,7 @@ impl driver::Driven for Driver {
     }
 }
 
-impl Driver {
+impl Machine {
     /// Connecting to a consumer's endpoint failed: its connections are refused, as a consumer
     /// whose hello is refused is.
     fn consumer_unreachable(&mut self, peer: PeerId, error: &PostError) {

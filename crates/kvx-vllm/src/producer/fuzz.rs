@@ -26,7 +26,7 @@ use kvx_rdma::loopback::LoopbackFabric;
 use kvx_rdma::transport::Transport;
 use kvx_rendezvous::AttemptKey;
 
-use super::{Command, Driver, FinishedBlocks, FinishedSending};
+use super::{Command, FinishedBlocks, FinishedSending, Machine};
 use crate::config::ConnectorConfig;
 use crate::control::{self, ControlStream, Queued};
 use crate::driver::{Clock, Mailbox};
@@ -53,7 +53,7 @@ pub fn session(data: &[u8]) {
     NOW.store(0, Ordering::SeqCst);
     let finished = Arc::new(Mailbox::default());
     let stats = Arc::new(Stats::default());
-    let mut driver = Driver::new(
+    let mut driver = Machine::new(
         &config,
         Layout::new(spec()).expect("a valid layout"),
         endpoint(&fabric).0,

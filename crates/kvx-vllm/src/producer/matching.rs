@@ -3,7 +3,7 @@
 
 use super::*;
 
-impl Driver {
+impl Machine {
     /// Whether the blocks of `key` are held here (finished, or sealed and not ended).
     pub(super) fn holds(&self, key: AttemptKey) -> bool {
         self.fanouts.contains_key(&key)

@@ -305,7 +305,7 @@ impl Producer {
             false,
         );
         let connect_timeout = config.connect_timeout;
-        let driver = Driver::new(
+        let driver = Machine::new(
             &config,
             layout,
             transport,
@@ -624,7 +624,7 @@ enum ExpiryKind {
     Dead,
     /// Read claims that came before their request finished here.
     EarlyClaim,
-    /// A look at the processes of claimants whose connection closed (`Driver::lost_claimants`).
+    /// A look at the processes of claimants whose connection closed (`Machine::lost_claimants`).
     ClaimantLook,
     /// A request no consumer rank needs from this rank, remembered until it finishes.
     Unneeded,
@@ -794,7 +794,11 @@ fn rank_key(key: AttemptKey, rank: Rank) -> AttemptKey {
     AttemptKey::new(TransferId(mixed), key.attempt)
 }
 
-pub(crate) struct Driver {
+/// One prefill rank's state machine: the requests the engine finished, the consumer ranks and
+/// their connections, the matcher, the writes in flight, streaming and pull reads awaited, and
+/// (held for its driver, [`driver::Io`]) its transport. The driver thread feeds it
+/// ([`driver::Driven`]).
+pub(crate) struct Machine {
     clock: Clock,
     rank: Rank,
     layout: Layout,
@@ -851,7 +855,7 @@ pub(crate) struct Driver {
     producer_lease: Duration,
     /// A connection silent for this long is closed ([`ConnectorConfig::idle_timeout`]).
     idle_timeout: Duration,
-    /// When connections are next looked at for [`Driver::close_idle`].
+    /// When connections are next looked at for [`Machine::close_idle`].
     next_idle_sweep: Timestamp,
     /// The deployment key: registrations and aborts then need a router's capability.
     auth_key: Option<Arc<crate::AuthKey>>,
@@ -863,7 +867,7 @@ pub(crate) struct Driver {
     stats: Arc<Stats>,
 }
 
-impl Driver {
+impl Machine {
     /// The state machine of one producer rank over `transport`, which holds `layout`'s
     /// registered cache; what it decides for the engine goes to `finished`.
     ///

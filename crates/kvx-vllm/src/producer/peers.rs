@@ -60,7 +60,7 @@ fn check_blocks(layout: &Layout, tokens: u32, blocks: &[BlockId]) -> Result<(), 
     Ok(())
 }
 
-impl Driver {
+impl Machine {
     /// Whether `capability` allows the peer on `conn` to act on `transfer` (always, without a
     /// deployment key); a refusal is counted and logged.
     pub(super) fn authorized(
@@ -73,7 +73,7 @@ impl Driver {
         self.authorize(conn, transfer, capability, what).is_ok()
     }
 
-    /// [`Driver::authorized`], with why not.
+    /// [`Machine::authorized`], with why not.
     pub(super) fn authorize(
         &self,
         conn: ConnId,
@@ -384,7 +384,7 @@ impl Driver {
         }
     }
 
-    /// Looks at the processes of lost claimants (see [`Driver::claimant_lost`]).
+    /// Looks at the processes of lost claimants (see [`Machine::claimant_lost`]).
     pub(super) fn look_at_lost_claimants(&mut self, now: Timestamp) {
         self.next_claimant_look = None;
         let lost: Vec<(ConnId, Process)> = self.lost_claimants.drain().collect();

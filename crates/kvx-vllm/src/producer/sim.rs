@@ -18,7 +18,7 @@ use super::*;
 use crate::driver::Driven;
 use crate::sim_support::{endpoint, ids, key, spec};
 
-impl Driver {
+impl Machine {
     /// Whether a write to the consumer's request `key` is in flight (over connection `conn`,
     /// or any): posted, and its end not heard yet.
     pub(crate) fn writing(&self, key: AttemptKey, conn: Option<ConnId>) -> bool {
@@ -35,7 +35,7 @@ impl Driver {
 
 /// One producer rank's state machine and what surrounds it in a test.
 struct Sim {
-    driver: Driver,
+    driver: Machine,
     now: &'static AtomicU64,
     finished: Arc<Mailbox<(FinishedSending, SystemTime)>>,
     consumer: Box<dyn Transport>,
@@ -63,7 +63,7 @@ impl Sim {
         let fabric = LoopbackFabric::new();
         let now: &'static AtomicU64 = Box::leak(Box::new(AtomicU64::new(0)));
         let finished = Arc::new(Mailbox::default());
-        let mut driver = Driver::new(
+        let mut driver = Machine::new(
             &config,
             Layout::new(producer).unwrap(),
             endpoint(&fabric).0,

@@ -64,7 +64,7 @@ fn lcm(a: u64, b: u64) -> u64 {
     a.max(1) / x * b.max(1)
 }
 
-impl Driver {
+impl Machine {
     /// Progress of a request still computing: write what is final to every consumer rank
     /// already registered.
     pub(super) fn progress(
