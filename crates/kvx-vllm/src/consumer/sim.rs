@@ -140,6 +140,30 @@ impl Sim {
         crate::sim_support::advance(&mut self.driver, self.now, at);
     }
 
+    /// Prefill rank 0's handshake ends over a new control connection, whose stream `wrap`
+    /// makes of this side's end.
+    fn handshake(&mut self, wrap: impl FnOnce(UnixStream) -> ControlStream) {
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        self.control = theirs;
+        let hello = self.producer_hello.clone();
+        self.command(Command::Handshaken(
+            INSTANCE,
+            Rank(0),
+            Ok(Dialled::new(wrap(ours), hello).unwrap()),
+        ));
+    }
+
+    /// The engine asks to pull `k` ([`pull_request`]), prefill rank 0's handshake then ends, and
+    /// the read's claim reaches the producer rank.
+    fn pull_claimed(&mut self, k: AttemptKey) {
+        self.command(Command::Pull(pull_request(k)));
+        self.handshake(ControlStream::local);
+        match self.message() {
+            Some(Message::Claim(c)) => assert_eq!((c.transfer, c.attempt), (k.transfer, k.attempt)),
+            other => panic!("expected the read's claim, got {other:?}"),
+        }
+    }
+
     /// The engine allocated `blocks` for `key` (push), and prefill rank 0's handshake then
     /// ends; returns the registration the producer rank receives.
     fn register(&mut self, key: AttemptKey, tokens: u64, blocks: Vec<BlockId>) -> Registration {
@@ -169,14 +193,7 @@ impl Sim {
         process: Option<Process>,
     ) -> Registration {
         self.command(Command::Push(push_request(key, tokens, blocks, capability)));
-        let (ours, theirs) = UnixStream::pair().unwrap();
-        self.control = theirs;
-        let hello = self.producer_hello.clone();
-        self.command(Command::Handshaken(
-            INSTANCE,
-            Rank(0),
-            Ok(Dialled::new(ControlStream::local_to(ours, process), hello).unwrap()),
-        ));
+        self.handshake(|ours| ControlStream::local_to(ours, process));
         match self.message() {
             Some(Message::Registration(r)) => r,
             other => panic!("expected the registration, got {other:?}"),
@@ -671,23 +688,7 @@ fn a_pull_is_ready_only_once_prefill_says_it_held_the_blocks() {
     for held in [true, false] {
         let mut sim = Sim::new(Duration::from_secs(60), Duration::from_secs(1));
         let k = key(40);
-        sim.command(Command::Pull(PullRequest {
-            producer_groups: Vec::new(),
-            push: push_request(k, 8, ids(0..2), None),
-            producer_blocks: ids(4..6),
-        }));
-        let (ours, theirs) = UnixStream::pair().unwrap();
-        sim.control = theirs;
-        let hello = sim.producer_hello.clone();
-        sim.command(Command::Handshaken(
-            INSTANCE,
-            Rank(0),
-            Ok(Dialled::new(ControlStream::local(ours), hello).unwrap()),
-        ));
-        match sim.message() {
-            Some(Message::Claim(c)) => assert_eq!((c.transfer, c.attempt), (k.transfer, k.attempt)),
-            other => panic!("expected the read's claim, got {other:?}"),
-        }
+        sim.pull_claimed(k);
         // The read lands and ends (loopback reads complete at once).
         sim.transport_events();
         sim.at(Duration::from_millis(5));
@@ -736,27 +737,8 @@ fn a_pull_from_an_endpoint_that_cannot_be_connected_fails_and_connects_again_nex
         &elsewhere.local_desc(),
         false,
     );
-    let pull = |k| {
-        Command::Pull(PullRequest {
-            producer_groups: Vec::new(),
-            push: push_request(k, 8, ids(0..2), None),
-            producer_blocks: ids(4..6),
-        })
-    };
     let k = key(41);
-    sim.command(pull(k));
-    let (ours, theirs) = UnixStream::pair().unwrap();
-    sim.control = theirs;
-    let hello = sim.producer_hello.clone();
-    sim.command(Command::Handshaken(
-        INSTANCE,
-        Rank(0),
-        Ok(Dialled::new(ControlStream::local(ours), hello).unwrap()),
-    ));
-    match sim.message() {
-        Some(Message::Claim(c)) => assert_eq!((c.transfer, c.attempt), (k.transfer, k.attempt)),
-        other => panic!("expected the read's claim, got {other:?}"),
-    }
+    sim.pull_claimed(k);
     match sim.message() {
         Some(Message::Abort(a)) => {
             assert_eq!((a.transfer, a.attempt), (k.transfer, Some(k.attempt)))
@@ -778,7 +760,7 @@ fn a_pull_from_an_endpoint_that_cannot_be_connected_fails_and_connects_again_nex
     assert!(rank.peer.is_none(), "connected again for the next read");
 
     let again = key(42);
-    sim.command(pull(again));
+    sim.command(Command::Pull(pull_request(again)));
     assert!(matches!(sim.message(), Some(Message::Claim(_))));
     assert!(sim.driver.instances[&INSTANCE].ranks[&Rank(0)]
         .peer
@@ -786,4 +768,13 @@ fn a_pull_from_an_endpoint_that_cannot_be_connected_fails_and_connects_again_nex
     assert!(
         matches!(&sim.events()[..], [RecvEvent::Failed { key: failed, .. }] if *failed == again)
     );
+}
+
+/// Pull `k` into blocks 0..2 from prefill's blocks 4..6 (8 tokens).
+fn pull_request(k: AttemptKey) -> PullRequest {
+    PullRequest {
+        producer_groups: Vec::new(),
+        push: push_request(k, 8, ids(0..2), None),
+        producer_blocks: ids(4..6),
+    }
 }
