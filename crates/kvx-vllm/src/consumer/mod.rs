@@ -647,10 +647,10 @@ pub(crate) struct Machine {
     clock: Clock,
     layout: Layout,
     regions: Vec<LocalRegion>,
-    /// The transport, as the driver holds it (the state machine only asks, through `posts`);
+    /// Its I/O, as the driver holds it (the state machine only asks, through `posts`);
     /// the driver thread takes it out while it waits on it.
     io: Io,
-    /// The transport operations asked for and not yet carried out.
+    /// The I/O asked for and not yet carried out (see `driver::io`).
     posts: Posts,
     /// While the driver thread waits: until when, and whether on the transport.
     parked: Option<Parked>,

@@ -65,7 +65,7 @@ impl std::fmt::Debug for Spawn {
     }
 }
 
-/// The transport operations a state machine asked for and its driver has not carried out yet,
+/// What a state machine asked its driver to do and the driver has not carried out yet,
 /// in the order asked; the machine's names for operations and peers come from here.
 #[derive(Debug, Default)]
 pub(crate) struct Posts {

@@ -85,10 +85,11 @@ pub(crate) const TRANSPORT_SLICE: Duration = Duration::from_millis(1);
 /// What a side's driver thread plugs into [`drive`]: its state machine, and how it waits.
 ///
 /// The state machine takes its inputs through the `handle_*` methods and [`Driven::refused`],
-/// and asks for transport operations through its [`Posts`]; it never touches the transport. The
+/// and asks for its I/O (transport operations, control messages and closes, helper threads)
+/// through its [`Posts`]; it does none itself. The
 /// provided methods ([`Driven::command`], [`Driven::transport_event`], [`Driven::tick`]) are the
-/// driver's side of each input: they hand it over, then carry out the operations it asked for
-/// and hand back, as inputs, those the transport refused, before the next input.
+/// driver's side of each input: they hand it over, then carry out what it asked for and hand
+/// back, as inputs, what the transport refused, before the next input.
 ///
 /// The state sits behind a mutex that [`drive`] holds while it handles what came, and releases
 /// while it waits, so that an engine thread may take an explicit fast path into the same state
@@ -110,10 +111,9 @@ pub(crate) trait Driven {
     fn parking(&mut self, _until: Option<Timestamp>, _busy: bool) {}
     /// The loop woke.
     fn woke(&mut self) {}
-    /// The side's transport, as the driver holds it.
+    /// The side's I/O, as the driver holds it.
     fn io(&mut self) -> &mut Io;
-    /// The transport operations the state machine asked for and the driver has not carried
-    /// out yet.
+    /// What the state machine asked for and the driver has not carried out yet.
     fn posts(&mut self) -> &mut Posts;
     /// Whether `command` asks the driver to stop.
     fn is_shutdown(command: &Self::Command) -> bool;
@@ -200,9 +200,7 @@ pub(crate) fn drive<D: Driven>(state: &Mutex<D>, rx: &CommandReceiver<D::Command
             driver.parking(deadline, busy);
             if driver.transport().is_none() {
                 warn!("the driver's transport is gone");
-                driver.stopping(Vec::new());
-                driver.stopped();
-                driver.carry_out();
+                stop_driven(&mut *driver, clock, Vec::new());
                 return;
             }
             // Waiting on the transport, the loop takes it along; otherwise it stays in the

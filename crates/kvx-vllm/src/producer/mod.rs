@@ -802,9 +802,9 @@ pub(crate) struct Machine {
     clock: Clock,
     rank: Rank,
     layout: Layout,
-    /// The transport, as the driver holds it (the state machine only asks, through `posts`).
+    /// Its I/O, as the driver holds it (the state machine only asks, through `posts`).
     io: Io,
-    /// The transport operations asked for and not yet carried out.
+    /// The I/O asked for and not yet carried out (see `driver::io`).
     posts: Posts,
     matcher: Matcher<Ticket, Dest>,
     conns: HashMap<ConnId, Conn>,
